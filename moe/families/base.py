@@ -1,0 +1,79 @@
+"""What every MoE family provides: HF config -> megatron-core TransformerConfig fields and layer kinds."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+class MoEFamily:
+    """Base of a family entry. Subclasses set `model_type`/`hf_config_class` and override hooks."""
+
+    model_type: str = ""
+    hf_config_class: type | None = None
+
+    def num_experts(self, hf) -> int:
+        return hf.num_local_experts
+
+    def moe_layer_pattern(self, hf) -> list[int]:
+        """1 for a MoE layer, 0 for a dense-MLP layer, one entry per decoder layer."""
+        return [1] * hf.num_hidden_layers
+
+    def head_dim(self, hf) -> int:
+        return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+    def rope_theta(self, hf) -> float:
+        params = getattr(hf, "rope_parameters", None) or {}
+        if params.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(
+                f"{self.model_type}: rope_type {params['rope_type']!r} is not supported yet "
+                "(only 'default' RoPE); remove rope scaling from config.json or add it to the family."
+            )
+        return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+    def router_pre_softmax(self, hf) -> bool:
+        """True: softmax over all experts, then top-k (probs not renormalised).
+        False: top-k logits, then softmax over the k (== softmax then renormalise)."""
+        return False
+
+    def qk_layernorm(self, hf) -> bool:
+        return False
+
+    def family_fields(self, hf) -> dict[str, Any]:
+        """Extra TransformerConfig fields specific to this family."""
+        return {}
+
+    def transformer_fields(self, hf) -> dict[str, Any]:
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{self.model_type}: hidden_act {hf.hidden_act!r}; only silu (SwiGLU)")
+        aux = hf.router_aux_loss_coef if getattr(hf, "output_router_logits", False) else 0.0
+        fields = dict(
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            num_attention_heads=hf.num_attention_heads,
+            num_query_groups=hf.num_key_value_heads,
+            kv_channels=self.head_dim(hf),
+            ffn_hidden_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,
+            normalization="RMSNorm",
+            layernorm_epsilon=hf.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=bool(getattr(hf, "attention_bias", False)),
+            qk_layernorm=self.qk_layernorm(hf),
+            attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
+            hidden_dropout=0.0,
+            init_method_std=hf.initializer_range,
+            num_moe_experts=self.num_experts(hf),
+            moe_router_topk=hf.num_experts_per_tok,
+            moe_router_pre_softmax=self.router_pre_softmax(hf),
+            moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
+            moe_aux_loss_coeff=aux,
+            moe_layer_freq=self.moe_layer_pattern(hf),
+        )
+        fields.update(self.family_fields(hf))
+        return fields

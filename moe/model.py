@@ -1,0 +1,115 @@
+"""HF config -> megatron-core TransformerConfig + layer spec + GPTModel (model code, no parallel logic).
+
+The parallel sizes come in as plain numbers; the process groups are megatron's parallel_state, set up
+by rlpo_mega.distributed before any model is built.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from .families import get_family
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_hf_config(path: str) -> PretrainedConfig:
+    """A config.json file or a directory holding one; the family comes from its model_type."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"HF config {file!r} does not exist; pass a config.json or its directory")
+    with open(file) as f:
+        raw = json.load(f)
+    model_type = raw.get("model_type")
+    family = get_family(model_type)  # unsupported model types fail here, with the list
+    raw = {k: v for k, v in raw.items() if k != "model_type"}
+    return family.hf_config_class(**raw)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    multiple = math.lcm(divisible_by, tensor_parallel)
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+@dataclass(frozen=True)
+class ParallelSizes:
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    expert_tensor: int = 1
+    sequence_parallel: bool = False
+
+
+def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=torch.float32,
+                       token_dispatcher: str = "alltoall", recompute: bool = False, **extra):
+    from megatron.core.transformer import TransformerConfig
+
+    family = get_family(hf.model_type)
+    fields = family.transformer_fields(hf)
+    on_gpu = torch.cuda.is_available()
+    fields.update(
+        tensor_model_parallel_size=par.tensor,
+        pipeline_model_parallel_size=par.pipeline,
+        expert_model_parallel_size=par.expert,
+        expert_tensor_parallel_size=par.expert_tensor,
+        sequence_parallel=par.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        moe_token_dispatcher_type=token_dispatcher,
+        moe_grouped_gemm=have_transformer_engine(),
+        # Full weights are built then split, so every layout initialises identically from one seed.
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        moe_router_dtype="fp32",
+    )
+    if recompute:
+        fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    fields.update(extra)
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
+                    pre_process: bool | None = None, post_process: bool | None = None):
+    """The GPTModel of this pipeline stage (TE spec when Transformer Engine is installed, else local)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    family = get_family(hf.model_type)
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine(),
+                                      normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(hf.vocab_size, vocab_divisible_by, config.tensor_model_parallel_size),
+        max_sequence_length=hf.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+        position_embedding_type="rope",
+        rotary_base=int(family.rope_theta(hf)),
+    )
+    model.hf_config = hf
+    model.real_vocab_size = hf.vocab_size
+    return model

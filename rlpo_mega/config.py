@@ -1,0 +1,110 @@
+"""Typed configuration: one dataclass per component, loaded from YAML with dotted overrides (OmegaConf).
+
+Unknown keys, wrong types and missing values are rejected by OmegaConf's structured-config schema;
+`load_config` turns its exceptions into one message that names the key and, for a typo, a suggestion.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1  # TP
+    pipeline: int = 1  # PP
+    expert: int = 1  # EP
+    expert_tensor: Optional[int] = None  # ETP; None = same as tensor (megatron's default)
+    sequence_parallel: Optional[bool] = None  # None = on whenever tensor > 1 (required with MoE)
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+
+
+@dataclass
+class ModelConfig:
+    hf_config: str = "configs/models/tiny_qwen3_moe.json"  # config.json (or a directory holding it)
+    init_from_hf: Optional[str] = None  # HF checkpoint directory to load weights from (weight bridge)
+    params_dtype: str = "float32"  # float32 | bfloat16
+    vocab_divisible_by: int = 128  # megatron pads the vocabulary; independent of TP so checkpoints reshard
+    token_dispatcher: str = "alltoall"  # alltoall | allgather
+    recompute: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.0e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1.0e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: Optional[str] = None
+    load_dir: Optional[str] = None
+
+
+@dataclass
+class DemoDataConfig:
+    seq_length: int = 32
+    global_batch_size: int = 4
+
+
+@dataclass
+class RunConfig:
+    seed: int = 1234
+    train_iters: int = 1
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    data: DemoDataConfig = field(default_factory=DemoDataConfig)
+
+
+def _suggest(bad_key: str, node) -> str:
+    leaf = bad_key.split(".")[-1]
+    try:
+        known = list(node.keys())
+    except Exception:
+        return ""
+    close = difflib.get_close_matches(leaf, known, n=1)
+    return f" Did you mean {close[0]!r}?" if close else f" Known keys here: {', '.join(known)}."
+
+
+def load_config(path: Optional[str] = None, overrides: tuple[str, ...] = (), schema=RunConfig):
+    """YAML file (optional) + dotted `key=value` overrides, validated against `schema`."""
+    base = OmegaConf.structured(schema)
+    try:
+        layers = [base]
+        if path:
+            layers.append(OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value (e.g. parallel.tensor=2)")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+    except (ConfigAttributeError, ConfigKeyError) as e:
+        key = e.full_key or ""
+        parent = base
+        for part in key.split(".")[:-1]:
+            parent = parent.get(part, parent) if hasattr(parent, "get") else parent
+        raise ConfigError(f"unknown config key {key!r}{_suggest(key, parent)}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad value for config key {e.full_key!r}: {e.msg}") from None
+    return OmegaConf.to_object(merged)
+
+
+def to_dict(cfg) -> dict:
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)

@@ -1,0 +1,168 @@
+"""Process-group and megatron parallel_state set-up from torchrun's environment.
+
+Every size is validated against the world size and the model before anything starts, so a bad layout
+fails with one message instead of a hang or a shape error deep inside megatron.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe.model import ParallelSizes
+from . import platform
+
+
+class ParallelLayoutError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Resolved parallel sizes for a world of `world_size` processes."""
+
+    world_size: int
+    tensor: int
+    pipeline: int
+    expert: int
+    expert_tensor: int
+    sequence_parallel: bool
+
+    @property
+    def data(self) -> int:
+        return self.world_size // (self.tensor * self.pipeline)
+
+    @property
+    def expert_data(self) -> int:
+        return self.world_size // (self.expert * self.expert_tensor * self.pipeline)
+
+    def sizes(self) -> ParallelSizes:
+        return ParallelSizes(self.tensor, self.pipeline, self.expert, self.expert_tensor,
+                             self.sequence_parallel)
+
+
+def resolve_layout(parallel, world_size: int, hf=None) -> Layout:
+    """Check `parallel` (a ParallelConfig) against the world and, if given, the HF model config."""
+    tp, pp, ep = parallel.tensor, parallel.pipeline, parallel.expert
+    etp = parallel.expert_tensor if parallel.expert_tensor is not None else tp
+    errors = []
+    for name, v in (("tensor", tp), ("pipeline", pp), ("expert", ep), ("expert_tensor", etp)):
+        if v < 1:
+            errors.append(f"parallel.{name}={v} must be >= 1")
+    if errors:
+        raise ParallelLayoutError("; ".join(errors))
+    if world_size % (tp * pp):
+        errors.append(f"world size {world_size} is not divisible by tensor*pipeline = {tp}*{pp} = {tp * pp}")
+    if world_size % (ep * etp * pp):
+        errors.append(
+            f"world size {world_size} is not divisible by expert*expert_tensor*pipeline = "
+            f"{ep}*{etp}*{pp} = {ep * etp * pp}"
+        )
+    sp = parallel.sequence_parallel
+    if sp is None:
+        sp = tp > 1
+    if hf is not None:
+        from moe.families import get_family
+
+        family = get_family(hf.model_type)
+        heads, kv = hf.num_attention_heads, hf.num_key_value_heads
+        experts, layers = family.num_experts(hf), hf.num_hidden_layers
+        if heads % tp:
+            errors.append(f"num_attention_heads={heads} is not divisible by tensor={tp}")
+        if kv % tp:
+            errors.append(f"num_key_value_heads={kv} is not divisible by tensor={tp}")
+        if experts % ep:
+            errors.append(f"num_experts={experts} is not divisible by expert={ep}")
+        if layers % pp:
+            errors.append(f"num_hidden_layers={layers} is not divisible by pipeline={pp}")
+        ffn = hf.moe_intermediate_size if hasattr(hf, "moe_intermediate_size") else hf.intermediate_size
+        if ffn % etp:
+            errors.append(f"expert ffn size {ffn} is not divisible by expert_tensor={etp}")
+        if tp > 1 and not sp:
+            errors.append(
+                f"tensor={tp} with a MoE model requires sequence parallel (megatron moe_layer.py); "
+                "set parallel.sequence_parallel=true or leave it unset"
+            )
+    if tp == 1 and sp:
+        errors.append("sequence_parallel=true needs tensor > 1")
+    if errors:
+        raise ParallelLayoutError("bad parallel layout: " + "; ".join(errors))
+    return Layout(world_size, tp, pp, ep, etp, bool(sp))
+
+
+def init_process_group(timeout_minutes: int = 30):
+    """torch.distributed from torchrun's env (or a single process without torchrun)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend=platform.backend(),
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init(parallel, hf=None, seed: int = 1234) -> Layout:
+    """Platform patches, process group, megatron parallel_state and seeds; returns the layout."""
+    platform.apply()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    layout = resolve_layout(parallel, world, hf)  # validate before any collective starts
+    init_process_group()
+    init_model_parallel(layout)
+    set_seed(seed)
+    return layout
+
+
+def init_model_parallel(layout: Layout):
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tensor,
+        pipeline_model_parallel_size=layout.pipeline,
+        expert_model_parallel_size=layout.expert,
+        expert_tensor_parallel_size=layout.expert_tensor,
+        create_gloo_process_groups=True,
+    )
+
+
+def set_seed(seed: int):
+    """Same seed for data everywhere; megatron's tracker gives TP/EP ranks their own streams."""
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+
+
+def destroy():
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,77 @@
+"""Platform selection: the CUDA path is megatron-core as shipped; the CPU path adds run-time patches.
+
+`apply()` is called once per process before any model is built (by `rlpo_mega.distributed.init`).
+The switch is `torch.cuda.is_available()`, never a config flag, so a GPU run cannot pick up CPU code.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import cpu_megatron, megatron_fixes
+
+_APPLIED: list[str] | None = None
+
+# Ablation tests name patches to leave out; never set in a real run.
+_SKIP_ENV = "RLPO_MEGA_ABLATE_PATCH"
+
+
+class PlatformError(RuntimeError):
+    pass
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _check_version():
+    import megatron.core
+
+    found = getattr(megatron.core, "__version__", "unknown")
+    if found != cpu_megatron.WRITTEN_FOR:
+        raise PlatformError(
+            f"rlpo_mega's CPU platform patches were written for megatron-core=={cpu_megatron.WRITTEN_FOR}"
+            f" but {found} is installed; install megatron-core=={cpu_megatron.WRITTEN_FOR} "
+            "(pip install -e .) or run on a CUDA machine, where no patch is applied."
+        )
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def apply() -> list[str]:
+    """Apply what this platform needs (idempotent). Returns the names of the patches applied."""
+    global _APPLIED
+    if _APPLIED is not None:
+        return _APPLIED
+    skip = {s for s in os.environ.get(_SKIP_ENV, "").split(",") if s}
+    selected = []
+    if not _have_transformer_engine():
+        selected += list(megatron_fixes.FIXES)
+    if not torch.cuda.is_available():
+        _check_version()
+        selected += list(cpu_megatron.PATCHES)
+    applied = []
+    for patch in selected:
+        if patch.name in skip:
+            continue
+        patch.apply()
+        applied.append(patch.name)
+    _APPLIED = applied
+    return applied
+
+
+def all_patches():
+    return cpu_megatron.PATCHES + megatron_fixes.FIXES

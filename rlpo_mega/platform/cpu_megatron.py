@@ -1,0 +1,358 @@
+"""Run-time patches that let megatron-core 0.16.1 train on a CPU with gloo.
+
+megatron-core has no CPU mode: it calls CUDA streams, CUDA RNG, `device="cuda"` factories and
+gloo-incompatible collectives on paths every training step takes. Each patch below names the
+megatron-core file:line it answers (numbers of the 0.16.1 wheel). They are applied only when CUDA is
+absent (see `rlpo_mega.platform.apply`): on a GPU run none of this code executes.
+
+Every patch has an ablation test (tests/test_platform.py) that runs the failing megatron path with all
+patches but that one and checks it breaks.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+WRITTEN_FOR = "0.16.1"
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    answers: tuple[str, ...]  # megatron-core file:line (0.16.1) that fails without it
+    why: str
+    apply: Callable[[], None] = field(repr=False)
+
+
+class _ModuleProxy(types.ModuleType):
+    """Stands in for `torch` (or `torch.distributed`) inside one megatron module only.
+
+    Attributes listed in `overrides` are replaced; everything else is the real module, so the
+    patch is scoped to the megatron file it answers instead of changing torch for everyone.
+    """
+
+    def __init__(self, real: types.ModuleType, overrides: dict):
+        super().__init__(real.__name__)
+        self._real = real
+        self._overrides = overrides
+
+    def __getattr__(self, name):
+        overrides = self.__dict__["_overrides"]
+        if name in overrides:
+            return overrides[name]
+        return getattr(self.__dict__["_real"], name)
+
+
+def _torch_proxy_for(module) -> _ModuleProxy:
+    """The (shared) torch proxy installed in `module`; created on first use."""
+    current = module.torch
+    if isinstance(current, _ModuleProxy):
+        return current
+    proxy = _ModuleProxy(torch, {})
+    module.torch = proxy
+    return proxy
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. torch.cuda.current_device() used as a device on CPU paths.
+def _patch_current_device():
+    # An int device id means cuda:<id>; returning the CPU device makes every
+    # `device=torch.cuda.current_device()` factory (and GlobalMemoryBuffer, RoPE's inv_freq move,
+    # p2p shape tensors, DDP grad buffers, checkpoint failure flags) allocate on the CPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+# 2. CUDA streams and events used for overlap and host copies.
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def record_event(self, event=None):
+        return _NullEvent()
+
+    def query(self):
+        return True
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    def __hash__(self):
+        return 0
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+def _patch_streams():
+    # On CPU every op is synchronous, so a stream that orders nothing is exact.
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.default_stream = lambda device=None: _NullStream()
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.empty_cache = lambda: None
+    torch.Tensor.record_stream = lambda self, stream: None
+
+
+# 3. The CUDA RNG tracker.
+def _patch_rng_tracker():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """The tracker's named states are CPU generator states; fork swaps the default generator.
+
+        Same contract as CudaRNGStatesTracker: tensor-parallel ranks get distinct streams for
+        dropout/init inside `fork()`, and the default stream is restored afterwards.
+        """
+
+        def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            self.seeds_.add(seed)
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    # initialize_rng_tracker (random.py:286) instantiates the module-global class by name.
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.CpuRNGStatesTracker = CpuRNGStatesTracker
+    # model_parallel_cuda_manual_seed (random.py:422) seeds the default stream via torch.cuda.
+    proxy = _torch_proxy_for(mrandom)
+    proxy._overrides["cuda"] = _ModuleProxy(torch.cuda, {"manual_seed": torch.manual_seed})
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+# 5. alltoall split sizes.
+def _patch_all_to_all_splits():
+    from megatron.core.tensor_parallel import mappings
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        # The token dispatcher passes split sizes as tensors; gloo only takes lists of ints.
+        if isinstance(output_split_sizes, torch.Tensor):
+            output_split_sizes = output_split_sizes.tolist()
+        if isinstance(input_split_sizes, torch.Tensor):
+            input_split_sizes = input_split_sizes.tolist()
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    _distributed_overrides(mappings)["all_to_all_single"] = all_to_all_single
+
+
+def _distributed_overrides(module) -> dict:
+    proxy = _torch_proxy_for(module)
+    sub = proxy._overrides.get("distributed")
+    if sub is None:
+        sub = proxy._overrides["distributed"] = _ModuleProxy(dist, {})
+    return sub._overrides
+
+
+# 6. WrappedTorchNorm refuses sequence parallelism.
+def _patch_torch_norm_sequence_parallel():
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        # MoE with TP requires sequence parallel (moe_layer.py:379); a norm is position-wise, so it
+        # is correct on a sequence shard. Its weight is replicated across TP and each rank sees only
+        # part of the tokens: tagging it sequence_parallel makes finalize_model_grads all-reduce its
+        # grad over TP, exactly as TENorm does on GPU.
+        sp = config.sequence_parallel
+        if sp:
+            config = _shallow_replace(config, sequence_parallel=False)
+        norm = original_new(cls, config, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", sp)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _shallow_replace(obj, **changes):
+    import copy
+
+    new = copy.copy(obj)
+    for k, v in changes.items():
+        object.__setattr__(new, k, v)
+    return new
+
+
+# 7. Literal device="cuda" tensor factories.
+def _cpu_factory(fn):
+    def factory(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return fn(*args, **kwargs)
+
+    return factory
+
+
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+
+
+def _patch_cuda_literals():
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core import utils as core_utils
+    from megatron.core.transformer import utils as transformer_utils
+
+    for module in (schedules, optimizer, clip_grads, param_and_grad_buffer, transformer_utils,
+                   core_utils):
+        proxy = _torch_proxy_for(module)
+        for name in _FACTORIES:
+            proxy._overrides[name] = _cpu_factory(getattr(torch, name))
+
+
+# 8. clip_grad_by_total_norm_fp32 asserts CUDA tensors.
+def _patch_clip_grads():
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        # Same semantics as clip_grads.py:143 without the `torch.cuda.FloatTensor` type assert.
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+# 9. Uneven all-gather / reduce-scatter: gloo needs equal sizes.
+def _patch_uneven_collectives():
+    from megatron.core.tensor_parallel import mappings
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        sizes = [t.shape[0] for t in tensor_list]
+        if len(set(sizes)) == 1:
+            return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        # Pad to the largest shard, gather, then copy the valid rows out.
+        longest = max(sizes)
+        padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        gathered = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(gathered, padded, group=group)
+        for out, got, n in zip(tensor_list, gathered, sizes):
+            out.copy_(got[:n])
+
+    def reduce_scatter(output, input_list, group=None, async_op=False, **kw):
+        # gloo has no reduce_scatter: all-reduce the concatenation and keep this rank's slice.
+        full = torch.cat([t.contiguous() for t in input_list], dim=0)
+        dist.all_reduce(full, group=group)
+        rank = dist.get_rank(group)
+        start = sum(t.shape[0] for t in input_list[:rank])
+        output.copy_(full[start : start + input_list[rank].shape[0]])
+
+    overrides = _distributed_overrides(mappings)
+    overrides["all_gather"] = all_gather
+    overrides["reduce_scatter"] = reduce_scatter
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "current_device",
+        ("utils.py:631", "models/common/embeddings/rotary_pos_embedding.py:162",
+         "pipeline_parallel/p2p_communication.py:190-202", "distributed/param_and_grad_buffer.py:806",
+         "tensor_parallel/mappings.py:444", "dist_checkpointing/strategies/state_dict_saver.py:252"),
+        "torch.cuda.current_device() is used as the device of buffers on every step",
+        _patch_current_device,
+    ),
+    Patch(
+        "streams",
+        ("transformer/moe/token_dispatcher.py:445,871-895", "pipeline_parallel/p2p_communication.py:242,398"),
+        "CUDA streams/events/synchronize/record_stream have no CPU build",
+        _patch_streams,
+    ),
+    Patch(
+        "rng_tracker",
+        ("tensor_parallel/random.py:235-277,422", "transformer/dot_product_attention.py:217"),
+        "the model-parallel RNG tracker reads and writes CUDA generator states",
+        _patch_rng_tracker,
+    ),
+    Patch(
+        "all_to_all_splits",
+        ("tensor_parallel/mappings.py:444",),
+        "gloo's all_to_all_single rejects split sizes given as tensors",
+        _patch_all_to_all_splits,
+    ),
+    Patch(
+        "torch_norm_sequence_parallel",
+        ("transformer/torch_norm.py:32", "transformer/moe/moe_layer.py:379"),
+        "the local-spec norm asserts no sequence parallel, which MoE with TP requires",
+        _patch_torch_norm_sequence_parallel,
+    ),
+    Patch(
+        "cuda_literals",
+        ("pipeline_parallel/schedules.py:596,983,2138", "optimizer/optimizer.py:473-485,907",
+         "optimizer/clip_grads.py:103,174",
+         "transformer/utils.py:35 (causal mask when no attention_mask is passed; not in the note)",
+         "utils.py:1207 (local_multi_tensor_l2_norm without apex; not in the note)"),
+        "tensor factories hard-code device='cuda'",
+        _patch_cuda_literals,
+    ),
+    Patch(
+        "clip_grads",
+        ("optimizer/clip_grads.py:167",),
+        "clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor",
+        _patch_clip_grads,
+    ),
+    Patch(
+        "uneven_collectives",
+        ("tensor_parallel/mappings.py:149,185",),
+        "gloo all_gather needs equal sizes and has no reduce_scatter (expert-tensor parallel > 1)",
+        _patch_uneven_collectives,
+    ),
+)

@@ -1,0 +1,65 @@
+"""Megatron model + DDP + optimizer for one pipeline stage (the parallel wrapping, apart from model code)."""
+from __future__ import annotations
+
+import torch
+
+from moe.model import build_gpt_model, transformer_config
+from rlpo_mega import platform
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True):
+    """Returns (model_chunks, optimizer or None). model_chunks is a one-element list (no virtual PP)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    if model_cfg.params_dtype not in _DTYPES:
+        raise ValueError(f"model.params_dtype={model_cfg.params_dtype!r}; choose one of {sorted(_DTYPES)}")
+    dtype = _DTYPES[model_cfg.params_dtype]
+    use_dist_opt = bool(optim_cfg and optim_cfg.use_distributed_optimizer)
+    config = transformer_config(
+        hf, layout.sizes(), params_dtype=dtype, token_dispatcher=model_cfg.token_dispatcher,
+        recompute=model_cfg.recompute,
+        # Per-token loss: finalize_model_grads divides by the GLOBAL token count (all micro-batches,
+        # all DP ranks), so splitting a batch never changes the gradient.
+        calculate_per_token_loss=True,
+    )
+    model = build_gpt_model(hf, config, vocab_divisible_by=model_cfg.vocab_divisible_by)
+    model.to(platform.device())
+    if not with_ddp:
+        return [model], None
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_dist_opt,
+        average_in_collective=False,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp.hf_config = hf
+    ddp.real_vocab_size = hf.vocab_size
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    if optim_cfg is None:
+        return [ddp], None
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        weight_decay=optim_cfg.weight_decay,
+        adam_beta1=optim_cfg.adam_beta1,
+        adam_beta2=optim_cfg.adam_beta2,
+        adam_eps=optim_cfg.adam_eps,
+        clip_grad=optim_cfg.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=use_dist_opt,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    config.grad_scale_func = optimizer.scale_loss
+    return [ddp], optimizer
+
+
+def unwrap(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk

@@ -1,0 +1,133 @@
+"""One optimizer step through megatron's pipeline schedule, with a pluggable per-token loss.
+
+The plain next-token cross-entropy here is the foundation's loss; the RL losses plug into the same
+`forward_step` contract (return summed loss, token count, report) later.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+
+def mask_padded_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
+    """Megatron pads the vocabulary; padded columns must not take probability mass (HF has none)."""
+    from megatron.core import parallel_state
+
+    local = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    n_pad = start + local - real_vocab
+    if n_pad <= 0:
+        return logits
+    keep = torch.arange(start, start + local, device=logits.device) < real_vocab
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def token_cross_entropy(logits, labels, real_vocab):
+    """Per-token -log p(label) from vocab-parallel logits [b, s, v/tp] (no full-vocab gather)."""
+    from megatron.core import tensor_parallel
+
+    logits = mask_padded_vocab(logits.float(), real_vocab)
+    return tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+
+
+def _lm_forward_step(data_iterator, model, real_vocab):
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    output = model(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+
+    def loss_func(logits):
+        losses = token_cross_entropy(logits, batch["labels"], real_vocab)
+        mask = batch["loss_mask"].float()
+        total = (losses * mask).sum()
+        count = mask.sum().to(torch.int)
+        return total, count, {"lm_loss": torch.stack([total.detach(), mask.sum()])}
+
+    return output, loss_func
+
+
+def make_lm_batch(tokens: torch.Tensor) -> dict:
+    """tokens [b, s+1] -> inputs [b, s], next-token labels and a full loss mask."""
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones_like(tokens[:, 1:], dtype=torch.float),
+    }
+
+
+def run_schedule(model_chunks, micro_batches, forward_only, forward_step=None):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .model_setup import unwrap
+
+    inner = unwrap(model_chunks[0])
+    if forward_step is None:
+        forward_step = partial(_lm_forward_step, real_vocab=inner.real_vocab_size)
+    tokens = micro_batches[0]["tokens"]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=model_chunks,
+        num_microbatches=len(micro_batches),
+        seq_length=tokens.shape[1],
+        micro_batch_size=tokens.shape[0],
+        forward_only=forward_only,
+    )
+
+
+def reduce_loss(reports, key="lm_loss") -> float:
+    """Global token-mean from per-micro-batch (sum, count): summed over DP, sent from the last stage."""
+    from megatron.core import parallel_state
+
+    stats = torch.zeros(2, dtype=torch.float64)
+    for report in reports:
+        stats += report[key].double().cpu()
+    if parallel_state.is_pipeline_last_stage():
+        dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(stats, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                       group=parallel_state.get_pipeline_model_parallel_group())
+    return float(stats[0] / stats[1].clamp(min=1))
+
+
+def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
+    """zero grads -> forward/backward over micro-batches -> finalize grads -> optimizer step."""
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = run_schedule(model_chunks, micro_batches, forward_only=False, forward_step=forward_step)
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        raise FloatingPointError("optimizer step skipped: non-finite gradients")
+    return {"loss": reduce_loss(reports), "grad_norm": float(grad_norm or 0.0)}
+
+
+@torch.no_grad()
+def eval_loss(model_chunks, micro_batches, forward_step=None) -> float:
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        reports = run_schedule(model_chunks, micro_batches, forward_only=True, forward_step=forward_step)
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+    return reduce_loss(reports)
+
+
+def split_micro_batches(tokens: torch.Tensor, num_micro_batches: int) -> list[dict]:
+    if tokens.shape[0] % num_micro_batches:
+        raise ValueError(f"batch of {tokens.shape[0]} is not divisible into {num_micro_batches} micro-batches")
+    return [make_lm_batch(t) for t in tokens.chunk(num_micro_batches)]
+
+
+def data_parallel_shard(tokens: torch.Tensor) -> torch.Tensor:
+    """This DP rank's contiguous share of a global batch."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    if tokens.shape[0] % dp:
+        raise ValueError(f"global batch {tokens.shape[0]} is not divisible by data-parallel size {dp}")
+    return tokens.chunk(dp)[rank]
