@@ -1,0 +1,37 @@
+"""Run a worker script under torchrun (gloo, CPU) and collect what rank 0 reports as JSON."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = os.path.join(ROOT, "tests", "workers")
+
+
+def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeout: int = 600,
+             expect_fail: bool = False):
+    """Returns rank 0's JSON report, or (for expect_fail) the completed process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = os.path.join(tmp, "report.json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--master-port=0", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+               os.path.join(WORKERS, worker), *args]
+        full_env = {**os.environ, "RLPO_REPORT": report, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
+                    "PYTHONWARNINGS": "ignore", **(env or {})}
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if expect_fail:
+            return proc
+        if proc.returncode != 0:
+            raise AssertionError(f"{worker} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        with open(report) as f:
+            return json.load(f)
+
+
+def write_report(obj):
+    """Called by workers on rank 0."""
+    path = os.environ["RLPO_REPORT"]
+    with open(path, "w") as f:
+        json.dump(obj, f)
