@@ -17,7 +17,7 @@ def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeo
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--master-port=0", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0",
+               "--standalone",
                os.path.join(WORKERS, worker), *args]
         full_env = {**os.environ, "RLPO_REPORT": report, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
                     "PYTHONWARNINGS": "ignore", **(env or {})}
