@@ -12,8 +12,8 @@ WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
 def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeout: int = 600,
-             expect_fail: bool = False):
-    """Returns rank 0's JSON report, or (for expect_fail) the completed process."""
+             expect_fail: bool = False, json_report: bool = True):
+    """Returns rank 0's JSON report (None if json_report=False), or for expect_fail the process."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -26,6 +26,8 @@ def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeo
             return proc
         if proc.returncode != 0:
             raise AssertionError(f"{worker} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        if not json_report:
+            return None
         with open(report) as f:
             return json.load(f)
 

@@ -301,6 +301,26 @@ def _patch_uneven_collectives():
     overrides["reduce_scatter"] = reduce_scatter
 
 
+# 10. Tied embeddings under pipeline parallelism move the shared weight with Tensor.cuda().
+def _patch_tied_embedding_cuda():
+    from megatron.core.models.common.language_module import language_module
+
+    cls = language_module.LanguageModule
+    original = cls.setup_embeddings_and_output_layer
+
+    def setup_embeddings_and_output_layer(self):
+        # The first/last-stage all-reduce of the shared weight is right on CPU; only the .cuda()
+        # move before it is not. Make it a no-op for the duration of this method only.
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            return original(self)
+        finally:
+            torch.Tensor.cuda = saved
+
+    cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "current_device",
@@ -354,5 +374,11 @@ PATCHES: tuple[Patch, ...] = (
         ("tensor_parallel/mappings.py:149,185",),
         "gloo all_gather needs equal sizes and has no reduce_scatter (expert-tensor parallel > 1)",
         _patch_uneven_collectives,
+    ),
+    Patch(
+        "tied_embedding_cuda",
+        ("models/common/language_module/language_module.py:244",),
+        "tied input/output embeddings with pipeline parallel call Tensor.cuda() (not in the note)",
+        _patch_tied_embedding_cuda,
     ),
 )

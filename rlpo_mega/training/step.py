@@ -92,12 +92,17 @@ def reduce_loss(reports, key="lm_loss") -> float:
     return float(stats[0] / stats[1].clamp(min=1))
 
 
-def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
-    """zero grads -> forward/backward over micro-batches -> finalize grads -> optimizer step."""
+def forward_backward(model_chunks, optimizer, micro_batches, forward_step=None):
+    """zero grads -> forward/backward over micro-batches -> finalize grads (DP/SP/PP reductions)."""
     for chunk in model_chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    reports = run_schedule(model_chunks, micro_batches, forward_only=False, forward_step=forward_step)
+    return run_schedule(model_chunks, micro_batches, forward_only=False, forward_step=forward_step)
+
+
+def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
+    """One optimizer step over the given micro-batches (this rank's share of the global batch)."""
+    reports = forward_backward(model_chunks, optimizer, micro_batches, forward_step)
     ok, grad_norm, _ = optimizer.step()
     if not ok:
         raise FloatingPointError("optimizer step skipped: non-finite gradients")
