@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rlpo_mega",
+    version="0.1.0",
+    description="RL post-training of Mixture-of-Experts LLMs on Megatron-Core, provable on a laptop",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rlpo_mega", "rlpo_mega.*", "moe", "moe.*"]),
+    install_requires=[
+        # This machine: torch 2.13.0 CPU (the Makefile installs it first so nothing pulls a CUDA
+        # build). Clusters: any CUDA build >= 2.6 already in the environment satisfies this.
+        "torch>=2.6",
+        "megatron-core==0.16.1",  # newest for Python 3.11; has RouterReplay
+        "transformers==5.19.0",  # the version sglang 0.5.23 pins
+        "safetensors>=0.4",
+        "tqdm>=4.60",  # megatron static inference engine
+        "psutil>=5.9",  # megatron dist_checkpointing
+        "wandb>=0.19",
+        "omegaconf>=2.3",  # typed configs + dotted overrides
+        "numpy",
+        "pytest>=8",
+    ],
+    extras_require={
+        "test": ["pytest-timeout>=2.3"],
+        "sglang": ["sglang==0.5.23"],
+        # Optional GPU accelerations (never required). apex has no usable PyPI wheel: build it from
+        # https://github.com/NVIDIA/apex if you want its fused kernels.
+        "gpu": ["transformer-engine[pytorch]>=2.0"],
+    },
+    entry_points={"console_scripts": ["rlpo-mega=rlpo_mega.cli:main"]},
+)
