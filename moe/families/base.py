@@ -77,3 +77,21 @@ class MoEFamily:
         )
         fields.update(self.family_fields(hf))
         return fields
+
+    # --- HF checkpoint names (the weight bridge); {i} = layer, {e} = expert -------------------
+    def hf_names(self, hf) -> dict[str, str]:
+        """Templates of released-checkpoint names; families override the MLP/router parts."""
+        a = "model.layers.{i}.self_attn."
+        return {
+            "embedding": "model.embed_tokens.weight",
+            "final_norm": "model.norm.weight",
+            "output": "lm_head.weight",
+            "input_norm": "model.layers.{i}.input_layernorm.weight",
+            "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+            "q": a + "q_proj.weight",
+            "k": a + "k_proj.weight",
+            "v": a + "v_proj.weight",
+            "o": a + "o_proj.weight",
+            "q_norm": a + "q_norm.weight",
+            "k_norm": a + "k_norm.weight",
+        }

@@ -18,3 +18,14 @@ class MixtralFamily(MoEFamily):
         if getattr(hf, "router_jitter_noise", 0.0):
             raise UnsupportedModelError("mixtral: router_jitter_noise > 0 is not supported (RL needs a deterministic router)")
         return {"moe_ffn_hidden_size": hf.intermediate_size}
+
+    def hf_names(self, hf):
+        names = super().hf_names(hf)
+        m = "model.layers.{i}.block_sparse_moe."
+        names.update(
+            router=m + "gate.weight",
+            expert_gate=m + "experts.{e}.w1.weight",
+            expert_up=m + "experts.{e}.w3.weight",
+            expert_down=m + "experts.{e}.w2.weight",
+        )
+        return names

@@ -31,3 +31,17 @@ class Qwen3MoeFamily(MoEFamily):
         if getattr(hf, "use_sliding_window", False):
             raise UnsupportedModelError("qwen3_moe: use_sliding_window=True is not supported")
         return {"moe_ffn_hidden_size": hf.moe_intermediate_size}
+
+    def hf_names(self, hf):
+        names = super().hf_names(hf)
+        m = "model.layers.{i}.mlp."
+        names.update(
+            router=m + "gate.weight",
+            expert_gate=m + "experts.{e}.gate_proj.weight",
+            expert_up=m + "experts.{e}.up_proj.weight",
+            expert_down=m + "experts.{e}.down_proj.weight",
+            dense_gate=m + "gate_proj.weight",
+            dense_up=m + "up_proj.weight",
+            dense_down=m + "down_proj.weight",
+        )
+        return names

@@ -28,6 +28,11 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True):
     )
     model = build_gpt_model(hf, config, vocab_divisible_by=model_cfg.vocab_divisible_by)
     model.to(platform.device())
+    if model_cfg.init_from_hf:
+        # Before DDP and the optimizer: mixed-precision optimizers copy the weights at construction.
+        from moe.bridge.megatron_io import load_hf_weights
+
+        load_hf_weights([model], model_cfg.init_from_hf, model_cfg.vocab_divisible_by)
     if not with_ddp:
         return [model], None
     ddp_config = DistributedDataParallelConfig(

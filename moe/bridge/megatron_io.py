@@ -1,0 +1,210 @@
+"""Moving weights between a (sharded) megatron GPTModel and HF-named full tensors.
+
+Import: every rank reads only the HF tensors of its own layers and experts, and of those only the
+rows/columns of its tensor-parallel shard. Export: a collective generator that gathers one parameter at
+a time (TP or expert-TP all-gather inside the owning stage), sends it to the destination rank(s) and
+yields HF-named tensors in buckets, so no rank ever holds more than about one bucket extra.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .hf_checkpoint import CheckpointFormatError, HFCheckpoint
+from .mapping import (Dims, ParamMap, full_to_hf, hf_row_ranges, hf_slices_to_shard, param_maps,
+                      shards_to_full)
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.*)")
+
+
+def _inner(chunk):
+    return chunk.module if hasattr(chunk, "module") else chunk
+
+
+@dataclass
+class LocalParam:
+    local_name: str
+    param: torch.nn.Parameter
+    map: ParamMap
+    tp_rank: int
+    tp_size: int
+    tp_group: object
+
+
+def local_params(model) -> list[LocalParam]:
+    """This rank's parameters with their global mapping and the group that shards them."""
+    from megatron.core import parallel_state as ps
+
+    inner = _inner(model)
+    hf = inner.hf_config
+    maps = {m.megatron: m for m in param_maps(hf)}
+    layers = inner.decoder.layers if hasattr(inner, "decoder") else []
+    ep_rank = ps.get_expert_model_parallel_rank()
+    out = []
+    for name, p in inner.named_parameters():
+        g = name
+        m = _LAYER.match(name)
+        if m:
+            rest = m.group(2)
+            me = _EXPERT.match(rest)
+            if me:
+                local_experts = len(layers[int(m.group(1))].mlp.experts.local_experts)
+                rest = f"mlp.experts.local_experts.{ep_rank * local_experts + int(me.group(1))}.{me.group(2)}"
+            g = f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.{rest}"
+        if g == "output_layer.weight" and hf.tie_word_embeddings:
+            g = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
+        if g not in maps:
+            raise KeyError(f"megatron parameter {name!r} (global {g!r}) has no HF mapping for {hf.model_type}")
+        pm = maps[g]
+        if pm.expert is not None:
+            rank, size = ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()
+            group = ps.get_expert_tensor_parallel_group(check_initialized=False)
+        else:
+            rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+            group = ps.get_tensor_model_parallel_group()
+        out.append(LocalParam(name, p, pm, rank, size, group))
+    return out
+
+
+# ---- import ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128):
+    """Fill already-built megatron model chunks from an HF checkpoint directory (any layout)."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in model_chunks:
+        inner = _inner(chunk)
+        hf = inner.hf_config
+        ckpt = HFCheckpoint(hf_dir)
+        ckpt.validate(hf)  # every rank checks names and shapes before touching a parameter
+        dims = Dims.of(hf, vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
+        for lp in local_params(chunk):
+            kind, names = lp.map.kind, lp.map.hf
+            ranges = hf_row_ranges(kind, dims, [ckpt.shape(n) for n in names], lp.tp_rank, lp.tp_size)
+            slices = [ckpt.read(n, *r) for n, r in zip(names, ranges)]
+            shard = hf_slices_to_shard(kind, slices, dims, lp.tp_rank, lp.tp_size)
+            if tuple(shard.shape) != tuple(lp.param.shape):
+                raise CheckpointFormatError(
+                    f"{hf_dir}: {', '.join(names)} give a shard of shape {list(shard.shape)} for megatron "
+                    f"{lp.local_name} of shape {list(lp.param.shape)}")
+            lp.param.data.copy_(shard.to(lp.param.dtype))
+
+
+# ---- export ---------------------------------------------------------------------------------------
+def _owner_table(model):
+    """Global megatron name -> sorted global ranks holding (a shard of) it; cached on the model."""
+    inner = _inner(model)
+    cached = getattr(inner, "_rlpo_owner_table", None)
+    if cached is not None:
+        return cached
+    mine = [lp.map.megatron for lp in local_params(model)
+            if not (lp.local_name == "output_layer.weight" and inner.hf_config.tie_word_embeddings)]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    table: dict[str, list[int]] = {}
+    for rank, names in enumerate(every):
+        for n in names:
+            table.setdefault(n, []).append(rank)
+    inner._rlpo_owner_table = table
+    return table
+
+
+class ExportStream:
+    """Iterate to get buckets `[(hf_name, tensor), ...]`; all ranks of the learner must iterate.
+
+    `dst`: the global rank that receives full tensors (None: every rank does). Other ranks yield
+    empty buckets in lockstep. `digests` holds the sender-side digest of every tensor yielded.
+    """
+
+    def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | None = 0,
+                 vocab_divisible_by: int = 128, dtype: torch.dtype | None = None):
+        from rlpo_mega.weight_sync.digest import tensor_digest
+
+        self._digest = tensor_digest
+        self.chunks = model_chunks
+        self.bucket_bytes = bucket_bytes
+        self.dst = dst
+        self.dtype = dtype
+        self.vocab_divisible_by = vocab_divisible_by
+        self.digests: dict[str, str] = {}
+        self.bytes_sent = 0
+
+    @property
+    def receives(self) -> bool:
+        return self.dst is None or dist.get_rank() == self.dst
+
+    def __iter__(self):
+        from megatron.core import parallel_state as ps
+
+        chunk = self.chunks[0]
+        hf = _inner(chunk).hf_config
+        dims = Dims.of(hf, self.vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
+        owners = _owner_table(chunk)
+        mine = {lp.map.megatron: lp for lp in local_params(chunk)
+                if not (lp.local_name == "output_layer.weight" and hf.tie_word_embeddings)}
+        rank = dist.get_rank()
+        bucket, size = [], 0
+        for pm in param_maps(hf):
+            full = self._gather(pm, mine.get(pm.megatron), owners[pm.megatron], rank)
+            if full is None:
+                continue
+            for name, t in zip(pm.hf, full_to_hf(pm.kind, full, dims)):
+                if self.dtype is not None:
+                    t = t.to(self.dtype)
+                self.digests[name] = self._digest(t)
+                bucket.append((name, t))
+                size += t.numel() * t.element_size()
+                self.bytes_sent += t.numel() * t.element_size()
+            if size >= self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket or not self.receives:
+            yield bucket
+
+    def _gather(self, pm, lp, holders, rank):
+        """Full megatron tensor on the receiving rank(s) (None elsewhere)."""
+        leader = holders[0]
+        full = None
+        if lp is not None:
+            group_ranks = dist.get_process_group_ranks(lp.tp_group) if lp.tp_size > 1 else [rank]
+            if min(group_ranks) == leader:  # only the leader's TP group gathers; replicas stay idle
+                data = lp.param.detach()
+                if lp.tp_size > 1 and pm.kind != "replicated":
+                    shards = [torch.empty_like(data) for _ in range(lp.tp_size)]
+                    dist.all_gather(shards, data.contiguous(), group=lp.tp_group)
+                    data = shards_to_full(pm.kind, shards)
+                full = data if rank == leader else None
+        if self.dst is None:
+            meta = [None]
+            if rank == leader:
+                meta = [(tuple(full.shape), full.dtype)]
+            dist.broadcast_object_list(meta, src=leader)
+            if rank != leader:
+                full = torch.empty(meta[0][0], dtype=meta[0][1])
+            dist.broadcast(full, src=leader)
+            return full
+        if leader == self.dst:
+            return full if rank == self.dst else None
+        if rank == leader:
+            dist.send_object_list([(tuple(full.shape), full.dtype)], dst=self.dst)
+            dist.send(full.contiguous(), dst=self.dst)
+            return None
+        if rank == self.dst:
+            meta = [None]
+            dist.recv_object_list(meta, src=leader)
+            full = torch.empty(meta[0][0], dtype=meta[0][1])
+            dist.recv(full, src=leader)
+            return full
+        return None
+
+
+def export_hf_state(model_chunks, **kwargs) -> dict[str, torch.Tensor]:
+    """The whole model as an HF state dict on the receiving rank(s) (for tests and small models)."""
+    out = {}
+    for bucket in ExportStream(model_chunks, **kwargs):
+        out.update(bucket)
+    return out
