@@ -63,6 +63,68 @@ class DemoDataConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    name: str = "grpo"  # ppo_clip | grpo | dapo | gspo | gspo_token | sapo (rlpo_mega.algorithms.losses)
+    aggregation: Optional[str] = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm; None = paper's
+    strict: bool = False  # an aggregation that is a known pitfall for this loss: error instead of warning
+    eps_low: Optional[float] = None  # clip range; None = the paper's (grpo 0.2/0.2, dapo 0.2/0.28, gspo 3e-4/4e-4)
+    eps_high: Optional[float] = None
+    dual_clip: Optional[float] = None  # c > 1: dual clip for A < 0 (token clip losses); off by default
+    tau_pos: float = 1.0  # sapo temperature for A > 0
+    tau_neg: float = 1.05  # sapo temperature for A <= 0
+    log_ratio_clamp: float = 10.0  # gspo: clamp of the mean log-ratio before exp
+    norm_length: Optional[int] = None  # L of seq-mean-token-sum-norm (Dr. GRPO's constant, e.g. max response length)
+
+
+@dataclass
+class AdvantageConfig:
+    name: str = "grpo"  # grpo | dr_grpo | rloo
+    eps: float = 1.0e-6  # grpo: (R - mean) / (std + eps)
+    std: str = "unbiased"  # unbiased | biased
+
+
+@dataclass
+class KLConfig:
+    coef: float = 0.0  # off by default (DAPO, GSPO); the GRPO paper uses 0.04 with k3
+    estimator: str = "k3"  # k1 | k2 | k3 | k3+
+
+
+@dataclass
+class MismatchConfig:
+    mode: str = "none"  # none | tis | mis  (w = pi_old_train / pi_rollout)
+    level: str = "token"  # token | sequence | geometric
+    tis_cap: float = 2.0  # TIS: loss * min(w, C)
+    mis_low: float = 0.5  # MIS: tokens with w outside [mis_low, mis_high] are masked
+    mis_high: float = 2.0
+
+
+@dataclass
+class ShapingConfig:
+    overlong_filter: bool = False  # mask truncated samples out of the loss
+    soft_overlong: bool = False  # DAPO soft overlong punishment added to the reward
+    max_response_length: Optional[int] = None  # L_max
+    overlong_cache: Optional[int] = None  # L_cache
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enabled: bool = False  # drop groups with all-equal scores and over-sample
+    max_tries: int = 3
+
+
+@dataclass
+class AlgorithmConfig:
+    loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    temperature: float = 1.0  # must equal the rollout engine's sampling temperature
+    logprob_chunk_size: Optional[int] = None  # tokens per chunk of the log-prob kernel; None = auto
+
+
+@dataclass
 class RunConfig:
     seed: int = 1234
     train_iters: int = 1
@@ -71,6 +133,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DemoDataConfig = field(default_factory=DemoDataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
 def _suggest(bad_key: str, node) -> str:

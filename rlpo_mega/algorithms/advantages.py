@@ -1,0 +1,102 @@
+"""Advantage-estimator registry (grpo, dr_grpo, rloo) over groups of responses to the same prompt.
+
+An estimator maps (rewards [n], group index [n] in 0..g-1, config, **extra) to advantages: [n] (one per
+sequence, broadcast to its tokens later) or [n, s] (per token: the hook for token-level estimators, which
+receive the batch's extra tensors such as a response mask through **extra). A group whose rewards are all
+equal gets exactly zero advantage (not rounding noise divided by eps) and is counted (for per-token
+estimators it is only counted).
+Computed in float64: group statistics are cheap and must not depend on summation order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .registry import Registry
+
+ADVANTAGES: Registry = Registry("advantage estimator")
+STD_ESTIMATORS = ("unbiased", "biased")
+
+
+@dataclass
+class AdvantageResult:
+    advantages: torch.Tensor  # [n] or [n, s], float32
+    num_groups: int
+    num_zero_groups: int  # all rewards equal: zero advantage, no gradient (DAPO's dynamic sampling)
+
+
+def group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Any group labels [n] -> (index in 0..g-1, g)."""
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    return inv, len(uniq)
+
+
+def contiguous_groups(n: int, group_size: int) -> torch.Tensor:
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"{n} samples do not split into groups of {group_size}")
+    return torch.arange(n) // group_size
+
+
+def _group_stats(r, idx, g):
+    count = torch.zeros(g, dtype=r.dtype).index_add_(0, idx, torch.ones_like(r))
+    mean = torch.zeros(g, dtype=r.dtype).index_add_(0, idx, r) / count
+    sq = torch.zeros(g, dtype=r.dtype).index_add_(0, idx, (r - mean[idx]) ** 2)
+    rmax = torch.full((g,), -torch.inf, dtype=r.dtype).index_reduce_(0, idx, r, "amax")
+    rmin = torch.full((g,), torch.inf, dtype=r.dtype).index_reduce_(0, idx, r, "amin")
+    return count, mean, sq, rmax == rmin
+
+
+@ADVANTAGES.register("grpo")
+def grpo(r, idx, g, cfg, **_):
+    """(R_i - mean) / (std + eps); std unbiased (torch.std, DeepSeekMath/TRL) or biased (population)."""
+    count, mean, sq, _ = _group_stats(r, idx, g)
+    ddof = 1 if cfg.std == "unbiased" else 0
+    std = torch.where(count > ddof, (sq / (count - ddof).clamp(min=1)).sqrt(), torch.zeros_like(sq))
+    return (r - mean[idx]) / (std[idx] + cfg.eps)
+
+
+@ADVANTAGES.register("dr_grpo")
+def dr_grpo(r, idx, g, cfg, **_):
+    """Dr. GRPO: R_i - mean, no division by the std."""
+    _, mean, _, _ = _group_stats(r, idx, g)
+    return r - mean[idx]
+
+
+@ADVANTAGES.register("rloo")
+def rloo(r, idx, g, cfg, **_):
+    """RLOO: R_i - mean of the other G - 1 rewards of its group."""
+    count, mean, _, _ = _group_stats(r, idx, g)
+    if int(count.min()) < 2:
+        raise ValueError("rloo needs at least 2 responses per group (leave-one-out baseline)")
+    total = mean * count
+    return r - (total[idx] - r) / (count[idx] - 1)
+
+
+def check_config(cfg):
+    ADVANTAGES.get(cfg.name)
+    if cfg.std not in STD_ESTIMATORS:
+        raise ValueError(f"advantage.std={cfg.std!r}; choose one of {', '.join(STD_ESTIMATORS)}")
+    if not cfg.eps >= 0:
+        raise ValueError(f"advantage.eps={cfg.eps} must be >= 0")
+
+
+def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **extra) -> AdvantageResult:
+    """cfg: AdvantageConfig (name, eps, std). rewards and group_ids: [n]."""
+    check_config(cfg)
+    if rewards.dim() != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must both be [n]")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contain NaN or inf")
+    r = rewards.detach().double().cpu()
+    idx, g = group_index(group_ids.cpu())
+    adv = ADVANTAGES.get(cfg.name)(r, idx, g, cfg, **extra)
+    if adv.shape[0] != r.shape[0] or adv.dim() not in (1, 2):
+        raise ValueError(f"advantage estimator {cfg.name!r} returned shape {tuple(adv.shape)}; "
+                         f"expected [{r.shape[0]}] or [{r.shape[0]}, seq]")
+    zero = _group_stats(r, idx, g)[3]
+    if adv.dim() == 1:  # per-token estimators own their token rewards: only sequence values are forced
+        adv = torch.where(zero[idx], torch.zeros_like(adv), adv.double())
+    if not torch.isfinite(adv).all():
+        raise ValueError(f"advantage estimator {cfg.name!r} produced NaN or inf")
+    return AdvantageResult(adv.float().to(rewards.device), g, int(zero.sum()))

@@ -1,0 +1,226 @@
+"""The RL policy update through megatron's pipeline schedule: rollout batch in -> loss -> backward -> step.
+
+Plugs into rlpo_mega.training.step (run_schedule / forward_backward) through its `forward_step`
+argument. The loss function returns (numerator, integer count, report) and the model is built with
+calculate_per_token_loss=True, so megatron divides the gradients by the count summed over micro-batches
+and DP ranks: the aggregation modes are normalised globally (aggregation.py).
+
+A batch is a dict of row-aligned tensors (one row per sequence, right-padded to one length for the whole
+global batch, as pipeline parallelism needs equal shapes): tokens [n, s] (model input), labels [n, s]
+(next tokens), loss_mask [n, s] (label is a response token), advantages [n] or [n, s], and optionally
+old_logp / ref_logp / rollout_logp [n, s] aligned with labels.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .advantages import compute_advantages
+from .logprobs import vocab_parallel_logprobs
+from .objective import policy_objective, validate
+from .shaping import overlong_filter, soft_overlong_punishment
+
+ROW_KEYS = ("tokens", "labels", "loss_mask", "advantages", "old_logp", "ref_logp", "rollout_logp")
+
+
+def assemble_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], rewards: torch.Tensor,
+                   group_ids: torch.Tensor, cfg, *, seq_length: Optional[int] = None,
+                   truncated: Optional[torch.Tensor] = None, rollout_logps: Optional[Sequence] = None,
+                   pad_id: int = 0) -> tuple[dict, dict]:
+    """Rollout samples -> (global batch, stats): shaping, advantages, padding, masks.
+
+    rollout_logps: per-sample log-probs of the response tokens from the rollout engine (optional).
+    seq_length: model input length (default: the longest prompt + response - 1).
+    """
+    n = len(prompts)
+    if not (len(responses) == n == rewards.shape[0] == group_ids.shape[0]):
+        raise ValueError(f"{n} prompts, {len(responses)} responses, {rewards.shape[0]} rewards and "
+                         f"{group_ids.shape[0]} group ids: one of each per sample")
+    lengths = torch.tensor([len(r) for r in responses])
+    total = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    seq_length = seq_length or total - 1
+    if seq_length + 1 < total:
+        raise ValueError(f"seq_length={seq_length} is shorter than the longest sample ({total} tokens) - 1")
+    stats = {}
+    rewards = rewards.float()
+    sh = cfg.shaping
+    if sh.soft_overlong:
+        if sh.max_response_length is None or sh.overlong_cache is None:
+            raise ValueError("shaping.soft_overlong needs shaping.max_response_length and shaping.overlong_cache")
+        penalty = soft_overlong_punishment(lengths, sh.max_response_length, sh.overlong_cache)
+        stats["overlong_penalty_mean"] = float(penalty.mean())
+        rewards = rewards + penalty
+    adv = compute_advantages(cfg.advantage, rewards, group_ids)
+    stats.update(groups=adv.num_groups, zero_advantage_groups=adv.num_zero_groups)
+    seq = torch.full((n, seq_length + 1), pad_id, dtype=torch.long)
+    resp = torch.zeros((n, seq_length + 1), dtype=torch.bool)
+    roll = torch.zeros((n, seq_length)) if rollout_logps is not None else None
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        resp[i, len(p):len(p) + len(r)] = True
+        if roll is not None:
+            if len(rollout_logps[i]) != len(r):
+                raise ValueError(f"sample {i}: {len(rollout_logps[i])} rollout log-probs for {len(r)} tokens")
+            roll[i, len(p) - 1:len(p) - 1 + len(r)] = torch.as_tensor(rollout_logps[i], dtype=torch.float)
+    mask = resp[:, 1:]
+    if sh.overlong_filter:
+        if truncated is None:
+            raise ValueError("shaping.overlong_filter needs the truncated flags (finish reason 'length')")
+        mask = overlong_filter(mask, truncated)
+        stats["overlong_filtered"] = int(truncated.bool().sum())
+    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(), "loss_mask": mask,
+             "advantages": adv.advantages}
+    if roll is not None:
+        batch["rollout_logp"] = roll
+    return batch, stats
+
+
+def split_rows(batch: dict, parts: int) -> list[dict]:
+    n = batch["tokens"].shape[0]
+    if n % parts:
+        raise ValueError(f"batch of {n} sequences is not divisible into {parts} parts")
+    out = [{} for _ in range(parts)]
+    for k, v in batch.items():
+        for i, chunk in enumerate(v.chunk(parts) if torch.is_tensor(v) else [v] * parts):
+            out[i][k] = chunk
+    return out
+
+
+def shard_and_split(batch: dict, num_micro_batches: int) -> list[dict]:
+    """This DP rank's contiguous share of the global batch, as micro-batches."""
+    from megatron.core import parallel_state
+
+    share = split_rows(batch, parallel_state.get_data_parallel_world_size())
+    return split_rows(share[parallel_state.get_data_parallel_rank()], num_micro_batches)
+
+
+def _model_out(model, batch):
+    tokens = batch["tokens"]
+    position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
+    return model(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+
+
+def policy_forward_step(data_iterator, model, cfg, resolved, real_vocab):
+    """forward_step for run_schedule/forward_backward: the policy loss of one micro-batch."""
+    batch = next(data_iterator)
+    output = _model_out(model, batch)
+
+    def loss_func(logits):
+        logp, entropy = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
+                                                real_vocab=real_vocab, chunk_size=cfg.logprob_chunk_size)
+        return policy_objective(logp, batch, cfg, resolved, entropy=entropy.detach())
+
+    return output, loss_func
+
+
+def _logprob_forward_step(data_iterator, model, cfg, real_vocab):
+    batch = next(data_iterator)
+    output = _model_out(model, batch)
+
+    def loss_func(logits):
+        logp, _ = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
+                                          real_vocab=real_vocab, with_entropy=False,
+                                          chunk_size=cfg.logprob_chunk_size)
+        return logp.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logp": logp.detach()}
+
+    return output, loss_func
+
+
+def _real_vocab(model_chunks):
+    from rlpo_mega.training.model_setup import unwrap
+
+    return unwrap(model_chunks[0]).real_vocab_size
+
+
+def make_policy_forward_step(cfg, model_chunks):
+    return partial(policy_forward_step, cfg=cfg, resolved=validate(cfg), real_vocab=_real_vocab(model_chunks))
+
+
+@torch.no_grad()
+def compute_log_probs(model_chunks, micro_batches: list[dict], cfg) -> Optional[list[torch.Tensor]]:
+    """Forward-only pass (old or reference policy): per micro-batch log-probs [b, s] on the last pipeline
+    stage, None on the others (only the last stage computes the loss)."""
+    from megatron.core import parallel_state
+
+    from rlpo_mega.training.step import run_schedule
+
+    step = partial(_logprob_forward_step, cfg=cfg, real_vocab=_real_vocab(model_chunks))
+    for chunk in model_chunks:
+        chunk.eval()
+    try:
+        reports = run_schedule(model_chunks, micro_batches, forward_only=True, forward_step=step)
+    finally:
+        for chunk in model_chunks:
+            chunk.train()
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    return [r["logp"] for r in reports]
+
+
+def reduce_report(reports: list[dict]) -> dict:
+    """Global metrics from per-micro-batch reports: [sum, count] pairs are summed over micro-batches and
+    DP ranks then divided; "max:" keys take the max. Every rank gets the values (sent from the last stage)."""
+    from megatron.core import parallel_state
+
+    last = parallel_state.is_pipeline_last_stage()
+    keys = sorted(reports[0]) if reports else []
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        box = [keys]
+        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        keys = box[0]
+    mean_keys = [k for k in keys if not k.startswith("max:")]
+    max_keys = [k for k in keys if k.startswith("max:")]
+    sums = torch.zeros(len(mean_keys), 2, dtype=torch.float64)
+    maxes = torch.zeros(len(max_keys), dtype=torch.float64)
+    for r in reports:
+        for i, k in enumerate(mean_keys):
+            sums[i] += r[k].detach().double().cpu()
+        for i, k in enumerate(max_keys):
+            maxes[i] = torch.maximum(maxes[i], r[k].detach().double().cpu().max())
+    if last:
+        dp = parallel_state.get_data_parallel_group()
+        dist.all_reduce(sums, group=dp)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        group = parallel_state.get_pipeline_model_parallel_group()
+        dist.broadcast(sums, src=src, group=group)
+        dist.broadcast(maxes, src=src, group=group)
+    out = {k: float(sums[i, 0] / sums[i, 1].clamp(min=1)) for i, k in enumerate(mean_keys)}
+    out.update({k[len("max:"):]: float(maxes[i]) for i, k in enumerate(max_keys)})
+    return out
+
+
+def policy_step(model_chunks, optimizer, batch: dict, cfg, num_micro_batches: int, ref_chunks=None,
+                step_optimizer: bool = True) -> dict:
+    """One policy update on the global `batch` (same on every rank): this DP rank's share as
+    micro-batches -> old (and reference) log-probs if missing -> loss/backward -> optimizer step."""
+    from rlpo_mega.training.step import forward_backward
+
+    forward_step = make_policy_forward_step(cfg, model_chunks)  # validates cfg before any compute
+    micro = shard_and_split(batch, num_micro_batches)
+    if "old_logp" not in batch:
+        _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg))
+    if cfg.kl.coef > 0 and "ref_logp" not in batch:
+        if ref_chunks is None:
+            raise ValueError(f"kl.coef={cfg.kl.coef} needs a reference model (ref_chunks) or ref_logp in the batch")
+        _attach(micro, "ref_logp", compute_log_probs(ref_chunks, micro, cfg))
+    reports = forward_backward(model_chunks, optimizer, micro, forward_step)
+    out = reduce_report(reports)
+    if step_optimizer:
+        ok, grad_norm, _ = optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        out["grad_norm"] = float(grad_norm or 0.0)
+    return out
+
+
+def _attach(micro, key, values):
+    if values is None:  # not the last pipeline stage: the loss is not computed here
+        return
+    for mb, v in zip(micro, values):
+        mb[key] = v
