@@ -6,6 +6,7 @@ Unknown keys, wrong types and missing values are rejected by OmegaConf's structu
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -136,37 +137,98 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
 
 
-def _suggest(bad_key: str, node) -> str:
-    leaf = bad_key.split(".")[-1]
-    try:
-        known = list(node.keys())
-    except Exception:
+def _node(schema, key: str):
+    """The schema's (DictConfig) node at dotted `key`, or None."""
+    node = OmegaConf.structured(schema)
+    for part in key.split(".") if key else []:
+        if not hasattr(node, "keys") or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _suggest(bad_key: str, schema) -> str:
+    parent_key, _, leaf = bad_key.rpartition(".")
+    parent = _node(schema, parent_key)
+    if parent is None or not hasattr(parent, "keys"):
         return ""
+    known = list(parent.keys())
+    prefix = parent_key + "." if parent_key else ""
     close = difflib.get_close_matches(leaf, known, n=1)
-    return f" Did you mean {close[0]!r}?" if close else f" Known keys here: {', '.join(known)}."
+    if close:
+        return f" Did you mean {prefix + close[0]!r}?"
+    return f" Known keys{' under ' + repr(parent_key) if parent_key else ''}: {', '.join(known)}."
+
+
+def _expected_type(schema, key: str) -> str:
+    """'int', 'int or null', ... for a dotted key of a dataclass schema ('' if unknown)."""
+    import dataclasses
+    import typing
+
+    t = schema
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(t):
+            return ""
+        hints = typing.get_type_hints(t)
+        if part not in hints:
+            return ""
+        t = hints[part]
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    optional = typing.get_origin(t) is typing.Union and len(args) < len(typing.get_args(t))
+    base = args[0] if optional and len(args) == 1 else t
+    name = getattr(base, "__name__", str(base))
+    return f"{name} or null" if optional else name
+
+
+def _merge(into, layer, source: str, schema):
+    try:
+        return OmegaConf.merge(into, layer)
+    except (ConfigAttributeError, ConfigKeyError) as e:
+        key = e.full_key or ""
+        raise ConfigError(f"{source}: unknown config key {key!r}.{_suggest(key, schema)}") from None
+    except OmegaConfBaseException as e:
+        key = e.full_key
+        detail = str(e.msg if getattr(e, "msg", None) else e).splitlines()[0]
+        if not key:
+            raise ConfigError(f"{source}: {detail}") from None
+        expected = _expected_type(schema, key)
+        expected = f" (expected {expected})" if expected else ""
+        raise ConfigError(f"{source}: bad value for config key {key!r}{expected}: {detail}") from None
 
 
 def load_config(path: Optional[str] = None, overrides: tuple[str, ...] = (), schema=RunConfig):
-    """YAML file (optional) + dotted `key=value` overrides, validated against `schema`."""
-    base = OmegaConf.structured(schema)
+    """YAML file (optional) + dotted `key=value` overrides, validated against `schema`.
+
+    Every problem is a ConfigError naming its source (file or override), the key and, for a typo,
+    the closest known key.
+    """
+    merged = OmegaConf.structured(schema)
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        try:
+            loaded = OmegaConf.load(path)
+        except Exception as e:  # YAML syntax errors
+            raise ConfigError(f"config file {path!r} could not be parsed: {e}") from None
+        merged = _merge(merged, loaded, f"config file {path!r}", schema)
+    for item in overrides:
+        key, eq, _ = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. parallel.tensor=2)")
+        node = _node(schema, key.strip())
+        if node is not None and hasattr(node, "keys"):
+            raise ConfigError(
+                f"override {item!r}: {key.strip()!r} is a config section, not a value; set one of its "
+                f"keys ({', '.join(f'{key.strip()}.{k}' for k in node.keys())})")
+        try:
+            layer = OmegaConf.from_dotlist([item])
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override {item!r} could not be parsed: {e}") from None
+        merged = _merge(merged, layer, f"override {item!r}", schema)
     try:
-        layers = [base]
-        if path:
-            layers.append(OmegaConf.load(path))
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value (e.g. parallel.tensor=2)")
-        layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
-    except (ConfigAttributeError, ConfigKeyError) as e:
-        key = e.full_key or ""
-        parent = base
-        for part in key.split(".")[:-1]:
-            parent = parent.get(part, parent) if hasattr(parent, "get") else parent
-        raise ConfigError(f"unknown config key {key!r}{_suggest(key, parent)}") from None
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"bad value for config key {e.full_key!r}: {e.msg}") from None
-    return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
+        raise ConfigError(f"config key {e.full_key!r}: {str(e).splitlines()[0]}") from None
 
 
 def to_dict(cfg) -> dict:
