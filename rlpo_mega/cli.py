@@ -43,6 +43,30 @@ def _reexec_under_torchrun(args) -> int:
     return subprocess.call(cmd)
 
 
+def _convert(args) -> int:
+    from rlpo_mega import convert
+
+    if (args.nproc_per_node > 1) and "LOCAL_RANK" not in os.environ:
+        return _reexec(args.nproc_per_node, ["convert", "--hf", args.hf, "--out", args.out, "--tp", str(args.tp),
+                                              "--pp", str(args.pp), "--ep", str(args.ep)])
+    convert.convert(args.hf, args.out, args.tp, args.pp, args.ep)
+    return 0
+
+
+def _export(args) -> int:
+    from rlpo_mega import convert
+
+    convert.export(args.ckpt, args.hf_out, bucket_mb=args.bucket_mb)
+    return 0
+
+
+def _reexec(nproc: int, argv: list[str]) -> int:
+    import subprocess
+
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            f"--nproc-per-node={nproc}", "-m", "rlpo_mega.cli", *argv])
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     parser = argparse.ArgumentParser(prog="rlpo-mega")
@@ -52,10 +76,42 @@ def main(argv=None) -> int:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
     train.add_argument("--nproc-per-node", type=int, default=1)
     train.add_argument("--nnodes", type=int, default=1)
+    conv = sub.add_parser("convert", help="HF checkpoint directory -> megatron dist checkpoint")
+    conv.add_argument("--hf", required=True)
+    conv.add_argument("--out", required=True)
+    conv.add_argument("--tp", type=int, default=1)
+    conv.add_argument("--pp", type=int, default=1)
+    conv.add_argument("--ep", type=int, default=1)
+    exp = sub.add_parser("export", help="megatron dist checkpoint -> HF checkpoint directory")
+    exp.add_argument("--ckpt", required=True)
+    exp.add_argument("--hf-out", required=True)
+    exp.add_argument("--bucket-mb", type=int, default=256)
     args = parser.parse_args(argv)
+    if args.command == "convert":
+        # One process per shard of the requested layout (expert-tensor parallel 1).
+        import math
+
+        args.nproc_per_node = math.lcm(args.tp, args.ep) * args.pp
+        return _guarded(_convert, args)
+    if args.command == "export":
+        return _guarded(_export, args)
     if args.command == "train":
         return _train(args)
     return 1
+
+
+def _guarded(fn, args) -> int:
+    from moe.bridge.hf_checkpoint import CheckpointFormatError
+    from moe.families import UnsupportedModelError
+    from rlpo_mega.checkpoint import CheckpointError
+    from rlpo_mega.distributed import ParallelLayoutError
+
+    try:
+        return fn(args)
+    except (CheckpointFormatError, UnsupportedModelError, CheckpointError, ParallelLayoutError,
+            FileNotFoundError) as e:
+        print(f"rlpo-mega {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

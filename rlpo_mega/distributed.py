@@ -165,4 +165,5 @@ def destroy():
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
+        dist.barrier()  # no rank may close its connections while a peer is still communicating
         dist.destroy_process_group()

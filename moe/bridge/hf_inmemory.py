@@ -1,0 +1,85 @@
+"""Load HF checkpoint-named tensors into a live transformers model (the embedded engine's side).
+
+transformers 5 holds experts fused in memory (`mlp.experts.gate_up_proj` [E, 2F, H] = gate rows then
+up rows; `mlp.experts.down_proj` [E, H, F]) while checkpoints (and our weight stream) name them per
+expert. This module maps each streamed name onto its slice of the in-memory parameter, loads it, and
+reads the same slice back for the digest check.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+# checkpoint projection name -> (fused in-memory parameter, which half of gate_up; None = whole)
+_EXPERT_PROJ = {
+    "gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", None), "w2": ("down_proj", None),
+}
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
+
+
+class HFModelWeights:
+    """Name-addressed view of a transformers causal LM's parameters in checkpoint naming."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters())
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        self.tied = tied
+
+    def _target(self, name: str):
+        """(parameter, view index) for a checkpoint-named tensor."""
+        m = _EXPERT.match(name)
+        if m:
+            layer, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            if proj not in _EXPERT_PROJ:
+                raise KeyError(f"unknown expert projection in {name!r}")
+            fused, half = _EXPERT_PROJ[proj]
+            param = self.params[f"{layer}.mlp.experts.{fused}"]
+            if half is None:
+                return param, (expert,)
+            rows = param.shape[1] // 2
+            return param, (expert, slice(half * rows, (half + 1) * rows))
+        m = _ROUTER.match(name)
+        if m:
+            name = f"{m.group(1)}.mlp.gate.weight"
+        if name == "lm_head.weight" and self.tied:
+            name = "model.embed_tokens.weight"
+        if name not in self.params:
+            raise KeyError(f"streamed tensor {name!r} has no parameter in {type(self.model).__name__}")
+        return self.params[name], ()
+
+    @torch.no_grad()
+    def load(self, named_tensors):
+        for name, tensor in named_tensors:
+            param, index = self._target(name)
+            view = param[index] if index else param
+            if tuple(view.shape) != tuple(tensor.shape):
+                raise ValueError(f"streamed tensor {name!r} has shape {list(tensor.shape)}; the engine's "
+                                 f"parameter slice has {list(view.shape)}")
+            view.copy_(tensor.to(view.dtype))
+
+    @torch.no_grad()
+    def read(self, name: str) -> torch.Tensor:
+        param, index = self._target(name)
+        return (param[index] if index else param).detach()
+
+    def names(self) -> list[str]:
+        """All checkpoint names this model holds (experts unfused)."""
+        out = []
+        for pname, p in self.params.items():
+            m = re.match(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", pname)
+            if not m:
+                out.append(pname)
+                continue
+            style = "block_sparse_moe" if self.model.config.model_type == "mixtral" else "mlp"
+            gate, up, down = (("w1", "w3", "w2") if style == "block_sparse_moe"
+                              else ("gate_proj", "up_proj", "down_proj"))
+            for e in range(p.shape[0]):
+                base = f"{m.group(1)}.{style}.experts.{e}."
+                out += [base + gate + ".weight", base + up + ".weight"] if m.group(2) == "gate_up_proj" \
+                    else [base + down + ".weight"]
+        return out

@@ -1,0 +1,69 @@
+"""`rlpo-mega convert` (HF -> megatron dist checkpoint) and `rlpo-mega export` (dist checkpoint -> HF).
+
+Both run as SPMD jobs (re-exec'd under torchrun by the CLI for more than one process). The dist
+checkpoint carries the HF config.json and the tokenizer files, so export needs nothing else.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch.distributed as dist
+
+from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWriter
+from moe.model import load_hf_config
+from rlpo_mega import distributed
+from rlpo_mega.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from rlpo_mega.config import ModelConfig, ParallelConfig
+from rlpo_mega.training.model_setup import build_policy
+
+HF_FILES = "hf"  # sub-directory of a dist checkpoint holding config.json + tokenizer files
+
+
+def convert(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1):
+    hf = load_hf_config(os.path.join(hf_dir, "config.json"))
+    HFCheckpoint(hf_dir).validate(hf)  # fail before any process group or output exists
+    parallel = ParallelConfig(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
+    layout = distributed.init(parallel, hf)
+    chunks, _ = build_policy(hf, layout, ModelConfig(init_from_hf=hf_dir), None, with_ddp=False)
+    save_checkpoint(out_dir, chunks, meta={"model_type": hf.model_type, "source": os.path.abspath(hf_dir)})
+    if dist.get_rank() == 0:
+        _copy_hf_files(hf_dir, os.path.join(out_dir, HF_FILES))
+    distributed.destroy()
+
+
+def _copy_hf_files(src: str, dst: str):
+    os.makedirs(dst, exist_ok=True)
+    for name in ("config.json",) + PASSTHROUGH:
+        if os.path.isfile(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+
+
+def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bucket_mb: int = 256):
+    from moe.bridge.megatron_io import ExportStream
+
+    read_meta(ckpt_dir)
+    hf_files = os.path.join(ckpt_dir, HF_FILES)
+    if not os.path.isfile(os.path.join(hf_files, "config.json")):
+        raise FileNotFoundError(f"{ckpt_dir!r} has no {HF_FILES}/config.json; it was not written by "
+                                "`rlpo-mega convert` or a trainer with an HF model")
+    hf = load_hf_config(os.path.join(hf_files, "config.json"))
+    layout = distributed.init(ParallelConfig(tensor=tp, pipeline=pp, expert=ep, expert_tensor=1), hf)
+    chunks, _ = build_policy(hf, layout, ModelConfig(), None, with_ddp=False)
+    load_checkpoint(ckpt_dir, chunks)
+    stream = ExportStream(chunks, bucket_bytes=bucket_mb << 20, dst=0)
+    writer = HFCheckpointWriter(hf_out, hf, source_dir=hf_files) if stream.receives else None
+    try:
+        for bucket in stream:
+            for name, tensor in bucket:
+                writer.add(name, tensor)
+    except BaseException:
+        if writer:
+            writer.abort()
+        raise
+    if writer:
+        writer.close()
+        with open(os.path.join(hf_out, "rlpo_digests.json"), "w") as f:
+            json.dump(stream.digests, f, indent=0)
+    distributed.destroy()
