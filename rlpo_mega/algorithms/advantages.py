@@ -42,8 +42,8 @@ def _group_stats(r, idx, g):
     count = torch.zeros(g, dtype=r.dtype).index_add_(0, idx, torch.ones_like(r))
     mean = torch.zeros(g, dtype=r.dtype).index_add_(0, idx, r) / count
     sq = torch.zeros(g, dtype=r.dtype).index_add_(0, idx, (r - mean[idx]) ** 2)
-    rmax = torch.full((g,), -torch.inf, dtype=r.dtype).index_reduce_(0, idx, r, "amax")
-    rmin = torch.full((g,), torch.inf, dtype=r.dtype).index_reduce_(0, idx, r, "amin")
+    rmax = torch.full((g,), -torch.inf, dtype=r.dtype).scatter_reduce_(0, idx, r, "amax")
+    rmin = torch.full((g,), torch.inf, dtype=r.dtype).scatter_reduce_(0, idx, r, "amin")
     return count, mean, sq, rmax == rmin
 
 

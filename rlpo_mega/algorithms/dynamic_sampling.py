@@ -35,8 +35,8 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> GroupFilter:
         raise ValueError("scores contain NaN")
     s = scores.detach().double().cpu()
     idx, g = group_index(group_ids.cpu())
-    smax = torch.full((g,), -torch.inf, dtype=s.dtype).index_reduce_(0, idx, s, "amax")
-    smin = torch.full((g,), torch.inf, dtype=s.dtype).index_reduce_(0, idx, s, "amin")
+    smax = torch.full((g,), -torch.inf, dtype=s.dtype).scatter_reduce_(0, idx, s, "amax")
+    smin = torch.full((g,), torch.inf, dtype=s.dtype).scatter_reduce_(0, idx, s, "amin")
     constant = smax == smin
     zero, one = constant & (smax == 0), constant & (smax == 1)
     return GroupFilter(keep=~constant[idx].to(scores.device), num_groups=g, kept_groups=int((~constant).sum()),

@@ -118,7 +118,13 @@ def _check_inputs(logp, batch, spec: LossSpec):
             i, j = (int(x) for x in bad.nonzero()[0])
             raise ValueError(f"{name} has {int(bad.sum())} NaN/inf values at valid (unmasked) tokens, "
                              f"first at [{i}, {j}]")
-    return mask, adv.to(logp.dtype)
+    return mask, adv
+
+
+def _clean(t, mask, dtype):
+    """Zero at masked positions: padding garbage (nan/inf) would otherwise turn 0 * nan into nan in the
+    backward of elementwise ops; where() routes exactly zero gradient there."""
+    return None if t is None else torch.where(mask, t.to(dtype), torch.zeros((), dtype=dtype, device=t.device))
 
 
 def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = None, entropy=None):
@@ -130,22 +136,23 @@ def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = 
     """
     resolved = resolved or validate(cfg)
     mask, adv = _check_inputs(logp, batch, resolved.spec)
-    old = batch["old_logp"].to(logp.dtype)
+    dt = logp.dtype
+    logp, adv, old = _clean(logp, mask, dt), _clean(adv, mask, dt), _clean(batch["old_logp"], mask, dt)
+    ref, rollout = _clean(batch.get("ref_logp"), mask, dt), _clean(batch.get("rollout_logp"), mask, dt)
     loss, report = resolved.spec.fn(logp, old, adv, mask, resolved.params)
+    if entropy is not None:
+        report["entropy"] = metric(entropy, mask)
     if cfg.kl.coef > 0:
-        if batch.get("ref_logp") is None:
+        if ref is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs ref_logp in the batch (the reference log-prob pass)")
-        kl = kl_penalty(cfg.kl.estimator, logp, batch["ref_logp"].to(logp.dtype))
+        kl = kl_penalty(cfg.kl.estimator, logp, ref)
         report["kl"] = metric(kl, mask)
         loss = loss + cfg.kl.coef * kl
-    if batch.get("rollout_logp") is not None:
-        loss, mask, extra = mismatch_mod.apply_correction(loss, mask, old, batch["rollout_logp"].to(logp.dtype),
-                                                          cfg.mismatch)
+    if rollout is not None:
+        loss, mask, extra = mismatch_mod.apply_correction(loss, mask, old, rollout, cfg.mismatch)
         report.update(extra)
     elif cfg.mismatch.mode != "none":
         raise ValueError(f"mismatch.mode={cfg.mismatch.mode} needs rollout_logp in the batch")
     numerator, count = aggregate(loss, mask, resolved.aggregation, resolved.norm_length)
     report["policy_loss"] = torch.stack([numerator.detach().double(), count.double()])
-    if entropy is not None:
-        report["entropy"] = metric(entropy, mask)
     return numerator, count, report

@@ -1,5 +1,9 @@
 """The RL policy update through megatron's pipeline schedule: rollout batch in -> loss -> backward -> step.
 
+assemble_batch (rollout samples -> shaped rewards, advantages, padded tensors) -> prepare_micro_batches
+(DP share, micro-batches, old/reference log-prob passes) -> policy_step (one optimizer step; call it per
+mini-batch).
+
 Plugs into rlpo_mega.training.step (run_schedule / forward_backward) through its `forward_step`
 argument. The loss function returns (numerator, integer count, report) and the model is built with
 calculate_per_token_loss=True, so megatron divides the gradients by the count summed over micro-batches
@@ -79,7 +83,10 @@ def assemble_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
 
 
 def split_rows(batch: dict, parts: int) -> list[dict]:
-    n = batch["tokens"].shape[0]
+    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+    if any(torch.is_tensor(v) and v.shape[0] != n for v in batch.values()):
+        raise ValueError(f"batch tensors disagree in their number of rows: "
+                         f"{ {k: tuple(v.shape) for k, v in batch.items() if torch.is_tensor(v)} }")
     if n % parts:
         raise ValueError(f"batch of {n} sequences is not divisible into {parts} parts")
     out = [{} for _ in range(parts)]
@@ -195,13 +202,11 @@ def reduce_report(reports: list[dict]) -> dict:
     return out
 
 
-def policy_step(model_chunks, optimizer, batch: dict, cfg, num_micro_batches: int, ref_chunks=None,
-                step_optimizer: bool = True) -> dict:
-    """One policy update on the global `batch` (same on every rank): this DP rank's share as
-    micro-batches -> old (and reference) log-probs if missing -> loss/backward -> optimizer step."""
-    from rlpo_mega.training.step import forward_backward
-
-    forward_step = make_policy_forward_step(cfg, model_chunks)  # validates cfg before any compute
+def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int, ref_chunks=None) -> list[dict]:
+    """This DP rank's share of the global `batch` (same on every rank) as micro-batches, with the old
+    (and, for a KL term, reference) log-probs from forward-only passes: run once per rollout batch,
+    before any update of the policy."""
+    validate(cfg)
     micro = shard_and_split(batch, num_micro_batches)
     if "old_logp" not in batch:
         _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg))
@@ -209,7 +214,15 @@ def policy_step(model_chunks, optimizer, batch: dict, cfg, num_micro_batches: in
         if ref_chunks is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs a reference model (ref_chunks) or ref_logp in the batch")
         _attach(micro, "ref_logp", compute_log_probs(ref_chunks, micro, cfg))
-    reports = forward_backward(model_chunks, optimizer, micro, forward_step)
+    return micro
+
+
+def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_optimizer: bool = True) -> dict:
+    """One policy update: loss/backward over the micro-batches (megatron schedule, global normalisation)
+    -> optimizer step. Returns the global metrics (and grad_norm)."""
+    from rlpo_mega.training.step import forward_backward
+
+    reports = forward_backward(model_chunks, optimizer, micro_batches, make_policy_forward_step(cfg, model_chunks))
     out = reduce_report(reports)
     if step_optimizer:
         ok, grad_norm, _ = optimizer.step()
