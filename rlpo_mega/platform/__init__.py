@@ -57,6 +57,9 @@ def apply() -> list[str]:
     if _APPLIED is not None:
         return _APPLIED
     skip = {s for s in os.environ.get(_SKIP_ENV, "").split(",") if s}
+    unknown = skip - {p.name for p in all_patches()}
+    if unknown:  # a misspelt ablation would otherwise run with every patch and prove nothing
+        raise PlatformError(f"{_SKIP_ENV} names unknown patches {sorted(unknown)}")
     selected = []
     if not _have_transformer_engine():
         selected += list(megatron_fixes.FIXES)

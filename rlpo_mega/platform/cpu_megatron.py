@@ -240,14 +240,12 @@ _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
 
 
 def _patch_cuda_literals():
-    from megatron.core.distributed import param_and_grad_buffer
     from megatron.core.optimizer import clip_grads, optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core import utils as core_utils
     from megatron.core.transformer import utils as transformer_utils
 
-    for module in (schedules, optimizer, clip_grads, param_and_grad_buffer, transformer_utils,
-                   core_utils):
+    for module in (schedules, optimizer, clip_grads, transformer_utils, core_utils):
         proxy = _torch_proxy_for(module)
         for name in _FACTORIES:
             proxy._overrides[name] = _cpu_factory(getattr(torch, name))
@@ -271,14 +269,17 @@ def _patch_clip_grads():
     optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
-# 9. Uneven all-gather / reduce-scatter: gloo needs equal sizes.
-def _patch_uneven_collectives():
+# 9. Uneven all-gather: gloo needs equal sizes.
+def _patch_uneven_all_gather():
     from megatron.core.tensor_parallel import mappings
 
     def all_gather(tensor_list, tensor, group=None, async_op=False):
+        # The alltoall dispatcher gathers each expert-TP rank's tokens (token_dispatcher.py:696);
+        # with EP > 1 their counts differ, and ProcessGroupGloo::allgather rejects unequal sizes.
         sizes = [t.shape[0] for t in tensor_list]
         if len(set(sizes)) == 1:
             return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        assert not async_op, "uneven all_gather is synchronous on CPU"
         # Pad to the largest shard, gather, then copy the valid rows out.
         longest = max(sizes)
         padded = tensor.new_zeros((longest,) + tuple(tensor.shape[1:]))
@@ -287,18 +288,9 @@ def _patch_uneven_collectives():
         dist.all_gather(gathered, padded, group=group)
         for out, got, n in zip(tensor_list, gathered, sizes):
             out.copy_(got[:n])
+        # (The matching uneven reduce_scatter, mappings.py:193, is supported by gloo as of torch 2.13.)
 
-    def reduce_scatter(output, input_list, group=None, async_op=False, **kw):
-        # gloo has no reduce_scatter: all-reduce the concatenation and keep this rank's slice.
-        full = torch.cat([t.contiguous() for t in input_list], dim=0)
-        dist.all_reduce(full, group=group)
-        rank = dist.get_rank(group)
-        start = sum(t.shape[0] for t in input_list[:rank])
-        output.copy_(full[start : start + input_list[rank].shape[0]])
-
-    overrides = _distributed_overrides(mappings)
-    overrides["all_gather"] = all_gather
-    overrides["reduce_scatter"] = reduce_scatter
+    _distributed_overrides(mappings)["all_gather"] = all_gather
 
 
 # 10. Tied embeddings under pipeline parallelism move the shared weight with Tensor.cuda().
@@ -325,14 +317,16 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "current_device",
         ("utils.py:631", "models/common/embeddings/rotary_pos_embedding.py:162",
-         "pipeline_parallel/p2p_communication.py:190-202", "distributed/param_and_grad_buffer.py:806",
-         "tensor_parallel/mappings.py:444", "dist_checkpointing/strategies/state_dict_saver.py:252"),
+         "transformer/moe/router.py:90", "distributed/param_and_grad_buffer.py:806",
+         "tensor_parallel/mappings.py:141,148,181,442", "tensor_parallel/layers.py:552",
+         "pipeline_parallel/p2p_communication.py:190-202,321",
+         "dist_checkpointing/strategies/state_dict_saver.py:252"),
         "torch.cuda.current_device() is used as the device of buffers on every step",
         _patch_current_device,
     ),
     Patch(
         "streams",
-        ("transformer/moe/token_dispatcher.py:445,871-895", "pipeline_parallel/p2p_communication.py:242,398"),
+        ("transformer/moe/token_dispatcher.py:445,871-874", "pipeline_parallel/p2p_communication.py:242,398"),
         "CUDA streams/events/synchronize/record_stream have no CPU build",
         _patch_streams,
     ),
@@ -350,30 +344,32 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "torch_norm_sequence_parallel",
-        ("transformer/torch_norm.py:32", "transformer/moe/moe_layer.py:379"),
-        "the local-spec norm asserts no sequence parallel, which MoE with TP requires",
+        ("transformer/torch_norm.py:32", "transformer/moe/moe_layer.py:379",
+         "distributed/finalize_model_grads.py:354"),
+        "the local-spec norm asserts no sequence parallel, which MoE with TP requires; its params are "
+        "tagged sequence_parallel so finalize_model_grads all-reduces their grads over TP",
         _patch_torch_norm_sequence_parallel,
     ),
     Patch(
         "cuda_literals",
-        ("pipeline_parallel/schedules.py:596,983,2138", "optimizer/optimizer.py:473-485,907",
-         "optimizer/clip_grads.py:103,174",
-         "transformer/utils.py:35 (causal mask when no attention_mask is passed; not in the note)",
-         "utils.py:1207 (local_multi_tensor_l2_norm without apex; not in the note)"),
-        "tensor factories hard-code device='cuda'",
+        ("pipeline_parallel/schedules.py:596,983,2138", "optimizer/optimizer.py:473,481,485,907",
+         "optimizer/clip_grads.py:90,103,115,207", "transformer/utils.py:35,40", "utils.py:1207"),
+        "tensor factories hard-code device='cuda' (transformer/utils.py: causal mask when no "
+        "attention_mask is passed; utils.py: local_multi_tensor_l2_norm without apex)",
         _patch_cuda_literals,
     ),
     Patch(
         "clip_grads",
-        ("optimizer/clip_grads.py:167",),
+        ("optimizer/clip_grads.py:167,174",),
         "clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor",
         _patch_clip_grads,
     ),
     Patch(
-        "uneven_collectives",
-        ("tensor_parallel/mappings.py:149,185",),
-        "gloo all_gather needs equal sizes and has no reduce_scatter (expert-tensor parallel > 1)",
-        _patch_uneven_collectives,
+        "uneven_all_gather",
+        ("tensor_parallel/mappings.py:150",),
+        "gloo's all_gather needs equal sizes; expert-tensor parallel > 1 with EP > 1 gathers unequal "
+        "token counts (token_dispatcher.py:696)",
+        _patch_uneven_all_gather,
     ),
     Patch(
         "tied_embedding_cuda",
