@@ -73,9 +73,18 @@ def rel_err(a, b):
 
 
 def main():
-    out_dir, model_cfg, *overrides = sys.argv[1:]
-    hf = load_hf_config(model_cfg)
-    src = os.path.join(out_dir, "hf_src")
+    out_dir, model_cfgs, *overrides = sys.argv[1:]
+    reports = {}
+    for model_cfg in model_cfgs.split(","):
+        hf = load_hf_config(model_cfg)
+        reports[hf.model_type] = run_family(out_dir, hf, overrides)
+    if dist.get_rank() == 0:
+        write_report(reports)
+    distributed.destroy()
+
+
+def run_family(out_dir, hf, overrides):
+    src = os.path.join(out_dir, f"hf_src_{hf.model_type}")
     cfg = load_config(None, tuple(overrides) + (f"model.init_from_hf={src}", "optim.lr=1e-3"))
     layout = distributed.init(cfg.parallel, hf, cfg.seed)
     rank = dist.get_rank()
@@ -112,7 +121,7 @@ def main():
     train_step(chunks, opt, split_micro_batches(data_parallel_shard(tokens_train), cfg.parallel.num_micro_batches))
     after = megatron_logits(chunks, tokens, hf.vocab_size)
     exported = export_hf_state(chunks, dst=0)
-    trained_dir = os.path.join(out_dir, f"trained_{layout.tensor}{layout.pipeline}{layout.expert}")
+    trained_dir = os.path.join(out_dir, f"trained_{hf.model_type}")
     if rank == 0:
         writer = HFCheckpointWriter(trained_dir, hf, source_dir=src)
         for k, v in exported.items():
@@ -131,9 +140,8 @@ def main():
         elif rank == 0:
             dist.recv_object_list(box, src=last)
             report.update(box[0])
-    if rank == 0:
-        write_report(report)
-    distributed.destroy()
+    dist.barrier()
+    return report
 
 
 def parallel_state_last_rank():

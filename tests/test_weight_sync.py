@@ -1,0 +1,25 @@
+"""Weight sync to an engine through every transport, digest-verified; corruption in transit is caught."""
+import pytest
+
+from tests.dist import torchrun
+
+
+@pytest.fixture(scope="module")
+def sync_report(tmp_path_factory):
+    return torchrun("sync.py", 2, str(tmp_path_factory.mktemp("sync")), "configs/models/tiny_qwen3_moe.json")
+
+
+@pytest.mark.parametrize("transport", ["in_process", "disk", "distributed"])
+def test_sync_takes_effect_and_verifies(sync_report, transport):
+    r = sync_report[transport]
+    assert r["ok"], r
+    assert r["stats_tensors"] > 0
+    # The engine now computes what the learner computes: the weights really arrived.
+    assert r["logits_rel_err"] <= 1e-4, r
+
+
+@pytest.mark.parametrize("transport", ["in_process_corrupted", "distributed_corrupted"])
+def test_corruption_in_transit_is_caught(sync_report, transport):
+    r = sync_report[transport]
+    assert not r["ok"]
+    assert "digest mismatch" in r["error"] and "refusing to roll out" in r["error"], r["error"]

@@ -1,0 +1,102 @@
+"""Weight-sync worker: an EP2 learner syncs to an HF engine through each transport, clean and corrupted."""
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
+
+from moe.bridge.megatron_io import ExportStream
+from moe.model import load_hf_config
+from rlpo_mega import distributed
+from rlpo_mega.config import load_config
+from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
+from rlpo_mega.weight_sync.digest import DigestMismatchError
+from rlpo_mega.weight_sync.transports import (DiskTransport, DistributedTransport, HFModelReceiver,
+                                              InProcessTransport, WeightUpdateGroup)
+from tests.dist import write_report
+from tests.workers.bridge import make_hf_checkpoint, megatron_logits, rel_err
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    out_dir, model_cfg = sys.argv[1], sys.argv[2]
+    hf = load_hf_config(model_cfg)
+    src = os.path.join(out_dir, "hf_src")
+    cfg = load_config(None, ("parallel.expert=2", f"model.init_from_hf={src}", "optim.lr=1e-2"))
+    dist_env = distributed.init(cfg.parallel, hf, cfg.seed)
+    rank = dist.get_rank()
+    if rank == 0:
+        make_hf_checkpoint(hf, src)
+    dist.barrier()
+    chunks, opt = build_policy(hf, dist_env, cfg.model, cfg.optim)
+    tokens = torch.randint(0, hf.vocab_size, (4, 17), generator=torch.Generator().manual_seed(5))
+    train_step(chunks, opt, split_micro_batches(data_parallel_shard(tokens), 1))
+    probe = tokens[:2, :12]
+    learner_logits = megatron_logits(chunks, probe, hf.vocab_size)
+    engine = AutoModelForCausalLM.from_config(hf) if rank == 0 else None
+    receiver = HFModelReceiver(engine) if rank == 0 else None
+    report = {}
+
+    def engine_logits():
+        with torch.no_grad():
+            return engine(probe).logits.double()
+
+    def run(name, transport, corrupt=False, logits_fn=None):
+        if corrupt and receiver is not None:
+            original = receiver.weights.load
+
+            def corrupting(named):
+                named = [(n, t.clone().index_put_((torch.tensor([0]),), t.reshape(-1)[:1] + 1e-3)
+                          .reshape(t.shape) if n.endswith("layers.0.mlp.gate.weight") else t) for n, t in named]
+                return original(named)
+
+            receiver.weights.load = corrupting
+        stream = ExportStream(chunks, bucket_bytes=64 << 10, dst=0)
+        try:
+            stats = transport.sync(stream)
+            report[name] = {"ok": True, "stats_tensors": stats.get("tensors")}
+            if rank == 0:
+                report[name]["logits_rel_err"] = rel_err((logits_fn or engine_logits)(), learner_logits)
+        except DigestMismatchError as e:
+            report[name] = {"ok": False, "error": str(e)}
+        finally:
+            if corrupt and receiver is not None:
+                receiver.weights.load = original
+
+    run("in_process", InProcessTransport(receiver))
+    run("in_process_corrupted", InProcessTransport(receiver), corrupt=True)
+    run("disk", DiskTransport(receiver, os.path.join(out_dir, "sync_disk"), hf))
+    for label, corrupt in (("distributed", "0"), ("distributed_corrupted", "1")):
+        port = [free_port() if rank == 0 else None]
+        dist.broadcast_object_list(port, src=0)
+        proc, group = None, None
+        probe_file = os.path.join(out_dir, f"probe_{label}.pt")
+        if rank == 0:
+            torch.save(probe, probe_file)
+            proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "engine_receiver.py"),
+                                     str(port[0]), model_cfg, corrupt, probe_file], env={**os.environ})
+            group = WeightUpdateGroup("127.0.0.1", port[0], rank=0, world_size=2)
+
+        def remote_logits():
+            proc.wait(timeout=120)
+            return torch.load(probe_file + ".logits")
+
+        run(label, DistributedTransport(group), logits_fn=remote_logits)
+        if proc is not None:
+            report[label]["engine_rc"] = proc.wait(timeout=120)
+    if rank == 0:
+        write_report(report)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
