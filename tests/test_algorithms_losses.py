@@ -56,7 +56,9 @@ def algo_cfg(name, aggregation=None, **loss_kw):
 
 
 def paper_params(cfg):
-    r = resolve_loss(cfg.loss).params
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AggregationPitfallWarning)
+        r = resolve_loss(cfg.loss).params
     return {"eps_low": r.eps_low, "eps_high": r.eps_high, "dual_clip": r.dual_clip, "tau_pos": r.tau_pos,
             "tau_neg": r.tau_neg, "clamp": r.log_ratio_clamp}
 

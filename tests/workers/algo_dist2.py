@@ -2,7 +2,8 @@
 
 1. Vocab-parallel log-probs and entropy at TP2 (the world as the TP group) vs float64 log_softmax of the
    gathered logits, values and gradients (fp32 and bf16 logits, padded vocabulary, temperature, chunks).
-2. DP2 through megatron's schedule: the policy-loss gradient of the whole batch (computed directly on
+2. The old / reference log-prob passes (forward-only schedule) vs the direct forward, KL term at step 1.
+3. DP2 through megatron's schedule: the policy-loss gradient of the whole batch (computed directly on
    every rank) equals the one megatron produces from 2 micro-batches on each of 2 DP ranks
    (finalize_model_grads: all-reduce + division by the global count), for every aggregation mode.
 """
@@ -61,7 +62,8 @@ def dp2_invariance():
     from rlpo_mega import distributed
     from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
     from rlpo_mega.algorithms.objective import policy_objective
-    from rlpo_mega.algorithms.policy_step import make_policy_forward_step, shard_and_split
+    from rlpo_mega.algorithms.policy_step import (make_policy_forward_step, policy_step, prepare_micro_batches,
+                                                  shard_and_split)
     from rlpo_mega.config import load_config
     from rlpo_mega.training.model_setup import build_policy, unwrap
     from rlpo_mega.training.step import forward_backward
@@ -97,6 +99,17 @@ def dp2_invariance():
         return {name: p.main_grad.detach().clone() for name, p in inner.named_parameters()}
 
     results = {}
+    # old / reference log-prob passes (forward-only schedule) == the direct forward; with the policy as
+    # its own reference the KL term is exactly 0 and so are its metrics
+    kl_algo = load_config(None, ("algorithm.kl.coef=0.04", "algorithm.kl.estimator=k3")).algorithm
+    micro = prepare_micro_batches(chunks, {k: v for k, v in batch.items() if k != "old_logp"}, kl_algo, 2,
+                                  ref_chunks=chunks)
+    mine = shard_and_split({"lp": base}, 2)
+    results["logprob_pass_max_abs"] = max(float((mb[k] - m["lp"]).abs().max()) for mb, m in zip(micro, mine)
+                                          for k in ("old_logp", "ref_logp"))
+    for c in chunks:
+        c.zero_grad_buffer()
+    results["kl_first_step"] = policy_step(chunks, opt, micro, kl_algo, step_optimizer=False)
     for loss in ("dapo", "sapo"):
         for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
             algo = load_config(None, (f"algorithm.loss.name={loss}", f"algorithm.loss.aggregation={mode}",
