@@ -123,6 +123,7 @@ def test_resolve_paper_defaults():
     p = paper_params(algo_cfg("sapo"))
     assert (p["tau_pos"], p["tau_neg"]) == (1.0, 1.05)
     assert AlgorithmConfig().kl.coef == 0.0 and AlgorithmConfig().mismatch.mode == "none"
+    assert all(paper_params(algo_cfg(n))["dual_clip"] is None for n in LOSS_NAMES)  # no hidden dual clip
 
 
 def test_dual_clip_matches_reference():
@@ -251,3 +252,25 @@ def test_gradient_invariant_under_micro_batches(name, mode):
     assert_close(split, whole, 1e-13, "value")
     assert_close(g_split, g_whole, 1e-13, "grad")
     assert g_whole.abs().sum() > 0
+
+
+def test_tis_reweights_the_policy_term_not_the_kl_term():
+    batch = make_batch(13, "far", token_adv=True)
+    mask = batch["loss_mask"]
+    g = torch.Generator().manual_seed(14)
+    batch["rollout_logp"] = torch.where(mask, batch["old_logp"] + 0.6 * torch.randn(mask.shape, generator=g,
+                                                                                    dtype=torch.float64), float("nan"))
+    batch["ref_logp"] = torch.where(mask, batch["logp"] + 0.3 * torch.randn(mask.shape, generator=g,
+                                                                           dtype=torch.float64), float("nan"))
+    cfg = algo_cfg("grpo")
+    cfg.mismatch.mode, cfg.kl.coef = "tis", 0.04
+    got, got_g, _ = run_impl(batch, cfg)
+    lp = batch["logp"].double().clone().requires_grad_()
+    pg = ref.token_terms("grpo", lp, batch["old_logp"], batch["advantages"], mask, paper_params(cfg))
+    kl = ref.kl_terms("k3", lp, batch["ref_logp"], mask)
+    ws = ref.mismatch_weight_terms(batch["old_logp"], batch["rollout_logp"], mask, "token")
+    terms = [[p * min(w, 2.0) + 0.04 * k for p, k, w in zip(*t)] for t in zip(pg, kl, ws)]
+    want = ref.aggregate(terms, "seq-mean-token-mean")
+    want.backward()
+    assert_close(got, want.detach(), 1e-12, "value")
+    assert_close(got_g, torch.nan_to_num(lp.grad), 1e-10, "grad")

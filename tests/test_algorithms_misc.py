@@ -191,6 +191,10 @@ def test_bad_tensors():
     b["advantages"] = torch.tensor([[1.0, 2.0, 0.0], [1.0, 0.0, 0.0]])
     with pytest.raises(ValueError, match=r"gspo needs one advantage per sequence.*gspo_token"):
         policy_objective(lp, b, cfg_with(name="gspo"))
+    b = small_batch()
+    del b["old_logp"]
+    with pytest.raises(ValueError, match=r"the batch has no 'old_logp'"):
+        policy_objective(lp, b, cfg)
     cfg.kl.coef = 0.1
     with pytest.raises(ValueError, match=r"needs ref_logp"):
         policy_objective(lp, small_batch(), cfg)

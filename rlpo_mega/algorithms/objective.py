@@ -93,6 +93,10 @@ def _check_inputs(logp, batch, spec: LossSpec):
     if logp.shape != mask.shape:
         raise ValueError(f"log-probs {tuple(logp.shape)} and loss_mask {tuple(mask.shape)} differ in shape")
     mask = mask.bool()
+    for key in ("old_logp", "advantages"):
+        if batch.get(key) is None:
+            raise ValueError(f"the batch has no {key!r} (old log-probs come from compute_log_probs / "
+                             "prepare_micro_batches, advantages from compute_advantages)")
     for key in ("old_logp", "ref_logp", "rollout_logp"):
         t = batch.get(key)
         if t is not None and t.shape != mask.shape:
@@ -142,17 +146,18 @@ def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = 
     loss, report = resolved.spec.fn(logp, old, adv, mask, resolved.params)
     if entropy is not None:
         report["entropy"] = metric(entropy, mask)
+    # TIS reweights the policy-gradient term only (as verl does); an MIS-masked token leaves everything.
+    if rollout is not None:
+        loss, mask, extra = mismatch_mod.apply_correction(loss, mask, old, rollout, cfg.mismatch)
+        report.update(extra)
+    elif cfg.mismatch.mode != "none":
+        raise ValueError(f"mismatch.mode={cfg.mismatch.mode} needs rollout_logp in the batch")
     if cfg.kl.coef > 0:
         if ref is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs ref_logp in the batch (the reference log-prob pass)")
         kl = kl_penalty(cfg.kl.estimator, logp, ref)
         report["kl"] = metric(kl, mask)
         loss = loss + cfg.kl.coef * kl
-    if rollout is not None:
-        loss, mask, extra = mismatch_mod.apply_correction(loss, mask, old, rollout, cfg.mismatch)
-        report.update(extra)
-    elif cfg.mismatch.mode != "none":
-        raise ValueError(f"mismatch.mode={cfg.mismatch.mode} needs rollout_logp in the batch")
     numerator, count = aggregate(loss, mask, resolved.aggregation, resolved.norm_length)
     report["policy_loss"] = torch.stack([numerator.detach().double(), count.double()])
     return numerator, count, report

@@ -43,6 +43,8 @@ def assemble_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
     if not (len(responses) == n == rewards.shape[0] == group_ids.shape[0]):
         raise ValueError(f"{n} prompts, {len(responses)} responses, {rewards.shape[0]} rewards and "
                          f"{group_ids.shape[0]} group ids: one of each per sample")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every sample needs a non-empty prompt (its first response token is predicted from it)")
     lengths = torch.tensor([len(r) for r in responses])
     total = max(len(p) + len(r) for p, r in zip(prompts, responses))
     seq_length = seq_length or total - 1
