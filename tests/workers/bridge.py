@@ -97,7 +97,6 @@ def run_family(out_dir, hf, overrides):
 
     # 1. Import: megatron forward == transformers forward.
     got = megatron_logits(chunks, tokens, hf.vocab_size)
-    last = parallel_state_last_rank()
     if got is not None:
         report["import_logits_rel_err"] = rel_err(got, hf_logits(src, tokens))
 
@@ -132,14 +131,12 @@ def run_family(out_dir, hf, overrides):
         ref = hf_logits(trained_dir, tokens)
         report["trained_logits_rel_err"] = rel_err(after, ref)
         report["trained_moved"] = rel_err(after, hf_logits(src, tokens))
-    # Send the last stage's numbers to rank 0.
-    box = [report]
-    if last != 0:
-        if rank == last:
-            dist.send_object_list(box, dst=0)
-        elif rank == 0:
-            dist.recv_object_list(box, src=last)
-            report.update(box[0])
+    # Rank 0 collects the last stage's numbers (every rank contributes what it measured).
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, report)
+    for r in every:
+        for k, v in r.items():
+            report.setdefault(k, v)
     dist.barrier()
     return report
 
