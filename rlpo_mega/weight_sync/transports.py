@@ -93,7 +93,7 @@ class WeightUpdateGroup:
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0):
-        self.pg.broadcast([tensor], src).wait()
+        self.pg.broadcast(tensor, src).wait()
 
     def send_object(self, obj, src: int):
         """Broadcast a picklable object from `src` (length, then bytes)."""
