@@ -59,7 +59,8 @@ def test_wrong_shape_is_named(good_ckpt, tmp_path):
 
 
 def test_expert_count_mismatch_names_the_field(good_ckpt, tmp_path):
-    bad = _mutate(good_ckpt, tmp_path, lambda t: None, config_fn=lambda c: c.update(num_experts=2))
+    bad = _mutate(good_ckpt, tmp_path, lambda t: None, config_fn=lambda c: c.update(
+        {k: 2 for k in ("num_experts", "num_local_experts") if k in c}))
     with pytest.raises(CheckpointFormatError, match="4 experts.*num_experts is 2"):
         HFCheckpoint(bad).validate(load_hf_config(os.path.join(bad, "config.json")))
 
