@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from .families import get_family
 

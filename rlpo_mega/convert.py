@@ -11,7 +11,7 @@ import shutil
 
 import torch.distributed as dist
 
-from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWriter
+from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWriter, write_stream
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.checkpoint import load_checkpoint, read_meta, save_checkpoint
@@ -53,17 +53,8 @@ def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bu
     chunks, _ = build_policy(hf, layout, ModelConfig(), None, with_ddp=False)
     load_checkpoint(ckpt_dir, chunks)
     stream = ExportStream(chunks, bucket_bytes=bucket_mb << 20, dst=0)
-    writer = HFCheckpointWriter(hf_out, hf, source_dir=hf_files) if stream.receives else None
-    try:
-        for bucket in stream:
-            for name, tensor in bucket:
-                writer.add(name, tensor)
-    except BaseException:
-        if writer:
-            writer.abort()
-        raise
-    if writer:
-        writer.close()
+    write_stream(stream, HFCheckpointWriter(hf_out, hf, source_dir=hf_files) if stream.receives else None)
+    if stream.receives:
         with open(os.path.join(hf_out, "rlpo_digests.json"), "w") as f:
             json.dump(stream.digests, f, indent=0)
     distributed.destroy()

@@ -169,3 +169,18 @@ class HFCheckpointWriter:
         if os.path.exists(self.out):
             shutil.rmtree(self.out)
         os.replace(self.tmp, self.out)
+
+
+def write_stream(stream, writer: "HFCheckpointWriter | None"):
+    """Drain an export stream into `writer` (None on ranks that only take part in the collective);
+    on any error the partial output is removed and the error propagates."""
+    try:
+        for bucket in stream:
+            for name, tensor in bucket:
+                writer.add(name, tensor)
+    except BaseException:
+        if writer:
+            writer.abort()
+        raise
+    if writer:
+        writer.close()

@@ -53,21 +53,12 @@ class DiskTransport:
         self.receiver, self.directory, self.hf_config, self.source_dir = receiver, directory, hf_config, source_dir
 
     def sync(self, stream) -> dict:
-        from moe.bridge.hf_checkpoint import HFCheckpointWriter
+        from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
 
-        writer = HFCheckpointWriter(self.directory, self.hf_config, source_dir=self.source_dir) \
-            if stream.receives else None
-        try:
-            for bucket in stream:
-                for name, tensor in bucket:
-                    writer.add(name, tensor)
-        except BaseException:
-            if writer:
-                writer.abort()
-            raise
+        write_stream(stream, HFCheckpointWriter(self.directory, self.hf_config, source_dir=self.source_dir)
+                     if stream.receives else None)
         if not stream.receives:
             return {}
-        writer.close()
         self.receiver.reload_from_disk(self.directory)
         verify(stream.digests, self.receiver.weight_digests(list(stream.digests)))
         return {"tensors": len(stream.digests), "bytes": stream.bytes_sent, "path": self.directory}

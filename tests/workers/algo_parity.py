@@ -23,7 +23,7 @@ from rlpo_mega.algorithms.policy_step import (assemble_batch, policy_step, prepa
 from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.training.model_setup import build_policy  # noqa: E402
-from tests.workers.parity import grad_tensors, sharded_grads  # noqa: E402
+from tests.workers.parity import full_grads_at_tp1, grad_tensors, save_sharded_grads  # noqa: E402
 
 LOSSES = ("gspo", "sapo")
 MODEL = "configs/models/tiny_qwen3_moe.json"
@@ -74,29 +74,17 @@ def main():
         if phase == "reference":
             torch.save(grad_tensors(chunks[0]), os.path.join(out_dir, f"grads_{loss}.pt"))
         else:
-            from megatron.core import dist_checkpointing
-
             grads_dir = os.path.join(out_dir, f"grads_{loss}")
-            if rank == 0:
-                os.makedirs(grads_dir, exist_ok=True)
-            torch.distributed.barrier()
-            dist_checkpointing.save(sharded_grads(chunks[0]), grads_dir)
+            save_sharded_grads(chunks[0], grads_dir)
         ok, grad_norm, _ = opt.step()
         assert ok
         second = policy_step(chunks, opt, micro, cfg.algorithm)
         result[loss] = {"first": first, "second": second, "grad_norm": float(grad_norm), "stats": stats}
         if phase != "reference":
-            from megatron.core import dist_checkpointing
-
             del chunks, opt
-            full = distributed.Layout(layout.world_size, 1, 1, 1, 1, False)
-            distributed.init_model_parallel(full)
-            tp1, _ = build_policy(hf, full, cfg.model, None, with_ddp=False)
-            sd = dist_checkpointing.load(tp1[0].sharded_state_dict(), grads_dir)
-            tp1[0].load_state_dict(sd, strict=True)
+            grads = full_grads_at_tp1(hf, layout.world_size, cfg.model, grads_dir)
             if rank == 0:
-                torch.save({n: p.detach().clone() for n, p in tp1[0].named_parameters()},
-                           os.path.join(out_dir, f"grads_{loss}.pt"))
+                torch.save(grads, os.path.join(out_dir, f"grads_{loss}.pt"))
         torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         with open(os.path.join(out_dir, f"{phase}.json"), "w") as f:

@@ -54,6 +54,26 @@ def sharded_grads(model_chunk):
     return swap(sd)
 
 
+def save_sharded_grads(model_chunk, grads_dir):
+    from megatron.core import dist_checkpointing
+
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(grads_dir, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(sharded_grads(model_chunk), grads_dir)
+
+
+def full_grads_at_tp1(hf, world_size, model_cfg, grads_dir):
+    """Re-initialise megatron at TP1 (every rank holds the full model) and load the saved gradients."""
+    from megatron.core import dist_checkpointing
+
+    distributed.init_model_parallel(distributed.Layout(world_size, 1, 1, 1, 1, False))
+    tp1, _ = build_policy(hf, distributed.Layout(world_size, 1, 1, 1, 1, False), model_cfg, None, with_ddp=False)
+    sd = dist_checkpointing.load(tp1[0].sharded_state_dict(), grads_dir)
+    tp1[0].load_state_dict(sd, strict=True)
+    return {n: p.detach().clone() for n, p in tp1[0].named_parameters()}
+
+
 def main():
     phase, ref_root, out_dir, model_cfgs = sys.argv[1:5]
     overrides = tuple(sys.argv[5:]) + ("optim.lr=1e-3",)
@@ -82,13 +102,8 @@ def run_family(phase, ref_root, out_dir, model_cfg, overrides):
     if phase == "reference":
         torch.save(grad_tensors(chunks[0]), os.path.join(ref_dir, "grads.pt"))
     else:
-        from megatron.core import dist_checkpointing
-
         grads_dir = os.path.join(out_dir, f"grads_{tag}")
-        if rank == 0:
-            os.makedirs(grads_dir, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(sharded_grads(chunks[0]), grads_dir)
+        save_sharded_grads(chunks[0], grads_dir)
     ok, _, _ = opt.step()
     assert ok
     for _ in range(STEPS - 1):
@@ -97,17 +112,10 @@ def run_family(phase, ref_root, out_dir, model_cfg, overrides):
     result = {"losses": losses}
     if phase != "reference":
         # Reload the gradients at TP1 (every rank holds the full model) to get full tensors.
-        from megatron.core import dist_checkpointing
-
         del chunks, opt
-        full = distributed.Layout(layout.world_size, 1, 1, 1, 1, False)
-        distributed.init_model_parallel(full)
-        tp1, _ = build_policy(hf, full, cfg.model, None, with_ddp=False)
-        sd = dist_checkpointing.load(tp1[0].sharded_state_dict(), grads_dir)
-        tp1[0].load_state_dict(sd, strict=True)
+        grads = full_grads_at_tp1(hf, layout.world_size, cfg.model, grads_dir)
         if rank == 0:
-            torch.save({n: p.detach().clone() for n, p in tp1[0].named_parameters()},
-                       os.path.join(out_dir, f"grads_{tag}.pt"))
+            torch.save(grads, os.path.join(out_dir, f"grads_{tag}.pt"))
     if rank == 0:
         with open(os.path.join(out_dir, f"{phase}_{tag}.json"), "w") as f:
             json.dump(result, f)
