@@ -126,6 +126,12 @@ class AlgorithmConfig:
 
 
 @dataclass
+class RoutingConfig:
+    mode: str = "off"  # off | r2 (replay the old-log-prob pass's routes) | r3 (replay the rollout's routes)
+    on_bad_trace: str = "error"  # error | fallback (bad (token, layer) entries use the live router, counted)
+
+
+@dataclass
 class RunConfig:
     seed: int = 1234
     train_iters: int = 1
@@ -135,6 +141,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     data: DemoDataConfig = field(default_factory=DemoDataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
 
 def _node(schema, key: str):

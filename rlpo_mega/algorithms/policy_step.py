@@ -149,14 +149,16 @@ def make_policy_forward_step(cfg, model_chunks):
 
 
 @torch.no_grad()
-def compute_log_probs(model_chunks, micro_batches: list[dict], cfg) -> Optional[list[torch.Tensor]]:
+def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=None) -> Optional[list[torch.Tensor]]:
     """Forward-only pass (old or reference policy): per micro-batch log-probs [b, s] on the last pipeline
-    stage, None on the others (only the last stage computes the loss)."""
+    stage, None on the others (only the last stage computes the loss). wrap_step: routing replay's wrapper."""
     from megatron.core import parallel_state
 
     from rlpo_mega.training.step import run_schedule
 
     step = partial(_logprob_forward_step, cfg=cfg, real_vocab=_real_vocab(model_chunks))
+    if wrap_step is not None:
+        step = wrap_step(step)
     for chunk in model_chunks:
         chunk.eval()
     try:
@@ -204,14 +206,19 @@ def reduce_report(reports: list[dict]) -> dict:
     return out
 
 
-def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int, ref_chunks=None) -> list[dict]:
+def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int, ref_chunks=None,
+                          routing=None) -> list[dict]:
     """This DP rank's share of the global `batch` (same on every rank) as micro-batches, with the old
     (and, for a KL term, reference) log-probs from forward-only passes: run once per rollout batch,
-    before any update of the policy."""
+    before any update of the policy. routing: a moe.routing.replay.RoutingReplay (r2 records the old
+    pass's routes, r3 replays the rollout's)."""
     validate(cfg)
     micro = shard_and_split(batch, num_micro_batches)
+    if routing is not None:
+        routing.attach(micro)
     if "old_logp" not in batch:
-        _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg))
+        _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg,
+                                                     wrap_step=routing.wrap_old if routing else None))
     if cfg.kl.coef > 0 and "ref_logp" not in batch:
         if ref_chunks is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs a reference model (ref_chunks) or ref_logp in the batch")
@@ -219,13 +226,18 @@ def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int
     return micro
 
 
-def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_optimizer: bool = True) -> dict:
+def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_optimizer: bool = True,
+                routing=None) -> dict:
     """One policy update: loss/backward over the micro-batches (megatron schedule, global normalisation)
-    -> optimizer step. Returns the global metrics (and grad_norm)."""
+    -> optimizer step. Returns the global metrics (and grad_norm). routing: replays the micro-batches'
+    routes (moe.routing.replay.RoutingReplay); its metrics are added."""
     from rlpo_mega.training.step import forward_backward
 
-    reports = forward_backward(model_chunks, optimizer, micro_batches, make_policy_forward_step(cfg, model_chunks))
+    step = make_policy_forward_step(cfg, model_chunks)
+    reports = forward_backward(model_chunks, optimizer, micro_batches, routing.wrap_update(step) if routing else step)
     out = reduce_report(reports)
+    if routing is not None:
+        out.update(routing.metrics())
     if step_optimizer:
         ok, grad_norm, _ = optimizer.step()
         if not ok:

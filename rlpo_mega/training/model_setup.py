@@ -9,8 +9,9 @@ from rlpo_mega import platform
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True):
-    """Returns (model_chunks, optimizer or None). model_chunks is a one-element list (no virtual PP)."""
+def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, routing_replay: bool = False):
+    """Returns (model_chunks, optimizer or None). model_chunks is a one-element list (no virtual PP).
+    routing_replay: give the routers megatron's RouterReplay (moe.routing.replay drives it)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -25,6 +26,7 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True):
         # Per-token loss: finalize_model_grads divides by the GLOBAL token count (all micro-batches,
         # all DP ranks), so splitting a batch never changes the gradient.
         calculate_per_token_loss=True,
+        moe_enable_routing_replay=routing_replay,
     )
     model = build_gpt_model(hf, config, vocab_divisible_by=model_cfg.vocab_divisible_by)
     model.to(platform.device())
