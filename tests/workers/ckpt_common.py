@@ -29,15 +29,18 @@ def fork_checkpoint_queue():
     a multiprocessing Manager it starts with the *spawn* method on first use; that server must import
     torch to unpickle them (~3 s CPU per rank, ~15 s for 8 ranks on 2 cores). A forked server
     inherits the imports: first save 4.6 s -> 0.3 s (2 ranks). Forking before any gloo thread exists.
+    Returns the manager: call .shutdown() before leaving with os._exit, or its server outlives the
+    worker and holds torchrun's output pipes open.
     """
     import multiprocessing as mp
 
     import torch.distributed.checkpoint  # noqa: F401  (inherited by the forked server)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    assert not torch.distributed.is_initialized()
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = mp.get_context("fork").Manager().Queue()
+    assert not torch.distributed.is_initialized() and filesystem_async._results_queue is None
+    manager = mp.get_context("fork").Manager()
+    filesystem_async._results_queue = manager.Queue()
+    return manager
 
 
 def rank() -> int:
