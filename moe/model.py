@@ -69,7 +69,8 @@ def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=to
         bf16=params_dtype == torch.bfloat16,
         moe_token_dispatcher_type=token_dispatcher,
         moe_grouped_gemm=have_transformer_engine(),
-        # Full weights are built then split, so every layout initialises identically from one seed.
+        # On CPU full weights are built then split, so TP layouts initialise identically from one
+        # seed; EP and PP draw in another order (load a checkpoint for identical weights there).
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,

@@ -18,12 +18,13 @@ def _train(args) -> int:
     nproc, nnodes = args.nproc_per_node, args.nnodes
     if (nproc > 1 or nnodes > 1) and "LOCAL_RANK" not in os.environ:
         return _reexec_under_torchrun(args)
+    from moe.families import UnsupportedModelError
     from rlpo_mega.distributed import ParallelLayoutError
     from rlpo_mega.training import lm_demo
 
     try:
         lm_demo.run(cfg)
-    except ParallelLayoutError as e:
+    except (ParallelLayoutError, UnsupportedModelError) as e:
         print(f"rlpo-mega: {e}", file=sys.stderr)
         return 2
     return 0
