@@ -167,6 +167,10 @@ def _patch_rng_tracker():
     proxy = _torch_proxy_for(mrandom)
     proxy._overrides["cuda"] = _ModuleProxy(torch.cuda, {"manual_seed": torch.manual_seed})
     mrandom.initialize_rng_tracker(force_reset=True)
+    # Activation recompute (CheckpointFunction, random.py:444-458) saves/restores the CUDA generator next
+    # to the CPU one and the tracker's; on CPU there is none (the CPU state is saved separately there).
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: None
+    mrandom._set_cuda_rng_state = lambda *args, **kwargs: None
 
 
 # 5. alltoall split sizes.
@@ -332,8 +336,8 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "rng_tracker",
-        ("tensor_parallel/random.py:235-277,422", "transformer/dot_product_attention.py:217"),
-        "the model-parallel RNG tracker reads and writes CUDA generator states",
+        ("tensor_parallel/random.py:235-277,422,444-458", "transformer/dot_product_attention.py:217"),
+        "the model-parallel RNG tracker (and activation recompute) reads and writes CUDA generator states",
         _patch_rng_tracker,
     ),
     Patch(
