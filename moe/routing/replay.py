@@ -98,7 +98,7 @@ class _LiveFallbackReplay(RouterReplay):
                 raise RoutingReplayError("activation recompute found no queued routes: the backward did not "
                                          "follow the forward order of the replayed micro-batches")
             target = self.replay_backward_list.pop(0)
-        target = target.to(scores.device)
+        target = target.to(scores.device).long()
         live = None
         if action == RouterReplayAction.REPLAY_FORWARD or (target < 0).any():
             with torch.no_grad():
@@ -138,6 +138,8 @@ class RoutingReplay:
             mine = [r for r in chunk.modules() if any(r is x for _, x in routers)]
             self._by_chunk[id(chunk)] = [(j + i, r) for i, r in enumerate(mine)]
             j += len(mine)
+        self._recomputed = {id(r): _recomputed(r, chunk) for chunk in model_chunks
+                            for r in chunk.modules() if any(r is x for _, x in routers)}
         self._replays = [r.router_replay for _, r in routers if r.router_replay is not None]
         for rr in self._replays:
             rr.__class__ = _LiveFallbackReplay
@@ -194,9 +196,12 @@ class RoutingReplay:
                 if routes is None and entries:
                     raise RoutingReplayError(f"routing.mode={self.mode}: a micro-batch has no routes to replay"
                                              + (" (r2 records them in the old-log-prob pass)" if self.mode == "r2" else ""))
+                backward = torch.is_grad_enabled() and model.training
                 for col, router in entries:
                     rr = router.router_replay
                     rr.set_target_indices(_flat(routes[:, :, col]))
+                    if not (backward and self._recomputed[id(router)]):
+                        rr.replay_backward_list.pop()  # no recompute will pop it
                     rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             else:
                 for _, router in entries:
@@ -239,5 +244,21 @@ class RoutingReplay:
 
 
 def _flat(routes_bsk: torch.Tensor) -> torch.Tensor:
-    """[b, s, k] -> the router's token order [s * b, k] (hidden states are [s, b, h]), int64."""
-    return routes_bsk.transpose(0, 1).reshape(-1, routes_bsk.shape[-1]).long()
+    """[b, s, k] -> the router's token order [s * b, k] (hidden states are [s, b, h]); kept compact
+    (int16) while queued for a recompute, widened at use."""
+    return routes_bsk.transpose(0, 1).reshape(-1, routes_bsk.shape[-1])
+
+
+def _recomputed(router, chunk) -> bool:
+    """Does activation recompute run this router again in the backward (transformer_block.py:735,
+    _checkpointed_forward's uniform/block methods; moe_layer.py:153 selective "moe")?"""
+    c = router.config
+    if c.recompute_granularity == "selective":
+        return "moe" in (c.recompute_modules or [])
+    if c.recompute_granularity != "full":
+        return False
+    if c.recompute_method == "uniform":
+        return True
+    layers = [m for m in chunk.modules() if hasattr(m, "mlp") and hasattr(m, "self_attention")]
+    index = next(i for i, layer in enumerate(layers) if getattr(layer.mlp, "router", None) is router)
+    return index < (c.recompute_num_layers or 0)
