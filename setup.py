@@ -17,12 +17,14 @@ setup(
         "psutil>=5.9",  # megatron dist_checkpointing
         "wandb>=0.19",
         "omegaconf>=2.3",  # typed configs + dotted overrides
+        "math-verify>=0.9,<0.10",  # math reward; pure Python (sympy, latex2sympy2_extended, antlr4 runtime)
         "numpy",
         "pytest>=8",
     ],
     extras_require={
         "test": ["pytest-timeout>=2.3"],
         "sglang": ["sglang==0.5.23"],
+        "parquet": ["pyarrow>=15"],  # Parquet prompt files (JSONL needs nothing)
         # Optional GPU accelerations (never required). apex has no usable PyPI wheel: build it from
         # https://github.com/NVIDIA/apex if you want its fused kernels.
         "gpu": ["transformer-engine[pytorch]>=2.0"],

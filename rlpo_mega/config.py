@@ -132,6 +132,41 @@ class RoutingConfig:
 
 
 @dataclass
+class RemoteRewardConfig:
+    url: Optional[str] = None  # POST {"prompts", "responses", "references"} -> {"rewards": [float]}
+    timeout: float = 30.0  # seconds per HTTP attempt
+    retries: int = 2  # extra attempts after a connection error, timeout, 429 or 5xx (not after a bad reply)
+    backoff: float = 0.5  # seconds before the first retry, doubled each retry
+    batch_size: int = 64  # samples per request
+
+
+@dataclass
+class RewardConfig:
+    function: str = "math"  # math | exact_match | toy_sequence | toy_arith | remote (rlpo_mega.rewards)
+    default: float = 0.0  # reward of a sample whose reward function raised, timed out or returned a non-number
+    timeout: Optional[float] = 60.0  # seconds per call (one sample, or one remote batch); None = no limit
+    num_workers: int = 4  # threads running reward calls concurrently
+    ignore_case: bool = False  # exact_match
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+
+
+@dataclass
+class PromptDataConfig:
+    path: Optional[str] = None  # .jsonl or .parquet file of prompts
+    format: str = "auto"  # auto (by extension) | jsonl | parquet
+    prompt_key: str = "prompt"  # a string, or a list of {"role", "content"} chat messages
+    answer_key: str = "answer"  # reference answer (string or number) given to the reward function
+    tokenizer: Optional[str] = None  # tokenizer directory; None = the model's
+    chat_template: str = "auto"  # auto (when the tokenizer has one) | on | off
+    system_prompt: Optional[str] = None
+    shuffle: bool = True
+    seed: Optional[int] = None  # None = the run's seed
+    prompts_per_step: int = 8
+    n_samples: int = 4  # responses per prompt (the group size)
+    oversample: float = 1.0  # dynamic sampling: draw this many times the missing prompts per try
+
+
+@dataclass
 class RunConfig:
     seed: int = 1234
     train_iters: int = 1
@@ -142,6 +177,8 @@ class RunConfig:
     data: DemoDataConfig = field(default_factory=DemoDataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    prompts: PromptDataConfig = field(default_factory=PromptDataConfig)
 
 
 def _node(schema, key: str):
