@@ -233,14 +233,18 @@ class RoutingReplay:
         out["routing/mode"] = self.mode
         return out
 
+    def reset(self):
+        """Plain live routing until the next wrapped schedule (queued routes and actions dropped)."""
+        for rr in self._replays:
+            rr.clear_indices()
+            rr.clear_router_replay_action()
+
     def close(self):
         """Detach from megatron's process-global instance list (models built later start clean)."""
         ids = {id(rr) for rr in self._replays}
         RouterReplay.global_router_replay_instances[:] = [
             x for x in RouterReplay.global_router_replay_instances if id(x) not in ids]
-        for rr in self._replays:
-            rr.clear_indices()
-            rr.clear_router_replay_action()
+        self.reset()
 
 
 def _flat(routes_bsk: torch.Tensor) -> torch.Tensor:
