@@ -36,6 +36,11 @@ def test_perturbed_router_replay_restores_routes_and_router_learns(single):
     assert r3["metrics"]["routing/update/agreement"] < 0.5
     assert all(g > 1e-4 for g in r3["router_grad_norms"]), r3["router_grad_norms"]
     assert r3["mismatch_r3/k3_kl"] < off["mismatch_off/k3_kl"]
+    # the metric with and without replay in one step: the no-replay pass is the off run's old pass
+    ww = r3["with_without"]
+    assert ww["routing/mismatch_replay/k3_kl"] == pytest.approx(r3["mismatch_r3/k3_kl"], rel=1e-6)
+    assert ww["routing/mismatch_no_replay/k3_kl"] == pytest.approx(off["mismatch_off/k3_kl"], rel=1e-6)
+    assert ww["routing/no_replay/agreement"] == pytest.approx(off["old_routes_vs_trace"])
 
 
 def test_replay_under_activation_recompute(single):

@@ -77,10 +77,12 @@ class RoutingStats:
         t[col, 3] += float(real.sum())
         t[col, 4:] += load_histogram(used.cpu(), self.E, real.cpu())
 
-    def reduce(self, group=None) -> dict:
-        """Sum over every rank (collective: all ranks call it), then the metrics; resets the counters."""
-        phases = sorted(self._acc)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
+    def reduce(self, group=None, phases=None) -> dict:
+        """Sum over every rank (collective: all ranks call it), then the metrics; resets the counters of
+        the phases reported (all, or the given ones)."""
+        given = phases is not None
+        phases = sorted(phases if given else self._acc)
+        if not given and dist.is_initialized() and dist.get_world_size(group) > 1:
             every = [None] * dist.get_world_size(group)
             dist.all_gather_object(every, phases, group=group)  # a stage may have seen no MoE layer
             phases = sorted({p for ps in every for p in ps})
@@ -90,7 +92,7 @@ class RoutingStats:
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(t, group=group)
             out.update(self._metrics(phase, t))
-        self._acc.clear()
+            self._acc.pop(phase, None)
         return out
 
     def _metrics(self, phase, t) -> dict:

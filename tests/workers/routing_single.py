@@ -83,12 +83,14 @@ def r3_case(run, perturb, recompute=False, traces=None, mode="r3"):
     micro = prepare_micro_batches(chunks, batch, cfg.algorithm, NMB, routing=driver)
     old_routes = local_forward_routes(hooks, micro, run.spec.num_layers)
     hooks.clear()
+    with_without = driver.mismatch_report(chunks, micro, cfg.algorithm) if mode == "r3" else {}
+    hooks.clear()
     out = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=driver)
     res = {"old_routes_vs_trace": compare_to_traces(old_routes, run.traces),
            "update_routes_vs_trace": compare_to_traces(local_forward_routes(hooks, micro, 2), run.traces),
            "metrics": {k: v for k, v in out.items() if k.startswith("routing/") and "layer" not in k},
            "router_grad_norms": router_grad_norms(chunks), **mismatch(micro, f"mismatch_{mode}"),
-           "wire": wire}
+           "wire": wire, "with_without": {k: v for k, v in with_without.items() if "layer" not in k}}
     bwd = hooks.backward_routes()
     fwd = {layer: [ids for b, ids in c if not b] for layer, c in hooks.calls.items()}
     res["recompute_calls"] = sum(len(v) for v in bwd.values())
