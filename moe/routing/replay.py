@@ -77,7 +77,6 @@ class _LiveFallbackReplay(RouterReplay):
 
     live_topk = None
     used_topk = None
-    call_log = None  # list of (action, in_backward, indices) when a test wants to see every call
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
         action = self.router_replay_action
@@ -89,7 +88,6 @@ class _LiveFallbackReplay(RouterReplay):
             else:
                 probs, idx = super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
             self.live_topk = self.used_topk = idx.detach()
-            self._log(action, idx)
             return probs, idx
         if action == RouterReplayAction.REPLAY_FORWARD:
             target = self.target_topk_idx
@@ -108,12 +106,7 @@ class _LiveFallbackReplay(RouterReplay):
             idx = torch.where((target < 0).any(dim=1, keepdim=True), live, target)
         if action == RouterReplayAction.REPLAY_FORWARD:
             self.live_topk, self.used_topk = live, idx
-        self._log(action, idx)
         return scores.gather(1, idx), idx
-
-    def _log(self, action, idx):
-        if self.call_log is not None:
-            self.call_log.append((action, _in_backward(), idx.detach().clone()))
 
 
 class RoutingReplay:
@@ -125,7 +118,7 @@ class RoutingReplay:
 
         config = unwrap(model_chunks[0]).config
         check_replay_config(config, mode)
-        self.mode, self.spec, self.config = mode, spec, config
+        self.mode, self.spec = mode, spec
         self._routes = None
         routers = local_routers(model_chunks)
         self.observe = all(r.router_replay is not None for _, r in routers)

@@ -12,7 +12,8 @@ is an input position without a route). Positions without a route are PAD (-2); e
 `replaced` are LIVE (-1): both are routed by the trainer's live router (moe.routing.replay).
 
 The DP split is the trainer's: DP rank r trains the r-th contiguous block of rows (policy_step.shard_and_split).
-The local result is [rows of this DP rank, local sequence shard, local MoE layers, topk] int16.
+The local result is [rows of this DP rank, local sequence shard, local MoE layers, topk] int16 (int32
+beyond 32768 experts).
 """
 from __future__ import annotations
 
@@ -156,8 +157,9 @@ def pack(traces: Sequence[RoutingTrace], pieces, cols) -> tuple[torch.Tensor, to
 
 
 def unpack(flat, replaced, pieces, n_local_rows, shard_len, n_cols, topk) -> torch.Tensor:
-    out = torch.full((n_local_rows, shard_len, n_cols, topk), PAD, dtype=torch.int16)
-    entries = flat.to(torch.int16).reshape(-1, topk)  # one row per (token, layer)
+    dtype = torch.int32 if flat.dtype == torch.int32 else torch.int16  # int16 holds ids < 32768 and markers
+    out = torch.full((n_local_rows, shard_len, n_cols, topk), PAD, dtype=dtype)
+    entries = flat.to(dtype).reshape(-1, topk)  # one row per (token, layer)
     if replaced.numel():
         entries[replaced.long()] = LIVE
     base = 0
