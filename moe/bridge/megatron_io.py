@@ -7,13 +7,14 @@ yields HF-named tensors in buckets, so no rank ever holds more than about one bu
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from .hf_checkpoint import CheckpointFormatError, HFCheckpoint
+from .hf_checkpoint import CheckpointFormatError, HFCheckpoint, expected_hf_shapes
 from .mapping import (Dims, ParamMap, full_to_hf, hf_row_ranges, hf_slices_to_shard, param_maps,
                       shards_to_full)
 
@@ -95,22 +96,33 @@ def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128):
 
 
 # ---- export ---------------------------------------------------------------------------------------
-def _owner_table(model):
-    """Global megatron name -> sorted global ranks holding (a shard of) it; cached on the model."""
+def _export_plan(model):
+    """What every export of this model needs, computed once (one all_gather_object) and cached on it:
+    this rank's LocalParams by global megatron name, and for every global name the sorted global ranks
+    holding (a shard of) it and its full shape and dtype (so receivers allocate without asking)."""
     inner = _inner(model)
-    cached = getattr(inner, "_rlpo_owner_table", None)
+    cached = getattr(inner, "_rlpo_export_plan", None)
     if cached is not None:
         return cached
-    mine = [lp.map.megatron for lp in local_params(model)
-            if not (lp.local_name == "output_layer.weight" and inner.hf_config.tie_word_embeddings)]
+    tied = inner.hf_config.tie_word_embeddings
+    mine = {lp.map.megatron: lp for lp in local_params(model)
+            if not (lp.local_name == "output_layer.weight" and tied)}
+    info = []
+    for name, lp in mine.items():
+        shape = lp.param.shape
+        if lp.tp_size > 1 and lp.map.kind != "replicated":
+            shape = shards_to_full(lp.map.kind, [torch.empty(shape, device="meta")] * lp.tp_size).shape
+        info.append((name, tuple(shape), lp.param.dtype))
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    table: dict[str, list[int]] = {}
-    for rank, names in enumerate(every):
-        for n in names:
-            table.setdefault(n, []).append(rank)
-    inner._rlpo_owner_table = table
-    return table
+    dist.all_gather_object(every, info)
+    owners: dict[str, list[int]] = {}
+    full_meta: dict[str, tuple] = {}
+    for rank, items in enumerate(every):
+        for name, shape, dtype in items:
+            owners.setdefault(name, []).append(rank)
+            full_meta[name] = (shape, dtype)
+    inner._rlpo_export_plan = (mine, owners, full_meta)
+    return inner._rlpo_export_plan
 
 
 class ExportStream:
@@ -118,6 +130,8 @@ class ExportStream:
 
     `dst`: the global rank that receives full tensors (None: every rank does). Other ranks yield
     empty buckets in lockstep. `digests` holds the sender-side digest of every tensor yielded.
+    A bucket holds at most `bucket_bytes` (one larger tensor goes alone) and is valid until the next
+    one is requested: the stream then empties the list so its tensors can be freed.
     """
 
     def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | None = 0,
@@ -143,13 +157,20 @@ class ExportStream:
         chunk = self.chunks[0]
         hf = _inner(chunk).hf_config
         dims = Dims.of(hf, self.vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
-        owners = _owner_table(chunk)
-        mine = {lp.map.megatron: lp for lp in local_params(chunk)
-                if not (lp.local_name == "output_layer.weight" and hf.tie_word_embeddings)}
+        mine, owners, full_meta = _export_plan(chunk)
+        self._device = next(iter(mine.values())).param.device if mine else torch.device("cpu")
         rank = dist.get_rank()
+        shapes = expected_hf_shapes(hf)
         bucket, size = [], 0
         for pm in param_maps(hf):
-            full = self._gather(pm, mine.get(pm.megatron), owners[pm.megatron], rank)
+            if self.receives and bucket:
+                elsize = (self.dtype or full_meta[pm.megatron][1]).itemsize
+                nbytes = sum(math.prod(shapes[n]) for n in pm.hf) * elsize
+                if size + nbytes > self.bucket_bytes:  # yield before gathering: a bucket stays <= bucket_bytes
+                    yield bucket
+                    bucket.clear()  # the consumer is done with it: free its tensors before the next gathers
+                    bucket, size = [], 0
+            full = self._gather(pm, mine.get(pm.megatron), owners[pm.megatron], full_meta[pm.megatron], rank)
             if full is None:
                 continue
             for name, t in zip(pm.hf, full_to_hf(pm.kind, full, dims)):
@@ -159,13 +180,11 @@ class ExportStream:
                 bucket.append((name, t))
                 size += t.numel() * t.element_size()
                 self.bytes_sent += t.numel() * t.element_size()
-            if size >= self.bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
+            full = t = None
         if bucket or not self.receives:
             yield bucket
 
-    def _gather(self, pm, lp, holders, rank):
+    def _gather(self, pm, lp, holders, meta, rank):
         """Full megatron tensor on the receiving rank(s) (None elsewhere)."""
         leader = holders[0]
         full = None
@@ -174,29 +193,30 @@ class ExportStream:
             if min(group_ranks) == leader:  # only the leader's TP group gathers; replicas stay idle
                 data = lp.param.detach()
                 if lp.tp_size > 1 and pm.kind != "replicated":
-                    shards = [torch.empty_like(data) for _ in range(lp.tp_size)]
-                    dist.all_gather(shards, data.contiguous(), group=lp.tp_group)
-                    data = shards_to_full(pm.kind, shards)
+                    if pm.kind in ("qkv", "vocab"):  # shards concatenate along dim 0: gather in place
+                        gathered = data.new_empty((data.shape[0] * lp.tp_size, *data.shape[1:]))
+                        dist.all_gather(list(gathered.chunk(lp.tp_size)), data.contiguous(), group=lp.tp_group)
+                        data = gathered
+                    else:
+                        shards = [torch.empty_like(data) for _ in range(lp.tp_size)]
+                        dist.all_gather(shards, data.contiguous(), group=lp.tp_group)
+                        data = shards_to_full(pm.kind, shards)
                 full = data if rank == leader else None
+        if full is not None and (tuple(full.shape), full.dtype) != meta:
+            raise RuntimeError(f"export of {pm.megatron}: full tensor {tuple(full.shape)} {full.dtype} differs "
+                               f"from the export plan's {meta}")
         if self.dst is None:
-            meta = [None]
-            if rank == leader:
-                meta = [(tuple(full.shape), full.dtype)]
-            dist.broadcast_object_list(meta, src=leader)
             if rank != leader:
-                full = torch.empty(meta[0][0], dtype=meta[0][1])
+                full = torch.empty(meta[0], dtype=meta[1], device=self._device)
             dist.broadcast(full, src=leader)
             return full
         if leader == self.dst:
             return full if rank == self.dst else None
         if rank == leader:
-            dist.send_object_list([(tuple(full.shape), full.dtype)], dst=self.dst)
             dist.send(full.contiguous(), dst=self.dst)
             return None
         if rank == self.dst:
-            meta = [None]
-            dist.recv_object_list(meta, src=leader)
-            full = torch.empty(meta[0][0], dtype=meta[0][1])
+            full = torch.empty(meta[0], dtype=meta[1], device=self._device)
             dist.recv(full, src=leader)
             return full
         return None

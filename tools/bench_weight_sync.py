@@ -1,0 +1,273 @@
+"""Benchmark: weight-bridge export (ExportStream) + in-process sync into a transformers model, vs memcpy.
+
+A random qwen3_moe model of a few hundred MB (fp32) is built as a megatron learner (TP1 in one process;
+EP2 in two), and a transformers model of the same config is the engine. Measured on the receiving rank:
+
+  memcpy   torch copy_ of every exported tensor into a preallocated tensor of the same size (same bytes)
+  digest   tensor_digest of the same tensors (what sender and engine each pay once per sync)
+  export   iterating ExportStream alone (gather + full_to_hf + sender digests), buckets dropped
+  sync     InProcessTransport: export + load into the transformers model + digest verification
+
+Throughput is exported bytes / best-of-N wall time (other jobs share this machine: the minimum is the
+least disturbed run); passes are interleaved and ratios are to memcpy measured in the same process.
+Peak extra memory, as a multiple of the bucket size (on the receiving rank / the maximum over ranks; max of
+3 runs): the larger of the peak RSS above the RSS just before the pass (VmHWM, reset through
+/proc/self/clear_refs) and the peak of glibc's bytes in use above their value before the pass (mallinfo2,
+sampled every 0.5 ms; the RSS alone proved unreliable here: the kernel's accounting sometimes hides
+whole buckets). Measured after the timings, with glibc switched to mmap-only (its free heap trimmed) so
+freed buffers leave the RSS. Timings use glibc's default malloc.
+Targets (export+sync): >= 0.5x memcpy throughput, peak extra <= 1.5 buckets.
+
+    .venv/bin/python tools/bench_weight_sync.py [--layouts tp1,ep2] [--buckets 64,256] [--reps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LAYOUTS = {"tp1": (1, []), "ep2": (2, ["parallel.expert=2"])}
+
+
+def model_config(args) -> dict:
+    with open(os.path.join(ROOT, "configs/models/tiny_qwen3_moe.json")) as f:
+        cfg = json.load(f)
+    cfg.update(hidden_size=args.hidden, num_hidden_layers=args.layers, num_experts=args.experts,
+               num_experts_per_tok=2, moe_intermediate_size=args.moe_ffn, intermediate_size=4 * args.moe_ffn,
+               vocab_size=args.vocab, num_attention_heads=args.hidden // 64, num_key_value_heads=4, head_dim=64)
+    return cfg
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _malloc_mmap_only():
+    """glibc serves every allocation >= 64 KiB by mmap from now on, so freed memory leaves the RSS at once;
+    its free heap pages are returned first, so memory freed earlier cannot hide new allocations."""
+    _LIBC.mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    _LIBC.malloc_trim(0)
+
+
+def _rss(field):
+    return int(re.search(rf"{field}:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
+def _malloc_in_use() -> int:
+    """Bytes glibc has handed out and not taken back (mmapped chunks + arena chunks in use)."""
+    m = _LIBC.mallinfo2()
+    return m.hblkhd + m.uordblks
+
+
+class PeakMemory:
+    """Peak extra memory of the block: the larger of two lower bounds, the RSS high-water mark above the
+    RSS at entry (VmHWM, reset through /proc/self/clear_refs) and the peak of glibc's bytes in use above
+    the entry value, sampled every 0.5 ms (immune to the kernel's RSS accounting)."""
+
+    def __enter__(self):
+        gc.collect()
+        self.base_rss, self.base_malloc = _rss("VmRSS"), _malloc_in_use()
+        self.peak_malloc = self.base_malloc
+        self.done = threading.Event()
+        self.switch = sys.getswitchinterval()
+        sys.setswitchinterval(2e-4)  # let the sampler in while the block runs Python code
+        self.sampler = threading.Thread(target=self._sample, daemon=True)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        self.sampler.start()
+        return self
+
+    def _sample(self):
+        while not self.done.wait(5e-4):
+            self.peak_malloc = max(self.peak_malloc, _malloc_in_use())
+
+    def __exit__(self, *exc):
+        hwm = _rss("VmHWM")
+        self.done.set()
+        self.sampler.join()
+        sys.setswitchinterval(self.switch)
+        self.rss_extra, self.malloc_extra = hwm - self.base_rss, self.peak_malloc - self.base_malloc
+        self.extra = max(self.rss_extra, self.malloc_extra, 0)
+
+
+# ---- worker (under torchrun) ----------------------------------------------------------------------
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from moe.bridge.megatron_io import ExportStream
+    from moe.model import load_hf_config
+    from rlpo_mega import distributed
+    from rlpo_mega.config import load_config
+    from rlpo_mega.training.model_setup import build_policy
+    from rlpo_mega.weight_sync.digest import tensor_digest
+    from rlpo_mega.weight_sync.transports import HFModelReceiver, InProcessTransport
+
+    hf = load_hf_config(args.config)
+    cfg = load_config(None, tuple(LAYOUTS[args.layout][1]))
+    layout = distributed.init(cfg.parallel, hf, cfg.seed)
+    rank = dist.get_rank()
+    chunks, _ = build_policy(hf, layout, cfg.model, None, with_ddp=False)  # megatron's random init
+    engine = AutoModelForCausalLM.from_config(hf) if rank == 0 else None
+    receiver = HFModelReceiver(engine) if rank == 0 else None
+    buckets = [int(b) << 20 for b in args.buckets.split(",")]
+
+    def export_only(bucket_bytes):
+        stream = ExportStream(chunks, bucket_bytes=bucket_bytes, dst=0)
+        for bucket in stream:
+            del bucket  # a consumer that is done with a bucket before asking for the next one
+        return stream
+
+    def sync(bucket_bytes):
+        stream = ExportStream(chunks, bucket_bytes=bucket_bytes, dst=0)
+        InProcessTransport(receiver).sync(stream)  # raises on any digest mismatch
+        return stream
+
+    # Warm-up (lazy inits, first touch of the engine's pages) and the exported tensors for memcpy.
+    stream = sync(buckets[0])
+    total = stream.bytes_sent
+    if rank == 0:
+        srcs = [receiver.weights.read(n) for n in stream.digests]
+        dsts = [torch.empty_like(s) for s in srcs]
+        assert sum(s.numel() * s.element_size() for s in srcs) == total
+
+    def memcpy():
+        if rank == 0:
+            for s, d in zip(srcs, dsts):
+                d.copy_(s)
+
+    def digest():
+        if rank == 0:
+            for s in srcs:
+                tensor_digest(s)
+
+    passes = {"memcpy": memcpy, "digest": digest}
+    for b in buckets:
+        passes[f"export@{b >> 20}"] = lambda b=b: export_only(b)
+        passes[f"sync@{b >> 20}"] = lambda b=b: sync(b)
+    for p in passes.values():
+        p()
+    times = {k: [] for k in passes}
+    for _ in range(args.reps):  # interleaved, so load drifts on the machine hit every pass alike
+        for k, p in passes.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            p()
+            dist.barrier()
+            times[k].append(time.perf_counter() - t0)
+    if rank == 0:
+        del srcs, dsts
+    _malloc_mmap_only()
+    peaks, parts = {}, {}  # parts: the two lower bounds (RSS, malloc) separately, for the JSON report
+    for k, p in passes.items():
+        if k in ("memcpy", "digest"):
+            continue
+        peaks[k], parts[k] = 0, [0, 0]
+        for _ in range(3):
+            dist.barrier()
+            with PeakMemory() as m:
+                p()
+            peaks[k] = max(peaks[k], m.extra)
+            parts[k] = [max(parts[k][0], m.rss_extra), max(parts[k][1], m.malloc_extra)]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, peaks)
+    if rank == 0:
+        report = {"layout": args.layout, "world": dist.get_world_size(), "bytes": total,
+                  "tensors": len(stream.digests), "threads": torch.get_num_threads(),
+                  "time": {k: min(v) for k, v in times.items()}, "peak_dst": peaks,
+                  "peak_dst_rss_malloc": parts, "peak_max": {k: max(e[k] for e in every) for k in peaks}}
+        with open(args.out, "w") as f:
+            json.dump(report, f)
+    distributed.destroy()
+
+
+# ---- driver ---------------------------------------------------------------------------------------
+def run_layout(args, layout, config_path, tmp):
+    nproc = LAYOUTS[layout][0]
+    out = os.path.join(tmp, f"{layout}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+           os.path.abspath(__file__), "--worker", "--layout", layout, "--config", config_path, "--out", out,
+           "--buckets", args.buckets, "--reps", str(args.reps)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{layout} failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layouts", default="tp1,ep2")
+    ap.add_argument("--buckets", default="64,256", help="bucket sizes in MiB")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--hidden", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--moe-ffn", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=16384)
+    ap.add_argument("--json", default=None, help="also write the raw per-layout reports here")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    cfg = model_config(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        config_path = os.path.join(tmp, "config.json")
+        with open(config_path, "w") as f:
+            json.dump(cfg, f)
+        reports = [run_layout(args, layout, config_path, tmp) for layout in args.layouts.split(",")]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(reports, f, indent=1)
+    gb = reports[0]["bytes"] / 1e9
+    print(f"qwen3_moe hidden={args.hidden} layers={args.layers} experts={args.experts} moe_ffn={args.moe_ffn} "
+          f"vocab={args.vocab} fp32: {gb * 1e3:.0f} MB in {reports[0]['tensors']} HF tensors; "
+          f"{args.threads} torch thread(s)/process, best of {args.reps}")
+    print(f"{'layout':6s} {'pass':11s} {'GB/s':>6s} {'x memcpy':>8s} {'peak extra (dst/max rank)':>26s}")
+    verdicts = []
+    for r in reports:
+        mem = r["bytes"] / 1e9 / r["time"]["memcpy"]
+        for k, t in r["time"].items():
+            gbs = r["bytes"] / 1e9 / t
+            peak = ""
+            if k not in ("memcpy", "digest"):
+                b = int(k.split("@")[1]) << 20
+                pd, pm = r["peak_dst"][k] / b, r["peak_max"][k] / b
+                peak = f"{pd:5.2f} / {pm:5.2f} buckets"
+                if k.startswith("sync"):
+                    verdicts.append(f"{r['layout']} {k}: {gbs / mem:.2f}x memcpy (target >= 0.5): "
+                                    f"{'OK' if gbs / mem >= 0.5 else 'MISSED'}; peak {pm:.2f} buckets "
+                                    f"(target <= 1.5): {'OK' if pm <= 1.5 else 'MISSED'}")
+            print(f"{r['layout']:6s} {k:11s} {gbs:6.2f} {gbs / mem:8.2f} {peak:>26s}")
+        bound = 1 / (1 + 2 * r["time"]["digest"] / r["time"]["memcpy"])
+        verdicts.append(f"{r['layout']}: a sync that copies once and digests every byte twice (sender, engine "
+                        f"read-back) can reach at most {bound:.2f}x memcpy here")
+    print("\n".join(verdicts))
+
+
+if __name__ == "__main__":
+    main()
