@@ -88,29 +88,14 @@ def failures(run, d):
 
 
 def main():
-    from ckpt_common import fork_checkpoint_queue, rank
-
-    import torch
-
-    from rlpo_mega import distributed
+    from ckpt_common import finish, fork_checkpoint_queue
 
     t0 = time.time()
     manager = fork_checkpoint_queue()
     out, families = sys.argv[1], sys.argv[2:]
     report = {fam: family_run(fam, out, with_failures=i == 0) for i, fam in enumerate(families)}
     report["seconds"] = time.time() - t0
-    if rank() == 0:
-        from tests.dist import write_report
-
-        write_report(report)
-    torch.distributed.barrier()  # the report is written before anyone leaves
-    distributed.destroy()
-    manager.shutdown()
-    # Skip interpreter teardown (~10 s on 8 ranks x 2 cores); the report is written, every rank
-    # passed the barrier and the queue manager's server is shut down (it would hold the pipes).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(report, manager)
 
 
 if __name__ == "__main__":
