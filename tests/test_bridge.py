@@ -32,12 +32,10 @@ def test_import_forward_export_roundtrip(layout, tmp_path):
 
 
 @pytest.mark.parametrize("cfg", MODELS.split(","))
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2])  # the tiny configs have 2 KV heads: TP <= 2
 def test_shard_math_inverts(cfg, tp):
     """Reading a TP slice straight from HF tensors == slicing the fused full tensor; gathers invert."""
     hf = load_hf_config(cfg)
-    if hf.num_key_value_heads % tp:
-        pytest.skip("kv heads not divisible")
     dims = Dims.of(hf, 128, tp)
     g = torch.Generator().manual_seed(0)
     from moe.bridge.hf_checkpoint import expected_hf_shapes
