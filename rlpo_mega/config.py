@@ -167,6 +167,41 @@ class PromptDataConfig:
 
 
 @dataclass
+class EmbeddedEngineConfig:
+    batch_size: int = 16  # sequences per generate() forward
+    capture_routes: bool = True  # forward hooks on the routers (needed for R3)
+
+
+@dataclass
+class SGLangEngineConfig:
+    urls: list[str] = field(default_factory=list)  # attach to running servers (one per engine-TP group)
+    launch: bool = False  # start servers from this process (launch/sglang_server.py) when urls is empty
+    num_servers: int = 1
+    tp_size: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 30000
+    server_args: dict = field(default_factory=dict)  # extra sglang ServerArgs (e.g. attention_backend)
+    request_timeout: float = 600.0  # seconds per generate request
+    startup_timeout: float = 300.0  # seconds to wait for /health after launch
+    max_restarts: int = 1  # a dead launched server is restarted this many times, then the run stops
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "embedded"  # embedded | sglang (rlpo_mega.rollout ENGINES)
+    temperature: float = 1.0  # must equal algorithm.temperature (the log-probs are of these logits)
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop_token_ids: Optional[list[int]] = None  # None = the tokenizer's eos
+    sync_transport: str = "in_process"  # in_process | disk | distributed (rlpo_mega.weight_sync TRANSPORTS)
+    sync_bucket_mb: int = 64
+    sync_dir: Optional[str] = None  # disk transport's directory
+    embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)
+    sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
+
+
+@dataclass
 class RunConfig:
     seed: int = 1234
     train_iters: int = 1
@@ -179,6 +214,7 @@ class RunConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     prompts: PromptDataConfig = field(default_factory=PromptDataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 def _node(schema, key: str):

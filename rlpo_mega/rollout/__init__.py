@@ -1,0 +1,4 @@
+"""Rollout engines (one registry, ENGINES): the embedded HF engine and the SGLang client."""
+from .base import ENGINES, EngineError, FINISH_REASONS, RolloutEngine, RolloutSample, SamplingParams
+
+__all__ = ["ENGINES", "EngineError", "FINISH_REASONS", "RolloutEngine", "RolloutSample", "SamplingParams"]

@@ -1,0 +1,103 @@
+"""The rollout-engine interface: one contract for the embedded (HF transformers) and SGLang engines.
+
+An engine generates n samples per prompt (token ids in, token ids out) and returns, per sample, the
+response ids, the log-probs the engine sampled them with (log softmax(logits / temperature), before
+top-k/top-p, the SGLang convention), the finish reason and the raw routing rows. It is also a weight
+receiver (rlpo_mega.weight_sync.transports' contract), so any transport can update it.
+
+Routing rows: int32 [prompt_len + response_len - 1, moe_layers, topk], row t = the experts chosen for
+input position t (the last sampled token never runs a forward); the trainer validates them into a
+`moe.routing.trace.RoutingTrace`.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from rlpo_mega.algorithms.registry import Registry
+
+ENGINES = Registry("rollout engine")
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+class EngineError(RuntimeError):
+    """An engine failed (dead server, bad reply, timeout); the message names the engine and the fix."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: Optional[int] = None  # same seed, same prompts, same weights -> same samples
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"sampling temperature {self.temperature} must be > 0 (greedy: use a small "
+                             "temperature with top_k=1)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling top_p {self.top_p} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"sampling top_k {self.top_k} must be -1 (off) or >= 1")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling max_new_tokens {self.max_new_tokens} must be >= 1")
+
+
+@dataclass
+class RolloutSample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: torch.Tensor  # float32 [response_len]
+    finish_reason: str  # one of FINISH_REASONS
+    routes: Optional[torch.Tensor] = None  # int32 [prompt_len + response_len - 1, moe_layers, topk]
+    prompt_index: int = 0  # index of the prompt in the generate() call
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+class RolloutEngine(abc.ABC):
+    """Every engine implements these; the trainer uses nothing else."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
+                 request_ids: Optional[Sequence[str]] = None) -> list[RolloutSample]:
+        """len(prompts) * n samples, prompt-major (sample i*n + j is prompt i's j-th)."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:
+        """Abort in-flight requests (None: all); their samples finish with reason "abort"."""
+
+    # weight receiver (rlpo_mega.weight_sync.transports)
+    @abc.abstractmethod
+    def begin_weight_update(self) -> None: ...
+
+    @abc.abstractmethod
+    def load_weights(self, named_tensors) -> None: ...
+
+    @abc.abstractmethod
+    def end_weight_update(self) -> None: ...
+
+    @abc.abstractmethod
+    def reload_from_disk(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    def weight_digests(self, names) -> dict[str, str]: ...
+
+    @abc.abstractmethod
+    def flush_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the engine can serve; False (never raise) when it is dead or unreachable."""
+
+    def shutdown(self) -> None:
+        pass
