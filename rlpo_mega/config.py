@@ -170,6 +170,7 @@ class PromptDataConfig:
 class EmbeddedEngineConfig:
     batch_size: int = 16  # sequences per generate() forward
     capture_routes: bool = True  # forward hooks on the routers (needed for R3)
+    attn_implementation: str = "sdpa"  # transformers attention backend: sdpa | eager
 
 
 @dataclass

@@ -1,4 +1,5 @@
 """Rollout engines (one registry, ENGINES): the embedded HF engine and the SGLang client."""
 from .base import ENGINES, EngineError, FINISH_REASONS, RolloutEngine, RolloutSample, SamplingParams
+from . import embedded  # noqa: F401  registers ENGINES "embedded"
 
 __all__ = ["ENGINES", "EngineError", "FINISH_REASONS", "RolloutEngine", "RolloutSample", "SamplingParams"]
