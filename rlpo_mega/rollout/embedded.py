@@ -107,6 +107,7 @@ class EmbeddedEngine(RolloutEngine):
         self._abort_all = False
         self._updating = False
         self._dead = False
+        self.decode_steps = 0  # decoding steps of the running (or last) generate() call: progress to watch
 
     @classmethod
     def from_config(cls, run_cfg, hf_config=None) -> "EmbeddedEngine":
@@ -170,6 +171,7 @@ class EmbeddedEngine(RolloutEngine):
             if self._active is not None:
                 raise EngineError("embedded engine: generate() is already running (one call at a time)")
             self._active, self._aborted, self._abort_all = set(rids), set(), False
+            self.decode_steps = 0
         base_seed = params.seed if params.seed is not None else secrets.randbits(62)
         samples = [_Sample(i * n + j, i, rids[i * n + j], p) for i, p in enumerate(prompts) for j in range(n)]
         for s in samples:
@@ -229,6 +231,7 @@ class EmbeddedEngine(RolloutEngine):
             logp = torch.log_softmax(logits, dim=-1)  # before top-k/top-p: the SGLang convention
             tokens = self._choose(logits, params, batch)
             chosen = logp.gather(1, tokens[:, None])[:, 0]
+            self.decode_steps += 1
             keep = []
             for b, (s, ab) in enumerate(zip(batch, self._aborted_rows(batch))):
                 if ab:
