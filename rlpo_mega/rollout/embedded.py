@@ -91,6 +91,8 @@ class EmbeddedEngine(RolloutEngine):
                                                       attn_implementation=self.cfg.attn_implementation)
         self.model.eval().requires_grad_(False)
         self.receiver = HFModelReceiver(self.model)
+        if hasattr(self.receiver, "load_weights_verified"):  # optional fused load+digest (InProcessTransport)
+            self.load_weights_verified = self.receiver.load_weights_verified
         self.spec = trace_spec
         self.capture = None
         if trace_spec is not None:
