@@ -1,0 +1,309 @@
+"""Metrics of the RL trainer: names (REQUIRED_METRICS), cross-rank reduction, W&B + metrics.jsonl + console.
+
+One source of truth for metric names: the trainer logs them, `missing_metrics` checks a run logged all of
+them (tests read the W&B run back), and `rlpo-mega plot` draws them from metrics.jsonl.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step: {"step", "time", <metric>: value, ...}
+CONFIG_FILE = "config.json"  # the run config, next to it (W&B gets it too)
+MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True
+    project: str = "rlpo-mega"
+    run_name: Optional[str] = None  # None = "run-<UTC date-time>"
+    entity: Optional[str] = None
+    mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins
+    dir: Optional[str] = None  # run directory (metrics.jsonl, config.json, wandb/); None = runs/<run_name>
+    console_every: int = 1  # a console line every N steps (0 = never)
+    progress_bar: bool = True  # tqdm bars for rollouts and steps (rank 0, only on a terminal)
+
+
+# --------------------------------------------------------------------------------------------- names
+@dataclass(frozen=True)
+class Metric:
+    name: str  # exact key, or with prefix=True the start of one or more keys (per-layer metrics)
+    doc: str
+    when: str = "always"  # always | clip (clipping losses) | gate (SAPO) | kl_ref (kl.coef > 0) | dynamic_sampling
+    prefix: bool = False
+
+
+REQUIRED_METRICS: tuple[Metric, ...] = (
+    Metric("reward/mean", "mean reward of the step's responses (after shaping)"),
+    Metric("reward/std", "std of those rewards"),
+    Metric("reward/accuracy", "fraction of responses the reward function scores correct"),
+    Metric("response/length_mean", "response tokens per sample"),
+    Metric("response/length_max", "longest response"),
+    Metric("response/truncated_frac", "fraction stopped by max_new_tokens instead of a stop token"),
+    Metric("advantages/mean", "mean advantage over responses"),
+    Metric("advantages/std", "std of the advantages"),
+    Metric("advantages/min", "smallest advantage"),
+    Metric("advantages/max", "largest advantage"),
+    Metric("loss/policy", "the aggregated policy loss (policy_step 'policy_loss')"),
+    Metric("loss/clip_frac_low", "tokens (GSPO: sequences) with A < 0 clipped at 1 - eps_low", when="clip"),
+    Metric("loss/clip_frac_high", "tokens (GSPO: sequences) with A > 0 clipped at 1 + eps_high", when="clip"),
+    Metric("loss/gate_mean", "SAPO: mean soft gate f(r; tau)", when="gate"),
+    Metric("loss/gate_weight_mean", "SAPO: mean gradient weight of the gate", when="gate"),
+    Metric("loss/gate_weight_below_half_frac", "SAPO: tokens whose gate weight is < 0.5", when="gate"),
+    Metric("ratio/token_mean", "mean token ratio pi_new / pi_old (policy_step 'ratio_mean')"),
+    Metric("ratio/seq_mean", "mean sequence ratio exp(mean_t log r_t)"),
+    Metric("ratio/seq_min", "smallest sequence ratio"),
+    Metric("ratio/seq_max", "largest sequence ratio"),
+    Metric("kl/policy", "k3 KL(pi_old || pi_new) over the update tokens"),
+    Metric("kl/ref", "the KL penalty term vs the reference model (policy_step 'kl')", when="kl_ref"),
+    Metric("entropy/mean", "mean token entropy of the policy"),
+    Metric("optim/grad_norm", "gradient norm before clipping"),
+    Metric("optim/lr", "learning rate"),
+    Metric("dynamic_sampling/kept", "groups kept (scores not all equal)", when="dynamic_sampling"),
+    Metric("dynamic_sampling/dropped", "groups dropped", when="dynamic_sampling"),
+    Metric("routing/agreement/layer_", "per MoE layer: fraction of top-k choices the training router shares "
+           "with the rollout's", prefix=True),
+    Metric("routing/agreement/mean", "mean over layers"),
+    Metric("mismatch/k3_kl", "train/rollout log-prob mismatch: k3 KL(pi_rollout || pi_old_train)"),
+    Metric("mismatch/ratio_dev_mean", "mean |pi_old_train / pi_rollout - 1|"),
+    Metric("mismatch/ratio_dev_max", "max |pi_old_train / pi_rollout - 1|"),
+    Metric("experts/load_max/layer_", "per MoE layer: busiest expert's tokens / mean tokens per expert",
+           prefix=True),
+    Metric("experts/load_min/layer_", "per MoE layer: idlest expert's tokens / mean tokens per expert",
+           prefix=True),
+    Metric("time/rollout", "seconds generating"),
+    Metric("time/reward", "seconds scoring"),
+    Metric("time/old_logprob", "seconds in the old (and reference) log-prob passes"),
+    Metric("time/update", "seconds in the optimizer steps"),
+    Metric("time/sync", "seconds pushing weights to the rollout engine"),
+    Metric("time/step", "seconds for the whole step"),
+    Metric("perf/tokens_per_s", "prompt + response tokens trained per second of the step"),
+)
+
+
+def required_metrics(loss_name: str, *, kl_ref: bool = False, dynamic_sampling: bool = True) -> list[Metric]:
+    """The metrics a step must log for this loss (SAPO: gate stats instead of clip fractions)."""
+    from rlpo_mega.algorithms.losses import LOSSES
+
+    gated = LOSSES.get(loss_name).eps_low is None  # unknown name: error listing the known ones
+    active = {"always", "gate" if gated else "clip"}
+    if kl_ref:
+        active.add("kl_ref")
+    if dynamic_sampling:
+        active.add("dynamic_sampling")
+    return [m for m in REQUIRED_METRICS if m.when in active]
+
+
+def missing_metrics(logged_keys: Iterable[str], loss_name: str, *, kl_ref: bool = False,
+                    dynamic_sampling: bool = True) -> list[str]:
+    """Required names absent from `logged_keys` (prefix metrics shown as 'name*'); [] when complete."""
+    keys = set(logged_keys)
+    missing = []
+    for m in required_metrics(loss_name, kl_ref=kl_ref, dynamic_sampling=dynamic_sampling):
+        if m.prefix:
+            if not any(k.startswith(m.name) for k in keys):
+                missing.append(m.name + "*")
+        elif m.name not in keys:
+            missing.append(m.name)
+    return missing
+
+
+# ----------------------------------------------------------------------------------------- reduction
+_OPS = ("max:", "min:", "sum:")
+
+
+def _as_float(value) -> float:
+    return float(value.item() if hasattr(value, "item") else value)
+
+
+def reduce_metrics(metrics: Mapping[str, object], group=None) -> dict[str, float]:
+    """Scalars averaged over the ranks of `group` (default: world); keys "max:x" / "min:x" / "sum:x" reduce
+    x by max / min / sum instead (the prefix is dropped). NaN (a rank with nothing to measure) is skipped
+    by the mean, max and min. Every rank gets the result.
+
+    One collective: an all_gather of the sorted values as one float64 CPU tensor, so `group` must have a
+    CPU backend (gloo; megatron's get_data_parallel_group_gloo()). A hash of the key names travels along:
+    ranks that pass different keys get an error instead of silently mixed values (a different *number*
+    of keys is a size mismatch the backend reports).
+    """
+    keys = sorted(metrics)
+    values = [_as_float(metrics[k]) for k in keys]
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        rows = [[0.0] + values]
+    else:
+        import torch
+
+        local = torch.tensor([float(zlib.crc32("\n".join(keys).encode()))] + values, dtype=torch.float64)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, local, group=group)
+        rows = [g.tolist() for g in gathered]
+        if len({r[0] for r in rows}) != 1:
+            raise ValueError(f"reduce_metrics: ranks passed different metric names (this rank: {keys})")
+    out = {}
+    for i, key in enumerate(keys, start=1):
+        column = [r[i] for r in rows]
+        finite = [v for v in column if not math.isnan(v)]
+        op, name = (key[:4], key[4:]) if key[:4] in _OPS else ("mean", key)
+        if op == "sum:":
+            out[name] = math.fsum(column)
+        elif not finite:
+            out[name] = math.nan
+        elif op == "max:":
+            out[name] = max(finite)
+        elif op == "min:":
+            out[name] = min(finite)
+        else:
+            out[name] = math.fsum(finite) / len(finite)
+    return out
+
+
+# ----------------------------------------------------------------------------------- timing, progress
+class PhaseTimer:
+    """`with timer("rollout"): ...` adds the block's wall time to time/rollout (a phase entered several
+    times in a step, e.g. dynamic-sampling retries, accumulates). `metrics()` returns and resets them.
+    With CUDA, synchronizes at both ends so asynchronous kernels are charged to the phase that ran them."""
+
+    def __init__(self, cuda_sync: bool = True):
+        self.times: dict[str, float] = {}
+        self._sync = None
+        if cuda_sync:
+            import torch
+
+            self._sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if self._sync:
+            self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                self._sync()
+            self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self, reset: bool = True) -> dict[str, float]:
+        out = {f"time/{k}": v for k, v in self.times.items()}
+        if reset:
+            self.times = {}
+        return out
+
+
+def progress_bar(iterable=None, *, total: Optional[int] = None, desc: Optional[str] = None,
+                 enabled: bool = True, rank: int = 0, **kwargs):
+    """A tqdm bar on rank 0 when `enabled` and stderr is a terminal (no bar spam in log files); a disabled
+    bar otherwise, which still accepts update()/close()."""
+    from tqdm.auto import tqdm
+
+    show = enabled and rank == 0 and sys.stderr.isatty()
+    return tqdm(iterable, total=total, desc=desc, disable=not show, dynamic_ncols=True, leave=False, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------ console
+CONSOLE_FIELDS = (  # (label, metric, format)
+    ("reward", "reward/mean", "{:.3f}"),
+    ("acc", "reward/accuracy", "{:.3f}"),
+    ("len", "response/length_mean", "{:.1f}"),
+    ("loss", "loss/policy", "{:.4g}"),
+    ("gnorm", "optim/grad_norm", "{:.3g}"),
+    ("kl", "kl/policy", "{:.2e}"),
+    ("time", "time/step", "{:.2f}s"),
+)
+
+
+def format_console_line(step: int, metrics: Mapping[str, float], total_steps: Optional[int] = None) -> str:
+    """'step 3/10 | reward 0.500 | acc 0.375 | ... | time 1.23s' with the fields present in `metrics`."""
+    parts = [f"step {step}" + (f"/{total_steps}" if total_steps else "")]
+    for label, key, fmt in CONSOLE_FIELDS:
+        if key in metrics:
+            parts.append(f"{label} " + fmt.format(metrics[key]))
+    return " | ".join(parts)
+
+
+# ------------------------------------------------------------------------------------------- logger
+def _jsonable(config):
+    return json.loads(json.dumps(config, default=str))
+
+
+class MetricsLogger:
+    """Writes on global rank 0 only (other ranks get no-ops): W&B, metrics.jsonl (flushed every line, so
+    `rlpo-mega plot` works on a live run) and a console line every `console_every` steps.
+
+    metrics.jsonl is appended to, so a resumed run keeps its earlier steps (the plot keeps the last value
+    logged for a step)."""
+
+    def __init__(self, cfg: LoggingConfig, run_config: Optional[dict] = None, rank: int = 0, world_size: int = 1,
+                 total_steps: Optional[int] = None):
+        if cfg.mode not in MODES:
+            raise ValueError(f"logging.mode={cfg.mode!r}: expected one of {', '.join(MODES)}")
+        if cfg.console_every < 0:
+            raise ValueError(f"logging.console_every={cfg.console_every} must be >= 0")
+        self.cfg, self.rank, self.world_size, self.total_steps = cfg, rank, world_size, total_steps
+        self.enabled = rank == 0
+        self.run_name = cfg.run_name or "run-" + time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        self.run_dir = cfg.dir or os.path.join("runs", self.run_name)
+        self.wandb_run = None
+        self._file = None
+        if not self.enabled:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        config = _jsonable(run_config or {})
+        with open(os.path.join(self.run_dir, CONFIG_FILE), "w") as f:
+            json.dump(config, f, indent=1)
+        self._file = open(os.path.join(self.run_dir, METRICS_FILE), "a")
+        mode = os.environ.get("WANDB_MODE") or cfg.mode  # W&B's own convention: the environment wins
+        if cfg.wandb and mode != "disabled":
+            import wandb
+
+            self.wandb_run = wandb.init(project=cfg.project, name=self.run_name, entity=cfg.entity,
+                                        dir=self.run_dir, config=config, mode=mode)
+
+    @property
+    def wandb_dir(self) -> Optional[str]:
+        """The W&B run directory (offline: <run_dir>/wandb/offline-run-*), for read_wandb_offline_run."""
+        return os.path.dirname(self.wandb_run.dir) if self.wandb_run is not None else None
+
+    def log(self, step: int, metrics: Mapping[str, object]):
+        if not self.enabled:
+            return
+        values = {k: _as_float(v) for k, v in metrics.items()}
+        self._file.write(json.dumps({"step": int(step), "time": time.time(), **values}) + "\n")
+        self._file.flush()
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=int(step))
+        every = self.cfg.console_every
+        if every and step % every == 0:
+            from tqdm.auto import tqdm
+
+            tqdm.write(format_console_line(step, values, self.total_steps), file=sys.stdout)  # keeps bars intact
+            sys.stdout.flush()
+
+    def progress(self, iterable=None, *, total: Optional[int] = None, desc: Optional[str] = None, **kwargs):
+        """progress_bar() with this run's rank and progress_bar setting."""
+        return progress_bar(iterable, total=total, desc=desc, enabled=self.cfg.progress_bar, rank=self.rank,
+                            **kwargs)
+
+    def close(self, exit_code: int = 0):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish(exit_code=exit_code)
+            self.wandb_run = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(exit_code=0 if exc_type is None else 1)
