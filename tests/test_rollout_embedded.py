@@ -15,7 +15,7 @@ from moe.routing.decoders import HFRouteCapture
 from moe.routing.trace import TraceSpec, validate_trace
 from rlpo_mega.config import EmbeddedEngineConfig, load_config
 from rlpo_mega.rollout import ENGINES, EngineError, SamplingParams
-from rlpo_mega.rollout.embedded import EmbeddedEngine
+from rlpo_mega.rollout.embedded import EmbeddedEngine, filter_probs
 from tests.dist import torchrun
 
 FAMILIES = {"qwen3_moe": "configs/models/tiny_qwen3_moe.json", "mixtral": "configs/models/tiny_mixtral.json"}
@@ -123,6 +123,33 @@ def test_logprobs_match_full_forward_and_respect_top_k(setup):
     assert err < 1e-5, err
 
 
+def test_filter_probs_top_k_then_top_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = lambda k, p: (filter_probs(logits, k, p) > 0).int().tolist()[0]  # noqa: E731
+    assert kept(-1, 1.0) == [1, 1, 1, 1]
+    assert kept(-1, 0.7) == [1, 1, 0, 0] and kept(-1, 0.75) == [1, 1, 0, 0] and kept(-1, 0.81) == [1, 1, 1, 0]
+    assert kept(2, 1.0) == [1, 1, 0, 0] and kept(-1, 0.1) == [1, 0, 0, 0]
+    assert kept(3, 0.9) == [1, 1, 1, 0]  # top-p of the renormalised top-3: 0.53, 0.32, 0.16
+
+
+def test_samples_follow_the_filtered_distribution(setup):
+    """800 one-token samples of one prompt: frequencies ~ the renormalised top-k of softmax(logits / T)."""
+    params = SamplingParams(temperature=0.15, top_k=4, max_new_tokens=1, seed=0)  # peaked, not uniform
+    engine = setup.engine
+    old, engine.cfg = engine.cfg, dataclasses.replace(engine.cfg, batch_size=200)
+    try:
+        out = engine.generate(setup.prompts[:1], params, n=800)
+    finally:
+        engine.cfg = old
+    with torch.no_grad():
+        logits = setup.ref(torch.tensor([setup.prompts[0]])).logits[0, -1] / params.temperature
+    top = torch.topk(logits, params.top_k)
+    want = torch.softmax(top.values, -1)
+    got = torch.tensor([sum(s.response_ids[0] == t for s in out) / len(out) for t in top.indices.tolist()])
+    assert abs(float(got.sum()) - 1) < 1e-6  # nothing outside the top-k
+    assert float((got - want).abs().max()) < 0.06, (got, want)  # ~3.4 sigma at n=800
+
+
 def test_greedy_is_exactly_the_argmax(setup):
     samples = setup.engine.generate(setup.prompts, SamplingParams(top_k=1, max_new_tokens=10))
     for s in samples:
@@ -166,6 +193,8 @@ def test_abort_from_another_thread(setup):
     t, box = _generate_in_thread(engine, setup.prompts[:2], SamplingParams(max_new_tokens=max_new, seed=1),
                                  n=2, request_ids=["a", "b"])
     assert engine.in_flight() == {"a", "b"}
+    with pytest.raises(EngineError, match="weight update while generate"):
+        engine.begin_weight_update()
     engine.abort(["b"])
     time.sleep(0.05)
     engine.abort()  # everything else, too
