@@ -53,6 +53,16 @@ class Setup:
         return lp[p - 1:], logits[p - 1:].argmax(-1), routes
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is faster, and spinning OpenMP threads on a shared, busy 2-core
+    machine slow every small op by 10x or more."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def setup(request):
     return Setup(FAMILIES[request.param])
