@@ -185,6 +185,11 @@ class SGLangEngineConfig:
     request_timeout: float = 600.0  # seconds per generate request
     startup_timeout: float = 300.0  # seconds to wait for /health after launch
     max_restarts: int = 1  # a dead launched server is restarted this many times, then the run stops
+    health_timeout: float = 5.0  # seconds for GET /health (and short control calls: x6)
+    flush_retries: int = 20  # /flush_cache refuses while requests run: retried with backoff (<= 2 s)
+    python: Optional[str] = None  # launch: interpreter of the environment that has sglang (None: this one)
+    log_dir: Optional[str] = None  # launch: per-server log files (None: ./logs/sglang)
+    env: dict = field(default_factory=dict)  # launch: extra environment variables for the servers
 
 
 @dataclass

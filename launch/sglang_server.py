@@ -1,0 +1,146 @@
+"""Start and stop one SGLang server (`python -m sglang.launch_server`), wait for GET /health, log to a file.
+
+Used by rlpo_mega.rollout.sglang_engine when `rollout.sglang.launch` is on; also a CLI:
+    python launch/sglang_server.py --model-path HF_DIR --port 30000 [--python VENV/bin/python] [-- extra args]
+
+The server process is started in its own session, so stop() ends the whole process group (scheduler and
+detokenizer children included) and nothing else. This directory is put on the server's PYTHONPATH so
+sglang can import `rlpo_sglang_hooks` (the weight-digest hook, --custom-weight-loader).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+HOOKS_DIR = os.path.dirname(os.path.abspath(__file__))
+DUMP_LOADER = "rlpo_sglang_hooks.dump_params"  # load_format that makes the server dump its parameters
+
+
+def server_args_to_cli(args: dict) -> list[str]:
+    """{"attention_backend": "torch_native", "disable_overlap_schedule": True} -> CLI flags."""
+    out = []
+    for k, v in args.items():
+        flag = "--" + k.replace("_", "-")
+        if v is True:
+            out.append(flag)
+        elif v is False or v is None:
+            continue
+        elif isinstance(v, (list, tuple)):
+            out += [flag, *map(str, v)]
+        else:
+            out += [flag, str(v)]
+    return out
+
+
+class SGLangServer:
+    def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
+                 server_args: dict | None = None, python: str | None = None, log_dir: str | None = None,
+                 env: dict | None = None):
+        self.model_path, self.host, self.port, self.tp_size = model_path, host, port, tp_size
+        self.server_args = dict(server_args or {})
+        self.python = python or sys.executable
+        self.log_dir = log_dir or os.path.join(os.getcwd(), "logs", "sglang")
+        self.env = dict(env or {})
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(self.log_dir, f"server_{host}_{port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        args = {"model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": self.tp_size,
+                **self.server_args}
+        loaders = list(args.pop("custom_weight_loader", None) or [])
+        if DUMP_LOADER not in loaders:
+            loaders.append(DUMP_LOADER)
+        args["custom_weight_loader"] = loaders
+        return [self.python, "-m", "sglang.launch_server", *server_args_to_cli(args)]
+
+    def start(self, timeout: float = 300.0) -> "SGLangServer":
+        os.makedirs(self.log_dir, exist_ok=True)
+        env = {**os.environ, **self.env}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (HOOKS_DIR, env.get("PYTHONPATH")) if p)
+        log = open(self.log_path, "ab")
+        log.write(f"\n=== {time.strftime('%F %T')} {' '.join(self.command())}\n".encode())
+        log.flush()
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+        self.wait_healthy(timeout)
+        return self
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except Exception:
+            return False
+
+    def wait_healthy(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"SGLang server {self.url} exited with code {self.proc.returncode} during "
+                                   f"start-up; see its log {self.log_path}")
+            if self.healthy(timeout=2.0):
+                return
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"SGLang server {self.url} not healthy after {timeout:.0f} s; see its log "
+                           f"{self.log_path} (raise rollout.sglang.startup_timeout if it is just slow)")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self, sig=signal.SIGKILL):
+        """Signal the server's whole process group (its own session: ours only)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace: float = 10.0):
+        if self.proc is None:
+            return
+        self.kill(signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.kill(signal.SIGKILL)
+            self.proc.wait(10)
+        try:  # children that outlived the leader
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc = None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--python", default=None, help="the interpreter of the environment that has sglang")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("extra", nargs="*", help="after --: more sglang.launch_server flags")
+    a = p.parse_args(argv)
+    server = SGLangServer(a.model_path, a.host, a.port, a.tp_size, python=a.python)
+    server.command = (lambda base=server.command: base() + a.extra)  # type: ignore[method-assign]
+    server.start(a.timeout)
+    print(f"SGLang server ready at {server.url} (log {server.log_path}); Ctrl-C stops it", flush=True)
+    try:
+        server.proc.wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

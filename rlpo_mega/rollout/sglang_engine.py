@@ -1,0 +1,473 @@
+"""The SGLang rollout engine: an HTTP client of one or more SGLang servers (one per engine-TP group).
+
+Servers are attached by URL (`rollout.sglang.urls`) or started here (`launch: true`, launch/sglang_server.py).
+Requests go to /generate with input_ids, our own rids, return_logprob and return_routed_experts; the
+routes are decoded with moe.routing.decoders. Plain HTTP (urllib): the learner's environment needs no
+sglang; only update_weights_from_tensor's payload uses torch's ForkingPickler (what sglang's
+MultiprocessingSerializer is), with CPU tensors in shared-memory files (file_system strategy: the default
+file-descriptor passing cannot cross HTTP and crashed the server).
+
+Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, then a flush):
+  load_weights        update_weights_from_tensor (colocated: shared memory on this host)
+  reload_from_disk    update_weights_from_disk
+  "sglang_distributed" transport (below): init_weights_update_group + update_weights_from_distributed
+weight_digests reads back what the server actually holds: SGLang cannot return MoE weights over HTTP, so a
+custom weight loader (launch/rlpo_sglang_hooks.py) dumps its parameters to a directory, which is mapped
+back to HF names here and digested with rlpo_mega.weight_sync.digest.tensor_digest.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
+
+import torch
+
+from rlpo_mega.weight_sync.digest import DigestMismatchError, tensor_digest, verify
+from rlpo_mega.weight_sync.transports import TRANSPORTS
+
+from .base import ENGINES, EngineError, RolloutEngine, RolloutSample, SamplingParams
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DUMP_LOADER = "rlpo_sglang_hooks.dump_params"
+FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class EngineRestarted(EngineError):
+    """A dead launched server was restarted: it holds the checkpoint's weights again; re-sync, then retry."""
+
+
+def _load_launcher():
+    import importlib.util
+
+    path = os.path.join(_REPO, "launch", "sglang_server.py")
+    spec = importlib.util.spec_from_file_location("rlpo_launch_sglang_server", path)
+    if spec is None or not os.path.exists(path):
+        raise EngineError(f"rollout.sglang.launch needs {path} (the repository's launch/ directory); "
+                          "start the servers yourself and set rollout.sglang.urls instead")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Server:
+    def __init__(self, url: str, launched=None):
+        self.url = url.rstrip("/")
+        self.launched = launched  # launch/sglang_server.SGLangServer when we started it
+        self.restarts = 0
+
+
+@ENGINES.register("sglang")
+class SGLangEngine(RolloutEngine):
+    """cfg: SGLangEngineConfig. hf_config: the served model's transformers config (or a config.json path /
+    HF directory), for route decoding and digest read-back. model_path: the HF directory to launch from
+    (launch mode) or to restart from."""
+
+    def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True):
+        from moe.routing.trace import TraceSpec
+
+        if isinstance(hf_config, str):
+            from moe.model import load_hf_config
+
+            hf_config = load_hf_config(hf_config)
+        self.cfg, self.hf, self.model_path = cfg, hf_config, model_path
+        self.spec = TraceSpec.from_hf(hf_config)
+        self.num_hidden_layers = int(hf_config.num_hidden_layers)
+        self.return_routes = return_routes
+        self._rid = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+        self._inflight: dict[str, _Server] = {}
+        self._lock = threading.Lock()
+        self.weights_updated = False  # since the servers started: a restart would silently undo it
+        self._tmp = tempfile.mkdtemp(prefix="rlpo_sglang_")
+        self.servers: list[_Server] = []
+        if cfg.urls:
+            self.servers = [_Server(u) for u in cfg.urls]
+        elif cfg.launch:
+            if not model_path:
+                raise EngineError("rollout.sglang.launch needs the model's HF directory (model.init_from_hf) "
+                                  "to start the servers from")
+            launcher = _load_launcher()
+            for i in range(cfg.num_servers):
+                srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + i, cfg.tp_size,
+                                            server_args=cfg.server_args, python=cfg.python or None,
+                                            log_dir=cfg.log_dir or None, env=cfg.env)
+                self.servers.append(_Server(srv.url, srv))
+            try:
+                for s in self.servers:
+                    s.launched.start(cfg.startup_timeout)
+            except Exception as e:
+                self.shutdown()
+                raise EngineError(f"SGLang engine: could not start a server: {e}") from e
+        else:
+            raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
+        self._rr = itertools.cycle(range(len(self.servers)))
+
+    # ---------------------------------------------------------------- HTTP
+    def _http(self, server: _Server, path: str, payload=None, timeout: Optional[float] = None,
+              method: Optional[str] = None):
+        """(status, body) of one request; raises EngineError for a dead server, with the fix."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(server.url + path, data=data, method=method or ("POST" if data else "GET"),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+            raise self._dead(server, f"{path} failed: {e}") from e
+
+    def _post_ok(self, server: _Server, path: str, payload=None, timeout=None) -> dict:
+        status, body = self._http(server, path, payload if payload is not None else {}, timeout)
+        try:
+            out = json.loads(body) if body else {}
+        except ValueError:
+            out = {"message": body.decode(errors="replace")}
+        if status != 200 or (isinstance(out, dict) and out.get("success") is False):
+            raise EngineError(f"SGLang server {server.url}{path} answered {status}: "
+                              f"{out.get('message') or out.get('error') or out}")
+        return out
+
+    def _dead(self, server: _Server, what: str) -> EngineError:
+        if self._healthy(server):
+            return EngineError(f"SGLang server {server.url}: {what} (the server is healthy: a timeout? "
+                               f"rollout.sglang.request_timeout is {self.cfg.request_timeout} s)")
+        if server.launched is None:
+            return EngineError(f"SGLang server {server.url} is dead or unreachable ({what}); it was not "
+                               "started by this run: restart it (same model and flags) and resume from the last "
+                               "checkpoint, or remove it from rollout.sglang.urls")
+        if server.restarts >= self.cfg.max_restarts:
+            return EngineError(f"SGLang server {server.url} died again ({what}) after {server.restarts} restarts "
+                               f"(rollout.sglang.max_restarts); see its log {server.launched.log_path}")
+        server.restarts += 1
+        server.launched.stop()
+        try:
+            server.launched.start(self.cfg.startup_timeout)
+        except Exception as e:
+            return EngineError(f"SGLang server {server.url} died ({what}) and its restart failed: {e}")
+        if self.weights_updated:
+            return EngineRestarted(f"SGLang server {server.url} died ({what}) and was restarted (restart "
+                                   f"{server.restarts}/{self.cfg.max_restarts}): it holds the checkpoint's weights "
+                                   "again; sync the weights, then retry the rollout")
+        return EngineRestarted(f"SGLang server {server.url} died ({what}) and was restarted; retry the rollout")
+
+    def _healthy(self, server: _Server) -> bool:
+        if server.launched is not None and not server.launched.alive():
+            return False
+        try:
+            req = urllib.request.Request(server.url + "/health")
+            with urllib.request.urlopen(req, timeout=self.cfg.health_timeout) as r:
+                return r.status == 200
+        except Exception:
+            return False
+
+    def health(self) -> bool:
+        return all(self._healthy(s) for s in self.servers)
+
+    # ---------------------------------------------------------------- generation
+    def _sampling(self, params: SamplingParams, seed: Optional[int]) -> dict:
+        sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+              "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+              "ignore_eos": True}  # the trainer resolved eos into stop_token_ids (RolloutConfig)
+        if seed is not None and self.cfg.server_args.get("enable_deterministic_inference"):
+            sp["sampling_seed"] = seed  # sglang 0.5.23 accepts a per-request seed only in deterministic mode
+        return sp
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
+                 request_ids: Optional[Sequence[str]] = None) -> list[RolloutSample]:
+        total = len(prompts) * n
+        if request_ids is not None and len(request_ids) != total:
+            raise ValueError(f"{len(request_ids)} request_ids for {total} samples (prompts x n)")
+        jobs = []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                k = i * n + j
+                rid = request_ids[k] if request_ids is not None else f"rlpo-{self._prefix}-{next(self._rid)}"
+                seed = None if params.seed is None else (params.seed * 1000003 + k) % (2 ** 31)
+                jobs.append((i, list(map(int, p)), rid, seed, self.servers[next(self._rr)]))
+        if not jobs:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(jobs), 64)) as pool:
+            futures = [pool.submit(self._one, i, p, rid, self._sampling(params, seed), srv)
+                       for i, p, rid, seed, srv in jobs]
+            return [f.result() for f in futures]
+
+    def _one(self, prompt_index, prompt, rid, sampling, server) -> RolloutSample:
+        payload = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
+                   "return_routed_experts": self.return_routes}
+        with self._lock:
+            self._inflight[rid] = server
+        try:
+            status, body = self._http(server, "/generate", payload)
+        finally:
+            with self._lock:
+                self._inflight.pop(rid, None)
+        try:
+            out = json.loads(body)
+        except ValueError:
+            raise EngineError(f"SGLang server {server.url}/generate answered {status} with non-JSON: {body[:200]!r}")
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        if status != 200 and not meta:
+            raise EngineError(f"SGLang server {server.url}/generate (rid {rid}) answered {status}: {out}")
+        fr = (meta.get("finish_reason") or {}) if meta else {}
+        reason = FINISH.get(fr.get("type") if isinstance(fr, dict) else fr, "abort")
+        ids = [int(t) for t in out.get("output_ids") or []]
+        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        if reason != "abort" and len(lps) != len(ids):
+            raise EngineError(f"SGLang server {server.url} (rid {rid}): {len(lps)} log-probs for {len(ids)} tokens")
+        ids, lps = ids[:len(lps)], lps
+        routes = None
+        if self.return_routes and meta.get("routed_experts") is not None:
+            from moe.routing.decoders import decode_sglang, select_moe_layers
+
+            rows = decode_sglang(meta["routed_experts"], self.num_hidden_layers, self.spec.topk)
+            routes = select_moe_layers(rows, self.spec, self.num_hidden_layers)
+        elif self.return_routes and reason != "abort":
+            raise EngineError(f"SGLang server {server.url} returned no routed_experts: start it with "
+                              "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")
+        return RolloutSample(prompt_ids=prompt, response_ids=ids, logprobs=torch.tensor(lps, dtype=torch.float32),
+                             finish_reason=reason, routes=routes, prompt_index=prompt_index,
+                             meta={"rid": rid, "server": server.url, "finish": fr,
+                                   "weight_version": meta.get("weight_version")})
+
+    def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:
+        if request_ids is None:
+            for s in self.servers:
+                self._post_ok_empty(s, "/abort_request", {"abort_all": True})
+            return
+        with self._lock:
+            owners = {rid: self._inflight.get(rid) for rid in request_ids}
+        for rid, s in owners.items():
+            for srv in [s] if s is not None else self.servers:  # unknown owner (not yet sent): ask all
+                self._post_ok_empty(srv, "/abort_request", {"rid": rid})
+
+    def _post_ok_empty(self, server, path, payload):
+        status, body = self._http(server, path, payload, timeout=self.cfg.health_timeout * 6)
+        if status != 200:
+            raise EngineError(f"SGLang server {server.url}{path} answered {status}: {body[:300]!r}")
+
+    def flush_cache(self) -> None:
+        # SGLang refuses while requests are queued or running, sometimes just after generate() returned
+        for s in self.servers:
+            delay, last = 0.05, b""
+            for _ in range(self.cfg.flush_retries):
+                status, last = self._http(s, "/flush_cache", {}, timeout=self.cfg.health_timeout * 6)
+                if status == 200:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            else:
+                raise EngineError(f"SGLang server {s.url}/flush_cache still refused after {self.cfg.flush_retries} "
+                                  f"tries ({last[:200]!r}): requests are still running; abort() them first")
+
+    # ---------------------------------------------------------------- weights
+    def begin_weight_update(self) -> None:
+        for s in self.servers:
+            self._post_ok(s, "/begin_weight_update")
+
+    def end_weight_update(self) -> None:
+        for s in self.servers:
+            self._post_ok(s, "/end_weight_update")
+        self.weights_updated = True
+        self.flush_cache()
+
+    def _tensor_payload(self, named_tensors) -> tuple[str, list]:
+        """sglang MultiprocessingSerializer format: base64(ForkingPickler([(name, tensor), ...]))."""
+        import multiprocessing.reduction
+
+        import torch.multiprocessing as tmp
+
+        tmp.set_sharing_strategy("file_system")  # fd passing cannot cross HTTP
+        keep = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+        buf = io.BytesIO()
+        multiprocessing.reduction.ForkingPickler(buf).dump(keep)
+        return base64.b64encode(buf.getvalue()).decode(), keep  # keep: alive until the server has loaded
+
+    def load_weights(self, named_tensors, load_format: Optional[str] = None) -> None:
+        named_tensors = list(named_tensors)
+        if not named_tensors:
+            return
+        payload, keep = self._tensor_payload(named_tensors)
+        for s in self.servers:
+            self._post_ok(s, "/update_weights_from_tensor",
+                          {"serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": load_format,
+                           "flush_cache": False})
+        del keep
+
+    def reload_from_disk(self, path: str) -> None:
+        for s in self.servers:
+            self._post_ok(s, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
+                                                           "flush_cache": False})
+        self.weights_updated = True
+        self.flush_cache()
+
+    def read_weights(self, server: Optional[_Server] = None) -> dict[str, torch.Tensor]:
+        """HF-named full tensors as the server holds them (TP 1)."""
+        from safetensors.torch import load_file
+
+        server = server or self.servers[0]
+        if self.cfg.tp_size != 1:
+            raise EngineError("reading weights back from an SGLang server with tp_size > 1 is not implemented "
+                              "(the digest check needs tp_size 1, or skip verification)")
+        directory = os.path.join(self._tmp, f"dump_{uuid.uuid4().hex[:8]}")
+        try:
+            self._post_ok(server, "/begin_weight_update")
+            payload, keep = self._tensor_payload([(directory, torch.zeros(1))])
+            status, body = self._http(server, "/update_weights_from_tensor",
+                                      {"serialized_named_tensors": [payload], "load_format": DUMP_LOADER,
+                                       "flush_cache": False})
+            self._post_ok(server, "/end_weight_update")
+            file = os.path.join(directory, "params_tp0.safetensors")
+            if status != 200 or not os.path.exists(file):
+                raise EngineError(f"SGLang server {server.url} could not dump its weights for the digest check "
+                                  f"({status}: {body[:300]!r}): start it with --custom-weight-loader {DUMP_LOADER} "
+                                  "and the repository's launch/ directory on its PYTHONPATH (launch: true does "
+                                  "both), on this host")
+            return sglang_to_hf(load_file(file), self.hf)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def weight_digests(self, names) -> dict[str, str]:
+        per_server = []
+        for s in self.servers:
+            held = self.read_weights(s)
+            per_server.append({n: tensor_digest(held[n]) for n in names if n in held})
+        for s, d in zip(self.servers[1:], per_server[1:]):
+            try:
+                verify(per_server[0], d, where=f"SGLang server {s.url} (vs {self.servers[0].url})")
+            except DigestMismatchError as e:
+                raise DigestMismatchError(f"SGLang servers disagree: {e}") from e
+        return per_server[0]
+
+    def shutdown(self) -> None:
+        for s in self.servers:
+            if s.launched is not None:
+                s.launched.stop()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def sglang_to_hf(params: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
+    """SGLang's fused TP-1 parameters -> HF names: qkv_proj -> q/k/v_proj, gate_up_proj -> gate/up_proj,
+    experts.w13_weight [E, 2I, H] -> per-expert gate (w1) and up (w3), experts.w2_weight -> down (w2);
+    vocab rows padded by SGLang are cut back to vocab_size."""
+    mixtral = hf.model_type == "mixtral"
+    heads, kv = int(hf.num_attention_heads), int(hf.num_key_value_heads)
+    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+    vocab = int(hf.vocab_size)
+    out = {}
+    for name, t in params.items():
+        if ".qkv_proj." in name:
+            q, k, v = t.split([heads * head_dim, kv * head_dim, kv * head_dim], dim=0)
+            for part, x in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[name.replace("qkv_proj", part)] = x
+        elif ".gate_up_proj." in name:
+            g, u = t.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = g, u
+        elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
+            base = name.rsplit(".", 1)[0]
+            for e in range(t.shape[0]):
+                if name.endswith("w13_weight"):
+                    g, u = t[e].chunk(2, dim=0)
+                    out[f"{base}.{e}.{'w1' if mixtral else 'gate_proj'}.weight"] = g
+                    out[f"{base}.{e}.{'w3' if mixtral else 'up_proj'}.weight"] = u
+                else:
+                    out[f"{base}.{e}.{'w2' if mixtral else 'down_proj'}.weight"] = t[e]
+        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
+            out[name] = t[:vocab]
+        else:
+            out[name] = t
+    if "lm_head.weight" not in out and getattr(hf, "tie_word_embeddings", False):
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return {n: x.contiguous() for n, x in out.items()}
+
+
+@TRANSPORTS.register("sglang_distributed")
+class SGLangDistributedTransport:
+    """SGLang's own distributed protocol: POST /init_weights_update_group once (the learner's sending rank
+    is rank 0; server i's TP ranks follow), then per bucket POST /update_weights_from_distributed (names,
+    dtypes, shapes) while rank 0 broadcasts the tensors; gloo on CPU, NCCL on GPU. Ends with the digest
+    check of what the servers hold."""
+
+    def __init__(self, engine: SGLangEngine, master_address: str = "127.0.0.1", master_port: int = 29650,
+                 backend: Optional[str] = None, group_name: str = "rlpo_weight_sync", timeout_s: float = 300.0):
+        self.engine, self.addr, self.port, self.group_name = engine, master_address, master_port, group_name
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.timeout_s = timeout_s
+        self.pg = None
+
+    def _concurrently(self, calls):
+        """Run HTTP calls that block until our side joins a collective; returns their results."""
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            futures = [pool.submit(f) for f in calls]
+            yield
+            for f in futures:
+                f.result()
+
+    def _init_group(self):
+        from datetime import timedelta
+
+        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+
+        e = self.engine
+        world = 1 + len(e.servers) * e.cfg.tp_size
+        calls = [lambda s=s, i=i: e._post_ok(s, "/init_weights_update_group", {
+            "master_address": self.addr, "master_port": self.port, "rank_offset": 1 + i * e.cfg.tp_size,
+            "world_size": world, "group_name": self.group_name, "backend": self.backend},
+            timeout=self.timeout_s) for i, s in enumerate(e.servers)]
+        for _ in self._concurrently(calls):
+            # the same rendezvous as sglang's init_custom_process_group: TCP store, group-name prefix
+            timeout = timedelta(seconds=self.timeout_s)
+            store, rank, _ = next(rendezvous(f"tcp://{self.addr}:{self.port}", 0, world, timeout=timeout))
+            store.set_timeout(timeout)
+            self.pg, _ = _new_process_group_helper(world, 0, [], torch.distributed.Backend(self.backend),
+                                                   PrefixStore(self.group_name, store), group_name=self.group_name,
+                                                   timeout=timeout)
+            _world.pg_group_ranks[self.pg] = {i: i for i in range(world)}  # as sglang does: src=0 resolves
+
+    def sync(self, stream) -> dict:
+        e = self.engine
+        if stream.receives:
+            if self.pg is None:
+                self._init_group()
+            e.begin_weight_update()
+        for bucket in stream:
+            if not stream.receives or not bucket:
+                continue
+            meta = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
+                    "flush_cache": False}
+            calls = [lambda s=s: e._post_ok(s, "/update_weights_from_distributed", meta) for s in e.servers]
+            for _ in self._concurrently(calls):
+                dev = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+                for _, t in bucket:
+                    torch.distributed.broadcast(t.contiguous().to(dev), src=0, group=self.pg)
+        if not stream.receives:
+            return {}
+        e.end_weight_update()
+        verify(stream.digests, e.weight_digests(list(stream.digests)))
+        return {"tensors": len(stream.digests), "bytes": stream.bytes_sent}
+
+    def close(self):
+        if self.pg is not None:
+            for s in self.engine.servers:
+                try:
+                    self.engine._post_ok(s, "/destroy_weights_update_group", {"group_name": self.group_name})
+                except EngineError:
+                    pass
+            torch.distributed.destroy_process_group(self.pg)
+            self.pg = None
+
+
+__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine", "sglang_to_hf"]
