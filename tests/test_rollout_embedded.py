@@ -240,6 +240,18 @@ def test_routes_valid_and_match_a_full_forward(setup):
     assert agree / total >= 0.9, agree / total
 
 
+def test_reload_from_disk_serves_the_checkpoint(setup, tmp_path):
+    """The disk transport's path: a fresh engine reloads an HF checkpoint and samples what the first does."""
+    setup.ref.save_pretrained(tmp_path)
+    fresh = EmbeddedEngine(setup.hf, EmbeddedEngineConfig(batch_size=3), setup.spec)
+    fresh.reload_from_disk(str(tmp_path))
+    names = HFModelWeights(setup.ref).names()
+    assert fresh.weight_digests(names) == setup.engine.weight_digests(names)
+    params = SamplingParams(max_new_tokens=6, seed=8)
+    a, b = setup.engine.generate(setup.prompts, params), fresh.generate(setup.prompts, params)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+
+
 def test_no_capture_no_routes():
     engine = EmbeddedEngine(FAMILIES["qwen3_moe"], EmbeddedEngineConfig(capture_routes=False))
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, seed=0))

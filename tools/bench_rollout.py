@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from moe.bridge.hf_inmemory import HFModelWeights  # noqa: E402
+from moe.routing.decoders import HFRouteCapture  # noqa: E402
 from moe.routing.trace import TraceSpec, validate_trace  # noqa: E402
 from rlpo_mega.config import EmbeddedEngineConfig  # noqa: E402
 from rlpo_mega.rollout import SamplingParams  # noqa: E402
@@ -83,6 +84,14 @@ def main():
     same = [s.response_ids for s in outs["on"]] == [s.response_ids for s in outs["off"]]
     for i, s in enumerate(outs["on"]):
         validate_trace(s.routes, spec, s.num_tokens - 1, i)
+    # cached incremental routing vs one full forward of the same tokens (the mismatch R3 replay removes)
+    agree = total = 0
+    with HFRouteCapture(engines["off"].model, spec) as cap, torch.no_grad():
+        for s in outs["on"][:8]:
+            engines["off"].model(torch.tensor([s.prompt_ids + s.response_ids]))
+            eq = (cap.sample(0)[:-1].sort(-1).values == s.routes.sort(-1).values).all(-1)
+            cap.clear()
+            agree, total = agree + int(eq.sum()), total + eq.numel()
     tps = {m: tokens[m] / min(times[m]) for m in engines}
     result = {
         "model_mb": round(mb, 1), "threads": torch.get_num_threads(),
@@ -93,6 +102,7 @@ def main():
         "best_s": {m: round(min(v), 3) for m, v in times.items()},
         "median_s": {m: round(sorted(v)[len(v) // 2], 3) for m, v in times.items()},
         "identical_samples": same,
+        "route_agreement_vs_full_forward": round(agree / total, 4),
     }
     print(json.dumps(result, indent=1))
 

@@ -166,6 +166,9 @@ class EmbeddedEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                  request_ids: Optional[Sequence[str]] = None) -> list[RolloutSample]:
+        """len(prompts) * n samples, prompt-major. request_ids: one per prompt (its n samples share it, and
+        abort() stops all of them) or one per sample; None = generated ids. meta["request_id"] is the
+        sample's id; with seed=None meta["seed"] is the drawn seed (SamplingParams(seed=it) replays)."""
         prompts, rids = self._check(prompts, params, n, request_ids)
         with self._lock:
             if self._updating:
@@ -198,8 +201,8 @@ class EmbeddedEngine(RolloutEngine):
             return
         r = self.capture.routes()  # [B, positions, moe_layers, topk]
         self.capture.clear()
-        for b, s in enumerate(batch):
-            s.routes.append(r[b, skip[b]:])
+        for s, rows, k in zip(batch, r.unbind(0), skip):  # one unbind: views, no per-row indexing
+            s.routes.append(rows[k:] if k else rows)
 
     def _run_batch(self, batch: list[_Sample], params: SamplingParams):
         from transformers import DynamicCache
