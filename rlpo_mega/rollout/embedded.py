@@ -59,7 +59,7 @@ class _Sample:
     def __init__(self, index, prompt_index, rid, prompt):
         self.index, self.prompt_index, self.rid, self.prompt = index, prompt_index, rid, prompt
         self.response: list[int] = []
-        self.logprobs: list[torch.Tensor] = []
+        self.logprobs: list[float] = []
         self.routes: list[torch.Tensor] = []
         self.finish: Optional[str] = None
         self.gen: Optional[torch.Generator] = None
@@ -235,14 +235,13 @@ class EmbeddedEngine(RolloutEngine):
             logits = out.logits[:, -1].float() / params.temperature
             logp = torch.log_softmax(logits, dim=-1)  # before top-k/top-p: the SGLang convention
             tokens = self._choose(logits, params, batch)
-            chosen = logp.gather(1, tokens[:, None])[:, 0]
+            chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()  # fp32 -> float -> fp32 is exact
             self.decode_steps += 1
             keep = []
-            for b, (s, ab) in enumerate(zip(batch, self._aborted_rows(batch))):
+            for b, (s, ab, t) in enumerate(zip(batch, self._aborted_rows(batch), tokens.tolist())):
                 if ab:
                     s.finish = "abort"  # this step's token is not handed out
                     continue
-                t = int(tokens[b])
                 s.response.append(t)
                 s.logprobs.append(chosen[b])
                 if t in stop:
@@ -262,8 +261,6 @@ class EmbeddedEngine(RolloutEngine):
             out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                              past_key_values=cache, use_cache=True)
             self._collect_routes(batch, [0] * len(batch))
-        for s in batch:  # unreachable: every row finishes by "length" at the last step
-            s.finish = s.finish or "length"
 
     def _choose(self, logits: torch.Tensor, params: SamplingParams, batch) -> torch.Tensor:
         if params.top_k == 1:  # greedy: exactly the argmax, no randomness consumed
@@ -281,7 +278,7 @@ class EmbeddedEngine(RolloutEngine):
         meta = {"request_id": s.rid}
         if fresh:
             meta["seed"] = base_seed  # replays the call with SamplingParams(seed=...)
-        lp = torch.stack(s.logprobs).float() if s.logprobs else torch.zeros(0, dtype=torch.float32)
+        lp = torch.tensor(s.logprobs, dtype=torch.float32)
         return RolloutSample(prompt_ids=list(s.prompt), response_ids=s.response, logprobs=lp,
                              finish_reason=s.finish or "length", routes=routes, prompt_index=s.prompt_index,
                              meta=meta)
