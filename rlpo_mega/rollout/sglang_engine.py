@@ -85,6 +85,7 @@ class SGLangEngine(RolloutEngine):
         self.spec = TraceSpec.from_hf(hf_config)
         self.num_hidden_layers = int(hf_config.num_hidden_layers)
         self.return_routes = return_routes
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         self._rid = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._inflight: dict[str, _Server] = {}
@@ -277,9 +278,12 @@ class SGLangEngine(RolloutEngine):
         for s in self.servers:
             self._post_ok(s, "/begin_weight_update")
 
-    def end_weight_update(self) -> None:
+    def _post_ok_all(self, path):
         for s in self.servers:
-            self._post_ok(s, "/end_weight_update")
+            self._post_ok(s, path)
+
+    def end_weight_update(self) -> None:
+        self._post_ok_all("/end_weight_update")
         self.weights_updated = True
         self.flush_cache()
 
@@ -299,6 +303,10 @@ class SGLangEngine(RolloutEngine):
         named_tensors = list(named_tensors)
         if not named_tensors:
             return
+        names = {n for n, _ in named_tensors}
+        if self.tied and "model.embed_tokens.weight" in names and "lm_head.weight" not in names:
+            # sglang's Mixtral (0.5.23) ignores tie_word_embeddings and keeps its own lm_head: send it too
+            named_tensors.append(("lm_head.weight", dict(named_tensors)["model.embed_tokens.weight"]))
         payload, keep = self._tensor_payload(named_tensors)
         for s in self.servers:
             self._post_ok(s, "/update_weights_from_tensor",
@@ -310,6 +318,15 @@ class SGLangEngine(RolloutEngine):
         for s in self.servers:
             self._post_ok(s, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
                                                            "flush_cache": False})
+        if self.tied:  # see load_weights: a tied checkpoint has no lm_head.weight for sglang's Mixtral
+            from safetensors import safe_open
+
+            for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+                with safe_open(os.path.join(path, file), "pt") as f:
+                    if "model.embed_tokens.weight" in f.keys():
+                        self.begin_weight_update()
+                        self.load_weights([("model.embed_tokens.weight", f.get_tensor("model.embed_tokens.weight"))])
+                        self._post_ok_all("/end_weight_update")
         self.weights_updated = True
         self.flush_cache()
 
@@ -343,6 +360,11 @@ class SGLangEngine(RolloutEngine):
         per_server = []
         for s in self.servers:
             held = self.read_weights(s)
+            if self.tied and not torch.equal(held["lm_head.weight"], held["model.embed_tokens.weight"]):
+                raise DigestMismatchError(
+                    f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
+                    "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "
+                    "(it sends lm_head too) or serve an untied checkpoint")
             per_server.append({n: tensor_digest(held[n]) for n in names if n in held})
         for s, d in zip(self.servers[1:], per_server[1:]):
             try:
