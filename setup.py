@@ -17,6 +17,7 @@ setup(
         "psutil>=5.9",  # megatron dist_checkpointing
         "wandb>=0.19",
         "omegaconf>=2.3",  # typed configs + dotted overrides
+        "matplotlib>=3.7",  # `rlpo-mega plot` learning curves
         "math-verify>=0.9,<0.10",  # math reward; pure Python (sympy, latex2sympy2_extended, antlr4 runtime)
         "numpy",
         "pytest>=8",

@@ -72,6 +72,7 @@ def family(request, sglang_python, tmp_path_factory):
                              request_timeout=120, max_restarts=1 if request.param == "qwen3_moe" else 0,
                              env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")})
     t0 = time.monotonic()
+    assert ENGINES.get("sglang") is SGLangEngine
     engine = ENGINES.get("sglang")(cfg, hf, model_path=ckpt)
     print(f"{request.param}: SGLang server up in {time.monotonic() - t0:.1f} s")
     weights = load_file(os.path.join(ckpt, "model.safetensors"))
