@@ -27,6 +27,7 @@ class HFModelWeights:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.params = dict(model.named_parameters())
+        self._pname = {id(p): n for n, p in self.params.items()}
         tied = getattr(model.config, "tie_word_embeddings", False)
         self.tied = tied
 
@@ -52,15 +53,54 @@ class HFModelWeights:
             raise KeyError(f"streamed tensor {name!r} has no parameter in {type(self.model).__name__}")
         return self.params[name], ()
 
+    def begin(self):
+        """Start an update: from now on, two streamed tensors landing on overlapping memory are an error."""
+        self._written: dict[str, set] = {}
+
+    def _claim(self, name: str, param, index):
+        """A mapping collision (two names onto one slice) would let the later tensor silently overwrite the
+        earlier one after its digest was taken; refuse it instead."""
+        written = getattr(self, "_written", None)
+        if written is None:
+            return
+        pname = self._pname[id(param)]
+        key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
+        taken = written.setdefault(pname, set())
+        for other in taken:  # () covers all; (e,) covers (e, *); equal keys collide
+            if other[:len(key)] == key or key[:len(other)] == other:
+                raise RuntimeError(f"weight sync: streamed tensor {name!r} lands on {pname}{list(key)}, which "
+                                   f"{'is' if other == key else 'overlaps'} a slice already loaded in this update "
+                                   "(a name-mapping collision)")
+        taken.add(key)
+
+    def _view(self, name: str, tensor: torch.Tensor):
+        param, index = self._target(name)
+        view = param[index] if index else param
+        if tuple(view.shape) != tuple(tensor.shape):
+            raise ValueError(f"streamed tensor {name!r} has shape {list(tensor.shape)}; the engine's "
+                             f"parameter slice has {list(view.shape)}")
+        self._claim(name, param, index)
+        return view
+
     @torch.no_grad()
     def load(self, named_tensors):
         for name, tensor in named_tensors:
-            param, index = self._target(name)
-            view = param[index] if index else param
-            if tuple(view.shape) != tuple(tensor.shape):
-                raise ValueError(f"streamed tensor {name!r} has shape {list(tensor.shape)}; the engine's "
-                                 f"parameter slice has {list(view.shape)}")
+            view = self._view(name, tensor)
             view.copy_(tensor.to(view.dtype))
+
+    @torch.no_grad()
+    def load_verified(self, named_tensors) -> tuple[dict[str, str], dict[str, str]]:
+        """Load and digest in one pass: ({name: digest of the streamed bytes}, {name: digest of the
+        engine's memory after the copy}); see rlpo_mega.weight_sync.digest.copy_with_digests."""
+        from rlpo_mega.weight_sync.digest import copy_with_digests
+
+        sent, loaded = {}, {}
+        for name, tensor in named_tensors:
+            sent[name], loaded[name] = copy_with_digests(self._view(name, tensor), tensor)
+        return sent, loaded
+
+    def end(self):
+        self._written = None
 
     @torch.no_grad()
     def read(self, name: str) -> torch.Tensor:

@@ -129,7 +129,8 @@ class ExportStream:
     """Iterate to get buckets `[(hf_name, tensor), ...]`; all ranks of the learner must iterate.
 
     `dst`: the global rank that receives full tensors (None: every rank does). Other ranks yield
-    empty buckets in lockstep. `digests` holds the sender-side digest of every tensor yielded.
+    empty buckets in lockstep. `digests` holds the sender-side digest of every tensor yielded (unless a
+    transport set `compute_digests = False` and fills it itself as it loads).
     A bucket holds at most `bucket_bytes` (one larger tensor goes alone) and is valid until the next
     one is requested: the stream then empties the list so its tensors can be freed.
     """
@@ -145,6 +146,7 @@ class ExportStream:
         self.dtype = dtype
         self.vocab_divisible_by = vocab_divisible_by
         self.digests: dict[str, str] = {}
+        self.compute_digests = True  # a transport that digests while loading turns this off
         self.bytes_sent = 0
 
     @property
@@ -176,7 +178,8 @@ class ExportStream:
             for name, t in zip(pm.hf, full_to_hf(pm.kind, full, dims)):
                 if self.dtype is not None:
                     t = t.to(self.dtype)
-                self.digests[name] = self._digest(t)
+                if self.compute_digests:
+                    self.digests[name] = self._digest(t)
                 bucket.append((name, t))
                 size += t.numel() * t.element_size()
                 self.bytes_sent += t.numel() * t.element_size()

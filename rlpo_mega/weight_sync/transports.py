@@ -33,15 +33,27 @@ class InProcessTransport:
         self.receiver = receiver
 
     def sync(self, stream) -> dict:
+        # A receiver that can digest while it copies (load_weights_verified) takes the sender's digest
+        # from the streamed tensor in the same cache-blocked pass; otherwise the stream digests on export
+        # and the receiver re-reads what it holds after the update.
+        fused = stream.receives and hasattr(self.receiver, "load_weights_verified")
+        if fused:
+            stream.compute_digests = False
         if stream.receives:
             self.receiver.begin_weight_update()
+        loaded = {}
         for bucket in stream:
             if bucket and stream.receives:
-                self.receiver.load_weights(bucket)
+                if fused:
+                    sent, got = self.receiver.load_weights_verified(bucket)
+                    stream.digests.update(sent)
+                    loaded.update(got)
+                else:
+                    self.receiver.load_weights(bucket)
         if not stream.receives:
             return {}
         self.receiver.end_weight_update()
-        verify(stream.digests, self.receiver.weight_digests(list(stream.digests)))
+        verify(stream.digests, loaded if fused else self.receiver.weight_digests(list(stream.digests)))
         return {"tensors": len(stream.digests), "bytes": stream.bytes_sent}
 
 
@@ -160,14 +172,24 @@ class HFModelReceiver:
 
     def begin_weight_update(self):
         self.updating = True
+        self.weights.begin()
 
     def load_weights(self, named_tensors):
+        self._check_updating()
+        self.weights.load(named_tensors)
+
+    def load_weights_verified(self, named_tensors):
+        """Load and return (sent, loaded) digests from one pass over the bytes (InProcessTransport)."""
+        self._check_updating()
+        return self.weights.load_verified(named_tensors)
+
+    def _check_updating(self):
         if not self.updating:
             raise RuntimeError("load_weights outside begin_weight_update()/end_weight_update()")
-        self.weights.load(named_tensors)
 
     def end_weight_update(self):
         self.updating = False
+        self.weights.end()
 
     def reload_from_disk(self, path: str):
         from safetensors import safe_open

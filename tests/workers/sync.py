@@ -14,6 +14,7 @@ from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.training.model_setup import build_policy
 from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
+from rlpo_mega.weight_sync import digest
 from rlpo_mega.weight_sync.digest import DigestMismatchError
 from rlpo_mega.weight_sync.transports import (DiskTransport, DistributedTransport, HFModelReceiver,
                                               InProcessTransport, WeightUpdateGroup)
@@ -52,14 +53,16 @@ def main():
 
     def run(name, transport, corrupt=False, logits_fn=None):
         if corrupt and receiver is not None:
-            original = receiver.weights.load
+            # In process, transit is the copy into the engine's memory: one word of one block arrives wrong.
+            original = digest._copy_block
+            state = {"armed": True}
 
-            def corrupting(named):
-                named = [(n, t.clone().index_put_((torch.tensor([0]),), t.reshape(-1)[:1] + 1e-3)
-                          .reshape(t.shape) if n.endswith("layers.0.mlp.gate.weight") else t) for n, t in named]
-                return original(named)
+            def corrupting(dst, src):
+                original(dst, src)
+                if state.pop("armed", False):
+                    dst.reshape(-1)[0] ^= 1
 
-            receiver.weights.load = corrupting
+            digest._copy_block = corrupting
         stream = ExportStream(chunks, bucket_bytes=64 << 10, dst=0)
         try:
             stats = transport.sync(stream)
@@ -70,7 +73,7 @@ def main():
             report[name] = {"ok": False, "error": str(e)}
         finally:
             if corrupt and receiver is not None:
-                receiver.weights.load = original
+                digest._copy_block = original
 
     run("in_process", InProcessTransport(receiver))
     run("in_process_corrupted", InProcessTransport(receiver), corrupt=True)
