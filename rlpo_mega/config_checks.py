@@ -1,0 +1,357 @@
+"""Cross-field checks of a whole RunConfig against the model, before anything expensive starts.
+
+`load_config` already rejects unknown keys and wrong types; this module rejects *combinations* that cannot
+work (routing replay on a dense model, a rollout temperature the learner does not use, a batch that does not
+split over mini-batches / data-parallel ranks / micro-batches, unknown registry names, ...) with one
+ConfigError naming the key(s) and the fix, and returns warnings for legal but suspicious settings (a PPO clip
+range with GSPO, ...), which are also logged on the "rlpo_mega" logger.
+
+    hf = moe.model.load_hf_config(cfg.model.hf_config)
+    warnings = check_run_config(cfg, hf, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+
+`hf=None` reads cfg.model.hf_config itself; that path checks MoE-ness on the raw config.json first, so a
+dense model with routing replay gets the routing message rather than the model-family registry's.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import math
+import os
+import warnings as _warnings
+from typing import Any, Iterable, Optional
+
+from rlpo_mega.config import ConfigError
+
+log = logging.getLogger("rlpo_mega")
+
+ROUTING_MODES = ("off", "r2", "r3")
+ON_BAD_TRACE = ("error", "fallback")
+PARAMS_DTYPES = ("float32", "bfloat16")
+TOKEN_DISPATCHERS = ("alltoall", "allgather")
+LOGGING_MODES = ("offline", "online", "disabled")
+PROMPT_FORMATS = ("auto", "jsonl", "parquet")
+CHAT_TEMPLATES = ("auto", "on", "off")
+GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # normalised within a prompt's group of n_samples responses
+# GSPO's clip range is on the length-normalised sequence ratio: the paper's is 3e-4 / 4e-4, and a PPO-style
+# 0.2 clips (almost) nothing. Anything at or above this is taken for a PPO-style range.
+GSPO_PPO_LIKE_EPS = 0.01
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
+
+
+def _choice(key: str, value: str, known: Iterable[str]) -> None:
+    """ConfigError for a name outside `known`, listing them, with a did-you-mean."""
+    known = sorted(known)
+    if value in known:
+        return
+    close = difflib.get_close_matches(str(value), known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(f"{key}={value!r} is not known; known: {', '.join(known)}.{hint}")
+
+
+def _moe_layers(hf: Any, family_known: bool) -> tuple[Optional[int], int]:
+    """(number of experts, number of MoE decoder layers) of an HF config object or raw config.json dict."""
+    get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
+    experts = get("num_experts")
+    if experts is None:
+        experts = get("num_local_experts")
+    layers = int(get("num_hidden_layers", 0) or 0)
+    if not experts:
+        return experts, 0
+    if not family_known:
+        return experts, layers
+    # qwen3_moe: layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+    dense = set(get("mlp_only_layers") or [])
+    step = get("decoder_sparse_step", 1)
+    step = 1 if step is None else int(step)
+    return experts, sum(1 for i in range(layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+
+
+def _check_model(cfg, hf):
+    """Routing replay needs MoE layers: checked on the raw values before the family registry is consulted.
+    Returns the loaded HF config (hf, or cfg.model.hf_config loaded)."""
+    from moe.families import FAMILIES, UnsupportedModelError
+
+    mode = cfg.routing.mode
+    _choice("routing.mode", mode, ROUTING_MODES)
+    _choice("routing.on_bad_trace", cfg.routing.on_bad_trace, ON_BAD_TRACE)
+    raw = hf
+    if hf is None:
+        path = cfg.model.hf_config
+        file = os.path.join(path, "config.json") if path and os.path.isdir(path) else path
+        if not file or not os.path.isfile(file):
+            raise ConfigError(f"model.hf_config={path!r}: no config.json there; point it at the model's "
+                              "config.json or the directory holding it")
+        try:
+            with open(file) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.hf_config={path!r}: could not read {file}: {e}") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else getattr(raw, "model_type", None)
+    if mode != "off":
+        experts, moe_layers = _moe_layers(raw, model_type == "qwen3_moe")
+        if not experts or not moe_layers:
+            what = (f"has no experts (num_experts / num_local_experts = {experts!r})" if not experts
+                    else "has no MoE layer (mlp_only_layers / decoder_sparse_step make every layer dense)")
+            raise ConfigError(
+                f"routing.mode={mode} (routing replay) needs a Mixture-of-Experts model, but model.hf_config "
+                f"({cfg.model.hf_config}, model_type {model_type!r}) {what}. Set routing.mode=off, or use a "
+                f"MoE model (supported model types: {', '.join(sorted(FAMILIES))}).")
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model.hf_config ({cfg.model.hf_config}): model_type {model_type!r} is not supported; "
+                          f"supported model types: {', '.join(sorted(FAMILIES))}. Add a family in moe/families/ "
+                          "to support it.")
+    if hf is None:
+        from moe.model import load_hf_config
+
+        try:
+            hf = load_hf_config(cfg.model.hf_config)
+        except (UnsupportedModelError, FileNotFoundError, TypeError, ValueError) as e:
+            raise ConfigError(f"model.hf_config={cfg.model.hf_config!r}: {e}") from None
+    _choice("model.params_dtype", cfg.model.params_dtype, PARAMS_DTYPES)
+    _choice("model.token_dispatcher", cfg.model.token_dispatcher, TOKEN_DISPATCHERS)
+    if cfg.model.vocab_divisible_by < 1:
+        raise ConfigError(f"model.vocab_divisible_by={cfg.model.vocab_divisible_by} must be >= 1")
+    return hf
+
+
+def _check_algorithm(cfg, warns: list[str]):
+    from rlpo_mega.algorithms import objective
+    from rlpo_mega.algorithms.advantages import ADVANTAGES
+    from rlpo_mega.algorithms.kl import KL_ESTIMATORS
+    from rlpo_mega.algorithms.losses import LOSSES
+
+    alg = cfg.algorithm
+    loss = alg.loss
+    _choice("algorithm.loss.name", loss.name, LOSSES.names())
+    _choice("algorithm.advantage.name", alg.advantage.name, ADVANTAGES.names())
+    _choice("algorithm.kl.estimator", alg.kl.estimator, KL_ESTIMATORS.names())
+    if not alg.kl.coef >= 0:
+        raise ConfigError(f"algorithm.kl.coef={alg.kl.coef} must be >= 0 (0 turns the KL term off)")
+    spec = LOSSES.get(loss.name)
+    set_eps = {k: getattr(loss, k) for k in ("eps_low", "eps_high") if getattr(loss, k) is not None}
+    if spec.eps_low is None and set_eps:
+        raise ConfigError(
+            f"algorithm.loss.name={loss.name} has no clip range (its soft gate is shaped by "
+            f"algorithm.loss.tau_pos / tau_neg, paper defaults 1.0 / 1.05), but "
+            f"{', '.join(f'algorithm.loss.{k}={v}' for k, v in set_eps.items())} is set: unset it (null)")
+    if loss.name in ("gspo", "gspo_token"):
+        wide = {k: v for k, v in set_eps.items() if v >= GSPO_PPO_LIKE_EPS}
+        if wide:
+            warns.append(
+                f"algorithm.loss.name={loss.name} with a PPO-style clip range "
+                f"({', '.join(f'{k}={v}' for k, v in wide.items())}): GSPO clips the length-normalised sequence "
+                f"ratio, whose paper range is eps_low={spec.eps_low:g}, eps_high={spec.eps_high:g} (leave "
+                "algorithm.loss.eps_low/eps_high unset for these); a range like 0.2 clips almost nothing")
+    if alg.kl.coef > 0:
+        log.info("algorithm.kl.coef=%s > 0: the trainer builds a reference model (frozen copy of the initial "
+                 "policy) and runs an extra forward pass per rollout batch", alg.kl.coef)
+    # Everything else the objective itself validates (clip bounds, symmetric clips, dual clip, taus,
+    # aggregation and its pitfalls, advantage std/eps, mismatch correction, temperature): reuse it.
+    with _warnings.catch_warnings(record=True) as caught:
+        _warnings.simplefilter("always")
+        try:
+            objective.validate(alg)
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"algorithm: {e}") from None
+    for w in caught:
+        warns.append(f"algorithm.loss: {w.message}")
+    if alg.logprob_chunk_size is not None and alg.logprob_chunk_size < 1:
+        raise ConfigError(f"algorithm.logprob_chunk_size={alg.logprob_chunk_size} must be >= 1 (or null: auto)")
+
+
+def _check_rollout(cfg, warns: list[str]):
+    import rlpo_mega.rollout  # noqa: F401  registers the engines (and the sglang_distributed transport)
+    from rlpo_mega.rewards import REWARDS
+    from rlpo_mega.rollout import ENGINES
+    from rlpo_mega.weight_sync.transports import TRANSPORTS
+
+    ro = cfg.rollout
+    _choice("reward.function", cfg.reward.function, REWARDS.names())
+    _choice("rollout.engine", ro.engine, ENGINES.names())
+    _choice("rollout.sync_transport", ro.sync_transport, TRANSPORTS.names())
+    if cfg.reward.function == "remote" and not cfg.reward.remote.url:
+        raise ConfigError("reward.function=remote needs reward.remote.url (the endpoint POSTed "
+                          '{"prompts", "responses", "references"})')
+    if ro.temperature != cfg.algorithm.temperature:
+        raise ConfigError(
+            f"rollout.temperature={ro.temperature} != algorithm.temperature={cfg.algorithm.temperature}: the "
+            "learner's log-probs must be of the same tempered distribution the engine sampled from; set both "
+            "to the same value")
+    if not (ro.temperature > 0 and math.isfinite(ro.temperature)):
+        raise ConfigError(f"rollout.temperature={ro.temperature} must be > 0")
+    if not 0 < ro.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={ro.top_p} must be in (0, 1]")
+    if ro.top_p < 1 or ro.top_k > 0:
+        warns.append(f"rollout.top_p={ro.top_p} / top_k={ro.top_k} truncate the sampling distribution, but the "
+                     "learner's log-probs are of the full distribution: the importance ratios are biased at "
+                     "the first step (use a mismatch correction, algorithm.mismatch.mode=tis, or top_p=1, top_k=-1)")
+    if ro.max_new_tokens < 1:
+        raise ConfigError(f"rollout.max_new_tokens={ro.max_new_tokens} must be >= 1")
+    if ro.sync_bucket_mb < 1:
+        raise ConfigError(f"rollout.sync_bucket_mb={ro.sync_bucket_mb} must be >= 1")
+    if ro.engine == "embedded":
+        if ro.sync_transport not in ("in_process", "disk"):
+            raise ConfigError(f"rollout.sync_transport={ro.sync_transport} with rollout.engine=embedded: the "
+                              "embedded engine lives in the learner's process; use in_process (or disk)")
+        if cfg.routing.mode == "r3" and not ro.embedded.capture_routes:
+            raise ConfigError("routing.mode=r3 replays the rollout's routes, but rollout.embedded.capture_routes="
+                              "false records none; set rollout.embedded.capture_routes=true (or routing.mode=r2/off)")
+        if ro.embedded.batch_size < 1:
+            raise ConfigError(f"rollout.embedded.batch_size={ro.embedded.batch_size} must be >= 1")
+    if ro.engine == "sglang":
+        sg = ro.sglang
+        if ro.sync_transport == "distributed":
+            raise ConfigError("rollout.sync_transport=distributed is the generic engine-rank protocol; SGLang "
+                              "servers speak their own: use sglang_distributed (servers on other nodes) or "
+                              "in_process (update_weights_from_tensor, servers on this host)")
+        if sg.tp_size < 1 or sg.num_servers < 1:
+            raise ConfigError(f"rollout.sglang.tp_size={sg.tp_size} and num_servers={sg.num_servers} must be >= 1")
+        if not sg.urls and not sg.launch:
+            warns.append("rollout.engine=sglang with no rollout.sglang.urls and launch=false: give the servers' "
+                         "URLs (launch/slurm/train_disaggregated.sbatch adds rollout.sglang.urls=[...]) or set "
+                         "rollout.sglang.launch=true")
+        if sg.launch and not sg.urls:
+            if not cfg.model.init_from_hf:
+                raise ConfigError("rollout.sglang.launch=true starts the servers from the model's HF directory: "
+                                  "set model.init_from_hf")
+            if cfg.routing.mode == "r3" and not sg.server_args.get("enable_return_routed_experts"):
+                raise ConfigError("routing.mode=r3 with launched SGLang servers needs their routes: add "
+                                  "rollout.sglang.server_args.enable_return_routed_experts=true")
+        remote = [u for u in sg.urls if (u.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
+                                         .strip("[]") not in LOCAL_HOSTS)]
+        if ro.sync_transport == "in_process" and remote:
+            warns.append(f"rollout.sync_transport=in_process sends SGLang weights through shared memory of this "
+                         f"host, but {', '.join(remote)} may be on other nodes: use sglang_distributed there")
+    elif ro.sync_transport == "sglang_distributed":
+        raise ConfigError(f"rollout.sync_transport=sglang_distributed needs rollout.engine=sglang "
+                          f"(got {ro.engine})")
+
+
+def _existing_file(key: str, path: Optional[str], why: str) -> None:
+    if not path:
+        raise ConfigError(f"{key} is not set: {why}")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{key}={path!r} does not exist (or is not a file); {why}")
+
+
+def _check_data(cfg, warns: list[str]):
+    p, tr = cfg.prompts, cfg.trainer
+    _existing_file("prompts.path", p.path, "set it to the .jsonl or .parquet file of training prompts")
+    _choice("prompts.format", p.format, PROMPT_FORMATS)
+    _choice("prompts.chat_template", p.chat_template, CHAT_TEMPLATES)
+    if tr.eval_every < 0:
+        raise ConfigError(f"trainer.eval_every={tr.eval_every} must be >= 0 (0: never)")
+    if tr.eval_every > 0:
+        _existing_file("trainer.eval_path", tr.eval_path,
+                       f"trainer.eval_every={tr.eval_every} evaluates on it; set it or trainer.eval_every=0")
+        if tr.eval_size < 1:
+            raise ConfigError(f"trainer.eval_size={tr.eval_size} must be >= 1")
+    if tr.warmup.steps < 0:
+        raise ConfigError(f"trainer.warmup.steps={tr.warmup.steps} must be >= 0")
+    if tr.warmup.steps > 0:
+        _existing_file("trainer.warmup.path", tr.warmup.path,
+                       f"trainer.warmup.steps={tr.warmup.steps} trains on it; set it or trainer.warmup.steps=0")
+        if tr.warmup.batch_size < 1:
+            raise ConfigError(f"trainer.warmup.batch_size={tr.warmup.batch_size} must be >= 1")
+    elif tr.warmup.path:
+        warns.append(f"trainer.warmup.path is set but trainer.warmup.steps=0: no warm-up runs")
+
+
+def _check_counts(cfg, warns: list[str]):
+    positive = {"train_iters": cfg.train_iters, "trainer.epochs": cfg.trainer.epochs,
+                "trainer.mini_batches": cfg.trainer.mini_batches, "checkpoint.keep_last": cfg.checkpoint.keep_last,
+                "prompts.prompts_per_step": cfg.prompts.prompts_per_step, "prompts.n_samples": cfg.prompts.n_samples,
+                "parallel.num_micro_batches": cfg.parallel.num_micro_batches,
+                "parallel.micro_batch_size": cfg.parallel.micro_batch_size,
+                "trainer.max_bad_steps": cfg.trainer.max_bad_steps}
+    for key, v in positive.items():
+        if v < 1:
+            raise ConfigError(f"{key}={v} must be >= 1")
+    if cfg.checkpoint.save_every < 0:
+        raise ConfigError(f"checkpoint.save_every={cfg.checkpoint.save_every} must be >= 0 "
+                          "(0: save only at the end and on SIGTERM)")
+    if cfg.trainer.engine_restarts < 0:
+        raise ConfigError(f"trainer.engine_restarts={cfg.trainer.engine_restarts} must be >= 0")
+    if cfg.checkpoint.save_every > 0 and not cfg.checkpoint.save_dir:
+        warns.append(f"checkpoint.save_every={cfg.checkpoint.save_every} but checkpoint.save_dir is not set: "
+                     "nothing is saved")
+    _choice("logging.mode", cfg.logging.mode, LOGGING_MODES)
+    if cfg.logging.console_every < 0:
+        raise ConfigError(f"logging.console_every={cfg.logging.console_every} must be >= 0 (0: never)")
+    if cfg.prompts.oversample < 1:
+        raise ConfigError(f"prompts.oversample={cfg.prompts.oversample} must be >= 1")
+
+
+def _check_batch(cfg, world_size: Optional[int]):
+    """rollout batch = prompts_per_step * n_samples sequences -> trainer.mini_batches mini-batches -> DP ranks
+    -> parallel.num_micro_batches micro-batches per rank (rlpo_mega.algorithms.policy_step.shard_and_split)."""
+    p, par = cfg.prompts, cfg.parallel
+    if cfg.algorithm.advantage.name in GROUP_ADVANTAGES and p.n_samples < 2:
+        raise ConfigError(
+            f"prompts.n_samples={p.n_samples} with algorithm.advantage.name={cfg.algorithm.advantage.name}: "
+            "group-normalised advantages compare the responses of one prompt, so a group of 1 has zero advantage "
+            "everywhere; set prompts.n_samples >= 2 (e.g. 8)")
+    batch = p.prompts_per_step * p.n_samples
+    where = f"the rollout batch of prompts.prompts_per_step*prompts.n_samples = {p.prompts_per_step}*{p.n_samples} = {batch} sequences"
+    mb = cfg.trainer.mini_batches
+    if batch % mb:
+        ok = [d for d in range(1, batch + 1) if batch % d == 0][:8]
+        raise ConfigError(f"{where} does not split into trainer.mini_batches={mb} mini-batches; make "
+                          f"trainer.mini_batches a divisor of {batch} (e.g. {', '.join(map(str, ok))}) or change "
+                          "prompts.prompts_per_step")
+    mini = batch // mb
+    nmb, mbs = par.num_micro_batches, par.micro_batch_size
+    if world_size is not None:
+        if world_size < 1:
+            raise ConfigError(f"world size {world_size} must be >= 1")
+        model_par = par.tensor * par.pipeline
+        if model_par < 1 or world_size % model_par:
+            return  # resolve_layout reports the layout itself
+        dp = world_size // model_par
+        if mini % dp:
+            raise ConfigError(
+                f"a mini-batch of {mini} sequences ({where} / trainer.mini_batches={mb}) does not split over "
+                f"{dp} data-parallel ranks (world size {world_size} / (parallel.tensor*parallel.pipeline = "
+                f"{par.tensor}*{par.pipeline})); make prompts.prompts_per_step*prompts.n_samples/trainer.mini_batches "
+                f"a multiple of {dp}")
+        share, what = mini // dp, f"each data-parallel rank's share of a mini-batch ({mini}/{dp} = {mini // dp})"
+    else:
+        share, what = mini, f"a mini-batch ({mini} sequences, before the data-parallel split)"
+    if share % nmb:
+        raise ConfigError(f"{what} does not split into parallel.num_micro_batches={nmb} micro-batches; make it a "
+                          f"multiple of {nmb} or change parallel.num_micro_batches")
+    if world_size is not None and mbs != 1 and mbs * nmb != share:
+        raise ConfigError(
+            f"parallel.micro_batch_size={mbs} * parallel.num_micro_batches={nmb} = {mbs * nmb} != {what}; set "
+            f"parallel.micro_batch_size={share // nmb} (or leave it at 1: the trainer splits by num_micro_batches)")
+    if world_size is None and mbs != 1 and share % (mbs * nmb):
+        raise ConfigError(f"{what} is not a multiple of parallel.micro_batch_size*parallel.num_micro_batches = "
+                          f"{mbs}*{nmb}; change parallel.micro_batch_size or parallel.num_micro_batches")
+
+
+def check_run_config(cfg, hf=None, world_size: Optional[int] = None) -> list[str]:
+    """Check a RunConfig against the HF model config `hf` (None: read cfg.model.hf_config) and, when given, the
+    world size (data-parallel split and parallel layout). Raises ConfigError for an impossible combination;
+    returns (and logs) warnings for suspicious ones."""
+    warns: list[str] = []
+    hf = _check_model(cfg, hf)
+    _check_algorithm(cfg, warns)
+    _check_rollout(cfg, warns)
+    _check_counts(cfg, warns)
+    _check_batch(cfg, world_size)
+    _check_data(cfg, warns)
+    if world_size is not None:
+        from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
+
+        try:
+            resolve_layout(cfg.parallel, world_size, hf)
+        except ParallelLayoutError as e:
+            raise ConfigError(f"{e} (world size {world_size})") from None
+    for w in warns:
+        log.warning("config: %s", w)
+    return warns
+
+
+__all__ = ["check_run_config", "ConfigError"]
