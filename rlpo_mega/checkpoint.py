@@ -70,7 +70,10 @@ def _optimizer_state(model_sd, optimizer, is_loading: bool):
     return subs, flat, (steps.pop() if steps else 0.0)
 
 
-def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None):
+def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
+                    files: dict[str, bytes] | None = None):
+    """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
+    the checkpoint before the swap (the trainer state), so they exist exactly when the weights do."""
     from megatron.core import dist_checkpointing
 
     path = os.path.abspath(path)
@@ -88,6 +91,9 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if rank == 0:
+        for name, data in (files or {}).items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(data)
         with open(os.path.join(tmp, META), "w") as f:
             json.dump({"format": FORMAT, "has_optimizer": optimizer is not None, **(meta or {})}, f,
                       indent=1)

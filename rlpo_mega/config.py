@@ -53,14 +53,47 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    save_dir: Optional[str] = None
-    load_dir: Optional[str] = None
+    save_dir: Optional[str] = None  # step_<N>/ directories under it (atomic), plus `latest`
+    load_dir: Optional[str] = None  # a step_<N>/ directory (or a save_dir: its latest) to start from
+    resume: bool = True  # with save_dir holding a checkpoint and no load_dir: continue from its latest
+    save_every: int = 0  # steps between saves (0: only at the end and on SIGTERM)
+    keep_last: int = 2  # older step_<N>/ directories are deleted after a successful save
+    export_hf: bool = False  # also write an HF checkpoint (step_<N>/hf) at each save
+    load_optimizer: bool = True  # false: weights only (e.g. an SFT checkpoint as the RL start)
 
 
 @dataclass
-class DemoDataConfig:
-    seq_length: int = 32
-    global_batch_size: int = 4
+class WarmupConfig:
+    """Optional supervised warm-up before RL (the CPU demo teaches its tiny random model the answer
+    format on random answers, so RL starts near zero reward and must learn the task itself)."""
+    path: Optional[str] = None  # JSONL of {prompt, answer}: next-token loss on the answer + eos
+    steps: int = 0
+    batch_size: int = 32
+    lr: Optional[float] = None  # None = optim.lr
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = 1  # policy-update passes over each rollout batch
+    mini_batches: int = 1  # optimizer steps per epoch: the rollout batch is split into this many
+    eval_every: int = 0  # steps between evaluations (0: never)
+    eval_path: Optional[str] = None  # prompt file for evaluation (greedy, reward mean/accuracy)
+    eval_size: int = 64  # prompts evaluated (the first ones of eval_path)
+    max_bad_steps: int = 3  # consecutive steps with a non-finite loss or gradient before the run stops
+    engine_restarts: int = 1  # a failed rollout engine is rebuilt (and re-synced) this many times
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+
+
+@dataclass
+class LoggingConfig:
+    wandb: bool = True
+    project: str = "rlpo-mega"
+    run_name: Optional[str] = None  # None = "run-<UTC date-time>"
+    entity: Optional[str] = None
+    mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins
+    dir: Optional[str] = None  # run directory (metrics.jsonl, config.json, wandb/); None = runs/<run_name>
+    console_every: int = 1  # a console line every N steps (0 = never)
+    progress_bar: bool = True  # tqdm bars for rollouts and steps (rank 0, only on a terminal)
 
 
 @dataclass
@@ -210,12 +243,13 @@ class RolloutConfig:
 @dataclass
 class RunConfig:
     seed: int = 1234
-    train_iters: int = 1
+    train_iters: int = 1  # RL steps (one rollout batch each)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    data: DemoDataConfig = field(default_factory=DemoDataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

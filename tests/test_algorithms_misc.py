@@ -177,9 +177,9 @@ def test_bad_tensors():
     with pytest.raises(ValueError, match=r"old_logp has 1 NaN/inf values at valid .* first at \[1, 0\]"):
         policy_objective(lp, b, cfg)
     bad = lp.clone()
-    bad[0, 1] = float("nan")
-    with pytest.raises(ValueError, match=r"new log-probs has 1 NaN"):
-        policy_objective(bad, small_batch(), cfg)
+    bad[0, 1] = float("nan")  # the model's own output: a non-finite loss the trainer skips, not an input error
+    numerator, _, _ = policy_objective(bad, small_batch(), cfg)
+    assert torch.isnan(numerator)
     ok = lp.clone()
     ok[0, 2] = float("nan")  # padding: fine
     policy_objective(ok, small_batch(), cfg)

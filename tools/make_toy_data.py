@@ -7,6 +7,8 @@ answers and groups have mixed scores (a gradient) from the first step.
   copy     "copy: cab"  -> "cab"   reward toy_sequence (per-position partial credit)
   reverse  "reverse: cab" -> "bac" reward toy_sequence
   add      "3+4="       -> "7"     reward toy_arith (first integer in the response)
+  add_format "3+4=" -> a RANDOM sum 0..18: the demo's supervised warm-up teaches the answer format
+             without the answers, so RL starts near chance (~1/19) and must learn addition itself
 
     python tools/make_toy_data.py [--out configs/data] [--train 512] [--test 64] [--seed 0]
 
@@ -37,6 +39,9 @@ def make(task: str, rng: random.Random) -> dict:
     if task == "add":
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         return {"prompt": f"{a}+{b}=", "answer": str(a + b), "task": task}
+    if task == "add_format":
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        return {"prompt": f"{a}+{b}=", "answer": str(rng.randint(0, 18)), "task": task}
     raise ValueError(f"unknown task {task!r}")
 
 
@@ -54,7 +59,7 @@ def generate(task: str, n_train: int, n_test: int, seed: int) -> tuple[list[dict
     while len(train) < n_train:
         r = make(task, rng)
         # keep test prompts out of training, except for add: 100 prompts in all, too few to split
-        if task == "add" or r["prompt"] not in seen:
+        if task.startswith("add") or r["prompt"] not in seen:
             train.append(r)
     return train, test
 

@@ -51,6 +51,11 @@ def max_over_mean(hist: torch.Tensor) -> float:
     return float(hist.max() / mean) if mean > 0 else float("nan")
 
 
+def min_over_mean(hist: torch.Tensor) -> float:
+    mean = hist.mean()
+    return float(hist.min() / mean) if mean > 0 else float("nan")
+
+
 class RoutingStats:
     """Per-phase, per-MoE-layer counters: [agree, compared, live fallback entries, tokens, load x E]."""
 
@@ -107,6 +112,7 @@ class RoutingStats:
                 agree.append(out[f"{p}/agreement/{name}"])
             out[f"{p}/load_entropy/{name}"] = load_entropy(hist)
             out[f"{p}/load_max_over_mean/{name}"] = max_over_mean(hist)
+            out[f"{p}/load_min_over_mean/{name}"] = min_over_mean(hist)
         if t[:, 1].sum() > 0:
             out[f"{p}/agreement"] = float(t[:, 0].sum() / t[:, 1].sum())
             out[f"{p}/agreement_min_layer"] = min(agree)

@@ -112,7 +112,9 @@ def _check_inputs(logp, batch, spec: LossSpec):
         if (torch.where(mask, adv - seq, torch.zeros_like(adv)).abs() > 1e-6 * (1 + seq.abs())).any():
             raise ValueError("gspo needs one advantage per sequence; got token-varying advantages "
                              "(use loss.name=gspo_token for per-token advantages)")
-    tensors = {"new log-probs": logp, "old_logp": batch["old_logp"], "advantages": adv}
+    # Inputs only: non-finite NEW log-probs are a numerical failure of this forward; they make the loss
+    # non-finite and the trainer skips the step (raising here would hang the other pipeline stages).
+    tensors = {"old_logp": batch["old_logp"], "advantages": adv}
     for key in ("ref_logp", "rollout_logp"):
         if batch.get(key) is not None:
             tensors[key] = batch[key]
@@ -131,6 +133,23 @@ def _clean(t, mask, dtype):
     return None if t is None else torch.where(mask, t.to(dtype), torch.zeros((), dtype=dtype, device=t.device))
 
 
+def drift_metrics(logp, old, mask) -> dict:
+    """How far the policy moved from pi_old: k3 KL(pi_old || pi_new) per token (samples are pi_old's) and
+    the sequence ratio exp(mean_t log r_t) of every sequence with a valid token (mean, min, max)."""
+    lr = torch.where(mask, logp.double() - old.double(), torch.zeros((), dtype=torch.float64, device=logp.device))
+    k3 = torch.expm1(-lr) + lr  # r^-1 - 1 + log r with r = pi_new / pi_old: E_old[.] = KL(pi_old || pi_new)
+    n = mask.sum(1)
+    has = n > 0
+    seq = torch.exp(lr.sum(1)[has] / n[has])
+    out = {"kl_old_k3": metric(k3, mask),
+           "seq_ratio_mean": torch.stack([seq.sum(), torch.tensor(float(seq.numel()), dtype=torch.float64,
+                                                                 device=seq.device)])}
+    if seq.numel():
+        out["max:seq_ratio_max"] = seq.max().reshape(1)
+        out["min:seq_ratio_min"] = seq.min().reshape(1)
+    return out
+
+
 def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = None, entropy=None):
     """(numerator, count, report) of one micro-batch.
 
@@ -146,6 +165,7 @@ def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = 
     loss, report = resolved.spec.fn(logp, old, adv, mask, resolved.params)
     if entropy is not None:
         report["entropy"] = metric(entropy, mask)
+    report.update(drift_metrics(logp.detach(), old, mask))
     # TIS reweights the policy-gradient term only (as verl does); an MIS-masked token leaves everything.
     if rollout is not None:
         loss, mask, extra = mismatch_mod.apply_correction(loss, mask, old, rollout, cfg.mismatch)

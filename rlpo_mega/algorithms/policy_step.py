@@ -16,6 +16,7 @@ old_logp / ref_logp / rollout_logp [n, s] aligned with labels.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Optional, Sequence
 
@@ -173,7 +174,7 @@ def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=No
 
 def reduce_report(reports: list[dict]) -> dict:
     """Global metrics from per-micro-batch reports: [sum, count] pairs are summed over micro-batches and
-    DP ranks then divided; "max:" keys take the max. Every rank gets the values (sent from the last stage)."""
+    DP ranks then divided; "max:"/"min:" keys take the max/min (NaN when no micro-batch had one). Every rank gets the values (sent from the last stage)."""
     from megatron.core import parallel_state
 
     last = parallel_state.is_pipeline_last_stage()
@@ -183,26 +184,32 @@ def reduce_report(reports: list[dict]) -> dict:
         dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                    group=parallel_state.get_pipeline_model_parallel_group())
         keys = box[0]
-    mean_keys = [k for k in keys if not k.startswith("max:")]
+    mean_keys = [k for k in keys if not k.startswith(("max:", "min:"))]
     max_keys = [k for k in keys if k.startswith("max:")]
+    min_keys = [k for k in keys if k.startswith("min:")]
     sums = torch.zeros(len(mean_keys), 2, dtype=torch.float64)
-    maxes = torch.zeros(len(max_keys), dtype=torch.float64)
+    # max over ranks of (max, -min): a micro-batch without the key (no valid sequence) contributes -inf
+    extremes = torch.full((len(max_keys) + len(min_keys),), -math.inf, dtype=torch.float64)
     for r in reports:
         for i, k in enumerate(mean_keys):
             sums[i] += r[k].detach().double().cpu()
-        for i, k in enumerate(max_keys):
-            maxes[i] = torch.maximum(maxes[i], r[k].detach().double().cpu().max())
+        for i, k in enumerate(max_keys + min_keys):
+            if k in r:
+                v = r[k].detach().double().cpu()
+                extremes[i] = torch.maximum(extremes[i], v.max() if i < len(max_keys) else -v.min())
     if last:
         dp = parallel_state.get_data_parallel_group()
         dist.all_reduce(sums, group=dp)
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=dp)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=dp)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         src = parallel_state.get_pipeline_model_parallel_last_rank()
         group = parallel_state.get_pipeline_model_parallel_group()
         dist.broadcast(sums, src=src, group=group)
-        dist.broadcast(maxes, src=src, group=group)
+        dist.broadcast(extremes, src=src, group=group)
     out = {k: float(sums[i, 0] / sums[i, 1].clamp(min=1)) for i, k in enumerate(mean_keys)}
-    out.update({k[len("max:"):]: float(maxes[i]) for i, k in enumerate(max_keys)})
+    for i, k in enumerate(max_keys + min_keys):
+        v = float(extremes[i])
+        out[k[4:]] = (v if i < len(max_keys) else -v) if math.isfinite(v) else math.nan
     return out
 
 

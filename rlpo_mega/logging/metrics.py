@@ -15,21 +15,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
+from rlpo_mega.config import LoggingConfig  # the typed config lives with the others
+
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step: {"step", "time", <metric>: value, ...}
 CONFIG_FILE = "config.json"  # the run config, next to it (W&B gets it too)
 MODES = ("offline", "online", "disabled")
-
-
-@dataclass
-class LoggingConfig:
-    wandb: bool = True
-    project: str = "rlpo-mega"
-    run_name: Optional[str] = None  # None = "run-<UTC date-time>"
-    entity: Optional[str] = None
-    mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins
-    dir: Optional[str] = None  # run directory (metrics.jsonl, config.json, wandb/); None = runs/<run_name>
-    console_every: int = 1  # a console line every N steps (0 = never)
-    progress_bar: bool = True  # tqdm bars for rollouts and steps (rank 0, only on a terminal)
 
 
 # --------------------------------------------------------------------------------------------- names

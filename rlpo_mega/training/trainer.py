@@ -1,0 +1,413 @@
+"""The RL trainer: one SPMD loop on every rank (no Ray), from a RunConfig.
+
+One step: draw prompts -> rollout (engine ranks, their share) -> rewards -> dynamic sampling ->
+shaping + advantages (assemble_batch) -> per mini-batch: routes to this rank, old (and reference)
+log-probs -> `epochs` passes of optimizer steps over the mini-batches (megatron schedule, global
+normalisation) -> weight sync to the engine (digest-verified) -> metrics -> eval / checkpoint.
+A non-finite loss or gradient skips the optimizer step (stop after trainer.max_bad_steps in a row);
+SIGTERM saves at the end of the step and exits; a failed engine is rebuilt and re-synced.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from moe.model import load_hf_config
+from moe.routing.trace import TraceSpec
+from rlpo_mega import distributed, platform
+from rlpo_mega.config import ConfigError, to_dict
+from rlpo_mega.training import rollout_phase as rp
+from rlpo_mega.training import state as ckpt_state
+
+log = logging.getLogger("rlpo_mega")
+
+POLICY_KEYS = {  # policy_step report -> logged metric
+    "policy_loss": "loss/policy", "clip_frac_low": "loss/clip_frac_low", "clip_frac_high": "loss/clip_frac_high",
+    "gate_mean": "loss/gate_mean", "gate_weight_mean": "loss/gate_weight_mean",
+    "gate_weight_below_half_frac": "loss/gate_weight_below_half_frac", "ratio_mean": "ratio/token_mean",
+    "seq_ratio_mean": "ratio/seq_mean", "seq_ratio_min": "ratio/seq_min", "seq_ratio_max": "ratio/seq_max",
+    "kl": "kl/ref", "kl_old_k3": "kl/policy", "entropy": "entropy/mean", "grad_norm": "optim/grad_norm",
+}
+
+
+class _Holder:  # the engine object, swappable by EngineGuard
+    engine = None
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    path = cfg.prompts.tokenizer or cfg.model.init_from_hf
+    if not path:
+        raise ConfigError("prompts.tokenizer is not set and model.init_from_hf has no tokenizer to borrow: "
+                          "set prompts.tokenizer to a tokenizer directory (e.g. configs/tokenizers/tiny_char)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+class Trainer:
+    def __init__(self, cfg):
+        from rlpo_mega.config_checks import check_run_config
+        from rlpo_mega.data import PromptSampler
+        from rlpo_mega.logging import MetricsLogger
+        from rlpo_mega.rewards.scorer import RewardScorer
+        from rlpo_mega.training.model_setup import build_policy
+
+        self.cfg = cfg
+        self.hf = load_hf_config(cfg.model.hf_config)
+        check_run_config(cfg, self.hf, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        self.layout = distributed.init(cfg.parallel, self.hf, cfg.seed)
+        self.rank, self.device = dist.get_rank(), platform.device()
+        self.spec = TraceSpec.from_hf(self.hf)
+        self.chunks, self.optimizer = build_policy(self.hf, self.layout, cfg.model, cfg.optim, routing_replay=True)
+        from moe.routing.replay import RoutingReplay
+
+        self.routing = RoutingReplay(self.chunks, self.spec, mode=cfg.routing.mode)
+        self.tokenizer = load_tokenizer(cfg)
+        self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
+        self.scorer = RewardScorer(cfg.reward)
+        self.step, self.bad_steps, self.warmup_done = 0, 0, False
+        self._resume()
+        self.ref_chunks = self._reference() if cfg.algorithm.kl.coef > 0 else None
+        self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
+        self.ranks = rp.engine_ranks(cfg)
+        self.holder = _Holder()
+        self.holder.engine = rp.build_engine(cfg, self.hf)
+        self.guard = rp.EngineGuard(lambda: rp.build_engine(cfg, self.hf), self.sync, cfg.trainer.engine_restarts,
+                                    self.device)
+        self.stop = ckpt_state.StopSignal()
+        if not self.warmup_done and cfg.trainer.warmup.steps > 0:
+            from rlpo_mega.training.warmup import supervised_warmup
+
+            supervised_warmup(self)
+            self.warmup_done = True
+        self.sync()
+
+    # --- set-up --------------------------------------------------------------------------------------
+    def _resume(self):
+        c = self.cfg.checkpoint
+        path = None
+        if c.load_dir:
+            path = ckpt_state.resolve_load_dir(c.load_dir)
+        elif c.resume and c.save_dir:
+            path = ckpt_state.latest_checkpoint(c.save_dir)
+        if path is None:
+            return
+        st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer)
+        self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
+        self.warmup_done = bool(st["warmup_done"])
+        self.sampler.load_state_dict(st["sampler"])
+        if self.rank == 0:
+            log.info("resumed from %s at step %d", path, self.step)
+
+    def _reference(self):
+        """The KL reference: a frozen copy of the policy as RL starts (on resume: as loaded)."""
+        from rlpo_mega.training.model_setup import build_policy, unwrap
+
+        ref, _ = build_policy(self.hf, self.layout, self.cfg.model, None, with_ddp=False)
+        with torch.no_grad():
+            for (n, p), (n2, q) in zip(unwrap(self.chunks[0]).named_parameters(), ref[0].named_parameters()):
+                assert n == n2, (n, n2)
+                q.copy_(p)
+        ref[0].requires_grad_(False)
+        return ref
+
+    def sync(self) -> dict:
+        """Learner -> engine(s): the export stream through the configured transport, digest-verified."""
+        from moe.bridge.megatron_io import ExportStream
+
+        engine = self.holder.engine
+        dst = None if self.cfg.rollout.engine != "sglang" else 0
+        stream = ExportStream(self.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=dst,
+                              vocab_divisible_by=self.cfg.model.vocab_divisible_by)
+        return rp.make_transport(self.cfg, engine, self.hf).sync(stream)
+
+    # --- one RL step ---------------------------------------------------------------------------------
+    def _rollout(self, items, timer, call: int):
+        params = rp.sampling_params(self.cfg, self.tokenizer, rp.mix_seed(self.cfg.seed, self.step, call, self.rank))
+        mine = rp.share(items, self.ranks)
+        n = self.cfg.prompts.n_samples
+        local = self.guard.run(self.holder, lambda: rp.generate_local(
+            self.holder.engine, mine, n, params, self.scorer, self.tokenizer, timer))
+        scored = rp.gather(local, self.ranks)
+        return torch.tensor([s.reward for s in scored]), scored
+
+    def _collect(self, timer):
+        from rlpo_mega.data.sampling import collect_groups
+
+        p, ds = self.cfg.prompts, self.cfg.algorithm.dynamic_sampling
+        calls = iter(range(1 << 30))
+        return collect_groups(self.sampler, lambda items: self._rollout(items, timer, next(calls)),
+                              p.prompts_per_step, p.n_samples, enabled=ds.enabled, max_tries=ds.max_tries,
+                              oversample=p.oversample)
+
+    def _divisor(self) -> int:
+        return self.cfg.trainer.mini_batches * self.layout.data * self.cfg.parallel.num_micro_batches
+
+    def _prepare(self, scored, group_ids):
+        """Batch tensors (identical on every rank) split into mini-batches with their routes."""
+        from moe.routing.trace import validate_batch
+        from rlpo_mega.algorithms.policy_step import assemble_batch, split_rows
+
+        tp = self.layout.tensor
+        total = max(len(s.prompt_ids) + len(s.response_ids) for s in scored)
+        seq_len = -(-(total - 1) // tp) * tp  # sequence parallelism splits positions over TP
+        batch, stats = assemble_batch(
+            [s.prompt_ids for s in scored], [s.response_ids for s in scored],
+            torch.tensor([s.reward for s in scored]), group_ids, self.cfg.algorithm, seq_length=seq_len,
+            truncated=torch.tensor([s.finish_reason == "length" for s in scored]),
+            rollout_logps=[s.logprobs for s in scored], pad_id=self.tokenizer.pad_token_id or 0)
+        parts = self.cfg.trainer.mini_batches
+        minis = split_rows(batch, parts)
+        traces = None
+        if all(s.routes is not None for s in scored):
+            traces, rstats = validate_batch([s.routes for s in scored], self.spec,
+                                            [len(s.prompt_ids) + len(s.response_ids) - 1 for s in scored],
+                                            self.cfg.routing.on_bad_trace)
+            stats.update({k: v for k, v in rstats.items() if k.startswith("routing/fallback")})
+        elif self.cfg.routing.mode == "r3":
+            raise ConfigError("routing.mode=r3 but the rollout engine returned no routes (turn on route capture: "
+                              "rollout.embedded.capture_routes=true)")
+        per = len(scored) // parts
+        return minis, [traces[i * per:(i + 1) * per] if traces else None for i in range(parts)], seq_len, stats
+
+    def _old_logprobs(self, minis, traces, seq_len):
+        from moe.routing.transport import local_recipient, local_routes, padded_placement
+        from rlpo_mega.algorithms.mismatch import mismatch_metrics
+        from rlpo_mega.algorithms.policy_step import prepare_micro_batches, reduce_report
+
+        rcpt = local_recipient(self.chunks, self.spec)
+        prepared, reports = [], []
+        for mb, tr in zip(minis, traces):
+            n_rows = mb["tokens"].shape[0]
+            if tr is not None:
+                self.routing.set_routes(local_routes(tr, padded_placement([t.num_tokens for t in tr]), rcpt,
+                                                     n_rows, seq_len, self.spec.topk))
+            micro = prepare_micro_batches(self.chunks, mb, self.cfg.algorithm, self.cfg.parallel.num_micro_batches,
+                                          ref_chunks=self.ref_chunks, routing=self.routing)
+            for m in micro:
+                if "old_logp" in m:  # last pipeline stage
+                    reports.append(mismatch_metrics(m["old_logp"], m["rollout_logp"], m["loss_mask"].bool()))
+            prepared.append(micro)
+        return prepared, reduce_report(reports)
+
+    def _grads_finite(self) -> bool:
+        bad = False
+        for chunk in self.chunks:
+            for p in chunk.parameters():
+                g = getattr(p, "main_grad", None)
+                g = p.grad if g is None else g
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    bad = True
+                    break
+        return rp.all_ok(not bad, self.device)
+
+    def _update(self, prepared) -> tuple[dict, int]:
+        from rlpo_mega.algorithms.policy_step import policy_step
+
+        outs, skipped = [], 0
+        for _ in range(self.cfg.trainer.epochs):
+            for micro in prepared:
+                out = policy_step(self.chunks, self.optimizer, micro, self.cfg.algorithm, step_optimizer=False,
+                                  routing=self.routing)
+                if math.isfinite(out["policy_loss"]) and self._grads_finite():
+                    ok, grad_norm, _ = self.optimizer.step()
+                    out["grad_norm"] = float(grad_norm or 0.0)
+                    if not ok or not math.isfinite(out["grad_norm"]):
+                        skipped += 1
+                else:
+                    skipped += 1
+                    out["grad_norm"] = math.nan
+                outs.append(out)
+        return _mean_dicts(outs), skipped
+
+    def train_step(self) -> dict:
+        from rlpo_mega.logging import PhaseTimer
+
+        timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
+        t0 = time.perf_counter()
+        metrics = {}
+        group = self._collect(timer)
+        metrics.update(group.report.stats())
+        metrics["dynamic_sampling/kept"] = group.report.groups_kept
+        metrics["dynamic_sampling/dropped"] = (group.report.dropped_all_zero + group.report.dropped_all_one
+                                               + group.report.dropped_other_constant)
+        scored, gids = group.samples, group.group_ids
+        n = self.cfg.prompts.n_samples
+        unit = self._divisor() // math.gcd(self._divisor(), n)  # groups whose rows split evenly
+        keep_groups = (len(scored) // n) // unit * unit
+        if keep_groups * n < len(scored):  # a short dynamic-sampling batch: whole groups dropped to divide evenly
+            metrics["dynamic_sampling/trimmed_groups"] = len(scored) // n - keep_groups
+            scored, gids = scored[:keep_groups * n], gids[:keep_groups * n]
+        metrics.update(_rollout_metrics(scored))
+        if not scored:
+            log.warning("step %d: no group with mixed rewards after dynamic sampling; no update", self.step)
+            self.step += 1
+            metrics["train/skipped_step"] = 1
+            return metrics
+        minis, traces, seq_len, stats = self._prepare(scored, gids)
+        metrics.update({("advantages/" + k if k in ("groups", "zero_advantage_groups") else k): v
+                        for k, v in stats.items()})
+        adv = torch.cat([m["advantages"] for m in minis]).float()
+        metrics.update({"advantages/mean": float(adv.mean()), "advantages/std": float(adv.std(unbiased=False)),
+                        "advantages/min": float(adv.min()), "advantages/max": float(adv.max())})
+        with timer("old_logprob"):
+            prepared, mismatch = self._old_logprobs(minis, traces, seq_len)
+        metrics.update(mismatch)
+        with timer("update"):
+            out, skipped = self._update(prepared)
+        self.bad_steps = self.bad_steps + 1 if skipped else 0
+        metrics["train/skipped_updates"] = skipped
+        metrics["train/bad_steps_in_a_row"] = self.bad_steps
+        metrics.update(_policy_metrics(out))
+        metrics["optim/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        with timer("sync"):
+            self.sync()
+        self.step += 1
+        metrics.update(timer.metrics())
+        metrics["time/step"] = time.perf_counter() - t0
+        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in scored)
+        metrics["perf/tokens_per_s"] = tokens * self.cfg.trainer.epochs / metrics["time/step"]
+        metrics["engine/restarts"] = self.guard.restarts
+        return metrics
+
+    def evaluate(self) -> dict:
+        from rlpo_mega.data import PromptSampler, load_prompts
+
+        c = self.cfg
+        records = load_prompts(c.trainer.eval_path, "auto", c.prompts.prompt_key, c.prompts.answer_key)
+        items = PromptSampler(records[:c.trainer.eval_size], self.tokenizer, shuffle=False,
+                              chat_template=c.prompts.chat_template, system_prompt=c.prompts.system_prompt
+                              ).next_prompts(min(len(records), c.trainer.eval_size))
+        params = rp.sampling_params(c, self.tokenizer, seed=c.seed, greedy=True)
+        from rlpo_mega.logging import PhaseTimer
+
+        local = self.guard.run(self.holder, lambda: rp.generate_local(
+            self.holder.engine, rp.share(items, self.ranks), 1, params, self.scorer, self.tokenizer, PhaseTimer()))
+        scored = rp.gather(local, self.ranks)
+        return {"eval/reward_mean": sum(s.reward for s in scored) / len(scored),
+                "eval/accuracy": sum(s.correct for s in scored) / len(scored)}
+
+    def save(self):
+        c = self.cfg.checkpoint
+        state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
+                 "sampler": self.sampler.state_dict()}
+        path = ckpt_state.save(c.save_dir, self.step, self.chunks, self.optimizer, state, c.keep_last,
+                               meta={"model_type": self.hf.model_type})
+        if c.export_hf:
+            from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
+            from moe.bridge.megatron_io import ExportStream
+
+            stream = ExportStream(self.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=0,
+                                  vocab_divisible_by=self.cfg.model.vocab_divisible_by)
+            write_stream(stream, HFCheckpointWriter(os.path.join(path, "hf"), self.hf,
+                                                    source_dir=self.cfg.model.init_from_hf)
+                         if stream.receives else None)
+        if self.rank == 0:
+            log.info("saved checkpoint %s", path)
+        return path
+
+    def run(self) -> list[dict]:
+        c, history = self.cfg, []
+        bar = self.logger.progress(total=c.train_iters, initial=self.step, desc="RL steps")
+        try:
+            while self.step < c.train_iters:
+                metrics = self.train_step()
+                if c.trainer.eval_every and self.step % c.trainer.eval_every == 0:
+                    metrics.update(self.evaluate())
+                self.logger.log(self.step, metrics)
+                history.append(metrics)
+                if bar is not None:
+                    bar.update(1)
+                if self.bad_steps >= c.trainer.max_bad_steps:
+                    raise FloatingPointError(
+                        f"{self.bad_steps} steps in a row had a non-finite loss or gradient (trainer.max_bad_steps="
+                        f"{c.trainer.max_bad_steps}); stopping. Lower optim.lr or check the rewards; the last "
+                        "checkpoint is intact")
+                stopping = self.stop.any_rank(self.device)
+                if c.checkpoint.save_dir and (stopping or (c.checkpoint.save_every
+                                                           and self.step % c.checkpoint.save_every == 0)):
+                    self.save()
+                if stopping:
+                    if self.rank == 0:
+                        log.warning("stopped by signal after step %d", self.step)
+                    return history
+            if c.checkpoint.save_dir and not (c.checkpoint.save_every and self.step % c.checkpoint.save_every == 0):
+                if not os.path.isdir(ckpt_state.step_dir(c.checkpoint.save_dir, self.step)):
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+        return history
+
+    def close(self, ok: bool = True):
+        self.stop.restore()
+        self.logger.close(exit_code=0 if ok else 1)
+        self.scorer.close()
+        if self.holder.engine is not None:
+            self.holder.engine.shutdown()
+        self.routing.close()
+
+
+def _mean_dicts(dicts: list[dict]) -> dict:
+    keys = {k for d in dicts for k in d}
+    out = {}
+    for k in keys:
+        vals = [d[k] for d in dicts if k in d and isinstance(d[k], (int, float))]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+def _policy_metrics(out: dict) -> dict:
+    m = {}
+    for k, v in out.items():
+        if k in POLICY_KEYS:
+            m[POLICY_KEYS[k]] = v
+        elif k.startswith("routing/old/agreement/layer"):  # live training router vs the rollout's choice
+            m["routing/agreement/layer_" + k.rsplit("layer", 1)[1]] = v
+        elif k == "routing/old/agreement":
+            m["routing/agreement/mean"] = v
+        elif k.startswith("routing/update/load_max_over_mean/layer"):
+            m["experts/load_max/layer_" + k.rsplit("layer", 1)[1]] = v
+        elif k.startswith("routing/update/load_min_over_mean/layer"):
+            m["experts/load_min/layer_" + k.rsplit("layer", 1)[1]] = v
+        elif k.startswith(("routing/", "mismatch/")):
+            m[k] = v
+    return m
+
+
+def _rollout_metrics(scored) -> dict:
+    if not scored:
+        return {}
+    r = torch.tensor([s.reward for s in scored], dtype=torch.float64)
+    lengths = torch.tensor([len(s.response_ids) for s in scored], dtype=torch.float64)
+    return {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
+            "reward/accuracy": sum(s.correct for s in scored) / len(scored),
+            "reward/failed": sum(s.failed for s in scored),
+            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored)}
+
+
+def train(cfg) -> int:
+    """`rlpo-mega train`: build, (resume,) run, close. Returns the process exit code."""
+    trainer = Trainer(cfg)
+    ok = False
+    try:
+        history = trainer.run()
+        ok = True
+        if trainer.rank == 0 and history:
+            first, last = history[0].get("reward/mean"), history[-1].get("reward/mean")
+            log.info("done: %d steps, reward/mean %s -> %s", trainer.step, _fmt(first), _fmt(last))
+    finally:
+        trainer.close(ok)
+        distributed.destroy()
+    return 0
+
+
+def _fmt(v):
+    return "n/a" if v is None else f"{v:.3f}"

@@ -1,0 +1,130 @@
+"""The RL trainer end to end (2 processes, EP2/TP2, embedded engine, offline W&B).
+
+Each test is one torchrun launch running several short trainer runs (tests/workers/train_scenarios.py);
+the runs' metrics are read back from their offline W&B logs and metrics.jsonl.
+"""
+import glob
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rlpo_mega.logging import missing_metrics, read_wandb_offline_run
+from tests.dist import ROOT, torchrun
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _wandb(run_dir):
+    files = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(files) == 1, f"expected one offline W&B run in {run_dir}, found {files}"
+    return read_wandb_offline_run(files[0])
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    out = tmp_path_factory.mktemp("matrix")
+    return out, torchrun("train_scenarios.py", 2, "matrix", str(out), env={"WANDB_MODE": "offline"}, timeout=900)
+
+
+@pytest.mark.parametrize("loss", ["gspo", "sapo", "grpo", "dapo"])
+@pytest.mark.parametrize("mode", ["r3", "off"])
+def test_every_loss_logs_every_metric_to_wandb(matrix, loss, mode):
+    out, report = matrix
+    run = f"{loss}_{mode}"
+    assert report[run] == {"rc": 0, "steps": [1, 2]}
+    wb = _wandb(out / run)
+    assert wb.config["algorithm"]["loss"]["name"] == loss and wb.config["routing"]["mode"] == mode
+    logged = set(wb.history)
+    assert missing_metrics(logged, loss, kl_ref=loss == "grpo", dynamic_sampling=loss == "dapo") == []
+    for key in ("reward/mean", "loss/policy", "optim/grad_norm", "routing/agreement/mean", "time/step",
+                "perf/tokens_per_s", "experts/load_max/layer_0"):
+        assert len(wb.history[key]) == 2 and all(math.isfinite(v) for v in wb.history[key]), key
+    assert wb.history["routing/agreement/mean"] == [1.0, 1.0]  # engine and learner hold the same weights
+    assert max(wb.history["mismatch/ratio_dev_max"]) < 1e-4  # embedded engine vs learner, fp32
+    if loss == "grpo":
+        assert all(v >= 0 for v in wb.history["kl/ref"])
+        assert wb.history["kl/ref"][0] == 0.0  # the reference is the policy as RL starts
+    if loss == "dapo":
+        assert wb.history["dynamic_sampling/kept"] == [4.0, 4.0]  # refilled to prompts_per_step groups
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    return torchrun("train_scenarios.py", 2, "resume", str(tmp_path_factory.mktemp("resume")),
+                    env={"WANDB_MODE": "disabled"}, timeout=900)
+
+
+def test_resume_equals_uninterrupted_run(resumed):
+    full = {h["step"]: h for h in resumed["full"]}
+    second = {h["step"]: h for h in resumed["second"]}
+    assert [h["step"] for h in resumed["first"]] == [1, 2] and sorted(second) == [3, 4]
+    for step in (1, 2):  # the first run is the uninterrupted one, so far
+        assert resumed["first"][step - 1]["loss/policy"] == full[step]["loss/policy"]
+    for step in (3, 4):
+        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "kl/policy", "ratio/seq_max"):
+            assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
+    assert resumed["ckpt_dirs"] == ["latest", "step_00000004"]  # keep_last=1 pruned step 2
+
+
+def test_resume_at_another_layout(resumed):
+    steps = [h["step"] for h in resumed["tp2"]]
+    assert steps == [3]  # continued from step 2 at TP2 (EP1)
+    h = resumed["tp2"][0]
+    assert math.isfinite(h["loss/policy"]) and h["routing/agreement/mean"] == 1.0
+
+
+def test_nan_step_skipped_then_stop_after_max_bad_steps(tmp_path):
+    rep = torchrun("train_scenarios.py", 2, "nan", str(tmp_path), env={"WANDB_MODE": "disabled"})
+    once = {h["step"]: h for h in rep["nan_once"]}
+    assert once[2]["train/skipped_updates"] == 1 and math.isnan(once[2]["optim/grad_norm"])
+    assert once[1]["train/skipped_updates"] == 0 and once[3]["train/skipped_updates"] == 0
+    assert once[3]["train/bad_steps_in_a_row"] == 0 and math.isfinite(once[3]["loss/policy"])
+    assert "2 steps in a row had a non-finite loss or gradient" in rep["error"]
+    assert [h["step"] for h in rep["nan_always"]] == [1, 2]
+
+
+def test_dead_engine_restarted_or_run_stops_with_checkpoint(tmp_path):
+    rep = torchrun("train_scenarios.py", 2, "engine", str(tmp_path), env={"WANDB_MODE": "disabled"})
+    assert rep["restart_rc"] == 0 and [h["step"] for h in rep["restart"]] == [1, 2, 3]
+    assert rep["restart"][-1]["engine/restarts"] == 1
+    assert "no restarts are left" in rep["dead_error"] and "simulated crash" in rep["dead_error"]
+    assert rep["dead_steps"] == [1] and rep["dead_latest"].endswith("step_00000001")
+
+
+def test_sigterm_saves_and_resumes(tmp_path):
+    """SIGTERM to torchrun (what SLURM preemption sends): the trainer saves at the end of its step and
+    exits; a new launch continues from there."""
+    ck, run = tmp_path / "ckpt", tmp_path / "run"
+    args = ["configs/demo_cpu.yaml", "train_iters=500", "prompts.prompts_per_step=4", "prompts.n_samples=4",
+            "trainer.warmup.steps=0", "trainer.eval_every=0", "logging.mode=disabled", f"logging.dir={run}",
+            "logging.progress_bar=false", f"checkpoint.save_dir={ck}", "checkpoint.save_every=0"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           os.path.join(ROOT, "tests", "workers", "train_run.py"), *args]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=200)
+    assert "stopped by signal after step" in output, output[-3000:]
+    from rlpo_mega.training.state import complete_steps
+
+    saved = complete_steps(str(ck))
+    assert len(saved) == 1 and saved[0] >= 2, saved
+    logged = [int(line.split('"step": ')[1].split(",")[0]) for line in metrics.read_text().splitlines()]
+    assert logged[-1] == saved[0]
+    args[1] = f"train_iters={saved[0] + 1}"
+    proc = subprocess.run(cmd[:-len(args)] + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "resumed from" in proc.stderr + proc.stdout
+    logged = [int(line.split('"step": ')[1].split(",")[0]) for line in metrics.read_text().splitlines()]
+    assert logged[-1] == saved[0] + 1

@@ -1,0 +1,47 @@
+"""Test-only registrations for trainer scenarios (imported by the workers, never by the product):
+a reward with mixed scores on a random model, an engine that fails on demand, a NaN injector."""
+import os
+
+import torch
+import torch.distributed as dist
+
+from rlpo_mega.rewards import REWARDS
+from rlpo_mega.rollout import ENGINES, EngineError
+from rlpo_mega.rollout.embedded import EmbeddedEngine
+
+
+@REWARDS.register("test_parity")
+def parity_reward(sample, cfg=None) -> float:
+    """1.0 for an even number of characters: about half the samples of a random model, so every loss
+    sees mixed groups (and dynamic sampling both keeps and drops some)."""
+    return float(len(sample.response) % 2 == 0)
+
+
+@ENGINES.register("test_flaky")
+class FlakyEngine(EmbeddedEngine):
+    """The embedded engine, except that generate() call number RLPO_FAIL_CALL (counted over the process,
+    rebuilt engines included) fails on global rank RLPO_FAIL_RANK, like a crashed server."""
+    calls = 0
+
+    def generate(self, prompts, params, n=1, request_ids=None):
+        FlakyEngine.calls += 1
+        if (FlakyEngine.calls == int(os.environ.get("RLPO_FAIL_CALL", "0"))
+                and dist.get_rank() == int(os.environ.get("RLPO_FAIL_RANK", "0"))):
+            self._dead = True
+            raise EngineError("test_flaky engine: simulated crash")
+        return super().generate(prompts, params, n=n, request_ids=request_ids)
+
+
+def inject_nan(trainer, steps):
+    """Non-finite logits in the training forwards (not the eval-mode old-log-prob pass, whose NaN would
+    be rejected as bad input) while trainer.step is in `steps`."""
+    from rlpo_mega.training.model_setup import unwrap
+
+    def hook(module, args, output):
+        if trainer.step in steps and module.training:
+            logits = output[0] if isinstance(output, tuple) else output
+            bad = logits * float("nan")
+            return (bad,) + tuple(output[1:]) if isinstance(output, tuple) else bad
+        return output
+
+    return unwrap(trainer.chunks[0]).output_layer.register_forward_hook(hook)

@@ -1,0 +1,117 @@
+"""Trainer scenarios under torchrun, several runs in one launch (start-up is paid once).
+
+argv: scenario out_dir. Rank 0 writes a report per scenario; runs log to out_dir/<run>/ (metrics.jsonl and
+an offline W&B run that the test reads back).
+"""
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+import tests.workers.train_hooks as hooks
+from rlpo_mega.config import load_config
+from rlpo_mega.training.trainer import Trainer, train
+from tests.dist import write_report
+
+BASE = (
+    "train_iters=2", "prompts.prompts_per_step=4", "prompts.n_samples=4", "reward.function=test_parity",
+    "rollout.max_new_tokens=6", "logging.progress_bar=false", "logging.console_every=0",
+    "trainer.eval_every=0", "trainer.warmup.steps=0", "checkpoint.save_dir=null", "parallel.expert=2",
+)
+
+
+def cfg(out, run, *extra):
+    return load_config("configs/demo_cpu.yaml", BASE + (f"logging.dir={os.path.join(out, run)}",
+                                                         f"logging.run_name={run}") + tuple(extra))
+
+
+def history(out, run):
+    with open(os.path.join(out, run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def matrix(out):
+    """Every loss with R3 replay on and off (dapo with dynamic sampling): a few steps each."""
+    runs = {}
+    for loss, extra in (("gspo", ()), ("sapo", ()), ("grpo", ("algorithm.kl.coef=0.04",)),
+                        ("dapo", ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0"))):
+        for mode in ("r3", "off"):
+            run = f"{loss}_{mode}"
+            rc = train(cfg(out, run, f"algorithm.loss.name={loss}", f"routing.mode={mode}", *extra))
+            runs[run] = {"rc": rc, "steps": [h["step"] for h in history(out, run)]}
+    return runs
+
+
+def resume(out):
+    """Uninterrupted 4 steps vs 2 steps + resume to 4 (same layout), and a resume at TP2."""
+    ck = os.path.join(out, "ckpt")
+    train(cfg(out, "full", "train_iters=4"))
+    train(cfg(out, "first", "train_iters=2", f"checkpoint.save_dir={ck}"))
+    train(cfg(out, "second", "train_iters=4", f"checkpoint.save_dir={ck}", "checkpoint.keep_last=1"))
+    train(cfg(out, "tp2", "train_iters=3", f"checkpoint.load_dir={ck}/step_00000002", "parallel.expert=1",
+              "parallel.tensor=2"))
+    return {run: history(out, run) for run in ("full", "first", "second", "tp2")} | {
+        "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None}
+
+
+def nan(out):
+    """One non-finite step is skipped; max_bad_steps in a row stop the run with a message."""
+    t = Trainer(cfg(out, "nan_once", "train_iters=3"))
+    h = hooks.inject_nan(t, {1})
+    ok = True
+    try:
+        t.run()
+    finally:
+        h.remove()
+        t.close(ok)
+        from rlpo_mega import distributed
+        distributed.destroy()
+    rep = {"nan_once": history(out, "nan_once")}
+    t = Trainer(cfg(out, "nan_always", "train_iters=5", "trainer.max_bad_steps=2"))
+    h = hooks.inject_nan(t, set(range(100)))
+    try:
+        t.run()
+        rep["error"] = None
+    except FloatingPointError as e:
+        rep["error"] = str(e)
+    finally:
+        h.remove()
+        t.close(False)
+        from rlpo_mega import distributed
+        distributed.destroy()
+    rep["nan_always"] = history(out, "nan_always")
+    return rep
+
+
+def engine(out):
+    """A crash of rank 1's engine in step 2: rebuilt and re-synced with a restart left; without one the run
+    stops with EngineError and the step-1 checkpoint intact."""
+    from rlpo_mega.rollout import EngineError
+    from rlpo_mega.training import state
+
+    os.environ["RLPO_FAIL_RANK"] = "1"
+    os.environ["RLPO_FAIL_CALL"] = "2"
+    hooks.FlakyEngine.calls = 0
+    rc = train(cfg(out, "restart", "rollout.engine=test_flaky", "trainer.engine_restarts=1", "train_iters=3"))
+    rep = {"restart_rc": rc, "restart": history(out, "restart")}
+    hooks.FlakyEngine.calls = 0
+    ck = os.path.join(out, "ckpt_dead")
+    try:
+        train(cfg(out, "dead", "rollout.engine=test_flaky", "trainer.engine_restarts=0", "train_iters=3",
+                  f"checkpoint.save_dir={ck}", "checkpoint.save_every=1"))
+        rep["dead_error"] = None
+    except EngineError as e:
+        rep["dead_error"] = str(e)
+    rep["dead_latest"] = state.latest_checkpoint(ck)
+    rep["dead_steps"] = state.complete_steps(ck)
+    return rep
+
+
+if __name__ == "__main__":
+    scenario, out = sys.argv[1:3]
+    result = globals()[scenario](out)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        sys.exit(0)
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_report(result)
