@@ -340,8 +340,6 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None) -> list[str
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
     _check_counts(cfg, warns)
-    _check_batch(cfg, world_size)
-    _check_data(cfg, warns)
     if world_size is not None:
         from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 
@@ -349,6 +347,8 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None) -> list[str
             resolve_layout(cfg.parallel, world_size, hf)
         except ParallelLayoutError as e:
             raise ConfigError(f"{e} (world size {world_size})") from None
+    _check_batch(cfg, world_size)
+    _check_data(cfg, warns)
     for w in warns:
         log.warning("config: %s", w)
     return warns
