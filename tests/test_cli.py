@@ -1,0 +1,105 @@
+"""`rlpo-mega` CLI: the torchrun command line (built, not run), `check`, `plot`, and config errors -> exit 2."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlpo_mega import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _train_args(*argv):
+    return cli.build_parser().parse_args(["train", "configs/demo_cpu.yaml", "parallel.expert=2", *argv])
+
+
+def test_torchrun_single_node():
+    cmd = cli.torchrun_argv(_train_args("--nproc-per-node", "2"), env={})
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[3:] == ["--nnodes=1", "--nproc-per-node=2", "--standalone", "--max-restarts=0", "-m", "rlpo_mega.cli",
+                       "train", "configs/demo_cpu.yaml", "parallel.expert=2"]
+
+
+def test_torchrun_multi_node_flags():
+    args = _train_args("--nproc-per-node", "8", "--nnodes", "4", "--node-rank", "3", "--master-addr", "n1",
+                       "--master-port", "23456", "--rdzv-id", "job7", "--max-restarts", "2", "--log-dir", "logs/tr")
+    cmd = cli.torchrun_argv(args, env={"MASTER_ADDR": "ignored", "NODE_RANK": "1"})
+    assert cmd[3:-5] == ["--nnodes=4", "--nproc-per-node=8", "--node-rank=3", "--master-addr=n1",
+                         "--master-port=23456", "--rdzv-id=job7", "--max-restarts=2", "--log-dir=logs/tr", "--tee=3"]
+    assert cmd[-5:] == ["-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "parallel.expert=2"]
+
+
+def test_torchrun_multi_node_from_environment():
+    cmd = cli.torchrun_argv(_train_args("--nnodes", "2", "--nproc-per-node", "8"),
+                            env={"MASTER_ADDR": "n1", "MASTER_PORT": "20007", "NODE_RANK": "1", "SLURM_JOB_ID": "7"})
+    assert "--node-rank=1" in cmd and "--master-addr=n1" in cmd and "--master-port=20007" in cmd
+    assert "--rdzv-id=7" in cmd and "--standalone" not in cmd
+
+
+def test_torchrun_bad_flags():
+    with pytest.raises(ValueError, match="needs the rendezvous host"):
+        cli.torchrun_argv(_train_args("--nnodes", "2"), env={})
+    with pytest.raises(ValueError, match=r"--node-rank=2 must be in \[0, --nnodes=2\)"):
+        cli.torchrun_argv(_train_args("--nnodes", "2", "--node-rank", "2", "--master-addr", "n1"), env={})
+
+
+def test_train_multi_node_without_master_exits_2(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    assert cli.main(["train", "configs/demo_cpu.yaml", "--nnodes", "2"]) == 2
+    assert "needs the rendezvous host" in capsys.readouterr().err
+
+
+def test_train_config_error_exit_2(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["train", "configs/demo_cpu.yaml", "parallel.tensr=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rlpo-mega: config error:") and "Did you mean 'parallel.tensor'" in err
+
+
+def test_train_trainer_config_error_exit_2(capsys, monkeypatch):
+    """A ConfigError raised inside the trainer (its check_run_config) surfaces the same way."""
+    import types
+
+    from rlpo_mega.config import ConfigError
+
+    def train(cfg):
+        raise ConfigError("rollout.temperature=0.7 != algorithm.temperature=1.0")
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setitem(sys.modules, "rlpo_mega.training.trainer", types.SimpleNamespace(train=train))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert cli.main(["train", "configs/demo_cpu.yaml"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        "rlpo-mega: config error: rollout.temperature=0.7 != algorithm.temperature=1.0"
+    monkeypatch.setitem(sys.modules, "rlpo_mega.training.trainer", types.SimpleNamespace(train=lambda cfg: 0))
+    assert cli.main(["train", "configs/demo_cpu.yaml"]) == 0
+
+
+def test_check_command(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml"
+    data = "prompts.path=configs/data/toy_add_train.jsonl"
+    assert cli.main(["check", recipe, data, "rollout.sglang.urls=[http://n3:30000]", "--world-size", "16"]) == 0
+    assert f"{recipe}: ok at world size 16 (0 warnings)" in capsys.readouterr().out
+    assert cli.main(["check", recipe, data, "--world-size", "24"]) == 2
+    assert "rlpo-mega: config error: " in capsys.readouterr().err
+    assert cli.main(["check", recipe, data, "rollout.temperature=0.6"]) == 2
+    assert "rollout.temperature=0.6 != algorithm.temperature=1.0" in capsys.readouterr().err
+
+
+def test_plot_command(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "time": s, "reward/mean": s / 10}) + "\n"
+                                               for s in range(1, 6)))
+    out = tmp_path / "curves.png"
+    assert cli.main(["plot", str(run), "--out", str(out), "--metrics", "reward/mean"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.main(["plot", str(run), "--metrics", "reward/nope"]) == 2
+    assert "rlpo-mega plot: " in capsys.readouterr().err
