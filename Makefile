@@ -17,7 +17,7 @@ $(STAMP): setup.py
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/rlpo-mega train configs/demo_cpu.yaml
+	$(VENV)/bin/rlpo-mega train configs/demo_cpu.yaml --nproc-per-node 2
 
 # Separate venv for the real-SGLang tests (tests/test_sglang.py): sglang 0.5.23 --no-deps on the CPU torch.
 venv-sglang:

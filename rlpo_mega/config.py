@@ -94,6 +94,7 @@ class LoggingConfig:
     dir: Optional[str] = None  # run directory (metrics.jsonl, config.json, wandb/); None = runs/<run_name>
     console_every: int = 1  # a console line every N steps (0 = never)
     progress_bar: bool = True  # tqdm bars for rollouts and steps (rank 0, only on a terminal)
+    plot: bool = True  # draw <dir>/curves.png when the run ends (rlpo-mega plot RUN draws it any time)
 
 
 @dataclass
@@ -300,7 +301,30 @@ def _expected_type(schema, key: str) -> str:
     return f"{name} or null" if optional else name
 
 
+def _unbool(node, schema):
+    """YAML 1.1 reads `off`/`on` (also no/yes) as booleans; for a string-typed key (routing.mode: off,
+    prompts.chat_template: on) the user meant the word, not "False". Rewrites such values in place."""
+    import dataclasses
+    import typing
+
+    if not dataclasses.is_dataclass(schema) or not hasattr(node, "keys"):
+        return
+    hints = typing.get_type_hints(schema)
+    for key in list(node.keys()):
+        t = hints.get(key)
+        if t is None:
+            continue
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
+        value = node._get_node(key)._value() if hasattr(node, "_get_node") else node[key]
+        if base is str and isinstance(value, bool):
+            node[key] = "on" if value else "off"
+        elif dataclasses.is_dataclass(base):
+            _unbool(node[key], base)
+
+
 def _merge(into, layer, source: str, schema):
+    _unbool(layer, schema)
     try:
         return OmegaConf.merge(into, layer)
     except (ConfigAttributeError, ConfigKeyError) as e:

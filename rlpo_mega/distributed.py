@@ -159,11 +159,13 @@ def set_seed(seed: int):
     torch.manual_seed(seed)
 
 
-def destroy():
+def destroy(keep_world: bool = False):
+    """Tear down megatron's groups and (unless keep_world: several runs in one launch) the world group;
+    torch cannot re-create a world group under the same torchrun rendezvous."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if dist.is_initialized() and not keep_world:
         dist.barrier()  # no rank may close its connections while a peer is still communicating
         dist.destroy_process_group()

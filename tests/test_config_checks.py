@@ -261,3 +261,12 @@ def test_recipe_passes(path):
     # a layout the recipe was not made for is reported as a config error
     with pytest.raises(ConfigError):
         check_run_config(cfg, hf, world_size=world + 8)
+
+
+def test_yaml_on_off_words_stay_words_for_string_keys(tmp_path):
+    """YAML 1.1 reads `off`/`on` as booleans; string-typed keys get the word back (not "False")."""
+    path = tmp_path / "c.yaml"
+    path.write_text("routing:\n  mode: off\nprompts:\n  chat_template: on\nlogging:\n  wandb: off\n")
+    cfg = load_config(str(path), ("algorithm.mismatch.mode=none",))
+    assert (cfg.routing.mode, cfg.prompts.chat_template, cfg.logging.wandb) == ("off", "on", False)
+    assert load_config(None, ("routing.mode=off",)).routing.mode == "off"

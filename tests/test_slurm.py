@@ -28,7 +28,8 @@ DISAGG = ROOT / "launch" / "slurm" / "train_disaggregated.sbatch"
 
 # The short real run at a 2-process layout (the trainer is being rewritten: change these two if its keys move).
 TRAIN_CONFIG = "configs/demo_cpu.yaml"
-TRAIN_OVERRIDES = ["parallel.expert=2", "train_iters=1"]
+TRAIN_OVERRIDES = ["parallel.expert=2", "train_iters=1", "trainer.warmup.steps=2", "trainer.eval_every=0",
+                   "checkpoint.save_dir=null", "logging.mode=disabled", "logging.plot=false"]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,8 @@ def _wait_for(pred, timeout: float, what: str, diag=lambda: ""):
 
 
 def test_colocated_training_two_ranks(cluster, tmp_path):
-    env = _job_env(tmp_path, CONFIG=TRAIN_CONFIG, OVERRIDES=" ".join(TRAIN_OVERRIDES), NPROC_PER_NODE="2")
+    env = _job_env(tmp_path, CONFIG=TRAIN_CONFIG, NPROC_PER_NODE="2",
+                   OVERRIDES=" ".join(TRAIN_OVERRIDES + [f"logging.dir={tmp_path / 'run'}"]))
     batch_out = tmp_path / "batch.out"
     t0 = time.monotonic()
     r = cluster.run(["sbatch", "--wait", "--parsable", "--nodes=1", f"--output={batch_out}", str(COLOCATED)],
@@ -88,6 +90,7 @@ def test_colocated_training_two_ranks(cluster, tmp_path):
     rank_dirs = sorted(p.name for p in (logs / "torchrun" / cluster.host).glob("*/attempt_0/*") if p.is_dir())
     assert rank_dirs == ["0", "1"], (rank_dirs, diag)
     assert "learners exited with code 0" in _read(batch_out), diag
+    assert "step 1/1 | reward" in text, diag  # the RL trainer's console line
 
 
 TERM_WORKER = """\

@@ -8,6 +8,7 @@ batch assembly and the DP split are computed identically everywhere.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -66,8 +67,8 @@ def make_transport(cfg, engine, hf):
     if name == "disk":
         directory = cfg.rollout.sync_dir or "runs/weight_sync"
         return cls(engine, directory, hf, source_dir=cfg.model.init_from_hf)
-    if name == "in_process":
-        return cls(engine)
+    if name == "sglang_distributed":  # the servers join a group whose rank 0 is this (learner rank 0) host
+        return cls(engine, master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
     return cls(engine)
 
 
@@ -137,10 +138,13 @@ class EngineGuard:
                 err, out = e, None
             if all_ok(err is None, self.device):
                 return out
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, None if err is None else str(err))
+            why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e is not None)
             if self.restarts_left <= 0:
                 raise EngineError(f"rollout engine failed and no restarts are left (trainer.engine_restarts): "
-                                  f"{err or 'failed on another rank'}; the last checkpoint is intact")
-            log.warning("rollout engine failed (%s): rebuilding it and re-syncing weights", err or "another rank")
+                                  f"{why}; the last checkpoint is intact")
+            log.warning("rollout engine failed (%s): rebuilding it and re-syncing weights", why)
             self.restarts_left -= 1
             self.restarts += 1
             if engine_holder.engine is not None:

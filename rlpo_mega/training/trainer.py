@@ -124,6 +124,10 @@ class Trainer:
         dst = None if self.cfg.rollout.engine != "sglang" else 0
         stream = ExportStream(self.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=dst,
                               vocab_divisible_by=self.cfg.model.vocab_divisible_by)
+        if not stream.receives:  # ranks without an engine take part in the collective export only
+            for _ in stream:
+                pass
+            return {}
         return rp.make_transport(self.cfg, engine, self.hf).sync(stream)
 
     # --- one RL step ---------------------------------------------------------------------------------
@@ -393,21 +397,38 @@ def _rollout_metrics(scored) -> dict:
             "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored)}
 
 
-def train(cfg) -> int:
-    """`rlpo-mega train`: build, (resume,) run, close. Returns the process exit code."""
+def train(cfg, keep_world: bool = False) -> int:
+    """`rlpo-mega train`: build, (resume,) run, close. Returns the process exit code. keep_world: leave
+    the world process group up for another run in this process (tests)."""
     trainer = Trainer(cfg)
     ok = False
     try:
         history = trainer.run()
         ok = True
         if trainer.rank == 0 and history:
-            first, last = history[0].get("reward/mean"), history[-1].get("reward/mean")
-            log.info("done: %d steps, reward/mean %s -> %s", trainer.step, _fmt(first), _fmt(last))
+            summarize(history, trainer.logger.run_dir, cfg.logging.plot)
     finally:
         trainer.close(ok)
-        distributed.destroy()
+        distributed.destroy(keep_world)
     return 0
 
 
-def _fmt(v):
-    return "n/a" if v is None else f"{v:.3f}"
+def summarize(history: list[dict], run_dir: str, with_plot: bool = True):
+    """The end of a run on the console: reward (and eval accuracy) at the start and the end, the plot."""
+    def span(key, k=5):
+        vals = [h[key] for h in history if key in h and math.isfinite(h[key])]
+        if not vals:
+            return None
+        return sum(vals[:k]) / len(vals[:k]), sum(vals[-k:]) / len(vals[-k:]), len(vals)
+
+    lines = []
+    for key, what in (("reward/mean", "reward (mean of the first/last 5 steps)"),
+                      ("eval/accuracy", "eval accuracy (first/last evaluation)")):
+        got = span(key, 5 if key == "reward/mean" else 1)
+        if got:
+            lines.append(f"{what}: {got[0]:.3f} -> {got[1]:.3f} over {got[2]} values")
+    if with_plot:
+        from rlpo_mega.logging.plot import plot
+
+        lines.append(f"learning curves: {plot(run_dir)}")
+    print("\n".join(["", *lines]), flush=True)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import tests.workers.train_hooks as hooks
 from rlpo_mega.config import load_config
-from rlpo_mega.training.trainer import Trainer, train
+from rlpo_mega.training.trainer import Trainer
+from rlpo_mega.training.trainer import train as _train
 from tests.dist import write_report
 
 BASE = (
@@ -19,6 +20,10 @@ BASE = (
     "rollout.max_new_tokens=6", "logging.progress_bar=false", "logging.console_every=0",
     "trainer.eval_every=0", "trainer.warmup.steps=0", "checkpoint.save_dir=null", "parallel.expert=2",
 )
+
+
+def train(config):
+    return _train(config, keep_world=True)
 
 
 def cfg(out, run, *extra):
@@ -34,7 +39,7 @@ def history(out, run):
 def matrix(out):
     """Every loss with R3 replay on and off (dapo with dynamic sampling): a few steps each."""
     runs = {}
-    for loss, extra in (("gspo", ()), ("sapo", ()), ("grpo", ("algorithm.kl.coef=0.04",)),
+    for loss, extra in (("gspo", ()), ("sapo", ()), ("grpo", ("algorithm.kl.coef=0.04", "trainer.mini_batches=1")),
                         ("dapo", ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0"))):
         for mode in ("r3", "off"):
             run = f"{loss}_{mode}"
@@ -44,12 +49,13 @@ def matrix(out):
 
 
 def resume(out):
-    """Uninterrupted 4 steps vs 2 steps + resume to 4 (same layout), and a resume at TP2."""
+    """Uninterrupted 4 steps vs 2 steps + resume to 4 (same layout), then from there one step at TP2."""
     ck = os.path.join(out, "ckpt")
     train(cfg(out, "full", "train_iters=4"))
     train(cfg(out, "first", "train_iters=2", f"checkpoint.save_dir={ck}"))
-    train(cfg(out, "second", "train_iters=4", f"checkpoint.save_dir={ck}", "checkpoint.keep_last=1"))
-    train(cfg(out, "tp2", "train_iters=3", f"checkpoint.load_dir={ck}/step_00000002", "parallel.expert=1",
+    train(cfg(out, "second", "train_iters=4", f"checkpoint.save_dir={ck}", "checkpoint.keep_last=1",
+              "checkpoint.resume=true"))
+    train(cfg(out, "tp2", "train_iters=5", f"checkpoint.load_dir={ck}", "parallel.expert=1",
               "parallel.tensor=2"))
     return {run: history(out, run) for run in ("full", "first", "second", "tp2")} | {
         "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None}
@@ -66,7 +72,7 @@ def nan(out):
         h.remove()
         t.close(ok)
         from rlpo_mega import distributed
-        distributed.destroy()
+        distributed.destroy(keep_world=True)
     rep = {"nan_once": history(out, "nan_once")}
     t = Trainer(cfg(out, "nan_always", "train_iters=5", "trainer.max_bad_steps=2"))
     h = hooks.inject_nan(t, set(range(100)))
@@ -79,7 +85,7 @@ def nan(out):
         h.remove()
         t.close(False)
         from rlpo_mega import distributed
-        distributed.destroy()
+        distributed.destroy(keep_world=True)
     rep["nan_always"] = history(out, "nan_always")
     return rep
 
