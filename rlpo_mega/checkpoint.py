@@ -92,6 +92,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     dist.barrier()
     if rank == 0:
         for name, data in (files or {}).items():
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
         with open(os.path.join(tmp, META), "w") as f:

@@ -58,7 +58,7 @@ class CheckpointConfig:
     resume: bool = True  # with save_dir holding a checkpoint and no load_dir: continue from its latest
     save_every: int = 0  # steps between saves (0: only at the end and on SIGTERM)
     keep_last: int = 2  # older step_<N>/ directories are deleted after a successful save
-    export_hf: bool = False  # also write an HF checkpoint (step_<N>/hf) at each save
+    export_hf: bool = False  # also write an HF checkpoint (step_<N>/hf_model, from_pretrained-able) at each save
     load_optimizer: bool = True  # false: weights only (e.g. an SFT checkpoint as the RL start)
 
 

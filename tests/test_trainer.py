@@ -71,6 +71,33 @@ def test_resume_equals_uninterrupted_run(resumed):
     assert resumed["ckpt_dirs"] == ["latest", "step_00000004"]  # keep_last=1 pruned step 2
 
 
+def test_export_at_save_equals_cli_export(resumed, tmp_path):
+    """checkpoint.export_hf writes step_<N>/hf_model during the run; `rlpo-mega export` of the same
+    checkpoint (another process, single rank) gives the same tensors, and transformers loads it."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    step = os.path.join(resumed["ckpt"], "step_00000004")
+    out = tmp_path / "cli_export"
+    proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "export", "--ckpt", step, "--hf-out", str(out)],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def tensors(d):
+        out = {}
+        for f in sorted(glob.glob(os.path.join(d, "*.safetensors"))):
+            out.update(load_file(f))
+        return out
+
+    a, b = tensors(os.path.join(step, "hf_model")), tensors(str(out))
+    assert sorted(a) == sorted(b) and len(a) > 10
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(step, "hf_model"))
+    assert model.config.model_type == "qwen3_moe"
+    assert os.path.isfile(os.path.join(step, "hf_model", "tokenizer.json"))
+
+
 def test_resume_at_another_layout(resumed):
     steps = [h["step"] for h in resumed["tp2"]]
     assert steps == [5]  # continued from the EP2 run's step 4 at TP2 (EP1)
@@ -128,3 +155,27 @@ def test_sigterm_saves_and_resumes(tmp_path):
     assert "resumed from" in proc.stderr + proc.stdout
     logged = [int(line.split('"step": ')[1].split(",")[0]) for line in metrics.read_text().splitlines()]
     assert logged[-1] == saved[0] + 1
+
+
+def test_demo_learns_on_a_short_schedule(tmp_path):
+    """`make demo`'s config through the real CLI (--nproc-per-node 2), 20 RL steps instead of 80: the
+    warm-up's wrong rule gives ~0 greedy accuracy, RL alone lifts reward and accuracy by a clear margin."""
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "train_iters=20",
+         f"logging.dir={run}", "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null",
+         "--nproc-per-node", "2"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    reward = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    assert sorted(evals) == [0, 10, 20] and len(reward) == 20
+    assert evals[0] <= 0.05  # the warm-up taught a+b+1
+    assert evals[20] >= evals[0] + 0.3, evals
+    start, end = sum(reward[:3]) / 3, sum(reward[-3:]) / 3
+    assert start <= 0.15 and end >= start + 0.25, (start, end)
+    assert "reward (mean of the first/last 5 steps)" in proc.stdout and (run / "curves.png").is_file()

@@ -102,7 +102,8 @@ def test_bad_layout_exits_before_any_process_group():
     err = proc.stderr
     # torchrun stops the other worker as soon as one fails, so it may not get to print: every rank
     # that did report must have refused before creating a process group.
-    assert err.count("rlpo-mega: bad parallel layout: world size 2 is not divisible by tensor*pipeline = 3*1 = 3") >= 1
+    assert err.count("rlpo-mega: config error: bad parallel layout: world size 2 is not divisible by "
+                     "tensor*pipeline = 3*1 = 3") >= 1
     ends = re.findall(r"VALIDATE rank=(\d) rc=(\d+) process_group=(\w+)", err)
     assert ends and all(rc == "2" and pg == "False" for _, rc, pg in ends), err[-3000:]
     assert elapsed < 180  # imports only (slow on a loaded 2-core machine); a hang would hit the timeout
@@ -134,7 +135,7 @@ def test_config_overrides_apply():
     cfg = load_config(os.path.join(ROOT, "configs/demo_cpu.yaml"),
                       ("parallel.tensor=2", "parallel.expert_tensor=null", "optim.lr=1e-3"))
     assert (cfg.parallel.tensor, cfg.parallel.expert_tensor, cfg.optim.lr) == (2, None, 1e-3)
-    assert cfg.parallel.num_micro_batches == 2  # from the file
+    assert cfg.parallel.expert == 2 and cfg.routing.mode == "r3"  # from the file
 
 
 def test_unknown_key_suggests_the_close_one():

@@ -7,9 +7,8 @@ answers and groups have mixed scores (a gradient) from the first step.
   copy     "copy: cab"  -> "cab"   reward toy_sequence (per-position partial credit)
   reverse  "reverse: cab" -> "bac" reward toy_sequence
   add      "3+4="       -> "7"     reward toy_arith (first integer in the response)
-  add_small "3+4=" -> "7" with both digits 0..4 (25 prompts): the CPU demo's RL task
-  add_format "3+4=" -> a RANDOM sum 0..18: the demo's supervised warm-up teaches the answer format
-             without the answers, so RL starts near chance (~1/19) and must learn addition itself
+  add_off_by_one "3+4=" -> "8": a wrong rule for the demo's warm-up (reading the digits is learnt,
+             every answer is wrong), so RL starts near zero reward and has to find a+b itself
 
     python tools/make_toy_data.py [--out configs/data] [--train 512] [--test 64] [--seed 0]
 
@@ -40,19 +39,16 @@ def make(task: str, rng: random.Random) -> dict:
     if task == "add":
         a, b = rng.randint(0, 9), rng.randint(0, 9)
         return {"prompt": f"{a}+{b}=", "answer": str(a + b), "task": task}
-    if task == "add_small":
-        a, b = rng.randint(0, 4), rng.randint(0, 4)
-        return {"prompt": f"{a}+{b}=", "answer": str(a + b), "task": task}
-    if task == "add_format":
+    if task == "add_off_by_one":
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        return {"prompt": f"{a}+{b}=", "answer": str(rng.randint(0, 18)), "task": task}
+        return {"prompt": f"{a}+{b}=", "answer": str(a + b + 1), "task": task}
     raise ValueError(f"unknown task {task!r}")
 
 
 def generate(task: str, n_train: int, n_test: int, seed: int) -> tuple[list[dict], list[dict]]:
     rng = random.Random(f"{task}:{seed}")
     test, seen = [], set()
-    for _ in range(n_test * 20):  # distinct test prompts (add has only 100, add_small 25)
+    for _ in range(n_test * 20):  # distinct test prompts (add has only 100)
         if len(test) == n_test:
             break
         r = make(task, rng)

@@ -19,6 +19,7 @@ from .metrics import METRICS_FILE
 PANEL_WIDTH, PANEL_HEIGHT, DPI, MAX_COLUMNS = 5.0, 3.2, 100, 3  # inches; a panel is 500 x 320 px
 DEFAULT_PANELS = (
     ["reward/mean", "reward/accuracy"],
+    ["eval/accuracy", "eval/reward_mean"],
     ["response/length_mean", "response/length_max"],
     ["response/truncated_frac"],
     ["loss/policy"],
@@ -32,7 +33,7 @@ DEFAULT_PANELS = (
     ["mismatch/k3_kl"],
     ["routing/agreement/"],
     ["experts/load_max/"],
-    ["dynamic_sampling/"],
+    ["dynamic_sampling/kept", "dynamic_sampling/dropped"],
     ["time/"],
     ["perf/tokens_per_s"],
 )

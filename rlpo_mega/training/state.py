@@ -94,15 +94,19 @@ def set_rng_state(state: dict):
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
-def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict) -> str:
-    """Collective. Writes step_<step>/ with the trainer state, points `latest` at it, prunes old ones."""
+def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
+         hf_files: dict[str, bytes] | None = None) -> str:
+    """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
+    hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, prunes old ones."""
+    from rlpo_mega.convert import HF_FILES
+
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rng_state())
     files = None
     if dist.get_rank() == 0:
         buf = io.BytesIO()
         torch.save({**trainer_state, "rng": every, "world_size": dist.get_world_size()}, buf)
-        files = {STATE_FILE: buf.getvalue()}
+        files = {STATE_FILE: buf.getvalue(), **{f"{HF_FILES}/{k}": v for k, v in (hf_files or {}).items()}}
         os.makedirs(save_dir, exist_ok=True)
     path = step_dir(save_dir, step)
     save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files)

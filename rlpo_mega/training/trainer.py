@@ -137,7 +137,8 @@ class Trainer:
         n = self.cfg.prompts.n_samples
         local = self.guard.run(self.holder, lambda: rp.generate_local(
             self.holder.engine, mine, n, params, self.scorer, self.tokenizer, timer))
-        scored = rp.gather(local, self.ranks)
+        with timer("gather"):
+            scored = rp.gather(local, self.ranks)
         return torch.tensor([s.reward for s in scored]), scored
 
     def _collect(self, timer):
@@ -253,7 +254,8 @@ class Trainer:
             self.step += 1
             metrics["train/skipped_step"] = 1
             return metrics
-        minis, traces, seq_len, stats = self._prepare(scored, gids)
+        with timer("prepare"):
+            minis, traces, seq_len, stats = self._prepare(scored, gids)
         metrics.update({("advantages/" + k if k in ("groups", "zero_advantage_groups") else k): v
                         for k, v in stats.items()})
         adv = torch.cat([m["advantages"] for m in minis]).float()
@@ -301,23 +303,43 @@ class Trainer:
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
                  "sampler": self.sampler.state_dict()}
         path = ckpt_state.save(c.save_dir, self.step, self.chunks, self.optimizer, state, c.keep_last,
-                               meta={"model_type": self.hf.model_type})
+                               meta={"model_type": self.hf.model_type}, hf_files=self._hf_files())
         if c.export_hf:
             from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
             from moe.bridge.megatron_io import ExportStream
 
             stream = ExportStream(self.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=0,
                                   vocab_divisible_by=self.cfg.model.vocab_divisible_by)
-            write_stream(stream, HFCheckpointWriter(os.path.join(path, "hf"), self.hf,
-                                                    source_dir=self.cfg.model.init_from_hf)
+            from rlpo_mega.convert import HF_FILES
+
+            write_stream(stream, HFCheckpointWriter(os.path.join(path, "hf_model"), self.hf,
+                                                    source_dir=os.path.join(path, HF_FILES))
                          if stream.receives else None)
         if self.rank == 0:
             log.info("saved checkpoint %s", path)
         return path
 
+    def _hf_files(self) -> dict[str, bytes]:
+        """config.json and the tokenizer's files, stored with every checkpoint (rank 0)."""
+        if self.rank != 0:
+            return {}
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.tokenizer.save_pretrained(tmp)
+            out = {}
+            for name in os.listdir(tmp):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    out[name] = f.read()
+        out["config.json"] = self.hf.to_json_string().encode()
+        return out
+
     def run(self) -> list[dict]:
         c, history = self.cfg, []
         bar = self.logger.progress(total=c.train_iters, initial=self.step, desc="RL steps")
+        if c.trainer.eval_every and self.step == 0:  # the starting point of the eval curve
+            history.append(self.evaluate())
+            self.logger.log(0, history[-1])
         try:
             while self.step < c.train_iters:
                 metrics = self.train_step()

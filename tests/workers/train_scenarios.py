@@ -54,11 +54,11 @@ def resume(out):
     train(cfg(out, "full", "train_iters=4"))
     train(cfg(out, "first", "train_iters=2", f"checkpoint.save_dir={ck}"))
     train(cfg(out, "second", "train_iters=4", f"checkpoint.save_dir={ck}", "checkpoint.keep_last=1",
-              "checkpoint.resume=true"))
+              "checkpoint.resume=true", "checkpoint.export_hf=true"))
     train(cfg(out, "tp2", "train_iters=5", f"checkpoint.load_dir={ck}", "parallel.expert=1",
               "parallel.tensor=2"))
     return {run: history(out, run) for run in ("full", "first", "second", "tp2")} | {
-        "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None}
+        "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck}
 
 
 def nan(out):
