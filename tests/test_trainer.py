@@ -31,9 +31,10 @@ def matrix(tmp_path_factory):
     return out, torchrun("train_scenarios.py", 2, "matrix", str(out), env={"WANDB_MODE": "offline"}, timeout=900)
 
 
-@pytest.mark.parametrize("loss", ["gspo", "sapo", "grpo", "dapo"])
-@pytest.mark.parametrize("mode", ["r3", "off"])
+@pytest.mark.parametrize("loss, mode", [(loss, mode) for loss in ("gspo", "sapo", "grpo", "dapo")
+                                        for mode in ("r3", "off")] + [("gspo", "r2")])
 def test_every_loss_logs_every_metric_to_wandb(matrix, loss, mode):
+    """Two mini-batches per step (gspo: 2 micro-batches, sapo: 2 epochs) at EP2, every metric in W&B."""
     out, report = matrix
     run = f"{loss}_{mode}"
     assert report[run] == {"rc": 0, "steps": [1, 2]}
@@ -51,6 +52,10 @@ def test_every_loss_logs_every_metric_to_wandb(matrix, loss, mode):
         assert wb.history["kl/ref"][0] == 0.0  # the reference is the policy as RL starts
     if loss == "dapo":
         assert wb.history["dynamic_sampling/kept"] == [4.0, 4.0]  # refilled to prompts_per_step groups
+    if loss != "grpo":  # the second mini-batch is updated by a policy the first one already moved
+        assert all(v > 0 for v in wb.history["kl/policy"]), wb.history["kl/policy"]
+    if mode != "off":  # the update replays (r3: the rollout's routes, r2: those its old pass recorded)
+        assert all(0.5 < v <= 1.0 for v in wb.history["routing/update/agreement"])
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,23 @@ def test_export_at_save_equals_cli_export(resumed, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(os.path.join(step, "hf_model"))
     assert model.config.model_type == "qwen3_moe"
     assert os.path.isfile(os.path.join(step, "hf_model", "tokenizer.json"))
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
+    """A crash mid-save leaves step_<N>.tmp (no trainer state) and `latest` on the previous step."""
+    from rlpo_mega.training import state
+
+    (tmp_path / "step_00000004").mkdir()
+    (tmp_path / "step_00000004" / state.STATE_FILE).write_bytes(b"x")
+    (tmp_path / "step_00000006.tmp").mkdir()  # the interrupted save
+    (tmp_path / "latest").write_text("step_00000004")
+    assert state.complete_steps(str(tmp_path)) == [4]
+    assert state.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000004")
+    assert state.resolve_load_dir(str(tmp_path)) == str(tmp_path / "step_00000004")
+    (tmp_path / "latest").unlink()  # even without the pointer: the newest complete step
+    assert state.latest_checkpoint(str(tmp_path)) == str(tmp_path / "step_00000004")
+    with pytest.raises(Exception, match="holds no trainer checkpoint"):
+        state.resolve_load_dir(str(tmp_path / "step_00000006.tmp"))
 
 
 def test_resume_at_another_layout(resumed):

@@ -19,6 +19,7 @@ BASE = (
     "train_iters=2", "prompts.prompts_per_step=4", "prompts.n_samples=4", "reward.function=test_parity",
     "rollout.max_new_tokens=6", "logging.progress_bar=false", "logging.console_every=0",
     "trainer.eval_every=0", "trainer.warmup.steps=0", "checkpoint.save_dir=null", "parallel.expert=2",
+    "trainer.mini_batches=2", "rollout.temperature=1.0", "algorithm.temperature=1.0",
 )
 
 
@@ -39,9 +40,10 @@ def history(out, run):
 def matrix(out):
     """Every loss with R3 replay on and off (dapo with dynamic sampling): a few steps each."""
     runs = {}
-    for loss, extra in (("gspo", ()), ("sapo", ()), ("grpo", ("algorithm.kl.coef=0.04", "trainer.mini_batches=1")),
+    for loss, extra in (("gspo", ("parallel.num_micro_batches=2",)), ("sapo", ("trainer.epochs=2",)),
+                        ("grpo", ("algorithm.kl.coef=0.04", "trainer.mini_batches=1")),
                         ("dapo", ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0"))):
-        for mode in ("r3", "off"):
+        for mode in ("r3", "off") + (("r2",) if loss == "gspo" else ()):
             run = f"{loss}_{mode}"
             rc = train(cfg(out, run, f"algorithm.loss.name={loss}", f"routing.mode={mode}", *extra))
             runs[run] = {"rc": rc, "steps": [h["step"] for h in history(out, run)]}
