@@ -26,7 +26,7 @@ venv-sglang:
 # A failed SGLang env build does not stop the suite: tests/test_sglang.py retries it, then skips naming why.
 test: $(STAMP)
 	-PYTHON=$(PYTHON) bash tests/sglang_support/build_env.sh
-	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider
+	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=15
 
 clean:
 	rm -rf $(VENV) .venv-sglang *.egg-info
