@@ -73,12 +73,9 @@ def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    try:
-        from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel
 
-        state["megatron"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    except Exception:  # no tracker state (not initialised): nothing megatron-random to restore
-        pass
+    state["megatron"] = tensor_parallel.get_cuda_rng_tracker().get_states()  # seeded by distributed.init
     return state
 
 
@@ -88,10 +85,9 @@ def set_rng_state(state: dict):
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    if "megatron" in state:
-        from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel
 
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
 def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
@@ -153,8 +149,9 @@ class StopSignal:
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. inside a test runner thread)
-                pass
+            except ValueError:  # not the main thread: the caller's handlers stay, say so
+                log.warning("trainer not on the main thread: %s will not save a checkpoint before exiting",
+                            signal.Signals(sig).name)
 
     def _handle(self, signum, frame):
         if self.received is None:

@@ -72,7 +72,8 @@ def rel_err(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
 
-def main():
+def per_family_main(run_family):
+    """argv: out_dir model_configs(comma-separated) [overrides...]; rank 0 reports {model_type: report}."""
     out_dir, model_cfgs, *overrides = sys.argv[1:]
     reports = {}
     for model_cfg in model_cfgs.split(","):
@@ -81,6 +82,10 @@ def main():
     if dist.get_rank() == 0:
         write_report(reports)
     distributed.destroy()
+
+
+def main():
+    per_family_main(run_family)
 
 
 def run_family(out_dir, hf, overrides):

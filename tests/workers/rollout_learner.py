@@ -5,13 +5,11 @@ checked against the learner's forward, before and after a training step.
 argv: out_dir model_configs(comma-separated) [overrides...]. Rank 0 writes {model_type: report}.
 """
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
 from moe.bridge.megatron_io import ExportStream
-from moe.model import load_hf_config
 from moe.routing.trace import TraceSpec
 from rlpo_mega import distributed
 from rlpo_mega.config import EmbeddedEngineConfig, load_config
@@ -20,8 +18,7 @@ from rlpo_mega.rollout.embedded import EmbeddedEngine
 from rlpo_mega.training.model_setup import build_policy
 from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
 from rlpo_mega.weight_sync.transports import InProcessTransport
-from tests.dist import write_report
-from tests.workers.bridge import make_hf_checkpoint, megatron_logits
+from tests.workers.bridge import make_hf_checkpoint, megatron_logits, per_family_main
 
 TEMP = 0.7
 PLEN = [2, 6, 4, 3]
@@ -108,16 +105,5 @@ def run_family(out_dir, hf, overrides):
     return rep
 
 
-def main():
-    out_dir, model_cfgs, *overrides = sys.argv[1:]
-    reports = {}
-    for model_cfg in model_cfgs.split(","):
-        hf = load_hf_config(model_cfg)
-        reports[hf.model_type] = run_family(out_dir, hf, overrides)
-    if dist.get_rank() == 0:
-        write_report(reports)
-    distributed.destroy()
-
-
 if __name__ == "__main__":
-    main()
+    per_family_main(run_family)
