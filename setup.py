@@ -18,6 +18,7 @@ setup(
         "wandb>=0.19",
         "omegaconf>=2.3",  # typed configs + dotted overrides
         "matplotlib>=3.7",  # `rlpo-mega plot` learning curves
+        "xxhash>=3.0",  # weight-sync digests on the CPU (XXH3-128)
         "math-verify>=0.9,<0.10",  # math reward; pure Python (sympy, latex2sympy2_extended, antlr4 runtime)
         "numpy",
         "pytest>=8",

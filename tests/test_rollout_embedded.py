@@ -246,7 +246,7 @@ def test_reload_from_disk_serves_the_checkpoint(setup, tmp_path):
     fresh = EmbeddedEngine(setup.hf, EmbeddedEngineConfig(batch_size=3), setup.spec)
     fresh.reload_from_disk(str(tmp_path))
     names = HFModelWeights(setup.ref).names()
-    assert fresh.weight_digests(names) == setup.engine.weight_digests(names)
+    assert fresh.weight_digests(names, "xxh3") == setup.engine.weight_digests(names, "xxh3")
     params = SamplingParams(max_new_tokens=6, seed=8)
     a, b = setup.engine.generate(setup.prompts, params), fresh.generate(setup.prompts, params)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]

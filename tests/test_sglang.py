@@ -90,12 +90,13 @@ class ListStream:
     def __init__(self, named, bucket=3, corrupt=None):
         self.named, self.bucket, self.corrupt = list(named), bucket, corrupt
         self.digests, self.bytes_sent, self.receives = {}, 0, True
+        self.digest_algorithm = "xxh3"
 
     def __iter__(self):
         for i in range(0, len(self.named), self.bucket):
             out = []
             for n, t in self.named[i:i + self.bucket]:
-                self.digests[n] = tensor_digest(t)
+                self.digests[n] = tensor_digest(t, self.digest_algorithm)
                 self.bytes_sent += t.numel() * t.element_size()
                 out.append((n, self.corrupt(n, t) if self.corrupt else t))
             yield out
@@ -198,12 +199,12 @@ def test_disk_update(family, tmp_path):
     save_file(changed, str(new_dir / "model.safetensors"), metadata={"format": "pt"})
     # the disk transport's engine half (its writer half needs a Megatron stream: tests/test_weight_sync.py)
     engine.reload_from_disk(str(new_dir))
-    verify({n: tensor_digest(t) for n, t in changed.items()}, engine.weight_digests(list(changed)))
+    verify({n: tensor_digest(t, "sums") for n, t in changed.items()}, engine.weight_digests(list(changed), "sums"))
     lp = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3))[0].logprobs
     torch.testing.assert_close(lp, torch.full_like(lp, -math.log(int(hf.vocab_size))), atol=1e-5, rtol=0)
     engine.reload_from_disk(ckpt)
-    d = engine.weight_digests(list(w))
-    assert d == {n: tensor_digest(t) for n, t in w.items()}
+    d = engine.weight_digests(list(w), "xxh3")
+    assert d == {n: tensor_digest(t, "xxh3") for n, t in w.items()}
 
 
 def test_tied_lm_head_caught(family):
@@ -214,7 +215,7 @@ def test_tied_lm_head_caught(family):
     engine.load_weights([("lm_head.weight", torch.randn_like(w["model.embed_tokens.weight"]))])
     engine.end_weight_update()
     with pytest.raises(DigestMismatchError, match="tie_word_embeddings"):
-        engine.weight_digests(["model.embed_tokens.weight"])
+        engine.weight_digests(["model.embed_tokens.weight"], "xxh3")
     TRANSPORTS.get("in_process")(engine).sync(ListStream([("model.embed_tokens.weight", w["model.embed_tokens.weight"])]))
 
 

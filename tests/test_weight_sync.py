@@ -9,16 +9,18 @@ def sync_report(tmp_path_factory):
     return torchrun("sync.py", 2, str(tmp_path_factory.mktemp("sync")), "configs/models/tiny_qwen3_moe.json")
 
 
-@pytest.mark.parametrize("transport", ["in_process", "disk", "distributed"])
+@pytest.mark.parametrize("transport", ["in_process", "in_process_sums", "disk", "distributed"])
 def test_sync_takes_effect_and_verifies(sync_report, transport):
     r = sync_report[transport]
     assert r["ok"], r
     assert r["stats_tensors"] > 0
+    # a CPU learner's stream digests with xxh3 unless told otherwise; every receiver followed it
+    assert r["algorithms"] == ["sums" if transport.endswith("sums") else "xxh3"], r
     # The engine now computes what the learner computes: the weights really arrived.
     assert r["logits_rel_err"] <= 1e-4, r
 
 
-@pytest.mark.parametrize("transport", ["in_process_corrupted", "distributed_corrupted"])
+@pytest.mark.parametrize("transport", ["in_process_corrupted", "in_process_sums_corrupted", "distributed_corrupted"])
 def test_corruption_in_transit_is_caught(sync_report, transport):
     r = sync_report[transport]
     assert not r["ok"]

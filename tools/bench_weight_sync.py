@@ -4,10 +4,12 @@ A random qwen3_moe model of a few hundred MB (fp32) is built as a megatron learn
 EP2 in two), and a transformers model of the same config is the engine. Measured on the receiving rank:
 
   memcpy   torch copy_ of every exported tensor into a preallocated tensor of the same size (same bytes)
-  digest   tensor_digest of the same tensors (one read; what each side of a non-fused sync pays)
+  digest/A tensor_digest with algorithm A of the same tensors (one read; what each side of a non-fused
+           sync pays): xxh3 (the CPU default) and sums (the accelerators' algorithm), for reference
   export   iterating ExportStream alone (gather + full_to_hf + sender digests), buckets dropped
   sync     InProcessTransport: export + load into the transformers model + digest verification (the
-           receiver digests the streamed bytes and its own copy in the same cache-blocked pass)
+           receiver digests the streamed bytes and its own copy in the same cache-blocked pass); the
+           stream's digest algorithm is the CPU default (xxh3), sync-sums@B the same with sums
 
 Throughput is exported bytes / best-of-N wall time (other jobs share this machine: the minimum is the
 least disturbed run); passes are interleaved and ratios are to memcpy measured in the same process.
@@ -138,8 +140,8 @@ def worker(args):
             del bucket  # a consumer that is done with a bucket before asking for the next one
         return stream
 
-    def sync(bucket_bytes):
-        stream = ExportStream(chunks, bucket_bytes=bucket_bytes, dst=0)
+    def sync(bucket_bytes, algorithm=None):
+        stream = ExportStream(chunks, bucket_bytes=bucket_bytes, dst=0, digest_algorithm=algorithm)
         InProcessTransport(receiver).sync(stream)  # raises on any digest mismatch
         return stream
 
@@ -156,15 +158,16 @@ def worker(args):
             for s, d in zip(srcs, dsts):
                 d.copy_(s)
 
-    def digest():
+    def digest(algorithm):
         if rank == 0:
             for s in srcs:
-                tensor_digest(s)
+                tensor_digest(s, algorithm)
 
-    passes = {"memcpy": memcpy, "digest": digest}
+    passes = {"memcpy": memcpy, "digest/xxh3": lambda: digest("xxh3"), "digest/sums": lambda: digest("sums")}
     for b in buckets:
         passes[f"export@{b >> 20}"] = lambda b=b: export_only(b)
         passes[f"sync@{b >> 20}"] = lambda b=b: sync(b)
+    passes[f"sync-sums@{buckets[0] >> 20}"] = lambda: sync(buckets[0], "sums")
     for p in passes.values():
         p()
     times = {k: [] for k in passes}
@@ -180,7 +183,7 @@ def worker(args):
     _malloc_mmap_only()
     peaks, parts = {}, {}  # parts: the two lower bounds (RSS, malloc) separately, for the JSON report
     for k, p in passes.items():
-        if k in ("memcpy", "digest"):
+        if k == "memcpy" or k.startswith("digest"):
             continue
         peaks[k], parts[k] = 0, [0, 0]
         for _ in range(3):
@@ -248,22 +251,22 @@ def main():
     print(f"qwen3_moe hidden={args.hidden} layers={args.layers} experts={args.experts} moe_ffn={args.moe_ffn} "
           f"vocab={args.vocab} fp32: {gb * 1e3:.0f} MB in {reports[0]['tensors']} HF tensors; "
           f"{args.threads} torch thread(s)/process, best of {args.reps}")
-    print(f"{'layout':6s} {'pass':11s} {'GB/s':>6s} {'x memcpy':>8s} {'peak extra (dst/max rank)':>26s}")
+    print(f"{'layout':6s} {'pass':13s} {'GB/s':>6s} {'x memcpy':>8s} {'peak extra (dst/max rank)':>26s}")
     verdicts = []
     for r in reports:
         mem = r["bytes"] / 1e9 / r["time"]["memcpy"]
         for k, t in r["time"].items():
             gbs = r["bytes"] / 1e9 / t
             peak = ""
-            if k not in ("memcpy", "digest"):
+            if "@" in k:
                 b = int(k.split("@")[1]) << 20
                 pd, pm = r["peak_dst"][k] / b, r["peak_max"][k] / b
                 peak = f"{pd:5.2f} / {pm:5.2f} buckets"
-                if k.startswith("sync"):
+                if k.startswith("sync@"):
                     verdicts.append(f"{r['layout']} {k}: {gbs / mem:.2f}x memcpy (target >= 0.5): "
                                     f"{'OK' if gbs / mem >= 0.5 else 'MISSED'}; peak {pm:.2f} buckets "
                                     f"(target <= 1.5): {'OK' if pm <= 1.5 else 'MISSED'}")
-            print(f"{r['layout']:6s} {k:11s} {gbs:6.2f} {gbs / mem:8.2f} {peak:>26s}")
+            print(f"{r['layout']:6s} {k:13s} {gbs:6.2f} {gbs / mem:8.2f} {peak:>26s}")
     print("\n".join(verdicts))
 
 

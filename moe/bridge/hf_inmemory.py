@@ -30,6 +30,7 @@ class HFModelWeights:
         self._pname = {id(p): n for n, p in self.params.items()}
         tied = getattr(model.config, "tie_word_embeddings", False)
         self.tied = tied
+        self._slots: dict[str, tuple] = {}  # name -> (view, parameter name, index key); the parameters are fixed
 
     def _target(self, name: str):
         """(parameter, view index) for a checkpoint-named tensor."""
@@ -55,31 +56,36 @@ class HFModelWeights:
 
     def begin(self):
         """Start an update: from now on, two streamed tensors landing on overlapping memory are an error."""
-        self._written: dict[str, set] = {}
+        self._written: set = set()  # (parameter name, index key) loaded in this update
+        self._covered: set = set()  # and every prefix of those keys
 
-    def _claim(self, name: str, param, index):
+    def _claim(self, name: str, pname: str, key: tuple):
         """A mapping collision (two names onto one slice) would let the later tensor silently overwrite the
-        earlier one after its digest was taken; refuse it instead."""
-        written = getattr(self, "_written", None)
-        if written is None:
+        earlier one after its digest was taken; refuse it instead. Keys are index prefixes: () is the whole
+        parameter, (e,) expert e, (e, (a, b)) rows a:b of it; two keys overlap when one is a prefix of the
+        other."""
+        if getattr(self, "_written", None) is None:
             return
-        pname = self._pname[id(param)]
-        key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
-        taken = written.setdefault(pname, set())
-        for other in taken:  # () covers all; (e,) covers (e, *); equal keys collide
-            if other[:len(key)] == key or key[:len(other)] == other:
-                raise RuntimeError(f"weight sync: streamed tensor {name!r} lands on {pname}{list(key)}, which "
-                                   f"{'is' if other == key else 'overlaps'} a slice already loaded in this update "
-                                   "(a name-mapping collision)")
-        taken.add(key)
+        prefixes = [(pname, key[:i]) for i in range(len(key) + 1)]
+        if (pname, key) in self._covered or any(p in self._written for p in prefixes):
+            same = (pname, key) in self._written
+            raise RuntimeError(f"weight sync: streamed tensor {name!r} lands on {pname}{list(key)}, which "
+                               f"{'is' if same else 'overlaps'} a slice already loaded in this update "
+                               "(a name-mapping collision)")
+        self._written.add((pname, key))
+        self._covered.update(prefixes)
 
     def _view(self, name: str, tensor: torch.Tensor):
-        param, index = self._target(name)
-        view = param[index] if index else param
-        if tuple(view.shape) != tuple(tensor.shape):
+        slot = self._slots.get(name)
+        if slot is None:
+            param, index = self._target(name)
+            key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
+            slot = self._slots[name] = ((param[index] if index else param).detach(), self._pname[id(param)], key)
+        view, pname, key = slot
+        if view.shape != tensor.shape:
             raise ValueError(f"streamed tensor {name!r} has shape {list(tensor.shape)}; the engine's "
                              f"parameter slice has {list(view.shape)}")
-        self._claim(name, param, index)
+        self._claim(name, pname, key)
         return view
 
     @torch.no_grad()
@@ -89,14 +95,14 @@ class HFModelWeights:
             view.copy_(tensor.to(view.dtype))
 
     @torch.no_grad()
-    def load_verified(self, named_tensors) -> tuple[dict[str, str], dict[str, str]]:
+    def load_verified(self, named_tensors, algorithm: str) -> tuple[dict[str, str], dict[str, str]]:
         """Load and digest in one pass: ({name: digest of the streamed bytes}, {name: digest of the
         engine's memory after the copy}); see rlpo_mega.weight_sync.digest.copy_with_digests."""
         from rlpo_mega.weight_sync.digest import copy_with_digests
 
         sent, loaded = {}, {}
         for name, tensor in named_tensors:
-            sent[name], loaded[name] = copy_with_digests(self._view(name, tensor), tensor)
+            sent[name], loaded[name] = copy_with_digests(self._view(name, tensor), tensor, algorithm)
         return sent, loaded
 
     def end(self):

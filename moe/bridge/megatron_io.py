@@ -98,8 +98,9 @@ def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128):
 # ---- export ---------------------------------------------------------------------------------------
 def _export_plan(model):
     """What every export of this model needs, computed once (one all_gather_object) and cached on it:
-    this rank's LocalParams by global megatron name, and for every global name the sorted global ranks
-    holding (a shard of) it and its full shape and dtype (so receivers allocate without asking)."""
+    this rank's LocalParams by global megatron name, for every global name the sorted global ranks
+    holding (a shard of) it and its full shape and dtype (so receivers allocate without asking), and the
+    export order: every ParamMap with the element count of its HF tensors (for bucketing)."""
     inner = _inner(model)
     cached = getattr(inner, "_rlpo_export_plan", None)
     if cached is not None:
@@ -121,7 +122,9 @@ def _export_plan(model):
         for name, shape, dtype in items:
             owners.setdefault(name, []).append(rank)
             full_meta[name] = (shape, dtype)
-    inner._rlpo_export_plan = (mine, owners, full_meta)
+    shapes = expected_hf_shapes(inner.hf_config)
+    order = [(pm, sum(math.prod(shapes[n]) for n in pm.hf)) for pm in param_maps(inner.hf_config)]
+    inner._rlpo_export_plan = (mine, owners, full_meta, order)
     return inner._rlpo_export_plan
 
 
@@ -130,16 +133,22 @@ class ExportStream:
 
     `dst`: the global rank that receives full tensors (None: every rank does). Other ranks yield
     empty buckets in lockstep. `digests` holds the sender-side digest of every tensor yielded (unless a
-    transport set `compute_digests = False` and fills it itself as it loads).
+    transport set `compute_digests = False` and fills it itself as it loads), computed with
+    `digest_algorithm` (default: the cheap one on the parameters' device); receivers digest with the same.
     A bucket holds at most `bucket_bytes` (one larger tensor goes alone) and is valid until the next
     one is requested: the stream then empties the list so its tensors can be freed.
     """
 
     def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | None = 0,
-                 vocab_divisible_by: int = 128, dtype: torch.dtype | None = None):
-        from rlpo_mega.weight_sync.digest import tensor_digest
+                 vocab_divisible_by: int = 128, dtype: torch.dtype | None = None,
+                 digest_algorithm: str | None = None):
+        from rlpo_mega.weight_sync.digest import algorithm_for, tensor_digest
 
         self._digest = tensor_digest
+        if digest_algorithm is None:
+            first = next(_inner(model_chunks[0]).parameters(), None)
+            digest_algorithm = algorithm_for(first.device if first is not None else "cpu")
+        self.digest_algorithm = digest_algorithm
         self.chunks = model_chunks
         self.bucket_bytes = bucket_bytes
         self.dst = dst
@@ -159,15 +168,14 @@ class ExportStream:
         chunk = self.chunks[0]
         hf = _inner(chunk).hf_config
         dims = Dims.of(hf, self.vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
-        mine, owners, full_meta = _export_plan(chunk)
+        mine, owners, full_meta, order = _export_plan(chunk)
         self._device = next(iter(mine.values())).param.device if mine else torch.device("cpu")
         rank = dist.get_rank()
-        shapes = expected_hf_shapes(hf)
+        receives = self.receives
         bucket, size = [], 0
-        for pm in param_maps(hf):
-            if self.receives and bucket:
-                elsize = (self.dtype or full_meta[pm.megatron][1]).itemsize
-                nbytes = sum(math.prod(shapes[n]) for n in pm.hf) * elsize
+        for pm, numel in order:
+            if receives and bucket:
+                nbytes = numel * (self.dtype or full_meta[pm.megatron][1]).itemsize
                 if size + nbytes > self.bucket_bytes:  # yield before gathering: a bucket stays <= bucket_bytes
                     yield bucket
                     bucket.clear()  # the consumer is done with it: free its tensors before the next gathers
@@ -179,7 +187,7 @@ class ExportStream:
                 if self.dtype is not None:
                     t = t.to(self.dtype)
                 if self.compute_digests:
-                    self.digests[name] = self._digest(t)
+                    self.digests[name] = self._digest(t, self.digest_algorithm)
                 bucket.append((name, t))
                 size += t.numel() * t.element_size()
                 self.bytes_sent += t.numel() * t.element_size()

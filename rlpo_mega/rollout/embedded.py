@@ -324,8 +324,8 @@ class EmbeddedEngine(RolloutEngine):
         finally:
             self.end_weight_update()
 
-    def weight_digests(self, names) -> dict[str, str]:
-        return self.receiver.weight_digests(names)
+    def weight_digests(self, names, algorithm: str) -> dict[str, str]:
+        return self.receiver.weight_digests(names, algorithm)
 
     def flush_cache(self) -> None:
         """Nothing to flush: KV caches exist only inside one generate() batch (a fresh DynamicCache each),

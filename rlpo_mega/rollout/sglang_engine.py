@@ -356,7 +356,7 @@ class SGLangEngine(RolloutEngine):
         finally:
             shutil.rmtree(directory, ignore_errors=True)
 
-    def weight_digests(self, names) -> dict[str, str]:
+    def weight_digests(self, names, algorithm: str) -> dict[str, str]:
         per_server = []
         for s in self.servers:
             held = self.read_weights(s)
@@ -365,7 +365,7 @@ class SGLangEngine(RolloutEngine):
                     f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
                     "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "
                     "(it sends lm_head too) or serve an untied checkpoint")
-            per_server.append({n: tensor_digest(held[n]) for n in names if n in held})
+            per_server.append({n: tensor_digest(held[n], algorithm) for n in names if n in held})
         for s, d in zip(self.servers[1:], per_server[1:]):
             try:
                 verify(per_server[0], d, where=f"SGLang server {s.url} (vs {self.servers[0].url})")
@@ -478,7 +478,7 @@ class SGLangDistributedTransport:
         if not stream.receives:
             return {}
         e.end_weight_update()
-        verify(stream.digests, e.weight_digests(list(stream.digests)))
+        verify(stream.digests, e.weight_digests(list(stream.digests), stream.digest_algorithm))
         return {"tensors": len(stream.digests), "bytes": stream.bytes_sent}
 
     def close(self):

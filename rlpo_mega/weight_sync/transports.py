@@ -3,7 +3,8 @@
 Receiver contract (what an engine implements; SGLang's session API has the same shape):
   begin_weight_update() / load_weights([(hf_name, tensor), ...]) / end_weight_update()
   reload_from_disk(hf_dir)                       (disk transport)
-  weight_digests(names) -> {name: digest}        digests of what the engine now holds
+  weight_digests(names, algorithm) -> {name: digest}   digests of what the engine now holds, computed
+                                                  with the sender's algorithm (stream.digest_algorithm)
 
 Every transport ends with `digest.verify(sent, received)`: a mismatch raises before any rollout uses
 the new weights. All learner ranks call `sync(stream)` (the export is collective); only the stream's
@@ -45,7 +46,7 @@ class InProcessTransport:
         for bucket in stream:
             if bucket and stream.receives:
                 if fused:
-                    sent, got = self.receiver.load_weights_verified(bucket)
+                    sent, got = self.receiver.load_weights_verified(bucket, stream.digest_algorithm)
                     stream.digests.update(sent)
                     loaded.update(got)
                 else:
@@ -53,7 +54,8 @@ class InProcessTransport:
         if not stream.receives:
             return {}
         self.receiver.end_weight_update()
-        verify(stream.digests, loaded if fused else self.receiver.weight_digests(list(stream.digests)))
+        verify(stream.digests, loaded if fused
+               else self.receiver.weight_digests(list(stream.digests), stream.digest_algorithm))
         return {"tensors": len(stream.digests), "bytes": stream.bytes_sent}
 
 
@@ -72,7 +74,7 @@ class DiskTransport:
         if not stream.receives:
             return {}
         self.receiver.reload_from_disk(self.directory)
-        verify(stream.digests, self.receiver.weight_digests(list(stream.digests)))
+        verify(stream.digests, self.receiver.weight_digests(list(stream.digests), stream.digest_algorithm))
         return {"tensors": len(stream.digests), "bytes": stream.bytes_sent, "path": self.directory}
 
 
@@ -127,7 +129,7 @@ class DistributedTransport:
                 g.broadcast(t.contiguous().to(g.device), src=0)
         if not stream.receives:
             return {}
-        g.send_object({"op": "end", "names": list(stream.digests)}, src=0)
+        g.send_object({"op": "end", "names": list(stream.digests), "algorithm": stream.digest_algorithm}, src=0)
         received = {}
         for engine_rank in range(1, g.world_size):
             received[engine_rank] = g.send_object(None, src=engine_rank)
@@ -155,7 +157,7 @@ def serve_distributed(group: WeightUpdateGroup, receiver, corrupt=None):
             bucket.append((name, t))
         receiver.load_weights(bucket)
     receiver.end_weight_update()
-    digests = receiver.weight_digests(msg["names"])
+    digests = receiver.weight_digests(msg["names"], msg["algorithm"])
     for engine_rank in range(1, group.world_size):
         group.send_object(digests if engine_rank == group.rank else None, src=engine_rank)
     return digests
@@ -178,10 +180,10 @@ class HFModelReceiver:
         self._check_updating()
         self.weights.load(named_tensors)
 
-    def load_weights_verified(self, named_tensors):
+    def load_weights_verified(self, named_tensors, algorithm: str):
         """Load and return (sent, loaded) digests from one pass over the bytes (InProcessTransport)."""
         self._check_updating()
-        return self.weights.load_verified(named_tensors)
+        return self.weights.load_verified(named_tensors, algorithm)
 
     def _check_updating(self):
         if not self.updating:
@@ -201,10 +203,10 @@ class HFModelReceiver:
                     self.load_weights([(k, f.get_tensor(k)) for k in f.keys()])
         self.end_weight_update()
 
-    def weight_digests(self, names) -> dict[str, str]:
+    def weight_digests(self, names, algorithm: str) -> dict[str, str]:
         from .digest import tensor_digest
 
-        return {n: tensor_digest(self.weights.read(n)) for n in names}
+        return {n: tensor_digest(self.weights.read(n), algorithm) for n in names}
 
 
 __all__ = ["TRANSPORTS", "DigestMismatchError", "DiskTransport", "DistributedTransport", "HFModelReceiver",

@@ -63,7 +63,7 @@ def run_family(out_dir, hf, overrides):
     def sync():
         stream = ExportStream(chunks, bucket_bytes=256 << 10, dst=None)
         stats = transport.sync(stream)  # raises DigestMismatchError unless every digest matches
-        got = engine.weight_digests(list(stream.digests))
+        got = engine.weight_digests(list(stream.digests), stream.digest_algorithm)
         return stats["tensors"], got == stream.digests and len(got) > 0
 
     rep["sync_tensors"], rep["digests_equal"] = sync()

@@ -51,7 +51,7 @@ def main():
         with torch.no_grad():
             return engine(probe).logits.double()
 
-    def run(name, transport, corrupt=False, logits_fn=None):
+    def run(name, transport, corrupt=False, logits_fn=None, algorithm=None):
         if corrupt and receiver is not None:
             # In process, transit is the copy into the engine's memory: one word of one block arrives wrong.
             original = digest._copy_block
@@ -63,10 +63,11 @@ def main():
                     dst.reshape(-1)[0] ^= 1
 
             digest._copy_block = corrupting
-        stream = ExportStream(chunks, bucket_bytes=64 << 10, dst=0)
+        stream = ExportStream(chunks, bucket_bytes=64 << 10, dst=0, digest_algorithm=algorithm)
         try:
             stats = transport.sync(stream)
-            report[name] = {"ok": True, "stats_tensors": stats.get("tensors")}
+            report[name] = {"ok": True, "stats_tensors": stats.get("tensors"),
+                            "algorithms": sorted({digest.algorithm_of(d) for d in stream.digests.values()})}
             if rank == 0:
                 report[name]["logits_rel_err"] = rel_err((logits_fn or engine_logits)(), learner_logits)
         except DigestMismatchError as e:
@@ -77,6 +78,8 @@ def main():
 
     run("in_process", InProcessTransport(receiver))
     run("in_process_corrupted", InProcessTransport(receiver), corrupt=True)
+    run("in_process_sums", InProcessTransport(receiver), algorithm="sums")  # the accelerators' algorithm
+    run("in_process_sums_corrupted", InProcessTransport(receiver), corrupt=True, algorithm="sums")
     run("disk", DiskTransport(receiver, os.path.join(out_dir, "sync_disk"), hf))
     for label, corrupt in (("distributed", "0"), ("distributed_corrupted", "1")):
         port = [free_port() if rank == 0 else None]
