@@ -225,8 +225,12 @@ def test_abort_by_rid(family):
     t = threading.Thread(target=lambda: got.setdefault("s", engine.generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=450), request_ids=["rlpo-test-abort"])))
     t.start()
-    time.sleep(1.5)
-    engine.abort(["rlpo-test-abort"])
+    # Abort until the request ends: one fixed sleep either fired before the server knew the request or
+    # after a fast server had generated all 450 tokens (seen: 'length', 450).
+    deadline = time.monotonic() + 60
+    while t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+        engine.abort(["rlpo-test-abort"])
     t.join(60)
     s = got["s"][0]
     assert s.finish_reason == "abort" and len(s.response_ids) < 450, (s.finish_reason, len(s.response_ids))
