@@ -113,9 +113,9 @@ def test_a_corrupted_copy_is_caught(monkeypatch, algorithm):
     calls = []
 
     def bad_copy(dst, src):
-        np.copyto(dst, src)
+        dst.copy_(src)
         if not calls:
-            dst.reshape(-1).view(np.uint8)[70] ^= 0x10  # one bit of the first block, after the source's digest
+            dst.reshape(-1).view(torch.uint8)[70] ^= 0x10  # one bit of the first block
         calls.append(1)
 
     monkeypatch.setattr(digest, "_copy_block", bad_copy)
