@@ -30,7 +30,8 @@ class HFModelWeights:
         self._pname = {id(p): n for n, p in self.params.items()}
         tied = getattr(model.config, "tie_word_embeddings", False)
         self.tied = tied
-        self._slots: dict[str, tuple] = {}  # name -> (view, parameter name, index key); the parameters are fixed
+        # name -> (view, parameter name, index key, the key's prefixes); the parameters are fixed
+        self._slots: dict[str, tuple] = {}
 
     def _target(self, name: str):
         """(parameter, view index) for a checkpoint-named tensor."""
@@ -59,14 +60,13 @@ class HFModelWeights:
         self._written: set = set()  # (parameter name, index key) loaded in this update
         self._covered: set = set()  # and every prefix of those keys
 
-    def _claim(self, name: str, pname: str, key: tuple):
+    def _claim(self, name: str, pname: str, key: tuple, prefixes: tuple):
         """A mapping collision (two names onto one slice) would let the later tensor silently overwrite the
         earlier one after its digest was taken; refuse it instead. Keys are index prefixes: () is the whole
         parameter, (e,) expert e, (e, (a, b)) rows a:b of it; two keys overlap when one is a prefix of the
         other."""
         if getattr(self, "_written", None) is None:
             return
-        prefixes = [(pname, key[:i]) for i in range(len(key) + 1)]
         if (pname, key) in self._covered or any(p in self._written for p in prefixes):
             same = (pname, key) in self._written
             raise RuntimeError(f"weight sync: streamed tensor {name!r} lands on {pname}{list(key)}, which "
@@ -80,12 +80,14 @@ class HFModelWeights:
         if slot is None:
             param, index = self._target(name)
             key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
-            slot = self._slots[name] = ((param[index] if index else param).detach(), self._pname[id(param)], key)
-        view, pname, key = slot
+            pname = self._pname[id(param)]
+            prefixes = tuple((pname, key[:i]) for i in range(len(key) + 1))
+            slot = self._slots[name] = ((param[index] if index else param).detach(), pname, key, prefixes)
+        view, pname, key, prefixes = slot
         if view.shape != tensor.shape:
             raise ValueError(f"streamed tensor {name!r} has shape {list(tensor.shape)}; the engine's "
                              f"parameter slice has {list(view.shape)}")
-        self._claim(name, pname, key)
+        self._claim(name, pname, key, prefixes)
         return view
 
     @torch.no_grad()

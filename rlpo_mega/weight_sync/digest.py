@@ -29,6 +29,8 @@ _COLS = 1024  # sums: words per row
 _BLOCK_ROWS = 256  # sums: rows per CPU block (1 MiB)
 _BLOCK_BYTES = 1 << 20  # fused xxh3 copy: per block, hash, copy, hash while it is in cache (1 MiB: fastest here)
 _HOST_CHUNK = 64 << 20  # xxh3 of an accelerator tensor: bytes copied to the host at a time
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool}  # .numpy() works (bfloat16 and float8 need a byte view)
 
 
 class DigestMismatchError(RuntimeError):
@@ -175,13 +177,16 @@ def _copy_with_xxh3(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, str]:
     """The fused xxh3 path (contiguous, same dtype and shape, CPU): per block, hash the source, copy it
     and hash the copy while it is in cache. Kept lean: a sync calls it once per HF tensor, and at a few
     hundred tensors per sync the per-call Python cost shows in the throughput."""
+    label = f"xxh3:{src.dtype}:{tuple(src.shape)}:"
+    nbytes = src.numel() * src.element_size()
+    if nbytes <= _BLOCK_BYTES and src.dtype in _NUMPY_DTYPES:
+        # one block: the one-shot hash (same value as streaming) straight on the arrays' buffers
+        src, dst = src.detach(), dst.detach()
+        sent = xxhash.xxh3_128_hexdigest(src.numpy())
+        _copy_block(dst, src)
+        return label + sent, label + xxhash.xxh3_128_hexdigest(dst.numpy())
     s_t, d_t = src.detach().view(-1).view(torch.uint8), dst.detach().view(-1).view(torch.uint8)
     s_np, d_np = s_t.numpy(), d_t.numpy()
-    label = f"xxh3:{src.dtype}:{tuple(src.shape)}:"
-    if s_np.size <= _BLOCK_BYTES:  # one block: the one-shot hash (same value as streaming) skips two objects
-        sent = xxhash.xxh3_128_hexdigest(s_np)
-        _copy_block(d_t, s_t)
-        return label + sent, label + xxhash.xxh3_128_hexdigest(d_np)
     hs, hd = xxhash.xxh3_128(), xxhash.xxh3_128()
     for start in range(0, s_np.size, _BLOCK_BYTES):
         stop = start + _BLOCK_BYTES

@@ -60,7 +60,7 @@ def main():
             def corrupting(dst, src):
                 original(dst, src)
                 if state.pop("armed", False):
-                    dst.reshape(-1)[0] ^= 1
+                    dst.reshape(-1).view(torch.uint8)[0] ^= 1
 
             digest._copy_block = corrupting
         stream = ExportStream(chunks, bucket_bytes=64 << 10, dst=0, digest_algorithm=algorithm)
