@@ -25,3 +25,12 @@ def test_corruption_in_transit_is_caught(sync_report, transport):
     r = sync_report[transport]
     assert not r["ok"]
     assert "digest mismatch" in r["error"] and "refusing to roll out" in r["error"], r["error"]
+
+
+def test_stream_buffers_are_reused_across_syncs(sync_report):
+    """The in-process and distributed transports let the stream recycle its CPU buffers: a second sync
+    allocates nothing new, and two recycling streams of one model at once are refused."""
+    r = sync_report["pool"]
+    assert r["held_bytes"] > 0 and r["same_buffers"], r
+    assert "two recycling export streams" in r["second_stream_error"], r
+    assert r["busy_after_syncs"] is False

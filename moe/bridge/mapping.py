@@ -107,21 +107,29 @@ def hf_to_full(kind: str, tensors: list[torch.Tensor], dims: Dims) -> torch.Tens
     return w
 
 
-def full_to_hf(kind: str, full: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+def full_to_hf(kind: str, full: torch.Tensor, dims: Dims, empty=None) -> list[torch.Tensor]:
+    """HF tensors (contiguous) of one full megatron tensor; `empty(shape, dtype, device)` allocates the
+    q/k/v copies (the only ones made: other kinds are views of `full`)."""
     if kind == "qkv":
         g, hd = dims.groups, dims.head_dim
         per_group = dims.heads // g
         hidden = full.shape[-1]
         grouped = full.reshape(g, per_group + 2, hd, hidden)
-        q = grouped[:, :per_group].reshape(-1, hidden)
-        k = grouped[:, per_group].reshape(-1, hidden)
-        v = grouped[:, per_group + 1].reshape(-1, hidden)
-        return [q.contiguous(), k.contiguous(), v.contiguous()]
+        out = []
+        for part in (grouped[:, :per_group], grouped[:, per_group:per_group + 1], grouped[:, per_group + 1:]):
+            t = (empty or _empty)((part.shape[0] * part.shape[1] * hd, hidden), full.dtype, full.device)
+            t.view(part.shape).copy_(part)
+            out.append(t)
+        return out
     if kind == "glu":
         return [t.contiguous() for t in full.chunk(2, dim=0)]
     if kind == "vocab":
         return [full[: dims.vocab].contiguous()]
     return [full]
+
+
+def _empty(shape, dtype, device):
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # ---- full megatron tensor <-> tensor-parallel shards ---------------------------------------------

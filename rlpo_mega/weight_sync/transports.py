@@ -2,6 +2,8 @@
 
 Receiver contract (what an engine implements; SGLang's session API has the same shape):
   begin_weight_update() / load_weights([(hf_name, tensor), ...]) / end_weight_update()
+                                                  load_weights copies: the in-process and distributed
+                                                  transports let the stream reuse its buffers after it
   reload_from_disk(hf_dir)                       (disk transport)
   weight_digests(names, algorithm) -> {name: digest}   digests of what the engine now holds, computed
                                                   with the sender's algorithm (stream.digest_algorithm)
@@ -40,6 +42,7 @@ class InProcessTransport:
         fused = stream.receives and hasattr(self.receiver, "load_weights_verified")
         if fused:
             stream.compute_digests = False
+        stream.recycle = True  # the receiver copies each bucket before asking for the next
         if stream.receives:
             self.receiver.begin_weight_update()
         loaded = {}
@@ -121,6 +124,7 @@ class DistributedTransport:
 
     def sync(self, stream) -> dict:
         g = self.group
+        stream.recycle = True  # each bucket is broadcast before the next is asked for
         for bucket in stream:
             if not stream.receives or not bucket:
                 continue

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from moe.bridge.megatron_io import ExportStream
+from moe.bridge.megatron_io import ExportStream, _inner
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
@@ -76,9 +76,16 @@ def main():
             if corrupt and receiver is not None:
                 digest._copy_block = original
 
+    def pool_buffers():
+        pool = _inner(chunks[0])._rlpo_export_pool
+        return sorted(t.data_ptr() for ts in pool.free.values() for t in ts), pool.held_bytes
+
     run("in_process", InProcessTransport(receiver))
+    first = pool_buffers()
     run("in_process_corrupted", InProcessTransport(receiver), corrupt=True)
     run("in_process_sums", InProcessTransport(receiver), algorithm="sums")  # the accelerators' algorithm
+    # the in-process syncs reused one set of buffers for what they received (EP2: the other rank's experts)
+    report["pool"] = {"held_bytes": first[1], "same_buffers": pool_buffers() == first}
     run("in_process_sums_corrupted", InProcessTransport(receiver), corrupt=True, algorithm="sums")
     run("disk", DiskTransport(receiver, os.path.join(out_dir, "sync_disk"), hf))
     for label, corrupt in (("distributed", "0"), ("distributed_corrupted", "1")):
@@ -100,6 +107,16 @@ def main():
         if proc is not None:
             report[label]["engine_rc"] = proc.wait(timeout=120)
     if rank == 0:
+        pool = _inner(chunks[0])._rlpo_export_pool
+        report["pool"]["busy_after_syncs"] = pool.busy
+        pool.busy = True  # as while another recycling stream is being iterated (the check precedes any collective)
+        stream = ExportStream(chunks, bucket_bytes=64 << 10, dst=0)
+        stream.recycle = True
+        try:
+            next(iter(stream))
+        except RuntimeError as e:
+            report["pool"]["second_stream_error"] = str(e)
+        pool.busy = False
         write_report(report)
     distributed.destroy()
 
