@@ -34,3 +34,21 @@ def test_stream_buffers_are_reused_across_syncs(sync_report):
     assert r["held_bytes"] > 0 and r["same_buffers"], r
     assert "two recycling export streams" in r["second_stream_error"], r
     assert r["busy_after_syncs"] is False
+
+
+def test_buffer_pool_reuses_by_shape_and_keeps_at_most_a_bucket():
+    import torch
+
+    from moe.bridge.megatron_io import _BufferPool
+
+    pool = _BufferPool()
+    a, b = pool.empty((256, 256), torch.float32, "cpu"), pool.empty((256, 256), torch.float32, "cpu")
+    pool.release(keep_bytes=1 << 20)  # two 256 KiB buffers fit
+    assert pool.held_bytes == 2 * (256 << 10)
+    again = [pool.empty((256, 256), torch.float32, "cpu") for _ in range(2)]
+    assert {t.data_ptr() for t in again} == {a.data_ptr(), b.data_ptr()}  # reused, not reallocated
+    other = pool.empty((512, 256), torch.float32, "cpu")  # a shape this bucket adds
+    pool.release(keep_bytes=600 << 10)  # 1 MiB lent, 600 KiB kept: whole buffers, at most the limit
+    assert pool.held_bytes <= 600 << 10 and pool.held_bytes > 0 and not pool.lent
+    assert pool.empty((2,), torch.float32, "meta").device.type == "meta" and not pool.lent  # only CPU is pooled
+    del other

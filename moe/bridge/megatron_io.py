@@ -3,7 +3,8 @@
 Import: every rank reads only the HF tensors of its own layers and experts, and of those only the
 rows/columns of its tensor-parallel shard. Export: a collective generator that gathers one parameter at
 a time (TP or expert-TP all-gather inside the owning stage), sends it to the destination rank(s) and
-yields HF-named tensors in buckets, so no rank ever holds more than about one bucket extra.
+yields HF-named tensors in buckets, so no rank ever holds more than about one bucket extra (with
+`recycle`, at most one bucket of reusable CPU buffers stays allocated between syncs).
 """
 from __future__ import annotations
 
@@ -132,8 +133,8 @@ class _BufferPool:
     """CPU buffers for the tensors an export materialises (TP gathers, received tensors, q/k/v splits),
     reused across buckets and syncs. Fresh pages are what a CPU export pays most for: glibc hands freed
     buckets back to the kernel and every new buffer faults its pages in again (measured here: 1.6 us a
-    page, 60 ms of a 450 MB EP2 sync). Accelerators need none of this (torch's caching allocator). Holds,
-    between syncs, the largest set of buffers one bucket needed at once (`held_bytes`)."""
+    page, 60 ms of a 450 MB EP2 sync). Accelerators need none of this (torch's caching allocator). Holds
+    at most `keep_bytes` (the bucket size) between buckets and syncs (`held_bytes`)."""
 
     def __init__(self):
         self.free: dict[tuple, list[torch.Tensor]] = {}
@@ -148,11 +149,23 @@ class _BufferPool:
         self.lent.append(t)
         return t
 
-    def release(self):
-        """Everything lent is free again: the consumer is done with the bucket that used it."""
+    def release(self, keep_bytes: int):
+        """Everything lent is free again (the consumer is done with the bucket that used it); beyond
+        `keep_bytes`, buffers of shapes that bucket did not use are dropped first, then any."""
+        used = {(tuple(t.shape), t.dtype) for t in self.lent}
         for t in self.lent:
             self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
         self.lent.clear()
+        excess = self.held_bytes - keep_bytes
+        for key in sorted(self.free, key=lambda k: k in used):  # unused shapes first
+            stack = self.free[key]
+            while stack and excess > 0:
+                t = stack.pop()
+                excess -= t.numel() * t.element_size()
+            if not stack:
+                del self.free[key]
+            if excess <= 0:
+                break
 
     @property
     def held_bytes(self) -> int:
@@ -210,7 +223,7 @@ class ExportStream:
         finally:
             if pool is not None:
                 pool.busy = False
-                pool.release()
+                pool.release(self.bucket_bytes)
 
     def _buckets(self, pool):
         from megatron.core import parallel_state as ps
@@ -233,10 +246,10 @@ class ExportStream:
                     bucket.clear()  # the consumer is done with it: free its tensors before the next gathers
                     bucket, size = [], 0
                     if pool is not None:
-                        pool.release()
+                        pool.release(self.bucket_bytes)
             full = self._gather(pm, mine.get(pm.megatron), owners[pm.megatron], full_meta[pm.megatron], rank)
             if not receives and pool is not None:
-                pool.release()  # a sending rank's buffers are done once sent (blocking CPU send)
+                pool.release(self.bucket_bytes)  # a sending rank's buffers are done once sent (blocking CPU send)
             if full is None:
                 continue
             for name, t in zip(pm.hf, full_to_hf(pm.kind, full, dims, self._empty)):
