@@ -176,8 +176,8 @@ class _BufferPool:
 class ExportStream:
     """Iterate to get buckets `[(hf_name, tensor), ...]`; all ranks of the learner must iterate.
 
-    `dst`: the global rank that receives full tensors (None: every rank does). Other ranks yield
-    empty buckets in lockstep. `digests` holds the sender-side digest of every tensor yielded (unless a
+    `dst`: the global rank that receives full tensors (None: every rank does). Other ranks take part
+    in the collectives and yield one empty bucket at the end. `digests` holds the sender-side digest of every tensor yielded (unless a
     transport set `compute_digests = False` and fills it itself as it loads), computed with
     `digest_algorithm` (default: the cheap one on the parameters' device); receivers digest with the same.
     A bucket holds at most `bucket_bytes` (one larger tensor goes alone) and is valid until the next
