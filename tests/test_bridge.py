@@ -68,3 +68,20 @@ def test_qkv_layout_matches_megatron_grouping():
     assert torch.equal(first_group[: per * hd], torch.arange(per * hd).float())
     assert torch.equal(first_group[per * hd:(per + 1) * hd], 1000 + torch.arange(hd).float())
     assert torch.equal(first_group[(per + 1) * hd:], 2000 + torch.arange(hd).float())
+
+
+def test_transformer_engine_parameter_names(tmp_path):
+    """On a GPU with Transformer Engine, megatron builds the TE spec, whose norms and grouped experts carry
+    other parameter names; the bridge maps them to the same HF tensors (EP2, a dense layer included)."""
+    import json
+
+    with open("configs/models/tiny_qwen3_moe.json") as f:
+        dense = {**json.load(f), "mlp_only_layers": [1]}  # layer 1 is a dense MLP: its norm fuses into fc1
+    dense_cfg = tmp_path / "qwen3_moe_dense_layer.json"
+    dense_cfg.write_text(json.dumps(dense))
+    models = f"{dense_cfg},configs/models/tiny_mixtral.json"
+    reports = torchrun("bridge_te_names.py", 2, str(tmp_path), models, "parallel.expert=2")
+    for family, r in reports.items():
+        assert r["te_style_names"] > 0 and r["local_style_left"] == 0, (family, r)
+        assert r["global_names_equal"], (family, r)
+        assert r["export_equals_local"] and r["reimport_equals_checkpoint"], (family, r)

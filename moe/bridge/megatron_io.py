@@ -21,6 +21,22 @@ from .mapping import (Dims, ParamMap, full_to_hf, hf_row_ranges, hf_slices_to_sh
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.*)")
+# The Transformer Engine spec (megatron's choice wherever TE is installed, i.e. on GPUs) names three kinds
+# of parameters differently from the local spec the mapping is written in: a norm fused into the linear
+# after it, and experts as one GroupedLinear holding weight{j}. Rewritten to local names first (the same
+# rewrites as megatron-core's post_training/modelopt/gpt/state_dict_hooks.py and moe/upcycling_utils.py).
+_TE_TO_LOCAL = (
+    (re.compile(r"^self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
+    (re.compile(r"^mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$"), r"mlp.experts.local_experts.\2.\1.weight"),
+)
+
+
+def _local_layer_name(rest: str) -> str:
+    for pattern, local in _TE_TO_LOCAL:
+        if pattern.match(rest):
+            return pattern.sub(local, rest)
+    return rest
 
 
 def _inner(chunk):
@@ -51,10 +67,10 @@ def local_params(model) -> list[LocalParam]:
         g = name
         m = _LAYER.match(name)
         if m:
-            rest = m.group(2)
+            rest = _local_layer_name(m.group(2))
             me = _EXPERT.match(rest)
             if me:
-                local_experts = len(layers[int(m.group(1))].mlp.experts.local_experts)
+                local_experts = layers[int(m.group(1))].mlp.experts.num_local_experts  # Sequential- and TEGroupedMLP
                 rest = f"mlp.experts.local_experts.{ep_rank * local_experts + int(me.group(1))}.{me.group(2)}"
             g = f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.{rest}"
         if g == "output_layer.weight" and hf.tie_word_embeddings:
