@@ -34,6 +34,7 @@ def test_stream_buffers_are_reused_across_syncs(sync_report):
     assert r["held_bytes"] > 0 and r["same_buffers"], r
     assert "two recycling export streams" in r["second_stream_error"], r
     assert r["busy_after_syncs"] is False
+    assert sync_report["bf16_export_exact"]  # a dtype cast on export lands in recycled buffers too
 
 
 def test_buffer_pool_reuses_by_shape_and_keeps_at_most_a_bucket():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from moe.bridge.megatron_io import ExportStream, _inner
+from moe.bridge.megatron_io import ExportStream, _inner, export_hf_state
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
@@ -106,7 +106,16 @@ def main():
         run(label, DistributedTransport(group), logits_fn=remote_logits)
         if proc is not None:
             report[label]["engine_rc"] = proc.wait(timeout=120)
+    # A cast on export (an fp32 learner feeding a bf16 engine), through the recycled buffers.
+    full32 = export_hf_state(chunks, dst=0)
+    stream16 = ExportStream(chunks, bucket_bytes=64 << 10, dst=0, dtype=torch.bfloat16)
+    stream16.recycle = True
+    got16 = {}
+    for bucket in stream16:
+        got16.update((n, t.clone()) for n, t in bucket)
     if rank == 0:
+        report["bf16_export_exact"] = sorted(got16) == sorted(full32) and all(
+            got16[n].dtype == torch.bfloat16 and torch.equal(got16[n], full32[n].to(torch.bfloat16)) for n in full32)
         pool = _inner(chunks[0])._rlpo_export_pool
         report["pool"]["busy_after_syncs"] = pool.busy
         pool.busy = True  # as while another recycling stream is being iterated (the check precedes any collective)
