@@ -43,6 +43,12 @@ class ModelConfig:
 class OptimConfig:
     lr: float = 1.0e-4
     min_lr: float = 0.0
+    # Schedule over optimizer steps (RL steps x trainer.mini_batches x trainer.epochs), megatron-core's
+    # OptimizerParamScheduler: linear warm-up from lr_warmup_init to lr, then the decay style down to min_lr.
+    lr_warmup_steps: int = 0
+    lr_warmup_init: float = 0.0
+    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root
+    lr_decay_steps: int = 0  # 0 = every optimizer step of the run
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

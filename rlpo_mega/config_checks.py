@@ -282,6 +282,28 @@ def _check_counts(cfg, warns: list[str]):
         raise ConfigError(f"logging.console_every={cfg.logging.console_every} must be >= 0 (0: never)")
     if cfg.prompts.oversample < 1:
         raise ConfigError(f"prompts.oversample={cfg.prompts.oversample} must be >= 1")
+    _check_lr_schedule(cfg)
+
+
+def _check_lr_schedule(cfg):
+    """What megatron's OptimizerParamScheduler would otherwise stop with a bare assert."""
+    from rlpo_mega.training.model_setup import LR_DECAY_STYLES
+
+    o = cfg.optim
+    _choice("optim.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
+    if not 0 <= o.min_lr <= o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    if not 0 <= o.lr_warmup_init <= o.lr:
+        raise ConfigError(f"optim.lr_warmup_init={o.lr_warmup_init} must be in [0, optim.lr={o.lr}]")
+    if o.lr_warmup_steps < 0 or o.lr_decay_steps < 0:
+        raise ConfigError(f"optim.lr_warmup_steps={o.lr_warmup_steps} and optim.lr_decay_steps={o.lr_decay_steps} "
+                          "must be >= 0 (decay 0: the whole run)")
+    total = cfg.train_iters * cfg.trainer.mini_batches * cfg.trainer.epochs
+    decay = o.lr_decay_steps or total
+    if o.lr_decay_style != "constant" and o.lr_warmup_steps >= decay:
+        raise ConfigError(f"optim.lr_warmup_steps={o.lr_warmup_steps} leaves no optimizer step to decay over "
+                          f"(optim.lr_decay_steps={decay}; the run has train_iters x trainer.mini_batches x "
+                          f"trainer.epochs = {total}): shorten the warm-up or lengthen the decay")
 
 
 def _check_batch(cfg, world_size: Optional[int]):

@@ -130,6 +130,7 @@ def test_temperatures_must_match(tiny_hf):
     ("reward.function", "maths", "math"),
     ("rollout.engine", "sglng", "sglang"),
     ("rollout.sync_transport", "in-process", "in_process"),
+    ("optim.lr_decay_style", "cosin", "cosine"),
 ])
 def test_unknown_names(tiny_hf, key, value, suggest):
     msg = _err(tiny_hf, f"{key}={value}")
@@ -194,6 +195,16 @@ def test_paths(tiny_hf, tmp_path):
 ])
 def test_counts(tiny_hf, override, message):
     assert message in _err(tiny_hf, override)
+
+
+def test_lr_schedule(tiny_hf):
+    assert "optim.min_lr=0.1 must be in [0, optim.lr=0.0001]" in _err(tiny_hf, "optim.min_lr=0.1")
+    assert "optim.lr_warmup_init=-1.0 must be in" in _err(tiny_hf, "optim.lr_warmup_init=-1.0")
+    msg = _err(tiny_hf, "optim.lr_decay_style=cosine", "optim.lr_warmup_steps=10", "train_iters=2",
+               "trainer.mini_batches=2")
+    assert "optim.lr_warmup_steps=10 leaves no optimizer step to decay over" in msg and "= 4" in msg
+    check_run_config(_cfg("optim.lr_decay_style=cosine", "optim.lr_warmup_steps=3", "train_iters=2",
+                          "trainer.mini_batches=2"), tiny_hf)
 
 
 def test_group_advantage_needs_two_samples(tiny_hf):

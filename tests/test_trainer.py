@@ -58,6 +58,38 @@ def test_every_loss_logs_every_metric_to_wandb(matrix, loss, mode):
         assert all(0.5 < v <= 1.0 for v in wb.history["routing/update/agreement"])
 
 
+def lr_reference(n, init, peak, low, warmup, decay, style="cosine"):
+    """Linear warm-up then cosine or linear decay (Loshchilov & Hutter), transcribed in float64."""
+    if warmup and n <= warmup:
+        return init + (peak - init) * n / warmup
+    if n > decay:
+        return low
+    ratio = (n - warmup) / (decay - warmup)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0) if style == "cosine" else 1.0 - ratio
+    return low + coeff * (peak - low)
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear"])
+def test_lr_schedule_matches_the_formula(style):
+    import torch
+
+    from rlpo_mega.config import OptimConfig
+    from rlpo_mega.training.model_setup import build_lr_scheduler
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-5, lr_warmup_steps=5, lr_warmup_init=1e-4, lr_decay_style=style,
+                      lr_decay_steps=30)
+    sched = build_lr_scheduler(opt, cfg, total_steps=999)
+    got = []
+    for n in range(40):
+        got.append(opt.param_groups[0]["lr"])
+        sched.step(1)
+    want = [lr_reference(n, 1e-4, 1e-3, 1e-5, 5, 30, style) for n in range(40)]
+    assert all(math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-18) for a, b in zip(got, want)), (got, want)
+    constant = build_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0), OptimConfig(lr=3e-4), 10)
+    assert constant.optimizer.param_groups[0]["lr"] == 3e-4  # the default keeps optim.lr throughout
+
+
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     return torchrun("train_scenarios.py", 2, "resume", str(tmp_path_factory.mktemp("resume")),
@@ -71,8 +103,13 @@ def test_resume_equals_uninterrupted_run(resumed):
     for step in (1, 2):  # the first run is the uninterrupted one, so far
         assert resumed["first"][step - 1]["loss/policy"] == full[step]["loss/policy"]
     for step in (3, 4):
-        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "kl/policy", "ratio/seq_max"):
+        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "kl/policy", "ratio/seq_max", "optim/lr"):
             assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
+    # the schedule (cosine, 2 warm-up steps from 1e-4, 8 decay steps to 2e-4, lr 2e-3) after 2 optimizer
+    # steps per RL step, against the formula
+    lr = {s: lr_reference(2 * s, init=1e-4, peak=2e-3, low=2e-4, warmup=2, decay=8) for s in (1, 2, 3, 4)}
+    for step in (1, 2, 3, 4):
+        assert math.isclose(full[step]["optim/lr"], lr[step], rel_tol=1e-12), (step, full[step]["optim/lr"], lr)
     assert resumed["ckpt_dirs"] == ["latest", "step_00000004"]  # keep_last=1 pruned step 2
 
 

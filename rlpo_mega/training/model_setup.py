@@ -70,3 +70,19 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
 
 def unwrap(chunk):
     return chunk.module if hasattr(chunk, "module") else chunk
+
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
+    """megatron-core's OptimizerParamScheduler over optimizer steps (it sets every param group's lr and,
+    with wd_mult, weight decay). `total_steps` is the run's optimizer steps, the default decay length."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = optim_cfg.lr_decay_steps or total_steps
+    return OptimizerParamScheduler(
+        optimizer, init_lr=optim_cfg.lr_warmup_init, max_lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
+        lr_warmup_steps=optim_cfg.lr_warmup_steps, lr_decay_steps=max(decay, optim_cfg.lr_warmup_steps + 1),
+        lr_decay_style=optim_cfg.lr_decay_style, start_wd=optim_cfg.weight_decay, end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=1, wd_incr_style="constant")

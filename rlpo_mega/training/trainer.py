@@ -55,7 +55,7 @@ class Trainer:
         from rlpo_mega.data import PromptSampler
         from rlpo_mega.logging import MetricsLogger
         from rlpo_mega.rewards.scorer import RewardScorer
-        from rlpo_mega.training.model_setup import build_policy
+        from rlpo_mega.training.model_setup import build_lr_scheduler, build_policy
 
         self.cfg = cfg
         self.hf = load_hf_config(cfg.model.hf_config)
@@ -64,6 +64,8 @@ class Trainer:
         self.rank, self.device = dist.get_rank(), platform.device()
         self.spec = TraceSpec.from_hf(self.hf)
         self.chunks, self.optimizer = build_policy(self.hf, self.layout, cfg.model, cfg.optim, routing_replay=True)
+        self.lr_schedule = build_lr_scheduler(self.optimizer, cfg.optim,
+                                              cfg.train_iters * cfg.trainer.mini_batches * cfg.trainer.epochs)
         from moe.routing.replay import RoutingReplay
 
         self.routing = RoutingReplay(self.chunks, self.spec, mode=cfg.routing.mode)
@@ -101,6 +103,8 @@ class Trainer:
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
         self.warmup_done = bool(st["warmup_done"])
         self.sampler.load_state_dict(st["sampler"])
+        self.lr_schedule.num_steps = int(st.get("lr_steps", 0))  # checkpoints before the schedule: from 0
+        self.lr_schedule.step(0)
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
 
@@ -224,6 +228,8 @@ class Trainer:
                     out["grad_norm"] = float(grad_norm or 0.0)
                     if not ok or not math.isfinite(out["grad_norm"]):
                         skipped += 1
+                    else:
+                        self.lr_schedule.step(1)  # as megatron: the schedule advances on applied updates
                 else:
                     skipped += 1
                     out["grad_norm"] = math.nan
@@ -301,7 +307,7 @@ class Trainer:
     def save(self):
         c = self.cfg.checkpoint
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
-                 "sampler": self.sampler.state_dict()}
+                 "sampler": self.sampler.state_dict(), "lr_steps": self.lr_schedule.num_steps}
         path = ckpt_state.save(c.save_dir, self.step, self.chunks, self.optimizer, state, c.keep_last,
                                meta={"model_type": self.hf.model_type}, hf_files=self._hf_files())
         if c.export_hf:

@@ -50,15 +50,21 @@ def matrix(out):
     return runs
 
 
+# A learning-rate schedule long enough for the uninterrupted run (4 steps x 2 mini-batches), so the
+# resumed run must restore where it was on it.
+LR_SCHEDULE = ("optim.lr_decay_style=cosine", "optim.lr_warmup_steps=2", "optim.lr_warmup_init=1e-4",
+               "optim.lr_decay_steps=8", "optim.min_lr=2e-4")
+
+
 def resume(out):
     """Uninterrupted 4 steps vs 2 steps + resume to 4 (same layout), then from there one step at TP2."""
     ck = os.path.join(out, "ckpt")
-    train(cfg(out, "full", "train_iters=4"))
-    train(cfg(out, "first", "train_iters=2", f"checkpoint.save_dir={ck}"))
+    train(cfg(out, "full", "train_iters=4", *LR_SCHEDULE))
+    train(cfg(out, "first", "train_iters=2", f"checkpoint.save_dir={ck}", *LR_SCHEDULE))
     train(cfg(out, "second", "train_iters=4", f"checkpoint.save_dir={ck}", "checkpoint.keep_last=1",
-              "checkpoint.resume=true", "checkpoint.export_hf=true"))
+              "checkpoint.resume=true", "checkpoint.export_hf=true", *LR_SCHEDULE))
     train(cfg(out, "tp2", "train_iters=5", f"checkpoint.load_dir={ck}", "parallel.expert=1",
-              "parallel.tensor=2"))
+              "parallel.tensor=2", *LR_SCHEDULE))
     return {run: history(out, run) for run in ("full", "first", "second", "tp2")} | {
         "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck}
 
