@@ -70,10 +70,20 @@ def _optimizer_state(model_sd, optimizer, is_loading: bool):
     return subs, flat, (steps.pop() if steps else 0.0)
 
 
+_REFERENCE = "reference."  # sharded-key prefix of the KL reference model saved alongside the policy
+
+
+def _reference_state(reference_chunks) -> dict:
+    if len(reference_chunks) != 1:
+        raise NotImplementedError("virtual pipeline stages are not supported yet")
+    return unwrap(reference_chunks[0]).sharded_state_dict(prefix=_REFERENCE)
+
+
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
-                    files: dict[str, bytes] | None = None):
+                    files: dict[str, bytes] | None = None, reference_chunks=None):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
-    the checkpoint before the swap (the trainer state), so they exist exactly when the weights do."""
+    the checkpoint before the swap (the trainer state), so they exist exactly when the weights do.
+    reference_chunks: a frozen KL reference model of the same layout, saved in the same checkpoint."""
     from megatron.core import dist_checkpointing
 
     path = os.path.abspath(path)
@@ -84,6 +94,8 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     if optimizer is not None:
         _, flat, step = _optimizer_state(model_sd, optimizer, is_loading=False)
         state["optimizer"] = {"tensors": flat, "step": step}
+    if reference_chunks is not None:
+        state["reference"] = _reference_state(reference_chunks)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         os.makedirs(tmp)
@@ -96,8 +108,8 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
         with open(os.path.join(tmp, META), "w") as f:
-            json.dump({"format": FORMAT, "has_optimizer": optimizer is not None, **(meta or {})}, f,
-                      indent=1)
+            json.dump({"format": FORMAT, "has_optimizer": optimizer is not None,
+                       "has_reference": reference_chunks is not None, **(meta or {})}, f, indent=1)
         old = path + ".old"
         shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
@@ -130,8 +142,9 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
-def load_checkpoint(path: str, model_chunks, optimizer=None) -> dict:
-    """Load into already-built model (and optimizer) at the current layout; returns the saved meta."""
+def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=None) -> dict:
+    """Load into already-built model (and optimizer) at the current layout; returns the saved meta.
+    reference_chunks: filled with the saved KL reference if the checkpoint has one (meta "has_reference")."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
@@ -145,8 +158,15 @@ def load_checkpoint(path: str, model_chunks, optimizer=None) -> dict:
     if optimizer is not None:
         subs, flat, _ = _optimizer_state(model_sd, optimizer, is_loading=True)
         state["optimizer"] = {"tensors": flat}
+    with_reference = reference_chunks is not None and meta.get("has_reference", False)
+    if with_reference:
+        state["reference"] = _reference_state(reference_chunks)
     loaded = dist_checkpointing.load(state, path)
     unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=True)
+    if with_reference:
+        unwrap(reference_chunks[0]).load_state_dict(
+            {k[len(_REFERENCE):] if k.startswith(_REFERENCE) else k: v for k, v in loaded["reference"].items()},
+            strict=True)
     if optimizer is not None:
         tensors, step = loaded["optimizer"]["tensors"], loaded["optimizer"]["step"]
         position = {id(v): i for i, v in enumerate(flat)}

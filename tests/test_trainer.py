@@ -103,7 +103,8 @@ def test_resume_equals_uninterrupted_run(resumed):
     for step in (1, 2):  # the first run is the uninterrupted one, so far
         assert resumed["first"][step - 1]["loss/policy"] == full[step]["loss/policy"]
     for step in (3, 4):
-        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "kl/policy", "ratio/seq_max", "optim/lr"):
+        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "kl/policy", "ratio/seq_max", "optim/lr",
+                    "kl/ref"):  # the KL reference was saved with the checkpoint, not rebuilt from step 2's policy
             assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
     # the schedule (cosine, 2 warm-up steps from 1e-4, 8 decay steps to 2e-4, lr 2e-3) after 2 optimizer
     # steps per RL step, against the formula
@@ -111,6 +112,12 @@ def test_resume_equals_uninterrupted_run(resumed):
     for step in (1, 2, 3, 4):
         assert math.isclose(full[step]["optim/lr"], lr[step], rel_tol=1e-12), (step, full[step]["optim/lr"], lr)
     assert resumed["ckpt_dirs"] == ["latest", "step_00000004"]  # keep_last=1 pruned step 2
+
+
+def test_reference_is_the_policy_after_warmup(tmp_path):
+    r = torchrun("train_scenarios.py", 2, "warmup_reference", str(tmp_path), env={"WANDB_MODE": "disabled"},
+                 timeout=600)
+    assert r["warmup_moved"] and r["ref_equals_policy"], r
 
 
 def test_export_at_save_equals_cli_export(resumed, tmp_path):

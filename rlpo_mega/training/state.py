@@ -91,7 +91,7 @@ def set_rng_state(state: dict):
 
 
 def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
-         hf_files: dict[str, bytes] | None = None) -> str:
+         hf_files: dict[str, bytes] | None = None, reference=None) -> str:
     """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
     hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, prunes old ones."""
     from rlpo_mega.convert import HF_FILES
@@ -105,7 +105,7 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
         files = {STATE_FILE: buf.getvalue(), **{f"{HF_FILES}/{k}": v for k, v in (hf_files or {}).items()}}
         os.makedirs(save_dir, exist_ok=True)
     path = step_dir(save_dir, step)
-    save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files)
+    save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files, reference_chunks=reference)
     if dist.get_rank() == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")
         with open(tmp, "w") as f:
@@ -120,17 +120,19 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
     return path
 
 
-def load(path: str, chunks, optimizer, with_optimizer: bool = True) -> dict:
-    """Load weights (+ optimizer) at the current layout and return the trainer state; this rank's RNG
-    states are restored when the world size is unchanged (another layout draws its own)."""
+def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=None) -> dict:
+    """Load weights (+ optimizer, + the KL reference into `reference` if saved) at the current layout and
+    return the trainer state, with "reference_loaded"; this rank's RNG states are restored when the world
+    size is unchanged (another layout draws its own)."""
     read_meta(path)  # clear error for an unfinished or missing checkpoint
     file = os.path.join(path, STATE_FILE)
     if not os.path.isfile(file):
         raise CheckpointError(f"{path!r} is a model checkpoint without trainer state ({STATE_FILE}): set "
                               "checkpoint.load_optimizer=false and trainer state starts fresh, or point "
                               "checkpoint.load_dir at a step_<N> directory the trainer wrote")
-    load_checkpoint(path, chunks, optimizer if with_optimizer else None)
+    meta = load_checkpoint(path, chunks, optimizer if with_optimizer else None, reference)
     state = torch.load(file, weights_only=False)
+    state["reference_loaded"] = reference is not None and bool(meta.get("has_reference"))
     if state["world_size"] == dist.get_world_size():
         set_rng_state(state["rng"][dist.get_rank()])
     else:

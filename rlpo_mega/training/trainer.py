@@ -73,8 +73,10 @@ class Trainer:
         self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
         self.scorer = RewardScorer(cfg.reward)
         self.step, self.bad_steps, self.warmup_done = 0, 0, False
-        self._resume()
-        self.ref_chunks = self._reference() if cfg.algorithm.kl.coef > 0 else None
+        # The KL reference is the policy as RL starts (after any warm-up); a resumed run loads the one its
+        # checkpoint saved, as the policy has moved since.
+        self.ref_chunks = self._build_reference() if cfg.algorithm.kl.coef > 0 else None
+        reference_loaded = self._resume()
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.ranks = rp.engine_ranks(cfg)
         self.holder = _Holder()
@@ -87,10 +89,13 @@ class Trainer:
 
             supervised_warmup(self)
             self.warmup_done = True
+        if self.ref_chunks is not None and not reference_loaded:
+            self._copy_policy_to_reference()
         self.sync()
 
     # --- set-up --------------------------------------------------------------------------------------
-    def _resume(self):
+    def _resume(self) -> bool:
+        """Load the checkpoint to start from, if any; True when it also restored the KL reference."""
         c = self.cfg.checkpoint
         path = None
         if c.load_dir:
@@ -98,8 +103,10 @@ class Trainer:
         elif c.resume and c.save_dir:
             path = ckpt_state.latest_checkpoint(c.save_dir)
         if path is None:
-            return
-        st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer)
+            return False
+        # weights only (load_optimizer=false) starts a new run: its reference is the loaded policy
+        st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer,
+                             reference=self.ref_chunks if c.load_optimizer else None)
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
         self.warmup_done = bool(st["warmup_done"])
         self.sampler.load_state_dict(st["sampler"])
@@ -107,18 +114,26 @@ class Trainer:
         self.lr_schedule.step(0)
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
+            if self.ref_chunks is not None and c.load_optimizer and not st["reference_loaded"]:
+                log.warning("%s holds no KL reference (saved with algorithm.kl.coef=0 or by an older version): "
+                            "the reference is the policy as loaded", path)
+        return st["reference_loaded"]
 
-    def _reference(self):
-        """The KL reference: a frozen copy of the policy as RL starts (on resume: as loaded)."""
-        from rlpo_mega.training.model_setup import build_policy, unwrap
+    def _build_reference(self):
+        """A frozen model of the policy's layout for the KL reference (filled by a checkpoint or a copy)."""
+        from rlpo_mega.training.model_setup import build_policy
 
         ref, _ = build_policy(self.hf, self.layout, self.cfg.model, None, with_ddp=False)
-        with torch.no_grad():
-            for (n, p), (n2, q) in zip(unwrap(self.chunks[0]).named_parameters(), ref[0].named_parameters()):
-                assert n == n2, (n, n2)
-                q.copy_(p)
         ref[0].requires_grad_(False)
         return ref
+
+    def _copy_policy_to_reference(self):
+        from rlpo_mega.training.model_setup import unwrap
+
+        with torch.no_grad():
+            for (n, p), (n2, q) in zip(unwrap(self.chunks[0]).named_parameters(), self.ref_chunks[0].named_parameters()):
+                assert n == n2, (n, n2)
+                q.copy_(p)
 
     def sync(self) -> dict:
         """Learner -> engine(s): the export stream through the configured transport, digest-verified."""
@@ -309,7 +324,8 @@ class Trainer:
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
                  "sampler": self.sampler.state_dict(), "lr_steps": self.lr_schedule.num_steps}
         path = ckpt_state.save(c.save_dir, self.step, self.chunks, self.optimizer, state, c.keep_last,
-                               meta={"model_type": self.hf.model_type}, hf_files=self._hf_files())
+                               meta={"model_type": self.hf.model_type}, hf_files=self._hf_files(),
+                               reference=self.ref_chunks)
         if c.export_hf:
             from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
             from moe.bridge.megatron_io import ExportStream

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+import torch
 import torch.distributed as dist
 
 import tests.workers.train_hooks as hooks
@@ -50,10 +51,10 @@ def matrix(out):
     return runs
 
 
-# A learning-rate schedule long enough for the uninterrupted run (4 steps x 2 mini-batches), so the
-# resumed run must restore where it was on it.
+# A learning-rate schedule long enough for the uninterrupted run (4 steps x 2 mini-batches) and a KL
+# reference, so the resumed run must restore where it was on the schedule and the reference it started with.
 LR_SCHEDULE = ("optim.lr_decay_style=cosine", "optim.lr_warmup_steps=2", "optim.lr_warmup_init=1e-4",
-               "optim.lr_decay_steps=8", "optim.min_lr=2e-4")
+               "optim.lr_decay_steps=8", "optim.min_lr=2e-4", "algorithm.kl.coef=0.04")
 
 
 def resume(out):
@@ -119,6 +120,30 @@ def engine(out):
         rep["dead_error"] = str(e)
     rep["dead_latest"] = state.latest_checkpoint(ck)
     rep["dead_steps"] = state.complete_steps(ck)
+    return rep
+
+
+def warmup_reference(out):
+    """With a supervised warm-up and KL on, the reference is the policy after the warm-up (RL's start)."""
+    import rlpo_mega.training.warmup as warmup
+    from rlpo_mega.training.model_setup import unwrap
+
+    before, run_warmup = {}, warmup.supervised_warmup
+
+    def snapshot_then_warm_up(trainer):
+        before.update((n, p.detach().clone()) for n, p in unwrap(trainer.chunks[0]).named_parameters())
+        return run_warmup(trainer)
+
+    warmup.supervised_warmup = snapshot_then_warm_up
+    try:
+        t = Trainer(cfg(out, "warmup_ref", "train_iters=1", "trainer.warmup.steps=3", "trainer.warmup.lr=1e-2",
+                        "algorithm.kl.coef=0.04"))
+    finally:
+        warmup.supervised_warmup = run_warmup
+    policy = dict(unwrap(t.chunks[0]).named_parameters())
+    rep = {"ref_equals_policy": all(torch.equal(q, policy[n]) for n, q in t.ref_chunks[0].named_parameters()),
+           "warmup_moved": bool(before) and any(not torch.equal(before[n], p) for n, p in policy.items())}
+    t.close(True)
     return rep
 
 
