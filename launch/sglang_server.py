@@ -37,6 +37,18 @@ def server_args_to_cli(args: dict) -> list[str]:
     return out
 
 
+# torchrun's variables: a server launched from a learner rank must not inherit them, or its own
+# torch.distributed set-up joins the learner's rendezvous (MASTER_PORT, WORLD_SIZE) and waits forever.
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def server_environment(environ) -> dict:
+    """The launching process's environment without torchrun's (and its OMP_NUM_THREADS=1 default)."""
+    return {k: v for k, v in environ.items()
+            if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+
+
 class SGLangServer:
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
                  server_args: dict | None = None, python: str | None = None, log_dir: str | None = None,
@@ -45,7 +57,7 @@ class SGLangServer:
         self.server_args = dict(server_args or {})
         self.python = python or sys.executable
         self.log_dir = log_dir or os.path.join(os.getcwd(), "logs", "sglang")
-        self.env = dict(env or {})
+        self.env = {str(k): str(v) for k, v in (env or {}).items()}  # YAML may give numbers (FLAG: 1)
         self.proc: subprocess.Popen | None = None
         self.log_path = os.path.join(self.log_dir, f"server_{host}_{port}.log")
 
@@ -64,7 +76,7 @@ class SGLangServer:
 
     def start(self, timeout: float = 300.0) -> "SGLangServer":
         os.makedirs(self.log_dir, exist_ok=True)
-        env = {**os.environ, **self.env}
+        env = {**server_environment(os.environ), **self.env}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (HOOKS_DIR, env.get("PYTHONPATH")) if p)
         log = open(self.log_path, "ab")
         log.write(f"\n=== {time.strftime('%F %T')} {' '.join(self.command())}\n".encode())
