@@ -164,9 +164,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv=None):
+    """argparse, except that dotted overrides may also follow the options (`train C --nproc-per-node 2 a=1`):
+    argparse alone stops collecting positionals at the first option."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if args.command == "convert":
         # One process per shard of the requested layout (expert-tensor parallel 1).
         import math

@@ -23,6 +23,15 @@ def test_torchrun_single_node():
                        "train", "configs/demo_cpu.yaml", "parallel.expert=2"]
 
 
+def test_overrides_after_options():
+    args = cli.parse(["train", "configs/demo_cpu.yaml", "a.b=1", "--nproc-per-node", "2", "c.d=2", "e.f=3"])
+    assert args.overrides == ["a.b=1", "c.d=2", "e.f=3"] and args.nproc_per_node == 2
+    for bad in (["train", "configs/demo_cpu.yaml", "--nproc-per-node", "2", "stray"],
+                ["export", "--ckpt", "c", "--hf-out", "h", "a.b=1"]):
+        with pytest.raises(SystemExit):
+            cli.parse(bad)
+
+
 def test_torchrun_multi_node_flags():
     args = _train_args("--nproc-per-node", "8", "--nnodes", "4", "--node-rank", "3", "--master-addr", "n1",
                        "--master-port", "23456", "--rdzv-id", "job7", "--max-restarts", "2", "--log-dir", "logs/tr")
