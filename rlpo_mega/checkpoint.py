@@ -31,10 +31,10 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _model_state(model_chunks):
+def _model_state(model_chunks, prefix: str = ""):
     if len(model_chunks) != 1:
         raise NotImplementedError("virtual pipeline stages are not supported yet")
-    return unwrap(model_chunks[0]).sharded_state_dict()
+    return unwrap(model_chunks[0]).sharded_state_dict(prefix=prefix)
 
 
 def _sub_optimizers(optimizer):
@@ -73,12 +73,6 @@ def _optimizer_state(model_sd, optimizer, is_loading: bool):
 _REFERENCE = "reference."  # sharded-key prefix of the KL reference model saved alongside the policy
 
 
-def _reference_state(reference_chunks) -> dict:
-    if len(reference_chunks) != 1:
-        raise NotImplementedError("virtual pipeline stages are not supported yet")
-    return unwrap(reference_chunks[0]).sharded_state_dict(prefix=_REFERENCE)
-
-
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
                     files: dict[str, bytes] | None = None, reference_chunks=None):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
@@ -95,7 +89,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         _, flat, step = _optimizer_state(model_sd, optimizer, is_loading=False)
         state["optimizer"] = {"tensors": flat, "step": step}
     if reference_chunks is not None:
-        state["reference"] = _reference_state(reference_chunks)
+        state["reference"] = _model_state(reference_chunks, _REFERENCE)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         os.makedirs(tmp)
@@ -160,7 +154,7 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
         state["optimizer"] = {"tensors": flat}
     with_reference = reference_chunks is not None and meta.get("has_reference", False)
     if with_reference:
-        state["reference"] = _reference_state(reference_chunks)
+        state["reference"] = _model_state(reference_chunks, _REFERENCE)
     loaded = dist_checkpointing.load(state, path)
     unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=True)
     if with_reference:
