@@ -104,9 +104,7 @@ class Trainer:
             path = ckpt_state.latest_checkpoint(c.save_dir)
         if path is None:
             return False
-        # weights only (load_optimizer=false) starts a new run: its reference is the loaded policy
-        st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer,
-                             reference=self.ref_chunks if c.load_optimizer else None)
+        st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer, reference=self.ref_chunks)
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
         self.warmup_done = bool(st["warmup_done"])
         self.sampler.load_state_dict(st["sampler"])
@@ -114,7 +112,7 @@ class Trainer:
         self.lr_schedule.step(0)
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
-            if self.ref_chunks is not None and c.load_optimizer and not st["reference_loaded"]:
+            if self.ref_chunks is not None and not st["reference_loaded"]:
                 log.warning("%s holds no KL reference (saved with algorithm.kl.coef=0 or by an older version): "
                             "the reference is the policy as loaded", path)
         return st["reference_loaded"]
