@@ -287,7 +287,7 @@ def _check_counts(cfg, warns: list[str]):
 
 def _check_lr_schedule(cfg):
     """What megatron's OptimizerParamScheduler would otherwise stop with a bare assert."""
-    from rlpo_mega.training.model_setup import LR_DECAY_STYLES
+    from rlpo_mega.training.model_setup import LR_DECAY_STYLES, optimizer_steps
 
     o = cfg.optim
     _choice("optim.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
@@ -298,7 +298,7 @@ def _check_lr_schedule(cfg):
     if o.lr_warmup_steps < 0 or o.lr_decay_steps < 0:
         raise ConfigError(f"optim.lr_warmup_steps={o.lr_warmup_steps} and optim.lr_decay_steps={o.lr_decay_steps} "
                           "must be >= 0 (decay 0: the whole run)")
-    total = cfg.train_iters * cfg.trainer.mini_batches * cfg.trainer.epochs
+    total = optimizer_steps(cfg)
     decay = o.lr_decay_steps or total
     if o.lr_decay_style != "constant" and o.lr_warmup_steps >= decay:
         raise ConfigError(f"optim.lr_warmup_steps={o.lr_warmup_steps} leaves no optimizer step to decay over "

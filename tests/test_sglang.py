@@ -248,7 +248,8 @@ def test_trainer_rolls_out_with_sglang(sglang_python, tmp_path):
     make_hf_checkpoint(hf, ckpt)
     r = torchrun("train_scenarios.py", 2, "sglang_run", str(tmp_path / "run"), timeout=900,
                  env={"WANDB_MODE": "disabled", "RLPO_SGLANG_HF": ckpt, "RLPO_SGLANG_PYTHON": sglang_python,
-                      "RLPO_SGLANG_PORT": str(free_port()), "RLPO_SGLANG_PATH": os.path.join(SUPPORT, "path")})
+                      "RLPO_SGLANG_PORT": str(free_port()), "RLPO_SGLANG_PATH": os.path.join(SUPPORT, "path"),
+                      "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS)})
     assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2], r
     for h in r["history"]:  # step 2 rolls out from the weights synced after step 1
         assert h["routing/update/fallback_entries"] == 0, h  # every token replayed SGLang's routes

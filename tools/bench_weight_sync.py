@@ -122,7 +122,7 @@ def worker(args):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from moe.bridge.megatron_io import ExportStream, _export_plan
+    from moe.bridge.megatron_io import ExportStream, _export_plan, _inner
     from moe.model import load_hf_config
     from rlpo_mega import distributed
     from rlpo_mega.config import load_config
@@ -202,7 +202,7 @@ def worker(args):
         del srcs, dsts
     _malloc_mmap_only()
     peaks, parts, held = {}, {}, {}  # parts: the two lower bounds (RSS, malloc), for the JSON report
-    inner = chunks[0].module if hasattr(chunks[0], "module") else chunks[0]
+    inner = _inner(chunks[0])
     for k, p in passes.items():
         if k in ("memcpy", "p2p") or k.startswith("digest"):
             continue

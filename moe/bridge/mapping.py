@@ -107,7 +107,12 @@ def hf_to_full(kind: str, tensors: list[torch.Tensor], dims: Dims) -> torch.Tens
     return w
 
 
-def full_to_hf(kind: str, full: torch.Tensor, dims: Dims, empty=None) -> list[torch.Tensor]:
+def new_tensor(shape, dtype, device) -> torch.Tensor:
+    """The default allocator of full_to_hf and the export (ExportStream may pass a pooled one)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def full_to_hf(kind: str, full: torch.Tensor, dims: Dims, empty=new_tensor) -> list[torch.Tensor]:
     """HF tensors (contiguous) of one full megatron tensor; `empty(shape, dtype, device)` allocates the
     q/k/v copies (the only ones made: other kinds are views of `full`)."""
     if kind == "qkv":
@@ -117,7 +122,7 @@ def full_to_hf(kind: str, full: torch.Tensor, dims: Dims, empty=None) -> list[to
         grouped = full.reshape(g, per_group + 2, hd, hidden)
         out = []
         for part in (grouped[:, :per_group], grouped[:, per_group:per_group + 1], grouped[:, per_group + 1:]):
-            t = (empty or _empty)((part.shape[0] * part.shape[1] * hd, hidden), full.dtype, full.device)
+            t = empty((part.shape[0] * part.shape[1] * hd, hidden), full.dtype, full.device)
             t.view(part.shape).copy_(part)
             out.append(t)
         return out
@@ -126,10 +131,6 @@ def full_to_hf(kind: str, full: torch.Tensor, dims: Dims, empty=None) -> list[to
     if kind == "vocab":
         return [full[: dims.vocab].contiguous()]
     return [full]
-
-
-def _empty(shape, dtype, device):
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 # ---- full megatron tensor <-> tensor-parallel shards ---------------------------------------------

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .hf_checkpoint import CheckpointFormatError, HFCheckpoint, expected_hf_shapes
-from .mapping import (Dims, ParamMap, full_to_hf, hf_row_ranges, hf_slices_to_shard, param_maps,
-                      shards_to_full)
+from .mapping import (Dims, ParamMap, full_to_hf, hf_row_ranges, hf_slices_to_shard, new_tensor,
+                      param_maps, shards_to_full)
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.*)")
@@ -34,8 +34,9 @@ _TE_TO_LOCAL = (
 
 def _local_layer_name(rest: str) -> str:
     for pattern, local in _TE_TO_LOCAL:
-        if pattern.match(rest):
-            return pattern.sub(local, rest)
+        renamed, n = pattern.subn(local, rest)
+        if n:
+            return renamed
     return rest
 
 
@@ -147,8 +148,7 @@ def _export_plan(model):
 
 class _BufferPool:
     """CPU buffers for the tensors an export materialises (TP gathers, received tensors, q/k/v splits,
-    dtype casts),
-    reused across buckets and syncs. Fresh pages are what a CPU export pays most for: glibc hands freed
+    dtype casts), reused across buckets and syncs. Fresh pages are what a CPU export pays most for: glibc hands freed
     buckets back to the kernel and every new buffer faults its pages in again (measured here: 1.6 us a
     page, 60 ms of a 450 MB EP2 sync). Accelerators need none of this (torch's caching allocator). Holds
     at most `keep_bytes` (the bucket size) between buckets and syncs (`held_bytes`)."""
@@ -160,15 +160,17 @@ class _BufferPool:
 
     def empty(self, shape, dtype, device) -> torch.Tensor:
         if torch.device(device).type != "cpu":
-            return torch.empty(shape, dtype=dtype, device=device)
+            return new_tensor(shape, dtype, device)
         stack = self.free.get((tuple(shape), dtype))
-        t = stack.pop() if stack else torch.empty(shape, dtype=dtype)
+        t = stack.pop() if stack else new_tensor(shape, dtype, "cpu")
         self.lent.append(t)
         return t
 
     def release(self, keep_bytes: int):
         """Everything lent is free again (the consumer is done with the bucket that used it); beyond
         `keep_bytes`, buffers of shapes that bucket did not use are dropped first, then any."""
+        if not self.lent:  # a sending rank releases after every parameter, mostly with nothing lent
+            return
         used = {(tuple(t.shape), t.dtype) for t in self.lent}
         for t in self.lent:
             self.free.setdefault((tuple(t.shape), t.dtype), []).append(t)
@@ -194,8 +196,9 @@ class ExportStream:
     """Iterate to get buckets `[(hf_name, tensor), ...]`; all ranks of the learner must iterate.
 
     `dst`: the global rank that receives full tensors (None: every rank does). Other ranks take part
-    in the collectives and yield one empty bucket at the end. `digests` holds the sender-side digest of every tensor yielded (unless a
-    transport set `compute_digests = False` and fills it itself as it loads), computed with
+    in the collectives and yield one empty bucket at the end. `digests` holds the sender-side digest
+    of every tensor yielded (unless a transport set `compute_digests = False` and fills it itself as it
+    loads), computed with
     `digest_algorithm` (default: the cheap one on the parameters' device); receivers digest with the same.
     A bucket holds at most `bucket_bytes` (one larger tensor goes alone) and is valid until the next
     one is requested: the stream then empties the list so its tensors can be freed. A consumer that
@@ -252,8 +255,7 @@ class ExportStream:
         self._device = next(iter(mine.values())).param.device if mine else torch.device("cpu")
         rank = dist.get_rank()
         receives = self.receives
-        self._empty = pool.empty if pool is not None else (lambda shape, dtype, device: torch.empty(
-            shape, dtype=dtype, device=device))
+        self._empty = pool.empty if pool is not None else new_tensor
         bucket, size = [], 0
         for pm, numel in order:
             if receives and bucket:

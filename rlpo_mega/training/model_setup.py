@@ -75,6 +75,11 @@ def unwrap(chunk):
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
+def optimizer_steps(cfg) -> int:
+    """Optimizer steps of a whole run: one per mini-batch and epoch of every RL step."""
+    return cfg.train_iters * cfg.trainer.mini_batches * cfg.trainer.epochs
+
+
 def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
     """megatron-core's OptimizerParamScheduler over optimizer steps (it sets every param group's lr and,
     with wd_mult, weight decay). `total_steps` is the run's optimizer steps, the default decay length."""
@@ -83,6 +88,7 @@ def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
     decay = optim_cfg.lr_decay_steps or total_steps
     return OptimizerParamScheduler(
         optimizer, init_lr=optim_cfg.lr_warmup_init, max_lr=optim_cfg.lr, min_lr=optim_cfg.min_lr,
+        # megatron asserts warm-up < decay even for the constant style, which never decays
         lr_warmup_steps=optim_cfg.lr_warmup_steps, lr_decay_steps=max(decay, optim_cfg.lr_warmup_steps + 1),
         lr_decay_style=optim_cfg.lr_decay_style, start_wd=optim_cfg.weight_decay, end_wd=optim_cfg.weight_decay,
         wd_incr_steps=1, wd_incr_style="constant")

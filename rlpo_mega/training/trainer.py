@@ -55,7 +55,7 @@ class Trainer:
         from rlpo_mega.data import PromptSampler
         from rlpo_mega.logging import MetricsLogger
         from rlpo_mega.rewards.scorer import RewardScorer
-        from rlpo_mega.training.model_setup import build_lr_scheduler, build_policy
+        from rlpo_mega.training.model_setup import build_lr_scheduler, build_policy, optimizer_steps
 
         self.cfg = cfg
         self.hf = load_hf_config(cfg.model.hf_config)
@@ -64,8 +64,7 @@ class Trainer:
         self.rank, self.device = dist.get_rank(), platform.device()
         self.spec = TraceSpec.from_hf(self.hf)
         self.chunks, self.optimizer = build_policy(self.hf, self.layout, cfg.model, cfg.optim, routing_replay=True)
-        self.lr_schedule = build_lr_scheduler(self.optimizer, cfg.optim,
-                                              cfg.train_iters * cfg.trainer.mini_batches * cfg.trainer.epochs)
+        self.lr_schedule = build_lr_scheduler(self.optimizer, cfg.optim, optimizer_steps(cfg))
         from moe.routing.replay import RoutingReplay
 
         self.routing = RoutingReplay(self.chunks, self.spec, mode=cfg.routing.mode)

@@ -4,8 +4,8 @@ loaded from the receiver's, and `verify` compares them name by name.
 Two algorithms, one per device kind, named inside every digest string (`<algorithm>:<dtype>:<shape>:<hex>`):
 
   xxh3  XXH3-128 of the tensor's bytes in memory order (xxhash). A real hash: any change of bytes,
-        order, length, dtype or shape changes it. On the CPU it reads ~35 GB/s, faster than the copy
-        it verifies, so a verified sync stays within 2x of a plain copy (tools/bench_weight_sync.py).
+        order, length, dtype or shape changes it. On this CPU it reads ~30 GB/s from memory, faster
+        than the ~19 GB/s copy it verifies (tools/bench_weight_sync.py).
   sums  The bytes, viewed as 32-bit words in rows of `_COLS` words, reduced to every row's and every
         column's sum mod 2**32 (exact integer arithmetic: the same result in any order, on any device),
         then hashed with the length, dtype and shape. On an accelerator these are two torch reductions
@@ -51,8 +51,9 @@ def algorithm_of(digest: str) -> str:
     return digest.split(":", 1)[0]
 
 
-def _label(algorithm: str, t: torch.Tensor, hexdigest: str) -> str:
-    return f"{algorithm}:{t.dtype}:{tuple(t.shape)}:{hexdigest}"
+def _label(algorithm: str, t: torch.Tensor) -> str:
+    """What precedes the hash in a digest string."""
+    return f"{algorithm}:{t.dtype}:{tuple(t.shape)}:"
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -77,8 +78,8 @@ def _xxh3(raw: torch.Tensor) -> str:
 class _Sums:
     """Row and column sums of a [rows, _COLS] int32 word matrix, filled block by block (CPU)."""
 
-    def __init__(self, t: torch.Tensor, raw: torch.Tensor):
-        self.t, self.raw = t, raw
+    def __init__(self, raw: torch.Tensor):
+        self.raw = raw
         self.n = raw.numel()
         self.rows = self.n // (4 * _COLS)
         self.row = np.empty(self.rows, np.int32)
@@ -107,7 +108,7 @@ def _sums_hex(n, row, col, tail) -> str:
     return h.hexdigest()
 
 
-def _sums(t: torch.Tensor, raw: torch.Tensor) -> str:
+def _sums(raw: torch.Tensor) -> str:
     if raw.storage_offset() % 4:  # a slice starting mid-word cannot be viewed as words
         raw = raw.clone()
     if raw.device.type != "cpu":
@@ -119,7 +120,7 @@ def _sums(t: torch.Tensor, raw: torch.Tensor) -> str:
             row = words.sum(1, dtype=torch.int32).cpu().numpy()
             col = words.sum(0, dtype=torch.int32).cpu().numpy()
         return _sums_hex(n, row, col, raw[rows * 4 * _COLS:])
-    sums = _Sums(t, raw)
+    sums = _Sums(raw)
     if sums.rows:
         words = sums.words()
         for start in range(0, sums.rows, _BLOCK_ROWS):
@@ -131,7 +132,7 @@ def _sums(t: torch.Tensor, raw: torch.Tensor) -> str:
 def tensor_digest(t: torch.Tensor, algorithm: str) -> str:
     _check(algorithm)
     raw = _flat_bytes(t)
-    return _label(algorithm, t, _xxh3(raw) if algorithm == "xxh3" else _sums(t, raw))
+    return _label(algorithm, t) + (_xxh3(raw) if algorithm == "xxh3" else _sums(raw))
 
 
 def _copy_block(dst: torch.Tensor, src: torch.Tensor):
@@ -145,19 +146,22 @@ def copy_with_digests(dst: torch.Tensor, src: torch.Tensor, algorithm: str) -> t
     own memory. On the CPU, for same-dtype contiguous tensors, one pass in cache-sized blocks: each
     block is digested, copied and its copy digested while both are in cache."""
     _check(algorithm)
-    fused = (src.is_cpu and dst.is_cpu and dst.dtype == src.dtype and dst.shape == src.shape
-             and dst.is_contiguous() and src.is_contiguous())
-    if fused and algorithm == "xxh3":
+    fusable = (src.is_cpu and dst.is_cpu and dst.dtype == src.dtype and dst.shape == src.shape
+               and dst.is_contiguous() and src.is_contiguous())
+    if fusable and algorithm == "xxh3":
         return _copy_with_xxh3(dst, src)
-    if fused:
-        fused = (dst.storage_offset() * dst.element_size()) % 4 == 0 == (src.storage_offset() * src.element_size()) % 4
-    if not fused:
-        sent = tensor_digest(src, algorithm)
-        with torch.no_grad():
-            dst.copy_(src.to(dst.dtype))
-        return sent, tensor_digest(dst, algorithm)
+    word_aligned = all(t.storage_offset() * t.element_size() % 4 == 0 for t in (dst, src))
+    if fusable and word_aligned:  # the sums view the bytes as 32-bit words
+        return _copy_with_sums(dst, src)
+    sent = tensor_digest(src, algorithm)
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))
+    return sent, tensor_digest(dst, algorithm)
+
+
+def _copy_with_sums(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, str]:
     s_raw, d_raw = src.detach().reshape(-1).view(torch.uint8), dst.detach().reshape(-1).view(torch.uint8)
-    s_sums, d_sums = _Sums(src, s_raw), _Sums(dst, d_raw)
+    s_sums, d_sums = _Sums(s_raw), _Sums(d_raw)
     if s_sums.rows:
         s_words, d_words = s_sums.words(), d_sums.words()
         s_torch, d_torch = torch.from_numpy(s_words), torch.from_numpy(d_words)
@@ -170,14 +174,15 @@ def copy_with_digests(dst: torch.Tensor, src: torch.Tensor, algorithm: str) -> t
     if tail < s_raw.numel():
         with torch.no_grad():
             d_raw[tail:].copy_(s_raw[tail:])
-    return _label(algorithm, src, s_sums.hexdigest()), _label(algorithm, dst, d_sums.hexdigest())
+    label = _label("sums", src)
+    return label + s_sums.hexdigest(), label + d_sums.hexdigest()
 
 
 def _copy_with_xxh3(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, str]:
     """The fused xxh3 path (contiguous, same dtype and shape, CPU): per block, hash the source, copy it
     and hash the copy while it is in cache. Kept lean: a sync calls it once per HF tensor, and at a few
     hundred tensors per sync the per-call Python cost shows in the throughput."""
-    label = f"xxh3:{src.dtype}:{tuple(src.shape)}:"
+    label = _label("xxh3", src)
     nbytes = src.numel() * src.element_size()
     if nbytes <= _BLOCK_BYTES and src.dtype in _NUMPY_DTYPES:
         # one block: the one-shot hash (same value as streaming) straight on the arrays' buffers

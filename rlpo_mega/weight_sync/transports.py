@@ -2,8 +2,8 @@
 
 Receiver contract (what an engine implements; SGLang's session API has the same shape):
   begin_weight_update() / load_weights([(hf_name, tensor), ...]) / end_weight_update()
-                                                  load_weights copies: the in-process and distributed
-                                                  transports let the stream reuse its buffers after it
+                                                  load_weights must copy: the in-process and distributed
+                                                  transports reuse a bucket's buffers once it returns
   reload_from_disk(hf_dir)                       (disk transport)
   weight_digests(names, algorithm) -> {name: digest}   digests of what the engine now holds, computed
                                                   with the sender's algorithm (stream.digest_algorithm)

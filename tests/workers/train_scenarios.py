@@ -149,19 +149,17 @@ def warmup_reference(out):
 
 def sglang_run(out):
     """GSPO + R3, 2 steps, with a launched SGLang server (learner rank 0's engine) for the rollouts and a
-    digest-verified sync after each step. RLPO_SGLANG_{HF,PYTHON,PORT,PATH} come from the test."""
+    digest-verified sync after each step. RLPO_SGLANG_{HF,PYTHON,PORT,PATH,SERVER_ARGS} come from the test."""
     env = os.environ
-    server_args = {"device": "cpu", "attention_backend": "torch_native", "disable_overlap_schedule": "true",
-                   "max_total_tokens": 4096, "max_running_requests": 8, "chunked_prefill_size": 512,
-                   "mem_fraction_static": 0.05, "skip_server_warmup": "true", "enable_return_routed_experts": "true",
-                   "skip_tokenizer_init": "true", "dtype": "float32"}
+    server_args = json.loads(env["RLPO_SGLANG_SERVER_ARGS"])  # tests/test_sglang.py's CPU recipe
     rc = train(cfg(out, "sglang", "train_iters=2", "algorithm.loss.name=gspo", "routing.mode=r3",
                    f"model.init_from_hf={env['RLPO_SGLANG_HF']}", "rollout.engine=sglang",
                    "rollout.sglang.launch=true", f"rollout.sglang.python={env['RLPO_SGLANG_PYTHON']}",
                    f"rollout.sglang.base_port={env['RLPO_SGLANG_PORT']}", "rollout.sglang.startup_timeout=240",
                    f"rollout.sglang.log_dir={os.path.join(out, 'sglang_logs')}", "rollout.sglang.max_restarts=0",
                    "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1", f"rollout.sglang.env.PYTHONPATH={env['RLPO_SGLANG_PATH']}",
-                   *(f"rollout.sglang.server_args.{k}={v}" for k, v in server_args.items())))
+                   *(f"rollout.sglang.server_args.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for k, v in server_args.items())))
     return {"rc": rc, "history": history(out, "sglang")}
 
 
