@@ -1,29 +1,125 @@
-"""Runs inside an SGLang server (registered with --custom-weight-loader; launch/ is on its PYTHONPATH).
+"""Runs inside an SGLang server (registered with --custom-weight-loader; the repository root and launch/ are
+on its PYTHONPATH: launch/sglang_server.py sets both).
 
-SGLang offers no way to read Qwen3-MoE/Mixtral weights back over HTTP (get_weights_by_name is implemented
-for a few dense models only), yet the weight-sync digest check must see what the server actually holds.
-`dump_params` is called through update_weights_from_tensor(load_format="rlpo_sglang_hooks.dump_params");
-the first tensor's *name* is a directory, where every TP rank writes its parameters (SGLang names, its
-fused layout) as `params_tp{rank}.safetensors`; the client maps them back to HF names and digests them.
-Imports torch and safetensors only (the SGLang environment has no rlpo_mega dependencies).
+`report_digests` is how the learner verifies a weight sync: SGLang offers no way to read Qwen3-MoE/Mixtral
+weights back over HTTP (get_weights_by_name covers a few dense models), and shipping every weight back (or
+dumping it to a directory the learner may not see: a server on another node) at every sync is out of the
+question. So the digests are computed here, where the weights live, and only the digests travel back:
+
+  the learner calls update_weights_from_tensor(load_format="rlpo_sglang_hooks.report_digests") with one
+  dummy tensor whose *name* is a JSON request {"store": [host, port], "key": ..., "algorithm": ...};
+  every TP rank of the server runs this function: the TP shards are gathered to TP rank 0 over SGLang's own
+  TP group (on the GPU, over NVLink), unfused into HF names (moe/families/sglang_names.py), digested with the
+  learner's algorithm (rlpo_mega/weight_sync/digest.py), and TP rank 0 writes {"digests": {...}} (or
+  {"error": ...}) under `key` into the learner's TCP store.
+
+The TP layout read here is SGLang's (its linear-layer classes decide how each parameter is split); the
+model-family names are the family's. Imports torch, the two modules above and SGLang: nothing else.
 """
-import os
+import json
+from datetime import timedelta
 
 import torch
 
+REPORT_LOADER = "rlpo_sglang_hooks.report_digests"
 
-def dump_params(model, named_tensors):
-    from safetensors.torch import save_file
 
-    directory = named_tensors[0][0]
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    os.makedirs(directory, exist_ok=True)
-    tensors = {}
+def _tp_group():
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    return get_tp_group()
+
+
+def _components(module, name: str, full_rows: int, tp: int):
+    """Row counts (dim 0, or dim 1 of fused experts) of the fused parts of one TP-local shard, or None when
+    the shard is one piece. Rank r's shard is [part_0 of rank r; part_1 of rank r; ...]."""
+    kind = type(module).__name__
+    if kind == "QKVParallelLinear" and name.endswith(("weight", "bias")):
+        return [module.num_heads * module.head_size, module.num_kv_heads * module.head_size,
+                module.num_kv_heads * module.v_head_size]
+    if kind == "MergedColumnParallelLinear" and name.endswith(("weight", "bias")):
+        return [s // tp for s in module.output_sizes]
+    return None
+
+
+def _split_dim(module, name: str) -> int | None:
+    """The dimension SGLang splits over TP for this parameter (None: replicated)."""
+    kind = type(module).__name__
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "w13_weight":
+        return 1
+    if leaf == "w2_weight":
+        return 2
+    if kind in ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
+                "VocabParallelEmbedding", "ParallelLMHead"):
+        return 0
+    if kind == "RowParallelLinear":
+        return 1 if leaf == "weight" else None
+    return None
+
+
+def _unshard(module, name: str, shards: list, tp: int) -> torch.Tensor:
+    """TP-local shards (rank order) -> SGLang's TP-1 tensor of that parameter."""
+    dim = _split_dim(module, name)
+    if dim is None:
+        return shards[0]
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "w13_weight":  # per expert [gate_r; up_r]
+        parts = [s.chunk(2, dim=1) for s in shards]
+        return torch.cat([torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)], 1)
+    sizes = _components(module, name, shards[0].shape[0], tp)
+    if sizes is None:
+        return torch.cat(shards, dim)
+    split = [s.split(sizes, dim=0) for s in shards]
+    out = []
+    for j in range(len(sizes)):
+        ranks = range(tp)
+        if type(module).__name__ == "QKVParallelLinear" and j > 0 and module.num_kv_head_replicas > 1:
+            ranks = range(0, tp, module.num_kv_head_replicas)  # kv heads replicated over TP ranks: one each
+        out.append(torch.cat([split[r][j] for r in ranks], 0))
+    return torch.cat(out, 0)
+
+
+def full_parameters(model, group=None):
+    """{sglang name: TP-1 tensor} on TP rank 0 (None on the others). Collective over the server's TP ranks."""
+    group = group or _tp_group()
+    tp, rank = group.world_size, group.rank_in_group
+    modules = dict(model.named_modules())
+    out = {} if rank == 0 else None
     for name, p in model.named_parameters():
-        t = p.detach().to("cpu").contiguous()
-        if any(t.data_ptr() == u.data_ptr() and t.shape == u.shape for u in tensors.values()):
-            t = t.clone()  # tied weights: safetensors refuses shared storage
-        tensors[name] = t
-    tmp = os.path.join(directory, f".params_tp{rank}.tmp")
-    save_file(tensors, tmp)
-    os.replace(tmp, os.path.join(directory, f"params_tp{rank}.safetensors"))
+        owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
+        if tp == 1 or _split_dim(owner, name) is None:
+            if rank == 0:
+                out[name] = p.detach()
+            continue
+        stacked = group.gather(p.detach().unsqueeze(0).contiguous(), dst=0, dim=0)  # [tp, *shard]
+        if rank == 0:
+            out[name] = _unshard(owner, name, list(stacked.unbind(0)), tp)
+    return out
+
+
+def digests_of(model, algorithm: str, group=None):
+    """{HF name: digest} of what this server holds (TP rank 0; None on the others)."""
+    from moe.families.sglang_names import sglang_to_hf
+    from rlpo_mega.weight_sync.digest import tensor_digest
+
+    full = full_parameters(model, group)
+    if full is None:
+        return None
+    return {n: tensor_digest(t, algorithm) for n, t in sglang_to_hf(full, model.config).items()}
+
+
+def report_digests(model, named_tensors):
+    req = json.loads(named_tensors[0][0])
+    group = _tp_group()
+    try:
+        result = {"digests": digests_of(model, req["algorithm"], group)}
+    except Exception as e:  # reported to the learner, which stops with it; raised here for the server log
+        result = {"error": f"{type(e).__name__}: {e}"}
+        raise
+    finally:
+        if group.rank_in_group == 0:
+            host, port = req["store"]
+            store = torch.distributed.TCPStore(host, int(port), is_master=False,
+                                               timeout=timedelta(seconds=float(req.get("timeout", 300))))
+            store.set(req["key"], json.dumps(result))

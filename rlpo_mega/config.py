@@ -222,10 +222,15 @@ class SGLangEngineConfig:
     host: str = "127.0.0.1"
     base_port: int = 30000
     server_args: dict = field(default_factory=dict)  # extra sglang ServerArgs (e.g. attention_backend)
-    request_timeout: float = 600.0  # seconds per generate request
+    request_timeout: float = 600.0  # seconds per generate request (a whole long-CoT generation)
+    control_timeout: float = 300.0  # seconds per weight-update / digest / group call (apart from generation)
+    hang_timeout: float = 120.0  # a server with requests in flight that answers no GET /health for this long
+    health_interval: float = 10.0  # is hung; /health is polled this often while a rollout waits
     startup_timeout: float = 300.0  # seconds to wait for /health after launch
     max_restarts: int = 1  # a dead launched server is restarted this many times, then the run stops
     health_timeout: float = 5.0  # seconds for GET /health (and short control calls: x6)
+    learner_address: Optional[str] = None  # how servers reach learner rank 0 (None: MASTER_ADDR, else loopback)
+    store_port: int = 0  # learner rank 0's TCP store for servers (weight-sync group, digest reports); 0 = free
     flush_retries: int = 20  # /flush_cache refuses while requests run: retried with backoff (<= 2 s)
     python: Optional[str] = None  # launch: interpreter of the environment that has sglang (None: this one)
     log_dir: Optional[str] = None  # launch: per-server log files (None: ./logs/sglang)
@@ -243,6 +248,7 @@ class RolloutConfig:
     sync_transport: str = "in_process"  # in_process | disk | distributed (rlpo_mega.weight_sync TRANSPORTS)
     sync_bucket_mb: int = 64
     sync_dir: Optional[str] = None  # disk transport's directory
+    wait_timeout: float = 21600.0  # seconds ranks wait for the engine ranks' rollout (own gloo group, not NCCL's)
     embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)
     sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
 

@@ -159,6 +159,19 @@ def set_seed(seed: int):
     torch.manual_seed(seed)
 
 
+_CONTROL: dict = {}
+
+
+def control_group(timeout_s: float):
+    """A gloo group over the whole world with its own timeout (collective: every rank calls it once): for
+    host-side flags that ranks exchange while one of them runs long work, e.g. the ranks that wait for rank
+    0's SGLang rollout (NCCL's 30-minute collective timeout would kill a long-CoT rollout)."""
+    key = float(timeout_s)
+    if key not in _CONTROL:
+        _CONTROL[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _CONTROL[key]
+
+
 def destroy(keep_world: bool = False):
     """Tear down megatron's groups and (unless keep_world: several runs in one launch) the world group;
     torch cannot re-create a world group under the same torchrun rendezvous."""
@@ -166,6 +179,9 @@ def destroy(keep_world: bool = False):
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    for group in _CONTROL.values():
+        dist.destroy_process_group(group)
+    _CONTROL.clear()
     if dist.is_initialized() and not keep_world:
         dist.barrier()  # no rank may close its connections while a peer is still communicating
         dist.destroy_process_group()

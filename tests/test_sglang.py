@@ -170,7 +170,7 @@ def test_distributed_update_permutes_routes(family):
     engine, hf, ckpt, w = family
     base = engine.generate(PROMPTS, greedy())
     perm = torch.tensor([2, 0, 3, 1])
-    transport = TRANSPORTS.get("sglang_distributed")(engine, master_port=free_port(), backend="gloo")
+    transport = TRANSPORTS.get("sglang_distributed")(engine, backend="gloo")
     try:
         transport.sync(ListStream(permuted(hf, w, perm), bucket=5))
         after = engine.generate(PROMPTS, greedy())
@@ -239,24 +239,47 @@ def test_abort_by_rid(family):
     assert engine.generate([PROMPTS[1]], greedy(2))[0].finish_reason == "length"
 
 
-def test_trainer_rolls_out_with_sglang(sglang_python, tmp_path):
-    """The RL trainer with SGLang as its engine (2 learner ranks, the server launched by rank 0 from inside
-    torchrun): GSPO + R3 for 2 steps; the rollouts' routes are replayed, the learner's log-probs match the
-    server's, and the weights reach the server after each step (each sync passes the digest read-back)."""
+def _trainer_env(sglang_python, ckpt, **extra):
+    return {"WANDB_MODE": "disabled", "RLPO_SGLANG_HF": ckpt, "RLPO_SGLANG_PYTHON": sglang_python,
+            "RLPO_SGLANG_PORT": str(free_port()), "RLPO_SGLANG_PATH": os.path.join(SUPPORT, "path"),
+            "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS), **extra}
+
+
+def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
+    """The recipes' weight path under torchrun: the trainer (2 learner ranks) launches an SGLang server from
+    rank 0 and syncs with `sglang_distributed` (rank 0 hosts the group's store; before the fix rank 0's
+    rendezvous became a client of torchrun's agent store and the first sync timed out after 300 s). GSPO + R3,
+    3 steps; the server is killed after step 1: the engine and its transport are rebuilt (a new group), the
+    weights re-synced, and every sync is digest-verified inside the server (report_digests)."""
     hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
     ckpt = str(tmp_path / "hf")
     make_hf_checkpoint(hf, ckpt)
-    r = torchrun("train_scenarios.py", 2, "sglang_run", str(tmp_path / "run"), timeout=900,
-                 env={"WANDB_MODE": "disabled", "RLPO_SGLANG_HF": ckpt, "RLPO_SGLANG_PYTHON": sglang_python,
-                      "RLPO_SGLANG_PORT": str(free_port()), "RLPO_SGLANG_PATH": os.path.join(SUPPORT, "path"),
-                      "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS)})
-    assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2], r
-    for h in r["history"]:  # step 2 rolls out from the weights synced after step 1
+    r = torchrun("train_scenarios.py", 2, "sglang_distributed_run", str(tmp_path / "run"), timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
+    # start, after step 1, the restart's re-sync, after steps 2 and 3: each verified every tensor
+    assert len(r["syncs"]) == 5 and all(s["tensors"] == r["syncs"][0]["tensors"] > 0 for s in r["syncs"]), r
+    groups = r["groups"]
+    assert len(groups) == 5 and groups[0] == groups[1] != groups[2] == groups[3] == groups[4], groups
+    assert r["history"][1]["engine/restarts"] == 1
+    for h in r["history"]:  # every rollout ran on synced weights: steps 2 and 3 after the restart's re-sync
         assert h["routing/update/fallback_entries"] == 0, h  # every token replayed SGLang's routes
-        assert 0.5 < h["routing/update/agreement"] <= 1.0, h  # the router's own choice vs the replayed one
-        # with the routes replayed, the learner's log-probs of SGLang's samples equal the server's (fp32): at
-        # step 2 only if the synced weights took effect (measured: 4.8e-7 at both steps)
+        assert 0.5 < h["routing/update/agreement"] <= 1.0, h
+        # learner log-probs of SGLang's samples equal the server's (fp32) only if the synced weights took effect
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+
+
+def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
+    """After step 1 the server is frozen (SIGSTOP: it still accepts connections, never answers). Step 2's
+    rollout waits; SIGTERM to rank 0 meanwhile: the wait ends, every rank saves step 1 and the run exits."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("train_scenarios.py", 2, "sglang_hang_sigterm", str(tmp_path / "run"), timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    assert r["rc"] == 0 and r["stopped"] and [h["step"] for h in r["history"]] == [1], r
+    assert r["saved"] == ["step_00000001"], r
+    assert r["sigterm_to_exit_s"] < 30, r  # not request_timeout (600 s) nor hang_timeout (600 s here)
 
 
 def test_killed_server_detected(family):  # last: it kills the family's server

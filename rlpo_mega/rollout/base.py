@@ -28,6 +28,10 @@ class EngineError(RuntimeError):
     """An engine failed (dead server, bad reply, timeout); the message names the engine and the fix."""
 
 
+class RolloutInterrupted(EngineError):
+    """The trainer asked to stop (SIGTERM) while a rollout waited: requests aborted, nothing returned."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

@@ -11,9 +11,14 @@ Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, 
   load_weights        update_weights_from_tensor (colocated: shared memory on this host)
   reload_from_disk    update_weights_from_disk
   "sglang_distributed" transport (below): init_weights_update_group + update_weights_from_distributed
-weight_digests reads back what the server actually holds: SGLang cannot return MoE weights over HTTP, so a
-custom weight loader (launch/rlpo_sglang_hooks.py) dumps its parameters to a directory, which is mapped
-back to HF names here and digested with rlpo_mega.weight_sync.digest.tensor_digest.
+weight_digests asks every server what it actually holds: SGLang cannot return MoE weights over HTTP, so a
+custom weight loader (launch/rlpo_sglang_hooks.report_digests) gathers the server's TP shards, maps them to
+HF names and digests them inside the server; only the digests come back, through a TCP store this rank
+hosts (the same store the sglang_distributed group meets at). No shared filesystem, no weights on the wire.
+
+Time limits: control calls (weight updates, digests, flushes) use `control_timeout`; a generation may take
+`request_timeout`, but while it runs every server with requests in flight must answer GET /health within
+`hang_timeout` seconds, and the trainer's stop request (SIGTERM) aborts the wait.
 """
 from __future__ import annotations
 
@@ -22,25 +27,27 @@ import io
 import itertools
 import json
 import os
-import shutil
-import tempfile
+import pickle
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Optional, Sequence
+import queue
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from datetime import timedelta
+from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
-from rlpo_mega.weight_sync.digest import DigestMismatchError, tensor_digest, verify
+from rlpo_mega.weight_sync.digest import DigestMismatchError, verify
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
-from .base import ENGINES, EngineError, RolloutEngine, RolloutSample, SamplingParams
+from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, RolloutSample, SamplingParams
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DUMP_LOADER = "rlpo_sglang_hooks.dump_params"
+REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -68,6 +75,36 @@ class _Server:
         self.restarts = 0
 
 
+class _DaemonPool:
+    """Worker threads that never hold the process: ThreadPoolExecutor's threads are joined at interpreter
+    exit, so one request blocked on a hung server would keep a stopped trainer alive for request_timeout."""
+
+    def __init__(self, workers: int):
+        self.workers, self.queue = workers, queue.SimpleQueue()
+        for _ in range(workers):
+            threading.Thread(target=self._work, daemon=True).start()
+
+    def _work(self):
+        while (item := self.queue.get()) is not None:
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as e:
+                    future.set_exception(e)
+
+    def submit(self, fn, *args) -> Future:
+        future = Future()
+        self.queue.put((future, fn, args))
+        return future
+
+    def shutdown(self, futures):
+        for f in futures:
+            f.cancel()  # only those not started
+        for _ in range(self.workers):
+            self.queue.put(None)
+
+
 @ENGINES.register("sglang")
 class SGLangEngine(RolloutEngine):
     """cfg: SGLangEngineConfig. hf_config: the served model's transformers config (or a config.json path /
@@ -91,7 +128,9 @@ class SGLangEngine(RolloutEngine):
         self._inflight: dict[str, _Server] = {}
         self._lock = threading.Lock()
         self.weights_updated = False  # since the servers started: a restart would silently undo it
-        self._tmp = tempfile.mkdtemp(prefix="rlpo_sglang_")
+        self.should_stop: Optional[Callable[[], bool]] = None  # the trainer's stop flag, polled while waiting
+        self._store = None  # TCP store hosted here: digest reports, the sglang_distributed rendezvous
+        self._closed = False
         self.servers: list[_Server] = []
         if cfg.urls:
             self.servers = [_Server(u) for u in cfg.urls]
@@ -122,13 +161,14 @@ class SGLangEngine(RolloutEngine):
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(server.url + path, data=data, method=method or ("POST" if data else "GET"),
                                      headers={"Content-Type": "application/json"})
+        timeout = timeout or self.cfg.control_timeout
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.cfg.request_timeout) as r:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
-            raise self._dead(server, f"{path} failed: {e}") from e
+            raise self._dead(server, f"{path} failed after at most {timeout:g} s: {e}") from e
 
     def _post_ok(self, server: _Server, path: str, payload=None, timeout=None) -> dict:
         status, body = self._http(server, path, payload if payload is not None else {}, timeout)
@@ -143,8 +183,10 @@ class SGLangEngine(RolloutEngine):
 
     def _dead(self, server: _Server, what: str) -> EngineError:
         if self._healthy(server):
-            return EngineError(f"SGLang server {server.url}: {what} (the server is healthy: a timeout? "
-                               f"rollout.sglang.request_timeout is {self.cfg.request_timeout} s)")
+            return EngineError(f"SGLang server {server.url}: {what} (the server answers /health: a timeout? see "
+                               "rollout.sglang.request_timeout for generation, control_timeout for other calls)")
+        if self._closed:  # a request thread abandoned by a hang or a stop: never restart after shutdown
+            return EngineError(f"SGLang server {server.url}: {what} (engine already shut down)")
         if server.launched is None:
             return EngineError(f"SGLang server {server.url} is dead or unreachable ({what}); it was not "
                                "started by this run: restart it (same model and flags) and resume from the last "
@@ -200,10 +242,53 @@ class SGLangEngine(RolloutEngine):
                 jobs.append((i, list(map(int, p)), rid, seed, self.servers[next(self._rr)]))
         if not jobs:
             return []
-        with ThreadPoolExecutor(max_workers=min(len(jobs), 64)) as pool:
-            futures = [pool.submit(self._one, i, p, rid, self._sampling(params, seed), srv)
-                       for i, p, rid, seed, srv in jobs]
+        pool = _DaemonPool(min(len(jobs), 64))
+        futures = [pool.submit(self._one, i, p, rid, self._sampling(params, seed), srv)
+                   for i, p, rid, seed, srv in jobs]
+        try:
+            self._wait(futures)
             return [f.result() for f in futures]
+        finally:  # after a hang or a stop, requests not yet sent are cancelled; blocked ones are abandoned
+            pool.shutdown(futures)
+
+    def _wait(self, futures, poll: float = 0.2):
+        """Wait for the requests while watching two things a blocking HTTP read cannot: the trainer's stop
+        flag (SIGTERM: abort the requests, raise RolloutInterrupted) and servers that accept connections but
+        stop answering (no /health answer for hang_timeout s while requests are in flight: EngineError)."""
+        pending = set(futures)
+        last_ok = {s.url: time.monotonic() for s in self.servers}
+        next_check = time.monotonic() + self.cfg.health_interval
+        while pending:
+            done, pending = wait(pending, timeout=poll, return_when=FIRST_COMPLETED)
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()
+            if self.should_stop is not None and self.should_stop():
+                with self._lock:
+                    inflight = dict(self._inflight)
+                for rid, s in inflight.items():  # best effort, short: a hung server cannot abort anything
+                    try:
+                        req = urllib.request.Request(s.url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
+                                                     headers={"Content-Type": "application/json"})
+                        urllib.request.urlopen(req, timeout=self.cfg.health_timeout).close()
+                    except Exception:
+                        pass
+                raise RolloutInterrupted(f"stop requested during a rollout: {len(inflight)} requests aborted")
+            now = time.monotonic()
+            if pending and now >= next_check:
+                next_check = now + self.cfg.health_interval
+                with self._lock:
+                    busy = {s.url: s for s in self._inflight.values()}
+                for s in self.servers:
+                    if s.url not in busy:
+                        last_ok[s.url] = now  # idle servers are not on the clock
+                for url, s in busy.items():
+                    if self._healthy(s):
+                        last_ok[url] = time.monotonic()
+                    elif time.monotonic() - last_ok[url] >= self.cfg.hang_timeout:
+                        raise EngineError(
+                            f"SGLang server {url} has not answered /health for {self.cfg.hang_timeout:g} s while "
+                            f"requests are in flight (rollout.sglang.hang_timeout): it is hung; restart it")
 
     def _one(self, prompt_index, prompt, rid, sampling, server) -> RolloutSample:
         payload = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
@@ -211,7 +296,7 @@ class SGLangEngine(RolloutEngine):
         with self._lock:
             self._inflight[rid] = server
         try:
-            status, body = self._http(server, "/generate", payload)
+            status, body = self._http(server, "/generate", payload, timeout=self.cfg.request_timeout)
         finally:
             with self._lock:
                 self._inflight.pop(rid, None)
@@ -330,104 +415,100 @@ class SGLangEngine(RolloutEngine):
         self.weights_updated = True
         self.flush_cache()
 
-    def read_weights(self, server: Optional[_Server] = None) -> dict[str, torch.Tensor]:
-        """HF-named full tensors as the server holds them (TP 1)."""
-        from safetensors.torch import load_file
+    # ---------------------------------------------------------------- digests (what the servers hold)
+    def learner_address(self) -> str:
+        """How servers reach this rank: rollout.sglang.learner_address, else torchrun's MASTER_ADDR (rank 0's
+        host: this client runs on global rank 0), else loopback."""
+        return self.cfg.learner_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
-        server = server or self.servers[0]
-        if self.cfg.tp_size != 1:
-            raise EngineError("reading weights back from an SGLang server with tp_size > 1 is not implemented "
-                              "(the digest check needs tp_size 1, or skip verification)")
-        directory = os.path.join(self._tmp, f"dump_{uuid.uuid4().hex[:8]}")
+    def store(self):
+        """The TCP store this rank hosts for its servers (created once; port rollout.sglang.store_port, 0 = any
+        free port). Hosted directly, not through rendezvous(): under torchrun (TORCHELASTIC_USE_AGENT_STORE)
+        rendezvous() turns rank 0 into a client of the agent's store and the servers wait for a host that
+        never comes."""
+        if self._store is None:
+            self._store = dist.TCPStore("0.0.0.0", self.cfg.store_port, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=self.cfg.control_timeout))
+        return self._store
+
+    def _digest_request(self, server: _Server, index: int, algorithm: str) -> dict[str, str]:
+        key = f"rlpo_digests/{uuid.uuid4().hex}/{index}"
+        request = json.dumps({"store": [self.learner_address(), self.store().port], "key": key,
+                              "algorithm": algorithm, "timeout": self.cfg.control_timeout})
+        # a plain pickle (bytes inline), not shared memory: the server may be on another host
+        payload = base64.b64encode(pickle.dumps([(request, torch.zeros(1))])).decode()
+        self._post_ok(server, "/begin_weight_update")
+        status, body = self._http(server, "/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": REPORT_LOADER,
+            "flush_cache": False})
+        self._post_ok(server, "/end_weight_update")
+        if status != 200:
+            raise EngineError(f"SGLang server {server.url} could not report its weight digests ({status}: "
+                              f"{body[:300]!r}): start it with --custom-weight-loader {REPORT_LOADER} and the "
+                              "repository root and launch/ on its PYTHONPATH (launch/sglang_server.py does both)")
         try:
-            self._post_ok(server, "/begin_weight_update")
-            payload, keep = self._tensor_payload([(directory, torch.zeros(1))])
-            status, body = self._http(server, "/update_weights_from_tensor",
-                                      {"serialized_named_tensors": [payload], "load_format": DUMP_LOADER,
-                                       "flush_cache": False})
-            self._post_ok(server, "/end_weight_update")
-            file = os.path.join(directory, "params_tp0.safetensors")
-            if status != 200 or not os.path.exists(file):
-                raise EngineError(f"SGLang server {server.url} could not dump its weights for the digest check "
-                                  f"({status}: {body[:300]!r}): start it with --custom-weight-loader {DUMP_LOADER} "
-                                  "and the repository's launch/ directory on its PYTHONPATH (launch: true does "
-                                  "both), on this host")
-            return sglang_to_hf(load_file(file), self.hf)
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
+            self.store().wait([key], timedelta(seconds=self.cfg.control_timeout))
+        except Exception as e:
+            raise EngineError(f"SGLang server {server.url} ran the digest hook but its report never reached "
+                              f"{self.learner_address()}:{self.store().port} within control_timeout: can the "
+                              f"server reach this host (rollout.sglang.learner_address)? ({e})") from e
+        report = json.loads(self.store().get(key))
+        self.store().delete_key(key)
+        if "error" in report:
+            raise EngineError(f"SGLang server {server.url}: its digest hook failed: {report['error']}")
+        return report["digests"]
 
     def weight_digests(self, names, algorithm: str) -> dict[str, str]:
-        per_server = []
-        for s in self.servers:
-            held = self.read_weights(s)
-            if self.tied and not torch.equal(held["lm_head.weight"], held["model.embed_tokens.weight"]):
-                raise DigestMismatchError(
-                    f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
-                    "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "
-                    "(it sends lm_head too) or serve an untied checkpoint")
-            per_server.append({n: tensor_digest(held[n], algorithm) for n in names if n in held})
+        """{HF name: digest} of what the servers hold, digested inside each server; servers must agree."""
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            per_server = list(pool.map(lambda a: self._digest_request(a[1], a[0], algorithm),
+                                       enumerate(self.servers)))
+        if self.tied:
+            for s, d in zip(self.servers, per_server):
+                if "lm_head.weight" in d and d["lm_head.weight"] != d.get("model.embed_tokens.weight"):
+                    raise DigestMismatchError(
+                        f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
+                        "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "
+                        "(it sends lm_head too) or serve an untied checkpoint")
         for s, d in zip(self.servers[1:], per_server[1:]):
             try:
-                verify(per_server[0], d, where=f"SGLang server {s.url} (vs {self.servers[0].url})")
+                verify({n: per_server[0][n] for n in names if n in per_server[0]}, d,
+                       where=f"SGLang server {s.url} (vs {self.servers[0].url})")
             except DigestMismatchError as e:
                 raise DigestMismatchError(f"SGLang servers disagree: {e}") from e
-        return per_server[0]
+        return {n: per_server[0][n] for n in names if n in per_server[0]}
 
     def shutdown(self) -> None:
+        self._closed = True
         for s in self.servers:
             if s.launched is not None:
                 s.launched.stop()
-        shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def sglang_to_hf(params: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
-    """SGLang's fused TP-1 parameters -> HF names: qkv_proj -> q/k/v_proj, gate_up_proj -> gate/up_proj,
-    experts.w13_weight [E, 2I, H] -> per-expert gate (w1) and up (w3), experts.w2_weight -> down (w2);
-    vocab rows padded by SGLang are cut back to vocab_size."""
-    mixtral = hf.model_type == "mixtral"
-    heads, kv = int(hf.num_attention_heads), int(hf.num_key_value_heads)
-    head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
-    vocab = int(hf.vocab_size)
-    out = {}
-    for name, t in params.items():
-        if ".qkv_proj." in name:
-            q, k, v = t.split([heads * head_dim, kv * head_dim, kv * head_dim], dim=0)
-            for part, x in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-                out[name.replace("qkv_proj", part)] = x
-        elif ".gate_up_proj." in name:
-            g, u = t.chunk(2, dim=0)
-            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = g, u
-        elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
-            base = name.rsplit(".", 1)[0]
-            for e in range(t.shape[0]):
-                if name.endswith("w13_weight"):
-                    g, u = t[e].chunk(2, dim=0)
-                    out[f"{base}.{e}.{'w1' if mixtral else 'gate_proj'}.weight"] = g
-                    out[f"{base}.{e}.{'w3' if mixtral else 'up_proj'}.weight"] = u
-                else:
-                    out[f"{base}.{e}.{'w2' if mixtral else 'down_proj'}.weight"] = t[e]
-        elif name in ("model.embed_tokens.weight", "lm_head.weight"):
-            out[name] = t[:vocab]
-        else:
-            out[name] = t
-    if "lm_head.weight" not in out and getattr(hf, "tie_word_embeddings", False):
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return {n: x.contiguous() for n, x in out.items()}
+        self._store = None
 
 
 @TRANSPORTS.register("sglang_distributed")
 class SGLangDistributedTransport:
-    """SGLang's own distributed protocol: POST /init_weights_update_group once (the learner's sending rank
-    is rank 0; server i's TP ranks follow), then per bucket POST /update_weights_from_distributed (names,
-    dtypes, shapes) while rank 0 broadcasts the tensors; gloo on CPU, NCCL on GPU. Ends with the digest
-    check of what the servers hold."""
+    """SGLang's own distributed protocol: POST /init_weights_update_group once per engine (the learner's
+    sending rank is rank 0; server i's TP ranks follow), then per bucket POST /update_weights_from_distributed
+    (names, dtypes, shapes) while rank 0 broadcasts the tensors; gloo on CPU, NCCL on GPU. Ends with the
+    digest check of what the servers hold. Built once per engine (the group lives as long as the servers
+    do); `close()` destroys it on both sides, and a rebuilt engine gets a new transport and group."""
 
-    def __init__(self, engine: SGLangEngine, master_address: str = "127.0.0.1", master_port: int = 29650,
-                 backend: Optional[str] = None, group_name: str = "rlpo_weight_sync", timeout_s: float = 300.0):
-        self.engine, self.addr, self.port, self.group_name = engine, master_address, master_port, group_name
+    _instances = itertools.count()
+
+    def __init__(self, engine: SGLangEngine, backend: Optional[str] = None, timeout_s: Optional[float] = None):
+        self.engine = engine
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s or engine.cfg.control_timeout
+        # one name per transport: a rebuilt engine's group never meets the old one's leftovers
+        self.group_name = f"rlpo_weight_sync_{os.getpid()}_{next(self._instances)}"
         self.pg = None
+
+    @classmethod
+    def from_config(cls, cfg, engine, hf):
+        if not isinstance(engine, SGLangEngine):
+            raise EngineError("rollout.sync_transport=sglang_distributed needs rollout.engine=sglang")
+        return cls(engine)
 
     def _concurrently(self, calls):
         """Run HTTP calls that block until our side joins a collective; returns their results."""
@@ -438,21 +519,18 @@ class SGLangDistributedTransport:
                 f.result()
 
     def _init_group(self):
-        from datetime import timedelta
-
-        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
         e = self.engine
         world = 1 + len(e.servers) * e.cfg.tp_size
+        store = e.store()  # hosted by this rank: see SGLangEngine.store
         calls = [lambda s=s, i=i: e._post_ok(s, "/init_weights_update_group", {
-            "master_address": self.addr, "master_port": self.port, "rank_offset": 1 + i * e.cfg.tp_size,
+            "master_address": e.learner_address(), "master_port": store.port, "rank_offset": 1 + i * e.cfg.tp_size,
             "world_size": world, "group_name": self.group_name, "backend": self.backend},
             timeout=self.timeout_s) for i, s in enumerate(e.servers)]
         for _ in self._concurrently(calls):
-            # the same rendezvous as sglang's init_custom_process_group: TCP store, group-name prefix
+            # what sglang's init_custom_process_group does on its side: the group-name prefix on the store
             timeout = timedelta(seconds=self.timeout_s)
-            store, rank, _ = next(rendezvous(f"tcp://{self.addr}:{self.port}", 0, world, timeout=timeout))
-            store.set_timeout(timeout)
             self.pg, _ = _new_process_group_helper(world, 0, [], torch.distributed.Backend(self.backend),
                                                    PrefixStore(self.group_name, store), group_name=self.group_name,
                                                    timeout=timeout)
@@ -464,6 +542,7 @@ class SGLangDistributedTransport:
             if self.pg is None:
                 self._init_group()
             e.begin_weight_update()
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         for bucket in stream:
             if not stream.receives or not bucket:
                 continue
@@ -472,7 +551,6 @@ class SGLangDistributedTransport:
                     "flush_cache": False}
             calls = [lambda s=s: e._post_ok(s, "/update_weights_from_distributed", meta) for s in e.servers]
             for _ in self._concurrently(calls):
-                dev = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
                 for _, t in bucket:
                     torch.distributed.broadcast(t.contiguous().to(dev), src=0, group=self.pg)
         if not stream.receives:
@@ -482,14 +560,19 @@ class SGLangDistributedTransport:
         return {"tensors": len(stream.digests), "bytes": stream.bytes_sent}
 
     def close(self):
-        if self.pg is not None:
-            for s in self.engine.servers:
-                try:
-                    self.engine._post_ok(s, "/destroy_weights_update_group", {"group_name": self.group_name})
-                except EngineError:
-                    pass
-            torch.distributed.destroy_process_group(self.pg)
-            self.pg = None
+        if self.pg is None:
+            return
+        e = self.engine
+        for s in e.servers:
+            if not e._healthy(s):
+                continue  # dead or hung: no group left to destroy, and no reply to wait for
+            try:
+                e._post_ok(s, "/destroy_weights_update_group", {"group_name": self.group_name},
+                           timeout=e.cfg.health_timeout * 6)
+            except EngineError:
+                pass
+        torch.distributed.destroy_process_group(self.pg)
+        self.pg = None
 
 
-__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine", "sglang_to_hf"]
+__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine"]

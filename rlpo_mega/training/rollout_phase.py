@@ -8,15 +8,15 @@ batch assembly and the DP split are computed identically everywhere.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from rlpo_mega.config import ConfigError
 from rlpo_mega.rewards import RewardInput
-from rlpo_mega.rollout import ENGINES, EngineError, SamplingParams
+from rlpo_mega.rollout import ENGINES, EngineError, RolloutInterrupted, SamplingParams
 
 log = logging.getLogger("rlpo_mega")
 
@@ -60,16 +60,50 @@ def engine_ranks(cfg) -> list[int]:
 
 
 def make_transport(cfg, engine, hf):
+    """The configured weight transport of `engine`, through the TRANSPORTS registry."""
     from rlpo_mega.weight_sync.transports import TRANSPORTS
 
-    name = cfg.rollout.sync_transport
-    cls = TRANSPORTS.get(name)
-    if name == "disk":
-        directory = cfg.rollout.sync_dir or "runs/weight_sync"
-        return cls(engine, directory, hf, source_dir=cfg.model.init_from_hf)
-    if name == "sglang_distributed":  # the servers join a group whose rank 0 is this (learner rank 0) host
-        return cls(engine, master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"))
-    return cls(engine)
+    cls = TRANSPORTS.get(cfg.rollout.sync_transport)
+    if not hasattr(cls, "from_config"):
+        raise ConfigError(f"rollout.sync_transport={cfg.rollout.sync_transport} cannot be built from a config "
+                          "(it is the generic engine-rank protocol); use in_process, disk or sglang_distributed")
+    return cls.from_config(cfg, engine, hf)
+
+
+class EngineSlot:
+    """This rank's engine and its weight transport: built together once (a transport's group lives as long
+    as its engine), closed together (transport first), rebuilt together by EngineGuard. Ranks without an
+    engine hold None for both. `should_stop` (the trainer's stop flag) is handed to every engine built."""
+
+    def __init__(self, cfg, hf, should_stop=None):
+        self.cfg, self.hf, self.should_stop = cfg, hf, should_stop
+        self.engine = self.transport = None
+        self.build()
+
+    def build(self):
+        self.engine = build_engine(self.cfg, self.hf)
+        if self.engine is None:
+            return
+        if hasattr(self.engine, "should_stop"):
+            self.engine.should_stop = self.should_stop
+        try:
+            self.transport = make_transport(self.cfg, self.engine, self.hf)
+        except BaseException:
+            self.engine.shutdown()
+            self.engine = None
+            raise
+
+    def close(self):
+        transport, engine = self.transport, self.engine
+        self.engine = self.transport = None
+        try:
+            if transport is not None and hasattr(transport, "close"):
+                transport.close()
+        except Exception as e:  # a failed engine may refuse; its servers are stopped next anyway
+            log.warning("closing the weight transport raised %s", e)
+        finally:
+            if engine is not None:
+                engine.shutdown()
 
 
 def share(items: list, ranks: list[int]) -> list:
@@ -125,25 +159,47 @@ def all_ok(ok: bool, device) -> bool:
     return flag.item() == 0
 
 
-class EngineGuard:
-    """Runs engine calls so that a failure on any rank is seen by all: the engine is rebuilt on every
-    engine rank and the weights re-synced (collective), up to `restarts` times, else EngineError."""
+class StopRequested(Exception):
+    """Every rank: a stop (SIGTERM) interrupted the rollout; the trainer saves and exits."""
 
-    def __init__(self, build, sync, restarts: int, device):
-        self.build, self.sync, self.restarts_left, self.device = build, sync, restarts, device
+
+_OK, _FAILED, _STOP = 0, 1, 2
+
+
+def agree(code: int, group) -> int:
+    """The worst outcome over all ranks (max), on the host-side control group: ranks that finished their
+    share wait here while engine ranks generate, under that group's own long timeout (not NCCL's)."""
+    flag = torch.tensor([code], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag.item())
+
+
+class EngineGuard:
+    """Runs engine calls so that a failure on any rank is seen by all: the engine (and its transport) is
+    rebuilt on every engine rank and the weights re-synced (collective), up to `restarts` times, else
+    EngineError. A stop requested during the call (RolloutInterrupted) becomes StopRequested everywhere.
+    group: a gloo group with a long timeout (distributed.control_group)."""
+
+    def __init__(self, slot: EngineSlot, sync, restarts: int, group):
+        self.slot, self.sync, self.restarts_left, self.group = slot, sync, restarts, group
         self.restarts = 0
 
-    def run(self, engine_holder, fn):
+    def run(self, fn):
         while True:
-            err = None
+            err, code = None, _OK
             try:
                 out = fn()
+            except RolloutInterrupted as e:
+                err, code, out = e, _STOP, None
             except EngineError as e:
-                err, out = e, None
-            if all_ok(err is None, self.device):
+                err, code, out = e, _FAILED, None
+            worst = agree(code, self.group)
+            if worst == _OK:
                 return out
+            if worst == _STOP:
+                raise StopRequested("stop requested during the rollout")
             every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, None if err is None else str(err))
+            dist.all_gather_object(every, None if err is None else str(err), group=self.group)
             why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e is not None)
             if self.restarts_left <= 0:
                 raise EngineError(f"rollout engine failed and no restarts are left (trainer.engine_restarts): "
@@ -151,10 +207,9 @@ class EngineGuard:
             log.warning("rollout engine failed (%s): rebuilding it and re-syncing weights", why)
             self.restarts_left -= 1
             self.restarts += 1
-            if engine_holder.engine is not None:
-                try:
-                    engine_holder.engine.shutdown()
-                except Exception as e:  # a dead engine may fail to shut down; it is replaced anyway
-                    log.warning("shutdown of the failed engine raised %s", e)
-            engine_holder.engine = self.build()
+            try:
+                self.slot.close()
+            except Exception as e:  # a dead engine may fail to shut down; it is replaced anyway
+                log.warning("shutdown of the failed engine raised %s", e)
+            self.slot.build()
             self.sync()

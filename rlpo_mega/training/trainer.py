@@ -35,10 +35,6 @@ POLICY_KEYS = {  # policy_step report -> logged metric
 }
 
 
-class _Holder:  # the engine object, swappable by EngineGuard
-    engine = None
-
-
 def load_tokenizer(cfg):
     from transformers import AutoTokenizer
 
@@ -71,18 +67,17 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg)
         self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
         self.scorer = RewardScorer(cfg.reward)
-        self.step, self.bad_steps, self.warmup_done = 0, 0, False
+        self.step, self.bad_steps, self.warmup_done, self.stopped = 0, 0, False, False
         # The KL reference is the policy as RL starts (after any warm-up); a resumed run loads the one its
         # checkpoint saved, as the policy has moved since.
         self.ref_chunks = self._build_reference() if cfg.algorithm.kl.coef > 0 else None
         reference_loaded = self._resume()
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.ranks = rp.engine_ranks(cfg)
-        self.holder = _Holder()
-        self.holder.engine = rp.build_engine(cfg, self.hf)
-        self.guard = rp.EngineGuard(lambda: rp.build_engine(cfg, self.hf), self.sync, cfg.trainer.engine_restarts,
-                                    self.device)
         self.stop = ckpt_state.StopSignal()
+        self.slot = rp.EngineSlot(cfg, self.hf, should_stop=lambda: self.stop.received is not None)
+        self.guard = rp.EngineGuard(self.slot, self.sync, cfg.trainer.engine_restarts,
+                                    distributed.control_group(cfg.rollout.wait_timeout))
         if not self.warmup_done and cfg.trainer.warmup.steps > 0:
             from rlpo_mega.training.warmup import supervised_warmup
 
@@ -136,7 +131,6 @@ class Trainer:
         """Learner -> engine(s): the export stream through the configured transport, digest-verified."""
         from moe.bridge.megatron_io import ExportStream
 
-        engine = self.holder.engine
         dst = None if self.cfg.rollout.engine != "sglang" else 0
         stream = ExportStream(self.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=dst,
                               vocab_divisible_by=self.cfg.model.vocab_divisible_by)
@@ -144,15 +138,15 @@ class Trainer:
             for _ in stream:
                 pass
             return {}
-        return rp.make_transport(self.cfg, engine, self.hf).sync(stream)
+        return self.slot.transport.sync(stream)
 
     # --- one RL step ---------------------------------------------------------------------------------
     def _rollout(self, items, timer, call: int):
         params = rp.sampling_params(self.cfg, self.tokenizer, rp.mix_seed(self.cfg.seed, self.step, call, self.rank))
         mine = rp.share(items, self.ranks)
         n = self.cfg.prompts.n_samples
-        local = self.guard.run(self.holder, lambda: rp.generate_local(
-            self.holder.engine, mine, n, params, self.scorer, self.tokenizer, timer))
+        local = self.guard.run(lambda: rp.generate_local(
+            self.slot.engine, mine, n, params, self.scorer, self.tokenizer, timer))
         with timer("gather"):
             scored = rp.gather(local, self.ranks)
         return torch.tensor([s.reward for s in scored]), scored
@@ -310,8 +304,8 @@ class Trainer:
         params = rp.sampling_params(c, self.tokenizer, seed=c.seed, greedy=True)
         from rlpo_mega.logging import PhaseTimer
 
-        local = self.guard.run(self.holder, lambda: rp.generate_local(
-            self.holder.engine, rp.share(items, self.ranks), 1, params, self.scorer, self.tokenizer, PhaseTimer()))
+        local = self.guard.run(lambda: rp.generate_local(
+            self.slot.engine, rp.share(items, self.ranks), 1, params, self.scorer, self.tokenizer, PhaseTimer()))
         scored = rp.gather(local, self.ranks)
         return {"eval/reward_mean": sum(s.reward for s in scored) / len(scored),
                 "eval/accuracy": sum(s.correct for s in scored) / len(scored)}
@@ -361,9 +355,18 @@ class Trainer:
             self.logger.log(0, history[-1])
         try:
             while self.step < c.train_iters:
-                metrics = self.train_step()
-                if c.trainer.eval_every and self.step % c.trainer.eval_every == 0:
-                    metrics.update(self.evaluate())
+                try:
+                    metrics = self.train_step()
+                    if c.trainer.eval_every and self.step % c.trainer.eval_every == 0:
+                        metrics.update(self.evaluate())
+                except rp.StopRequested:  # SIGTERM while ranks waited for a rollout: this step never happened
+                    if c.checkpoint.save_dir:
+                        self.save()
+                    if self.rank == 0:
+                        log.warning("stopped by signal during the rollout of step %d; saved step %d",
+                                    self.step + 1, self.step)
+                    self.stopped = True
+                    return history
                 self.logger.log(self.step, metrics)
                 history.append(metrics)
                 if bar is not None:
@@ -380,6 +383,7 @@ class Trainer:
                 if stopping:
                     if self.rank == 0:
                         log.warning("stopped by signal after step %d", self.step)
+                    self.stopped = True
                     return history
             if c.checkpoint.save_dir and not (c.checkpoint.save_every and self.step % c.checkpoint.save_every == 0):
                 if not os.path.isdir(ckpt_state.step_dir(c.checkpoint.save_dir, self.step)):
@@ -393,8 +397,7 @@ class Trainer:
         self.stop.restore()
         self.logger.close(exit_code=0 if ok else 1)
         self.scorer.close()
-        if self.holder.engine is not None:
-            self.holder.engine.shutdown()
+        self.slot.close()
         self.routing.close()
 
 

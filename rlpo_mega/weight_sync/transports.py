@@ -8,7 +8,8 @@ Receiver contract (what an engine implements; SGLang's session API has the same 
   weight_digests(names, algorithm) -> {name: digest}   digests of what the engine now holds, computed
                                                   with the sender's algorithm (stream.digest_algorithm)
 
-Every transport ends with `digest.verify(sent, received)`: a mismatch raises before any rollout uses
+Built once per engine through the registry (`from_config(cfg, engine, hf)`); `close()`, where a transport
+has one, runs before its engine shuts down. Every transport ends with `digest.verify(sent, received)`: a mismatch raises before any rollout uses
 the new weights. All learner ranks call `sync(stream)` (the export is collective); only the stream's
 receiving rank talks to the engine.
 """
@@ -34,6 +35,10 @@ class InProcessTransport:
 
     def __init__(self, receiver):
         self.receiver = receiver
+
+    @classmethod
+    def from_config(cls, cfg, engine, hf):
+        return cls(engine)
 
     def sync(self, stream) -> dict:
         # A receiver that can digest while it copies (load_weights_verified) takes the sender's digest
@@ -68,6 +73,10 @@ class DiskTransport:
 
     def __init__(self, receiver, directory: str, hf_config, source_dir: str | None = None):
         self.receiver, self.directory, self.hf_config, self.source_dir = receiver, directory, hf_config, source_dir
+
+    @classmethod
+    def from_config(cls, cfg, engine, hf):
+        return cls(engine, cfg.rollout.sync_dir or "runs/weight_sync", hf, source_dir=cfg.model.init_from_hf)
 
     def sync(self, stream) -> dict:
         from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream

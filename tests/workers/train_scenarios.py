@@ -147,20 +147,99 @@ def warmup_reference(out):
     return rep
 
 
-def sglang_run(out):
-    """GSPO + R3, 2 steps, with a launched SGLang server (learner rank 0's engine) for the rollouts and a
-    digest-verified sync after each step. RLPO_SGLANG_{HF,PYTHON,PORT,PATH,SERVER_ARGS} come from the test."""
+def _sglang_cfg(out, run, *extra):
+    """GSPO + R3 with a launched SGLang server (learner rank 0's engine), the recipes' sglang_distributed sync.
+    RLPO_SGLANG_{HF,PYTHON,PORT,PATH,SERVER_ARGS} come from tests/test_sglang.py."""
     env = os.environ
     server_args = json.loads(env["RLPO_SGLANG_SERVER_ARGS"])  # tests/test_sglang.py's CPU recipe
-    rc = train(cfg(out, "sglang", "train_iters=2", "algorithm.loss.name=gspo", "routing.mode=r3",
-                   f"model.init_from_hf={env['RLPO_SGLANG_HF']}", "rollout.engine=sglang",
-                   "rollout.sglang.launch=true", f"rollout.sglang.python={env['RLPO_SGLANG_PYTHON']}",
-                   f"rollout.sglang.base_port={env['RLPO_SGLANG_PORT']}", "rollout.sglang.startup_timeout=240",
-                   f"rollout.sglang.log_dir={os.path.join(out, 'sglang_logs')}", "rollout.sglang.max_restarts=0",
-                   "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1", f"rollout.sglang.env.PYTHONPATH={env['RLPO_SGLANG_PATH']}",
-                   *(f"rollout.sglang.server_args.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                     for k, v in server_args.items())))
-    return {"rc": rc, "history": history(out, "sglang")}
+    return cfg(out, run, "algorithm.loss.name=gspo", "routing.mode=r3",
+               f"model.init_from_hf={env['RLPO_SGLANG_HF']}", "rollout.engine=sglang",
+               "rollout.sync_transport=sglang_distributed",
+               "rollout.sglang.launch=true", f"rollout.sglang.python={env['RLPO_SGLANG_PYTHON']}",
+               f"rollout.sglang.base_port={env['RLPO_SGLANG_PORT']}", "rollout.sglang.startup_timeout=240",
+               f"rollout.sglang.log_dir={os.path.join(out, 'sglang_logs')}", "rollout.sglang.max_restarts=0",
+               "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1", f"rollout.sglang.env.PYTHONPATH={env['RLPO_SGLANG_PATH']}",
+               *(f"rollout.sglang.server_args.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                 for k, v in server_args.items()), *extra)
+
+
+def _run_with(config, after_step):
+    """Trainer.run with `after_step(trainer)` called after each train_step (all ranks); returns (rc, trainer
+    attributes the report needs). The trainer is built, run and closed as rlpo_mega.training.trainer.train does."""
+    from rlpo_mega import distributed
+
+    original = Trainer.train_step
+
+    def step(self):
+        m = original(self)
+        after_step(self)
+        return m
+
+    Trainer.train_step = step
+    try:
+        trainer = Trainer(config)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+            distributed.destroy(keep_world=True)
+    finally:
+        Trainer.train_step = original
+    return trainer
+
+
+def sglang_distributed_run(out):
+    """3 steps; the server is killed after step 1 (EngineGuard rebuilds engine + transport, re-syncs)."""
+    syncs, groups = [], []
+    original_sync = Trainer.sync
+
+    def sync(self):
+        got = original_sync(self)
+        if self.rank == 0:
+            syncs.append(got)
+            groups.append(self.slot.transport.group_name)
+        return got
+
+    def kill_after_first(trainer):
+        if trainer.step == 1 and trainer.rank == 0:
+            server = trainer.slot.engine.servers[0].launched
+            server.kill()
+            server.proc.wait(30)
+
+    Trainer.sync = sync
+    try:
+        _run_with(_sglang_cfg(out, "sgl", "train_iters=3", "trainer.engine_restarts=1"), kill_after_first)
+    finally:
+        Trainer.sync = original_sync
+    return {"rc": 0, "history": history(out, "sgl"), "syncs": syncs, "groups": groups}
+
+
+def sglang_hang_sigterm(out):
+    """After step 1 rank 0 freezes the server (SIGSTOP), then SIGTERMs itself 3 s into step 2's rollout."""
+    import signal
+    import threading
+    import time
+
+    save_dir = os.path.join(out, "ckpt")
+    sent = {}
+
+    def freeze(trainer):
+        if trainer.step == 1 and trainer.rank == 0:
+            os.killpg(trainer.slot.engine.servers[0].launched.proc.pid, signal.SIGSTOP)
+
+            def term():
+                time.sleep(3)
+                sent["t"] = time.monotonic()
+                os.kill(os.getpid(), signal.SIGTERM)
+            threading.Thread(target=term, daemon=True).start()
+
+    trainer = _run_with(_sglang_cfg(out, "hang", "train_iters=3", f"checkpoint.save_dir={save_dir}",
+                                    "checkpoint.save_every=0", "rollout.sglang.hang_timeout=600",
+                                    "rollout.sglang.request_timeout=600"), freeze)
+    done = time.monotonic()
+    return {"rc": 0, "stopped": trainer.stopped, "history": history(out, "hang"),
+            "saved": sorted(n for n in os.listdir(save_dir) if n.startswith("step_")),
+            "sigterm_to_exit_s": done - sent.get("t", done)}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""SGLang's parameter layout (TP 1) -> HF names, for every registered family.
+
+SGLang fuses q/k/v into `qkv_proj`, a dense MLP's gate/up into `gate_up_proj`, and a MoE layer's experts into
+`experts.w13_weight` [E, 2I, H] (per expert: gate rows, then up rows) and `experts.w2_weight` [E, H, I]; its
+embedding and lm_head may carry padded vocabulary rows. The per-expert HF names come from the family's own
+`hf_names` templates, so a new family needs nothing here.
+
+Imports torch and transformers only: this module also runs inside SGLang servers (launch/rlpo_sglang_hooks.py),
+whose environment has neither megatron-core nor rlpo_mega's dependencies.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from . import get_family
+
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def sglang_to_hf(params: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
+    """SGLang's fused TP-1 parameters -> HF-named tensors (views where possible)."""
+    names = get_family(hf.model_type).hf_names(hf)
+    family = get_family(hf.model_type)
+    heads, kv = int(hf.num_attention_heads), int(hf.num_key_value_heads)
+    head_dim = family.head_dim(hf)
+    vocab = int(hf.vocab_size)
+    out = {}
+    for name, t in params.items():
+        if ".qkv_proj." in name:
+            q, k, v = t.split([heads * head_dim, kv * head_dim, kv * head_dim], dim=0)
+            for part, x in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[name.replace("qkv_proj", part)] = x
+        elif ".gate_up_proj." in name:
+            g, u = t.chunk(2, dim=0)
+            out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = g, u
+        elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
+            i = int(_LAYER.search(name).group(1))
+            for e in range(t.shape[0]):
+                if name.endswith("w13_weight"):
+                    g, u = t[e].chunk(2, dim=0)
+                    out[names["expert_gate"].format(i=i, e=e)] = g
+                    out[names["expert_up"].format(i=i, e=e)] = u
+                else:
+                    out[names["expert_down"].format(i=i, e=e)] = t[e]
+        elif name in (names["embedding"], names["output"]):
+            out[name] = t[:vocab]
+        else:
+            out[name] = t
+    if names["output"] not in out and getattr(hf, "tie_word_embeddings", False):
+        out[names["output"]] = out[names["embedding"]]
+    return out
+
+
+__all__ = ["sglang_to_hf"]
