@@ -8,8 +8,14 @@ The norm tagging of torch_norm_sequence_parallel, whose
 absence is silent, is shown by clearing the tag mid-run: the TP ranks' norm grads then disagree.
 
 Platform selection: with CUDA present (simulated) apply() patches nothing CPU-specific and leaves
-torch and megatron untouched; a megatron-core version other than the one the patches were written
+torch and megatron untouched but for the local-spec fixes (megatron_fixes, applied whenever Transformer
+Engine is absent, on any device); a megatron-core version other than the one the patches were written
 for is refused on CPU with both versions named.
+
+GPU without Transformer Engine (simulated: CUDA reported present, an empty `apex` module, no TE): the
+norms of a TP2 + sequence-parallel local spec (the recipes' layout) are all torch RMSNorms tagged
+sequence_parallel, where without the fixes the layers' norms assert and the final norm is apex's
+FusedLayerNorm, which rejects RMSNorm. The CPU scenario tp2_ep2 also runs with that stand-in apex.
 """
 from __future__ import annotations
 
@@ -31,13 +37,14 @@ QWEN = "configs/models/tiny_qwen3_moe.json"
 MIXTRAL = "configs/models/tiny_mixtral.json"
 
 # name -> (processes, model, overrides). Every scenario trains 2 optimizer steps (clip_grad=1.0 by
-# default, alltoall token dispatcher, local layer spec: no Transformer Engine, no apex).
+# default, alltoall token dispatcher, local layer spec: no Transformer Engine; no apex but in tp2_ep2).
 SCENARIOS = {
     "tp1": (1, QWEN, ()),
     # TP2 (hence sequence parallel) and EP2 alltoall on 2 processes; the norm tag is cleared before
     # the second step (--untag-norm-from=1) for the silent half of torch_norm_sequence_parallel.
+    # With an empty `apex` module standing in (--fake-apex), as on a GPU node with apex but no TE.
     "tp2_ep2": (2, QWEN, ("parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=1",
-                          "--untag-norm-from=1")),
+                          "--untag-norm-from=1", "--fake-apex")),
     # Expert-TP 2 with experts on 2 ranks: the expert-TP all-gather sizes differ between ranks.
     "tp2_ep2_etp2": (4, QWEN, ("parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2")),
     # Tied input/output embeddings on two pipeline stages.
@@ -65,6 +72,8 @@ ABLATIONS = {
     "all_to_all_splits": ("tp2_ep2", "all_to_all_single(): incompatible function arguments"),
     # torch_norm.py:32 while building the first layer
     "torch_norm_sequence_parallel": ("tp2_ep2", "sequence parallel not supported by torch LayerNorm"),
+    # fused_layer_norm.py:67 building the final norm (apex present, gpt_layer_specs.py:644)
+    "final_norm_rmsnorm_apex": ("tp2_ep2", "(RMSNorm) is not supported in FusedLayerNorm"),
     # mappings.py:150 token_dispatcher's gather of expert-TP tokens
     "uneven_all_gather": ("tp2_ep2_etp2", "ProcessGroupGloo::allgather: invalid tensor size"),
     # language_module.py:244 weight.data.cuda() before the embedding-group all-reduce
@@ -184,6 +193,12 @@ def test_norm_sequence_parallel_tag_all_reduces_norm_grads():
     assert untagged > 1e-4, f"untagged norm grads agree across TP ranks ({untagged}): the tag is moot"
 
 
+def test_norms_are_torch_rmsnorm_with_apex_present():
+    """final_norm_rmsnorm_apex: with apex (stood in) and no TE every norm of the model is torch's RMSNorm."""
+    report = passing_run("tp2_ep2")
+    assert report["norm_classes"] == ["torch.nn.modules.normalization.RMSNorm"], report["norm_classes"]
+
+
 def test_unknown_ablation_name_is_refused():
     code = ("import os; os.environ['RLPO_MEGA_ABLATE_PATCH'] = 'no_such_patch'\n"
             "from rlpo_mega import platform\n"
@@ -195,27 +210,49 @@ def test_unknown_ablation_name_is_refused():
 # ------------------------------------------------------------------------------------------------
 # Platform selection, in fresh interpreters (apply() changes process-global state).
 
-def _python(code: str) -> str:
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
+def _python(code: str, env: dict | None = None) -> str:
+    extra, env = env or {}, {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
     env.pop("RLPO_MEGA_ABLATE_PATCH", None)
+    env.update(extra)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout
 
 
-_CUDA_PRESENT = r'''
-import json, torch
-torch.cuda.is_available = lambda: True   # a GPU machine, as far as the platform layer can tell
+def test_selection():
+    """Local-spec fixes whenever TE is absent (CPU or GPU); CPU patches whenever CUDA is absent."""
+    from rlpo_mega.platform import select
+
+    assert select(have_transformer_engine=False, have_cuda=False) == megatron_fixes.FIXES + cpu_megatron.PATCHES
+    assert select(have_transformer_engine=False, have_cuda=True) == megatron_fixes.FIXES
+    assert select(have_transformer_engine=True, have_cuda=True) == ()
+    assert select(have_transformer_engine=True, have_cuda=False) == cpu_megatron.PATCHES
+    assert set(all_patches()) == set(megatron_fixes.FIXES + cpu_megatron.PATCHES)
+    # The two norm fixes act on the local spec, which a GPU without TE builds too: not CPU patches.
+    fixes = {p.name for p in megatron_fixes.FIXES}
+    assert {"torch_norm_sequence_parallel", "final_norm_rmsnorm_apex"} <= fixes
+    assert not fixes & {p.name for p in cpu_megatron.PATCHES}
+
+
+# A GPU node with apex and without Transformer Engine, as far as the platform layer and megatron can
+# tell (this machine has neither TE nor apex; `apex` is an empty module, imported before megatron).
+_CUDA_PRESENT = r"""
+import json, sys, types, torch
+torch.cuda.is_available = lambda: True
+sys.modules["apex"] = types.ModuleType("apex")
 
 import megatron.core
 from megatron.core import utils as core_utils
 from megatron.core.models.common.language_module import language_module
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.optimizer import clip_grads, optimizer
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.tensor_parallel import mappings, random as mrandom
 from megatron.core.transformer import torch_norm, utils as transformer_utils
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.spec_utils import build_module
 
 megatron.core.__version__ = "0.0.0-not-the-version-the-cpu-patches-were-written-for"
 modules = [core_utils, clip_grads, optimizer, schedules, mappings, mrandom, transformer_utils]
@@ -229,33 +266,89 @@ def snapshot():
         "tensor_cuda": id(torch.Tensor.cuda),
         "module_torch": [m.torch is torch for m in modules],
         "tracker": id(mrandom.CudaRNGStatesTracker),
-        "norm_new": id(torch_norm.WrappedTorchNorm.__dict__["__new__"]),
         "clip": [id(clip_grads.clip_grad_by_total_norm_fp32), id(optimizer.clip_grad_by_total_norm_fp32)],
         "tied": id(language_module.LanguageModule.setup_embeddings_and_output_layer),
     }
 
-before = snapshot()
+def fixed_sites():  # what megatron_fixes' norm fixes replace
+    return {"norm_new": id(torch_norm.WrappedTorchNorm.__dict__["__new__"]),
+            "block_spec": id(gpt_layer_specs.get_gpt_decoder_block_spec)}
+
+before, fixed_before = snapshot(), fixed_sites()
 from rlpo_mega import platform
 applied = platform.apply()
-after = snapshot()
+after, fixed_after = snapshot(), fixed_sites()
+
+# The recipes' layout (TP2 + sequence parallel) through moe.model's spec call; every norm built.
+from moe.model import ParallelSizes, have_transformer_engine, load_hf_config, transformer_config
+hf = load_hf_config("configs/models/tiny_qwen3_moe.json")
+config = transformer_config(hf, ParallelSizes(tensor=2, sequence_parallel=True))
+spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+    config, use_transformer_engine=have_transformer_engine(), normalization="RMSNorm", pp_rank=0)
+layer = spec.layer_specs[0].submodules
+attn = layer.self_attention.submodules
+head = config.kv_channels
+norms = {}
+for name, s, size in (("input", layer.input_layernorm, config.hidden_size),
+                      ("pre_mlp", layer.pre_mlp_layernorm, config.hidden_size),
+                      ("q", attn.q_layernorm, head), ("k", attn.k_layernorm, head),
+                      ("final", spec.layer_norm, config.hidden_size)):
+    if s is IdentityOp:
+        continue
+    try:
+        m = build_module(s, config=config, hidden_size=size, eps=config.layernorm_epsilon)
+        norms[name] = [f"{type(m).__module__}.{type(m).__name__}",
+                       sorted({getattr(p, "sequence_parallel", None) for p in m.parameters()})]
+    except AssertionError as e:
+        norms[name] = ["AssertionError", str(e)]
 print(json.dumps({"applied": applied, "same": before == after, "before": before, "after": after,
+                  "fixed_changed": {k: fixed_before[k] != fixed_after[k] for k in fixed_before},
                   "backend": platform.backend(), "te": platform._have_transformer_engine(),
-                  "te_general_gemm": repr(getattr(moe_utils, "te_general_gemm", "undefined"))}))
-'''
+                  "te_general_gemm": repr(getattr(moe_utils, "te_general_gemm", "undefined")),
+                  "norms": norms}))
+"""
+
+RMSNORM = "torch.nn.modules.normalization.RMSNorm"
+
+
+def _cuda_present(ablate: str = "") -> dict:
+    return json.loads(_python(_CUDA_PRESENT, {"RLPO_MEGA_ABLATE_PATCH": ablate}).strip().splitlines()[-1])
 
 
 def test_nothing_cpu_specific_runs_when_cuda_is_present():
-    result = json.loads(_python(_CUDA_PRESENT).strip().splitlines()[-1])
+    result = _cuda_present()
     fixes = [] if result["te"] else [p.name for p in megatron_fixes.FIXES]
-    # Only the device-independent megatron fix (and only without Transformer Engine); no version check.
+    # Only the device-independent megatron fixes (and only without Transformer Engine); no version check.
     assert result["applied"] == fixes
     assert not set(result["applied"]) & {p.name for p in cpu_megatron.PATCHES}
     assert result["same"], {k: (result["before"][k], result["after"][k])
                             for k in result["before"] if result["before"][k] != result["after"][k]}
     assert all(result["after"]["module_torch"])
     assert result["backend"] == "nccl"
+    assert result["fixed_changed"] == {"norm_new": not result["te"], "block_spec": not result["te"]}
     if not result["te"]:
         assert result["te_general_gemm"] == "None"
+        # GPU, apex, no TE, TP2 + sequence parallel: every norm is torch's RMSNorm, its params tagged
+        # sequence_parallel (grads all-reduced over TP by finalize_model_grads).
+        assert result["norms"], result
+        assert {"input", "pre_mlp", "final"} <= set(result["norms"]), result["norms"]
+        assert all(v == [RMSNORM, [True]] for v in result["norms"].values()), result["norms"]
+
+
+def test_gpu_without_te_norms_fail_without_the_fixes():
+    """The same GPU-without-TE spec as above with both norm fixes left out: each norm fails to build."""
+    result = _cuda_present(ablate="torch_norm_sequence_parallel,final_norm_rmsnorm_apex")
+    if result["te"]:
+        pytest.skip("Transformer Engine is installed: the local spec and its fixes are not used")
+    assert result["applied"] == ["te_general_gemm_undefined"]
+    norms = result["norms"]
+    assert {"input", "pre_mlp", "final"} <= set(norms), norms
+    for name, (kind, message) in norms.items():
+        assert kind == "AssertionError", (name, norms)
+        if name == "final":  # apex's FusedLayerNorm chosen for the final norm
+            assert "(RMSNorm) is not supported in FusedLayerNorm" in message, norms
+        else:
+            assert "sequence parallel not supported by torch LayerNorm" in message, norms
 
 
 _WRONG_VERSION = r'''

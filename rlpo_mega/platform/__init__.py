@@ -2,6 +2,9 @@
 
 `apply()` is called once per process before any model is built (by `rlpo_mega.distributed.init`).
 The switch is `torch.cuda.is_available()`, never a config flag, so a GPU run cannot pick up CPU code.
+Transformer Engine is optional on either: without it the model uses megatron's local layer spec, and
+`megatron_fixes.FIXES` (defects of that spec in megatron-core 0.16.1, none CPU-specific) apply on CPU
+and GPU alike; with it, none do.
 """
 from __future__ import annotations
 
@@ -60,20 +63,24 @@ def apply() -> list[str]:
     unknown = skip - {p.name for p in all_patches()}
     if unknown:  # a misspelt ablation would otherwise run with every patch and prove nothing
         raise PlatformError(f"{_SKIP_ENV} names unknown patches {sorted(unknown)}")
-    selected = []
-    if not _have_transformer_engine():
-        selected += list(megatron_fixes.FIXES)
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda:
         _check_version()
-        selected += list(cpu_megatron.PATCHES)
     applied = []
-    for patch in selected:
+    for patch in select(have_transformer_engine=_have_transformer_engine(), have_cuda=cuda):
         if patch.name in skip:
             continue
         patch.apply()
         applied.append(patch.name)
     _APPLIED = applied
     return applied
+
+
+def select(have_transformer_engine: bool, have_cuda: bool):
+    """The patches a platform needs: the local-spec fixes without TE (any device), the CPU patches
+    without CUDA."""
+    return ((() if have_transformer_engine else megatron_fixes.FIXES)
+            + (() if have_cuda else cpu_megatron.PATCHES))
 
 
 def all_patches():

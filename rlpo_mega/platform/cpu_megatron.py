@@ -3,7 +3,8 @@
 megatron-core has no CPU mode: it calls CUDA streams, CUDA RNG, `device="cuda"` factories and
 gloo-incompatible collectives on paths every training step takes. Each patch below names the
 megatron-core file:line it answers (numbers of the 0.16.1 wheel). They are applied only when CUDA is
-absent (see `rlpo_mega.platform.apply`): on a GPU run none of this code executes.
+absent (see `rlpo_mega.platform.apply`): on a GPU run none of this code executes. What the local
+(no Transformer Engine) layer spec needs on any device, GPU included, is in megatron_fixes.py.
 
 Every patch has an ablation test (tests/test_platform.py) that runs the failing megatron path with all
 patches but that one and checks it breaks.
@@ -196,35 +197,7 @@ def _distributed_overrides(module) -> dict:
     return sub._overrides
 
 
-# 6. WrappedTorchNorm refuses sequence parallelism.
-def _patch_torch_norm_sequence_parallel():
-    from megatron.core.transformer import torch_norm
-
-    original_new = torch_norm.WrappedTorchNorm.__new__
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        # MoE with TP requires sequence parallel (moe_layer.py:379); a norm is position-wise, so it
-        # is correct on a sequence shard. Its weight is replicated across TP and each rank sees only
-        # part of the tokens: tagging it sequence_parallel makes finalize_model_grads all-reduce its
-        # grad over TP, exactly as TENorm does on GPU.
-        sp = config.sequence_parallel
-        if sp:
-            config = _shallow_replace(config, sequence_parallel=False)
-        norm = original_new(cls, config, hidden_size, eps, **kwargs)
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", sp)
-        return norm
-
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
-
-
-def _shallow_replace(obj, **changes):
-    import copy
-
-    new = copy.copy(obj)
-    for k, v in changes.items():
-        object.__setattr__(new, k, v)
-    return new
+# 6. (WrappedTorchNorm and sequence parallelism: not CPU-specific, in megatron_fixes.py.)
 
 
 # 7. Literal device="cuda" tensor factories.
@@ -345,14 +318,6 @@ PATCHES: tuple[Patch, ...] = (
         ("tensor_parallel/mappings.py:444",),
         "gloo's all_to_all_single rejects split sizes given as tensors",
         _patch_all_to_all_splits,
-    ),
-    Patch(
-        "torch_norm_sequence_parallel",
-        ("transformer/torch_norm.py:32", "transformer/moe/moe_layer.py:379",
-         "distributed/finalize_model_grads.py:354"),
-        "the local-spec norm asserts no sequence parallel, which MoE with TP requires; its params are "
-        "tagged sequence_parallel so finalize_model_grads all-reduces their grads over TP",
-        _patch_torch_norm_sequence_parallel,
     ),
     Patch(
         "cuda_literals",

@@ -1,10 +1,26 @@
-"""A megatron-core 0.16.1 bug that is not about CPUs: applied whenever Transformer Engine is absent.
+"""megatron-core 0.16.1 defects that are not about CPUs: applied whenever Transformer Engine is absent.
 
-moe_utils.py imports `te_general_gemm` only inside its `try: import transformer_engine` block, then
-tests `te_general_gemm is not None` (moe_utils.py:1192, 1225): without TE that is a NameError on
-any device. Defining the name as None selects megatron's own torch.mm path, as the code intends.
+Without TE, `moe.model` builds megatron's local layer spec, on a CPU and on a GPU alike (TE is an
+optional extra, `pip install -e ".[gpu]"`). These fixes make that spec work for our models on any
+device; they touch only code that the local spec reaches, so a run with TE gets none of them.
+
+- `te_general_gemm_undefined`: moe_utils.py imports `te_general_gemm` only inside its
+  `try: import transformer_engine` block, then tests `te_general_gemm is not None` (moe_utils.py:1192,
+  1225): without TE that is a NameError. Defining the name as None selects megatron's own torch.mm path,
+  as the code intends.
+- `torch_norm_sequence_parallel`: the local spec's norm, `WrappedTorchNorm`, asserts no sequence
+  parallelism (torch_norm.py:32), but MoE with TP requires it (moe_layer.py:379), so every TP > 1 layout
+  (the recipes' TP2+SP) stopped while building the first layer.
+- `final_norm_rmsnorm_apex`: with apex installed, the local spec's final norm is apex's FusedLayerNorm
+  whatever the normalization (gpt_layer_specs.py:644; its layers already get the torch norm for RMSNorm),
+  and FusedLayerNorm rejects RMSNorm (fused_layer_norm.py:66), which both our families use.
+
+Each has an ablation test in tests/test_platform.py; tests/test_platform.py also builds the norms of a
+TP2+SP spec with CUDA simulated, apex stood in and TE absent (a GPU node without TE).
 """
 from __future__ import annotations
+
+import copy
 
 from .cpu_megatron import Patch
 
@@ -16,11 +32,65 @@ def _define_te_general_gemm():
         moe_utils.te_general_gemm = None
 
 
+def _torch_norm_sequence_parallel():
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        # A norm is position-wise, so it is exact on a sequence shard. Its weight is replicated across
+        # TP and each rank sees only part of the tokens: tagging it sequence_parallel makes
+        # finalize_model_grads all-reduce its grad over TP (finalize_model_grads.py:354), as TENorm's
+        # and FusedLayerNorm's are.
+        sp = config.sequence_parallel
+        if sp:
+            config = copy.copy(config)
+            object.__setattr__(config, "sequence_parallel", False)
+        norm = original_new(cls, config, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", sp)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _final_norm_not_apex_for_rmsnorm():
+    from megatron.core.fusions.fused_layer_norm import FusedLayerNorm
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = gpt_layer_specs.get_gpt_decoder_block_spec
+
+    def get_gpt_decoder_block_spec(config, use_transformer_engine, *args, **kwargs):
+        spec = original(config, use_transformer_engine, *args, **kwargs)
+        # The same choice the local spec makes for its layers' norms (backends.py LocalSpecProvider).
+        if spec.layer_norm is FusedLayerNorm and config.normalization != "LayerNorm":
+            spec.layer_norm = WrappedTorchNorm
+        return spec
+
+    gpt_layer_specs.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
+
+
 FIXES: tuple[Patch, ...] = (
     Patch(
         "te_general_gemm_undefined",
         ("transformer/moe/moe_utils.py:1192,1225",),
         "te_general_gemm is undefined when Transformer Engine is not installed (NameError)",
         _define_te_general_gemm,
+    ),
+    Patch(
+        "torch_norm_sequence_parallel",
+        ("transformer/torch_norm.py:32", "transformer/moe/moe_layer.py:379",
+         "distributed/finalize_model_grads.py:354"),
+        "the local-spec norm asserts no sequence parallel, which MoE with TP requires; its params are "
+        "tagged sequence_parallel so finalize_model_grads all-reduces their grads over TP",
+        _torch_norm_sequence_parallel,
+    ),
+    Patch(
+        "final_norm_rmsnorm_apex",
+        ("models/gpt/gpt_layer_specs.py:644", "fusions/fused_layer_norm.py:66-68"),
+        "with apex installed the local spec's final norm is FusedLayerNorm, which rejects RMSNorm; "
+        "the torch RMSNorm is used instead, as for the layers' norms",
+        _final_norm_not_apex_for_rmsnorm,
     ),
 )

@@ -1,6 +1,6 @@
 """Platform-layer scenario: build the tiny MoE policy at one layout and run optimizer steps.
 
-Usage: platform_scenario.py MODEL_JSON [--steps=N] [--untag-norm-from=K] [key=value overrides...]
+Usage: platform_scenario.py MODEL_JSON [--steps=N] [--untag-norm-from=K] [--fake-apex] [key=value ...]
 
 Run by tests/test_platform.py with and without individual CPU patches (RLPO_MEGA_ABLATE_PATCH).
 Rank 0 reports the patches applied, the loss and grad norm of each step, and for TP > 1 per step how
@@ -10,8 +10,17 @@ all-reduced over TP, as finalize_model_grads does for params tagged `sequence_pa
 --untag-norm-from=K clears, before step K, the `sequence_parallel` tag the
 torch_norm_sequence_parallel patch puts on the norm parameters: it shows that the tag (not only
 lifting the assert) is what keeps the norm grads right.
+
+--fake-apex puts an empty `apex` module in place before megatron is imported, as on a GPU node with
+apex but no Transformer Engine: megatron's local spec then picks apex's FusedLayerNorm for the final
+norm (megatron_fixes.final_norm_rmsnorm_apex). Every other `from apex... import` falls back as without
+apex. The report names the classes of the norms built.
 """
 import sys
+import types
+
+if "--fake-apex" in sys.argv:  # before anything imports megatron
+    sys.modules["apex"] = types.ModuleType("apex")
 
 import torch
 import torch.distributed as dist
@@ -26,6 +35,14 @@ from tests.dist import write_report
 
 def norm_params(model_chunk):
     return {n: p for n, p in unwrap(model_chunk).named_parameters() if "layernorm" in n}
+
+
+def norm_classes(model_chunk) -> list[str]:
+    """Classes of the norms built (the *layernorm submodules that are not megatron's IdentityOp)."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    return sorted({f"{type(m).__module__}.{type(m).__name__}" for n, m in unwrap(model_chunk).named_modules()
+                   if n.endswith("layernorm") and not isinstance(m, IdentityOp)})
 
 
 def tp_spread(tensors: dict) -> float:
@@ -50,6 +67,8 @@ def main():
             steps = int(arg.split("=", 1)[1])
         elif arg.startswith("--untag-norm-from="):
             untag_from = int(arg.split("=", 1)[1])
+        elif arg == "--fake-apex":
+            pass
         else:
             overrides.append(arg)
     cfg = load_config(None, tuple(overrides))
@@ -79,6 +98,7 @@ def main():
         "norm_params": len(norms),
         "norm_tags": tags,
         "norm_grad_tp_spread": norm_grad_spread,
+        "norm_classes": norm_classes(chunks[0]),
     }
     if dist.get_rank() == 0:
         write_report(report)
