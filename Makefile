@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlpo_installed
 
-.PHONY: venv venv-sglang demo test clean
+.PHONY: venv venv-sglang demo test gpu-smoke clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ venv-sglang:
 test: $(STAMP)
 	-PYTHON=$(PYTHON) bash tests/sglang_support/build_env.sh
 	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=15
+
+# One GPU: the real trainer path (CUDA, NCCL, bf16 + distributed optimizer, GSPO + R3, embedded engine on the
+# GPU, digest-checked sync, checkpoint + resume) in a few minutes. Runs in the current environment (a CUDA torch
+# and `pip install -e .`), never in the CPU .venv.
+gpu-smoke:
+	$(PYTHON) tools/gpu_smoke.py
 
 clean:
 	rm -rf $(VENV) .venv-sglang *.egg-info

@@ -208,6 +208,16 @@ def _check_rollout(cfg, warns: list[str]):
                               "in_process (update_weights_from_tensor, servers on this host)")
         if sg.tp_size < 1 or sg.num_servers < 1:
             raise ConfigError(f"rollout.sglang.tp_size={sg.tp_size} and num_servers={sg.num_servers} must be >= 1")
+        for key in ("request_timeout", "control_timeout", "hang_timeout", "health_interval", "health_timeout",
+                    "startup_timeout"):
+            if not getattr(sg, key) > 0:
+                raise ConfigError(f"rollout.sglang.{key}={getattr(sg, key)} must be > 0 (seconds)")
+        if sg.health_interval >= sg.hang_timeout:
+            raise ConfigError(f"rollout.sglang.health_interval={sg.health_interval} must be below hang_timeout="
+                              f"{sg.hang_timeout}: /health is polled every health_interval to detect a hang")
+        if not ro.wait_timeout >= sg.request_timeout:
+            raise ConfigError(f"rollout.wait_timeout={ro.wait_timeout} is shorter than rollout.sglang.request_timeout="
+                              f"{sg.request_timeout}: the other ranks would give up on a rollout rank 0 still waits for")
         if not sg.urls and not sg.launch:
             warns.append("rollout.engine=sglang with no rollout.sglang.urls and launch=false: give the servers' "
                          "URLs (launch/slurm/train_disaggregated.sbatch adds rollout.sglang.urls=[...]) or set "

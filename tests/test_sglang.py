@@ -34,7 +34,7 @@ FAMILIES = {"qwen3_moe": "configs/models/tiny_qwen3_moe.json", "mixtral": "confi
 # the measured CPU recipe (shared/notes/sglang.md); float32 so log-probs compare with the learner's
 SERVER_ARGS = dict(device="cpu", attention_backend="torch_native", disable_overlap_schedule=True,
                    max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=512,
-                   mem_fraction_static=0.05, skip_server_warmup=True, enable_return_routed_experts=True,
+                   mem_fraction_static=0.15, skip_server_warmup=True, enable_return_routed_experts=True,
                    skip_tokenizer_init=True, dtype="float32")
 PROMPTS = [[5, 17, 33, 90, 41], [7, 8, 200, 3], [11, 12, 13, 14, 15, 16, 99]]
 

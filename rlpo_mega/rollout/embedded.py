@@ -87,9 +87,13 @@ class EmbeddedEngine(RolloutEngine):
         self.cfg = cfg if cfg is not None else EmbeddedEngineConfig()
         if self.cfg.batch_size < 1:
             raise ValueError(f"rollout.embedded.batch_size={self.cfg.batch_size} must be >= 1")
+        from rlpo_mega import platform
+
+        # the learner's device (one GPU per rank on a cluster): generation next to the weights it receives
+        self.device = platform.device()
         self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
                                                       attn_implementation=self.cfg.attn_implementation)
-        self.model.eval().requires_grad_(False)
+        self.model.to(self.device).eval().requires_grad_(False)
         self.receiver = HFModelReceiver(self.model)
         if hasattr(self.receiver, "load_weights_verified"):  # optional fused load+digest (InProcessTransport)
             self.load_weights_verified = self.receiver.load_weights_verified
@@ -199,7 +203,7 @@ class EmbeddedEngine(RolloutEngine):
         """This forward's router ids -> each row's sample (`skip[b]`: left-padding rows to drop)."""
         if self.capture is None:
             return
-        r = self.capture.routes()  # [B, positions, moe_layers, topk]
+        r = self.capture.routes().cpu()  # [B, positions, moe_layers, topk]: sample data lives on the host
         self.capture.clear()
         for s, rows, k in zip(batch, r.unbind(0), skip):  # one unbind: views, no per-row indexing
             s.routes.append(rows[k:] if k else rows)
@@ -223,6 +227,7 @@ class EmbeddedEngine(RolloutEngine):
             mask[b, pads[b]:] = 1
         # per-row positions: a left-padded prompt starts at position 0 like an unpadded one
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
         cache = DynamicCache(config=self.hf)
         if self.capture is not None:
             self.capture.clear()
@@ -253,7 +258,7 @@ class EmbeddedEngine(RolloutEngine):
             if not keep:
                 return
             if len(keep) < len(batch):  # prune finished rows: the cache, mask and positions shrink with them
-                sel = torch.tensor(keep)
+                sel = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(sel)
                 batch, tokens, mask, last_pos = [batch[b] for b in keep], tokens[sel], mask[sel], last_pos[sel]
             mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
@@ -267,8 +272,9 @@ class EmbeddedEngine(RolloutEngine):
             return logits.argmax(-1)
         probs = filter_probs(logits, params.top_k, params.top_p)
         # Exponential race per row with the row's own generator: argmax p_i / E_i ~ Categorical(p).
+        # the generators live on the host: a sample's draws do not depend on the device it runs on
         race = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=s.gen) for s in batch])
-        return (probs / race).argmax(-1)
+        return (probs / race.to(probs.device)).argmax(-1)
 
     def _result(self, s: _Sample, base_seed: int, fresh: bool) -> RolloutSample:
         routes = None

@@ -1,0 +1,153 @@
+"""Shrink a shipped recipe (configs/recipes/*.yaml, configs/demo_cpu.yaml, configs/gpu_smoke.yaml) to run on
+this 2-core CPU, keeping every knob that decides *how* it trains.
+
+What a shrink may change, and nothing else (`CHANGEABLE`; tests/test_recipes.py checks it):
+  model size   model.hf_config -> the tiny config of the same family (configs/models/tiny_<family>.json),
+               model.init_from_hf -> a tiny HF checkpoint of it (made by the test, tokenizer inside)
+  world size   parallel.tensor / pipeline / expert: every dimension > 1 becomes 2 (the tiny models have 4
+               heads, 2 layers, 4 experts); data parallel 2 where the world allows (4 processes at most)
+  batch        prompts.prompts_per_step, prompts.n_samples (<= 4), parallel.num_micro_batches (<= 2),
+               trainer.eval_size, trainer.warmup.steps (<= 2)
+  lengths      rollout.max_new_tokens
+  run length   train_iters = 3 and checkpoint.save_every = 2 (a checkpoint at step 2, then a resume)
+  host-only    paths (prompts, eval, save_dir, logging.dir), reward.num_workers, SGLang server URLs
+Everything else stays the recipe's: loss and its clip/gate settings, advantage, KL, mismatch correction,
+routing mode, engine, weight transport and bucket size, optimizer kind (distributed optimizer) and
+hyper-parameters, params dtype, sequence parallelism, expert-tensor size, recompute, token dispatcher,
+checkpoint keep_last, mini-batches and epochs, temperatures, the SGLang server's TP size and timeouts.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CHANGEABLE = {
+    "model.hf_config", "model.init_from_hf",
+    "parallel.tensor", "parallel.pipeline", "parallel.expert",
+    "prompts.prompts_per_step", "prompts.n_samples", "parallel.num_micro_batches",
+    "trainer.eval_size", "trainer.warmup.steps",
+    "rollout.max_new_tokens",
+    "train_iters", "checkpoint.save_every",
+    "prompts.path", "trainer.eval_path", "checkpoint.save_dir", "checkpoint.resume", "logging.dir",
+    "reward.num_workers", "rollout.sglang.urls",
+}
+MAX_WORLD = 4
+
+
+def tiny_config_for(hf_config: str) -> str:
+    """The repository's tiny config of the same model family (model_type) as `hf_config`."""
+    with open(os.path.join(ROOT, hf_config)) as f:
+        model_type = json.load(f)["model_type"]
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "models", "tiny_*.json"))):
+        with open(path) as f:
+            if json.load(f)["model_type"] == model_type:
+                return os.path.relpath(path, ROOT)
+    raise LookupError(f"no configs/models/tiny_*.json of model_type {model_type!r} to shrink {hf_config} to")
+
+
+@dataclass
+class Shrunk:
+    recipe: str
+    nproc: int
+    overrides: dict = field(default_factory=dict)  # dotted key -> value
+    why: dict = field(default_factory=dict)  # dotted key -> which allowance
+
+    def set(self, key: str, value, why: str):
+        assert key in CHANGEABLE, f"the shrink may not change {key}"
+        self.overrides[key] = value
+        self.why[key] = why
+
+    def argv(self) -> list[str]:
+        out = []
+        for k, v in self.overrides.items():
+            if isinstance(v, list):
+                v = "[" + ",".join(map(str, v)) + "]"
+            elif isinstance(v, bool):
+                v = str(v).lower()
+            out.append(f"{k}={'null' if v is None else v}")
+        return out
+
+    def describe(self) -> str:
+        return f"{self.recipe} on {self.nproc} processes: " + ", ".join(
+            f"{k}={v} ({self.why[k]})" for k, v in self.overrides.items())
+
+
+def _get(cfg: dict, key: str, default=None):
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: dict | None = None) -> Shrunk:
+    """`recipe` relative to the repository root. hf_dirs: tiny config path -> a tiny HF checkpoint directory;
+    prompts: a JSONL the recipe's reward can score; sglang_urls: tiny config path -> server URLs."""
+    cfg = OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, recipe)), resolve=True)
+    tp = _get(cfg, "parallel.tensor", 1)
+    pp = _get(cfg, "parallel.pipeline", 1)
+    ep = _get(cfg, "parallel.expert", 1)
+    etp = _get(cfg, "parallel.expert_tensor", None) or tp
+    tp2, pp2, ep2 = (2 if d > 1 else 1 for d in (tp, pp, ep))
+    etp2 = 2 if etp > 1 else 1
+    dp = 2 if tp2 * pp2 * 2 <= MAX_WORLD else 1
+    world = tp2 * pp2 * dp
+    assert world % (ep2 * etp2 * pp2) == 0, (recipe, world, ep2, etp2, pp2)
+    s = Shrunk(recipe, world)
+    for key, old, new in (("parallel.tensor", tp, tp2), ("parallel.pipeline", pp, pp2), ("parallel.expert", ep, ep2)):
+        if old != new:
+            s.set(key, new, "world size")
+
+    tiny = tiny_config_for(_get(cfg, "model.hf_config"))
+    if _get(cfg, "model.hf_config") != tiny:
+        s.set("model.hf_config", tiny, "model size")
+    if _get(cfg, "model.init_from_hf"):
+        s.set("model.init_from_hf", hf_dirs[tiny], "model size")
+
+    # batch: n_samples <= 4, <= 2 micro-batches, the fewest prompts that divide evenly over the recipe's
+    # mini-batches x data-parallel ranks x micro-batches
+    n = min(_get(cfg, "prompts.n_samples", 4), 4)
+    nmb = min(_get(cfg, "parallel.num_micro_batches", 1), 2)
+    unit = _get(cfg, "trainer.mini_batches", 1) * dp * nmb
+    per_step = next(p for p in range(2, 1 << 12) if p * n % unit == 0)
+    for key, old, new in (("prompts.n_samples", _get(cfg, "prompts.n_samples", 4), n),
+                          ("parallel.num_micro_batches", _get(cfg, "parallel.num_micro_batches", 1), nmb),
+                          ("prompts.prompts_per_step", _get(cfg, "prompts.prompts_per_step", 8), per_step)):
+        if old != new:
+            s.set(key, new, "batch size")
+    if _get(cfg, "trainer.warmup.steps", 0) > 2:
+        s.set("trainer.warmup.steps", 2, "batch size")
+    if _get(cfg, "trainer.eval_every", 0):
+        s.set("trainer.eval_size", 8, "batch size")
+    if _get(cfg, "rollout.max_new_tokens", 16) > 4:
+        s.set("rollout.max_new_tokens", 4, "lengths")
+
+    s.set("train_iters", 3, "run length")
+    s.set("checkpoint.save_every", 2, "run length")
+    s.set("checkpoint.save_dir", os.path.join(work, "ckpt"), "host-only")
+    s.set("checkpoint.resume", False, "host-only")
+    s.set("logging.dir", os.path.join(work, "logs"), "host-only")
+    if not os.path.exists(os.path.join(ROOT, str(_get(cfg, "prompts.path")))):
+        s.set("prompts.path", prompts, "host-only")
+    eval_path = _get(cfg, "trainer.eval_path")
+    if eval_path and not os.path.exists(os.path.join(ROOT, eval_path)):
+        s.set("trainer.eval_path", prompts, "host-only")
+    if _get(cfg, "reward.num_workers", 1) > 1:
+        s.set("reward.num_workers", 1, "host-only")
+    if _get(cfg, "rollout.engine") == "sglang" and not _get(cfg, "rollout.sglang.launch", False):
+        s.set("rollout.sglang.urls", list(sglang_urls[tiny]), "host-only")
+    return s
+
+
+def recipes() -> list[str]:
+    """Every shipped recipe: a new YAML in configs/recipes/ is covered with no new test code."""
+    found = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml")))
+    extra = [p for p in ("configs/demo_cpu.yaml", "configs/gpu_smoke.yaml") if os.path.exists(os.path.join(ROOT, p))]
+    return found + extra
