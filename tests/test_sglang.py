@@ -279,7 +279,10 @@ def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
                  env=_trainer_env(sglang_python, ckpt))
     assert r["rc"] == 0 and r["stopped"] and [h["step"] for h in r["history"]] == [1], r
     assert r["saved"] == ["step_00000001"], r
-    assert r["sigterm_to_exit_s"] < 30, r  # not request_timeout (600 s) nor hang_timeout (600 s here)
+    # the wait ends at once (aborts bounded by health_timeout, 5 s), not at request_timeout or hang_timeout
+    # (600 s here); the save and the server's shutdown follow
+    assert r["sigterm_to_save_s"] < 20 and r["sigterm_to_exit_s"] < 120, r
+    print(f"SIGTERM -> save {r['sigterm_to_save_s']:.1f} s, -> exit {r['sigterm_to_exit_s']:.1f} s")
 
 
 def test_killed_server_detected(family):  # last: it kills the family's server

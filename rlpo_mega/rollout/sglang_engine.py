@@ -266,13 +266,7 @@ class SGLangEngine(RolloutEngine):
             if self.should_stop is not None and self.should_stop():
                 with self._lock:
                     inflight = dict(self._inflight)
-                for rid, s in inflight.items():  # best effort, short: a hung server cannot abort anything
-                    try:
-                        req = urllib.request.Request(s.url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
-                                                     headers={"Content-Type": "application/json"})
-                        urllib.request.urlopen(req, timeout=self.cfg.health_timeout).close()
-                    except Exception:
-                        pass
+                self._abort_quietly(inflight)
                 raise RolloutInterrupted(f"stop requested during a rollout: {len(inflight)} requests aborted")
             now = time.monotonic()
             if pending and now >= next_check:
@@ -327,6 +321,22 @@ class SGLangEngine(RolloutEngine):
                              finish_reason=reason, routes=routes, prompt_index=prompt_index,
                              meta={"rid": rid, "server": server.url, "finish": fr,
                                    "weight_version": meta.get("weight_version")})
+
+    def _abort_quietly(self, inflight: dict):
+        """Best-effort aborts, all at once, bounded by health_timeout: a hung server answers none of them."""
+        def one(rid, server):
+            try:
+                req = urllib.request.Request(server.url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
+                                             headers={"Content-Type": "application/json"})
+                urllib.request.urlopen(req, timeout=self.cfg.health_timeout).close()
+            except Exception:
+                pass
+        threads = [threading.Thread(target=one, args=item, daemon=True) for item in inflight.items()]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.cfg.health_timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:
         if request_ids is None:

@@ -233,13 +233,23 @@ def sglang_hang_sigterm(out):
                 os.kill(os.getpid(), signal.SIGTERM)
             threading.Thread(target=term, daemon=True).start()
 
-    trainer = _run_with(_sglang_cfg(out, "hang", "train_iters=3", f"checkpoint.save_dir={save_dir}",
-                                    "checkpoint.save_every=0", "rollout.sglang.hang_timeout=600",
-                                    "rollout.sglang.request_timeout=600"), freeze)
+    original_save = Trainer.save
+
+    def save(self):
+        sent.setdefault("save", time.monotonic())
+        return original_save(self)
+
+    Trainer.save = save
+    try:
+        trainer = _run_with(_sglang_cfg(out, "hang", "train_iters=3", f"checkpoint.save_dir={save_dir}",
+                                        "checkpoint.save_every=0", "rollout.sglang.hang_timeout=600",
+                                        "rollout.sglang.request_timeout=600"), freeze)
+    finally:
+        Trainer.save = original_save
     done = time.monotonic()
     return {"rc": 0, "stopped": trainer.stopped, "history": history(out, "hang"),
             "saved": sorted(n for n in os.listdir(save_dir) if n.startswith("step_")),
-            "sigterm_to_exit_s": done - sent.get("t", done)}
+            "sigterm_to_save_s": sent["save"] - sent["t"], "sigterm_to_exit_s": done - sent["t"]}
 
 
 if __name__ == "__main__":
