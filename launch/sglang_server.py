@@ -1,7 +1,8 @@
 """Start and stop one SGLang server (`python -m sglang.launch_server`), wait for GET /health, log to a file.
 
 Used by rlpo_mega.rollout.sglang_engine when `rollout.sglang.launch` is on; also a CLI:
-    python launch/sglang_server.py --model-path HF_DIR --port 30000 [--python VENV/bin/python] [-- extra args]
+    python launch/sglang_server.py --model-path HF_DIR --port 30000 [--python VENV/bin/python] [sglang flags...]
+(launch/slurm/train_disaggregated.sbatch starts its servers this way).
 
 The server process is started in its own session, so stop() ends the whole process group (scheduler and
 detokenizer children included) and nothing else. This directory is put on the server's PYTHONPATH so
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -18,7 +20,13 @@ import time
 import urllib.request
 
 HOOKS_DIR = os.path.dirname(os.path.abspath(__file__))
-DUMP_LOADER = "rlpo_sglang_hooks.dump_params"  # load_format that makes the server dump its parameters
+REPO_ROOT = os.path.dirname(HOOKS_DIR)  # the hook imports moe.families.sglang_names and rlpo_mega's digest
+REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # load_format: the server digests what it holds
+
+
+def hook_pythonpath(existing: str | None = None) -> str:
+    """PYTHONPATH that lets a server import the weight-digest hook (launch/) and what it uses (the root)."""
+    return os.pathsep.join(p for p in (HOOKS_DIR, REPO_ROOT, existing) if p)
 
 
 def server_args_to_cli(args: dict) -> list[str]:
@@ -69,15 +77,15 @@ class SGLangServer:
         args = {"model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": self.tp_size,
                 **self.server_args}
         loaders = list(args.pop("custom_weight_loader", None) or [])
-        if DUMP_LOADER not in loaders:
-            loaders.append(DUMP_LOADER)
+        if REPORT_LOADER not in loaders:
+            loaders.append(REPORT_LOADER)
         args["custom_weight_loader"] = loaders
         return [self.python, "-m", "sglang.launch_server", *server_args_to_cli(args)]
 
     def start(self, timeout: float = 300.0) -> "SGLangServer":
         os.makedirs(self.log_dir, exist_ok=True)
         env = {**server_environment(os.environ), **self.env}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (HOOKS_DIR, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = hook_pythonpath(env.get("PYTHONPATH"))
         log = open(self.log_path, "ab")
         log.write(f"\n=== {time.strftime('%F %T')} {' '.join(self.command())}\n".encode())
         log.flush()
@@ -122,6 +130,7 @@ class SGLangServer:
         if self.proc is None:
             return
         self.kill(signal.SIGTERM)
+        self.kill(signal.SIGCONT)  # a stopped (frozen) server acts on its TERM only once continued
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:
@@ -134,25 +143,72 @@ class SGLangServer:
         self.proc = None
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _log_tail(path: str, n: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except OSError as e:
+        return f"<{path}: {e}>"
+
+
+def main(argv=None) -> int:
+    """CLI: one server in the foreground. Flags it does not know go to sglang.launch_server unchanged (in
+    their order; `--` may separate them), so SLURM scripts and users can pass any server flag
+    (`--base-gpu-id`, `--mem-fraction-static 0.8`, ...). The weight-digest hook is always added to
+    --custom-weight-loader (merged with any given), and its directory to the server's PYTHONPATH.
+    Exits with the server's exit code; SIGTERM/SIGINT stop the server (whole process group) first."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:  # the old spelling: our flags, --, sglang flags; the sglang flags are passed through anyway
+        argv.remove("--")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False,  # a server flag that is a prefix of ours must pass through
+                                epilog="Any other flag is passed to sglang.launch_server unchanged.")
     p.add_argument("--model-path", required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--python", default=None, help="the interpreter of the environment that has sglang")
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("extra", nargs="*", help="after --: more sglang.launch_server flags")
-    a = p.parse_args(argv)
-    server = SGLangServer(a.model_path, a.host, a.port, a.tp_size, python=a.python)
-    server.command = (lambda base=server.command: base() + a.extra)  # type: ignore[method-assign]
-    server.start(a.timeout)
-    print(f"SGLang server ready at {server.url} (log {server.log_path}); Ctrl-C stops it", flush=True)
+    p.add_argument("--custom-weight-loader", nargs="*", default=[],
+                   help="more custom weight loaders (the digest hook is always added)")
+    p.add_argument("--python", default=None, help="the interpreter of the environment that has sglang "
+                   "(default: this one)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for /health")
+    p.add_argument("--log-file", default=None, help="the server's output (default: logs/sglang/server_HOST_PORT.log)")
+    p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
+    a, extra = p.parse_known_args(argv)
+    server_args = {"custom_weight_loader": a.custom_weight_loader} if a.custom_weight_loader else None
+    server = SGLangServer(a.model_path, a.host, a.port, a.tp_size, server_args=server_args, python=a.python)
+    if a.log_file:
+        server.log_dir, server.log_path = os.path.dirname(os.path.abspath(a.log_file)), a.log_file
+    base_command = server.command
+    server.command = lambda: base_command() + extra  # type: ignore[method-assign]
+    if a.dry_run:
+        print("+ " + " ".join(shlex.quote(t) for t in server.command()), flush=True)
+        return 0
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)  # unwinds to the finally below, which stops the server
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        server.proc.wait()
-    except KeyboardInterrupt:
+        print(f"starting SGLang server {server.url}: {' '.join(server.command())} (log {server.log_path})",
+              flush=True)
+        try:
+            server.start(a.timeout)
+        except (RuntimeError, TimeoutError) as e:
+            print(f"{e}\n--- last lines of {server.log_path}:\n{_log_tail(server.log_path)}", file=sys.stderr,
+                  flush=True)
+            return 1
+        print(f"SGLang server ready at {server.url} (log {server.log_path}); SIGTERM or Ctrl-C stops it", flush=True)
+        rc = server.proc.wait()
+        print(f"SGLang server {server.url} exited with code {rc}; last lines of {server.log_path}:\n"
+              f"{_log_tail(server.log_path)}", file=sys.stderr, flush=True)
+        return rc if rc >= 0 else 128 - rc
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second TERM (SLURM sends several) must not cut the
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # stop short and leave the server's children behind
         server.stop()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

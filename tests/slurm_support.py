@@ -5,8 +5,11 @@ Recipe: ../shared/notes/slurm.md. Debian's slurm-wlm 22.05 and munge are install
 else lives under the given directory: config, munge key and socket, state, spool, logs. No /etc changes,
 no systemd, no cgroups. Only the three daemons this module starts are ever signalled, by their PIDs.
 
-    with slurm_cluster(tmp_path) as cluster:
+    with slurm_cluster(tmp_path, gpus=4) as cluster:
         cluster.run(["srun", "-n2", "hostname"])
+
+`gpus=N` declares N fake GPUs (gres/gpu, device files that are symlinks to /dev/null): jobs and steps can
+request them (`--gpus-per-node`, `--gres=gpu:k`) and get CUDA_VISIBLE_DEVICES, nothing more.
 
 `slurm_unavailable()` returns None when SLURM can be used (installing it first if needed), otherwise the
 exact reason (for pytest.skip). Set RLPO_SLURM_NO_INSTALL=1 to never run apt-get.
@@ -118,10 +121,12 @@ def clean_env(extra: Optional[dict] = None) -> dict:
 
 
 class SlurmCluster:
-    """One node (this host, 127.0.0.1), partition `debug`, daemons started and stopped by this object."""
+    """One node (this host, 127.0.0.1), partition `debug`, daemons started and stopped by this object;
+    `gpus` fake GPUs (gres/gpu on /dev/null symlinks: allocation and CUDA_VISIBLE_DEVICES only)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, gpus: int = 0):
         self.root = Path(root)
+        self.gpus = gpus
         self.host = socket.gethostname().split(".")[0]
         self.conf = self.root / "slurm.conf"
         self.log_dir = self.root / "log"
@@ -151,7 +156,21 @@ class SlurmCluster:
         keep = ["Boards", "SocketsPerBoard", "CoresPerSocket", "ThreadsPerCore"]
         topo = " ".join(f"{k}={fields[k]}" for k in keep if k in fields)
         mem = max(int(fields.get("RealMemory", "1024")) - 256, 256)
-        return f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} {topo} RealMemory={mem} State=UNKNOWN"
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        return f"NodeName={self.host} NodeAddr=127.0.0.1 CPUs={cpus} {topo} RealMemory={mem}{gres} State=UNKNOWN"
+
+    def _write_gres(self) -> str:
+        """gres.conf (read from SLURM_CONF's directory) for the fake GPUs; the slurm.conf line it needs."""
+        if not self.gpus:
+            return ""
+        dev = self.root / "dev"
+        dev.mkdir(exist_ok=True)
+        for i in range(self.gpus):
+            f = dev / f"nvidia{i}"
+            if not f.is_symlink():
+                f.symlink_to("/dev/null")
+        (self.root / "gres.conf").write_text(f"Name=gpu File={dev}/nvidia[0-{self.gpus - 1}]\n")
+        return "GresTypes=gpu\n"
 
     def write_config(self) -> None:
         r = self.root
@@ -161,9 +180,10 @@ class SlurmCluster:
         for d in [r, r / "munge"]:
             os.chmod(d, 0o755)
         ctld_port, slurmd_port = _free_ports(2)
+        gres_types = self._write_gres()
         self.conf.write_text(f"""\
 ClusterName=ci
-SlurmctldHost={self.host}(127.0.0.1)
+{gres_types}SlurmctldHost={self.host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -263,9 +283,9 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 
 @contextlib.contextmanager
-def slurm_cluster(root) -> Iterator[SlurmCluster]:
-    """Start a one-node cluster under `root` (a fresh directory) and stop it on exit."""
-    cluster = SlurmCluster(Path(root))
+def slurm_cluster(root, gpus: int = 0) -> Iterator[SlurmCluster]:
+    """Start a one-node cluster under `root` (a fresh directory), with `gpus` fake GPUs, and stop it on exit."""
+    cluster = SlurmCluster(Path(root), gpus)
     try:
         yield cluster.start()
     finally:

@@ -1,14 +1,18 @@
-"""launch/slurm on a real single-node SLURM (tests/slurm_support.py), plus the disaggregated script's commands.
+"""launch/slurm on a real single-node SLURM (tests/slurm_support.py, 4 fake GPUs), plus the scripts' commands.
 
 - train_colocated.sbatch runs the real `rlpo-mega train` (1 node, 2 ranks) with `sbatch --wait`;
 - SIGTERM reaches every rank, both directly (`scancel --signal=TERM`) and through the batch shell's trap
   (`scancel --batch --signal=TERM`, what `#SBATCH --signal=B:TERM@120` delivers before the time limit);
-- train_disaggregated.sbatch under DRY_RUN=1 for a made-up 2 learner + 1 rollout node list (no GPUs or SGLang
-  here), and train_colocated.sbatch's per-node torchrun commands for 2 made-up nodes.
+- train_disaggregated.sbatch: its server steps run concurrently, each with its own CPUs and fake GPUs
+  (stand-in servers); and the real thing: one learner step (2 ranks) and two CPU SGLang server steps on
+  the one node, 2 RL steps with sglang_distributed weight syncs (skipped without the SGLang venv);
+- both scripts under DRY_RUN=1 for made-up node lists, and launch/sglang_server.py's flag pass-through.
 The SLURM tests skip (with the reason) only when slurm-wlm/munge are absent and cannot be apt-installed.
 """
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import re
 import shlex
@@ -20,7 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from launch.sglang_server import SGLangServer, server_args_to_cli
 from tests.slurm_support import clean_env, install_time, slurm_cluster, slurm_unavailable
+from tests.test_sglang import FAMILIES, SERVER_ARGS, SUPPORT, sglang_python  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 COLOCATED = ROOT / "launch" / "slurm" / "train_colocated.sbatch"
@@ -30,6 +36,7 @@ DISAGG = ROOT / "launch" / "slurm" / "train_disaggregated.sbatch"
 TRAIN_CONFIG = "configs/demo_cpu.yaml"
 TRAIN_OVERRIDES = ["parallel.expert=2", "train_iters=1", "trainer.warmup.steps=2", "trainer.eval_every=0",
                    "checkpoint.save_dir=null", "logging.mode=disabled", "logging.plot=false"]
+FAKE_GPUS = 4  # the test cluster's gres/gpu (device files on /dev/null): allocation only
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +53,7 @@ def cluster(tmp_path_factory):
         print(f"\n[slurm] apt-get install took {install_time():.1f} s")
     root = tmp_path_factory.mktemp("slurm")
     t0 = time.monotonic()
-    with slurm_cluster(root) as c:
+    with slurm_cluster(root, gpus=FAKE_GPUS) as c:
         print(f"\n[slurm] cluster up in {time.monotonic() - t0:.1f} s")
         yield c
 
@@ -141,6 +148,172 @@ def test_sigterm_reaches_ranks(cluster, tmp_path, via):
         assert "forwarding TERM to all job steps" in _read(batch_out), diag()
 
 
+def _free_ports(n: int) -> int:
+    """A first port p with p .. p+n-1 free (server k of a node listens on SGLANG_PORT+k)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            p = s.getsockname()[1]
+        if p + n > 65535:
+            continue
+        socks = []
+        try:
+            for q in range(p, p + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
+FAKE_SERVER = """\
+import argparse, http.server, json, os, signal, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--port", type=int)
+a, _ = p.parse_known_args()
+out = os.environ["FAKE_SGLANG_OUT"]
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+srv = http.server.HTTPServer(("0.0.0.0", a.port), Health)
+def on_term(sig, frame):
+    open(os.path.join(out, f"stopped-{a.port}"), "w").close()
+    os._exit(0)
+signal.signal(signal.SIGTERM, on_term)
+rec = {"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "step": os.environ.get("SLURM_STEP_ID"),
+       "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"), "start": time.time()}
+with open(os.path.join(out, f"server-{a.port}.json"), "w") as f:
+    json.dump(rec, f)
+srv.serve_forever()
+"""
+
+FAKE_LEARNER = """\
+import json, os, sys, urllib.request
+out, overrides = sys.argv[1], sys.argv[2:]
+urls = [o.split("=", 1)[1].strip("[]").split(",") for o in overrides if o.startswith("rollout.sglang.urls=")][0]
+health = []
+for u in urls:
+    with urllib.request.urlopen(u + "/health", timeout=10) as r:
+        health.append(r.status)
+with open(os.path.join(out, "learner.json"), "w") as f:
+    json.dump({"overrides": overrides, "health": health, "seen": sorted(os.listdir(out))}, f)
+"""
+
+
+def test_disaggregated_server_steps_own_resources(cluster, tmp_path):
+    """Two server steps on one node run at the same time, each holding its own CPU and SGLANG_TP fake GPUs
+    (disjoint CUDA_VISIBLE_DEVICES, no --base-gpu-id), with the learner step beside them (--overlap); the
+    learner gets their URLs, and the servers get TERM when it is done. Stand-in servers and learner."""
+    (tmp_path / "fake_sglang.py").write_text(FAKE_SERVER)
+    learner = tmp_path / "fake_learner.py"
+    learner.write_text(FAKE_LEARNER)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _free_ports(2)
+    env = _job_env(tmp_path, LEARNER_NODES="1", ROLLOUT_ON_LEARNER_NODES="1", SERVERS_PER_NODE="2", SGLANG_TP="2",
+                   SGLANG_MODEL="/no/model", SGLANG_LAUNCHER="fake_sglang", SGLANG_PORT=str(port),
+                   SGLANG_ENV=f"PYTHONPATH={tmp_path} FAKE_SGLANG_OUT={out}", SGLANG_STARTUP_TIMEOUT="60",
+                   NPROC_PER_NODE="1", TRAIN_ENTRY=f"{learner} {out}", MASTER_PORT=str(_free_ports(1)))
+    batch_out = tmp_path / "batch.out"
+    r = cluster.run(["sbatch", "--wait", "--parsable", "--nodes=1", "--exclusive", f"--gpus-per-node={FAKE_GPUS}",
+                     f"--output={batch_out}", str(DISAGG)], cwd=ROOT, env=env, timeout=120, check=False)
+    logs = tmp_path / "logs"
+    diag = (f"sbatch rc {r.returncode}\n{r.stdout}\n{r.stderr}\n--- batch output\n{_read(batch_out)}\n"
+            + "\n".join(f"--- {p.name}\n{_read(p)[-3000:]}" for p in sorted(logs.glob("*.log")))
+            + f"\nout: {sorted(os.listdir(out))}\n{cluster.daemon_logs()}")
+    assert r.returncode == 0, diag
+    servers = [json.loads((out / f"server-{port + k}.json").read_text()) for k in range(2)]
+    gpus = [set(s["cuda"].split(",")) for s in servers]
+    assert all(len(g) == 2 for g in gpus) and not gpus[0] & gpus[1], (gpus, diag)
+    assert gpus[0] | gpus[1] <= {str(i) for i in range(FAKE_GPUS)}, gpus
+    assert [s["cpus_per_task"] for s in servers] == ["1", "1"], servers  # 2 CPUs / 2 servers
+    assert servers[0]["step"] != servers[1]["step"], servers
+    assert not any("--base-gpu-id" in s["argv"] for s in servers), servers
+    seen = json.loads((out / "learner.json").read_text())
+    assert seen["health"] == [200, 200], seen  # both servers up together, while the learner ran
+    assert seen["overrides"] == ["rollout.engine=sglang",
+                                 f"rollout.sglang.urls=[http://{cluster.host}:{port},http://{cluster.host}:{port + 1}]"]
+    _wait_for(lambda: {f"stopped-{port}", f"stopped-{port + 1}"} <= set(os.listdir(out)), 10,
+              "the servers' TERM handlers", lambda: diag)
+    assert "learners exited with code 0; stopping the rollout servers" in _read(batch_out), diag
+
+
+@pytest.mark.timeout(900)
+def test_disaggregated_sglang_training(cluster, tmp_path, sglang_python):  # noqa: F811  (the fixture)
+    """train_disaggregated.sbatch for real on the one node: two CPU SGLang server steps (launch.sglang_server
+    from the SGLang venv, tests/test_sglang.py's recipe) started concurrently, then the learner step (2 ranks,
+    EP2, the demo config shrunk, GSPO + R3) rolling out on both for 2 RL steps with sglang_distributed weight
+    syncs (each digest-verified inside the servers); the servers are stopped with TERM at the end."""
+    from moe.model import load_hf_config
+    from tests.workers.bridge import make_hf_checkpoint
+
+    hf = tmp_path / "hf"
+    make_hf_checkpoint(load_hf_config(str(ROOT / FAMILIES["qwen3_moe"])), str(hf))
+    run = tmp_path / "run"
+    port = _free_ports(2)
+    # TRAIN_OVERRIDES' 2 warm-up steps (at lr 1e-2) move the policy away from the servers' checkpoint before
+    # RL: the first sync must change what both servers hold, or step 1's log-probs disagree with theirs
+    overrides = TRAIN_OVERRIDES + [
+        "train_iters=2", "trainer.warmup.lr=1e-2", f"model.init_from_hf={hf}",
+        "rollout.sync_transport=sglang_distributed", "prompts.prompts_per_step=4", "prompts.n_samples=2",
+        "rollout.sglang.request_timeout=300", f"logging.dir={run}"]
+    env = _job_env(tmp_path, CONFIG=TRAIN_CONFIG, NPROC_PER_NODE="2", OVERRIDES=" ".join(overrides),
+                   LEARNER_NODES="1", ROLLOUT_ON_LEARNER_NODES="1", SERVERS_PER_NODE="2", SGLANG_GPUS_PER_SERVER="0",
+                   SGLANG_MODEL=str(hf), SGLANG_PYTHON=sglang_python, SGLANG_PORT=str(port),
+                   SGLANG_ENV=f"SGLANG_USE_CPU_ENGINE=1 PYTHONPATH={os.path.join(SUPPORT, 'path')}",
+                   SGLANG_ARGS=" ".join(server_args_to_cli(SERVER_ARGS)), SGLANG_STARTUP_TIMEOUT="400",
+                   MASTER_PORT=str(_free_ports(1)))
+    batch_out = tmp_path / "batch.out"
+    t0 = time.monotonic()
+    r = cluster.run(["sbatch", "--wait", "--parsable", "--nodes=1", "--exclusive", f"--output={batch_out}",
+                     str(DISAGG)], cwd=ROOT, env=env, timeout=840, check=False)
+    elapsed = time.monotonic() - t0
+    logs = tmp_path / "logs"
+    learner_log = logs / f"learner-{cluster.host}.log"
+    diag = (f"sbatch rc {r.returncode} after {elapsed:.0f} s\n{r.stdout}\n{r.stderr}\n--- batch output\n"
+            f"{_read(batch_out)}\n--- {learner_log.name}\n{_read(learner_log)[-8000:]}\n"
+            + "\n".join(f"--- {p.name}\n{_read(p)[-3000:]}" for p in sorted(logs.glob("*-*-*.log")))
+            + f"\n{cluster.daemon_logs()}")
+    assert r.returncode == 0, diag
+    print(f"\n[slurm] disaggregated job, 2 SGLang server steps + 2 learner ranks, 2 RL steps: {elapsed:.1f} s")
+    out = _read(batch_out)
+    urls = [f"http://{cluster.host}:{port + k}" for k in range(2)]
+    assert all(f"healthy: {u}" in out for u in urls), diag
+    assert "learners exited with code 0; stopping the rollout servers" in out, diag
+    text = _read(learner_log)
+    assert "step 2/2 | reward" in text, diag
+    # each server step ran launch.sglang_server (started once): the digest hook's loader on its command line;
+    # the weight group was set up once, and every sync's broadcast was followed by the in-server digest
+    # report (update_weights_from_tensor with the hook's load format): at the start and after each step
+    cmd = SGLangServer(str(hf)).command()
+    hook_loaders = list(itertools.takewhile(lambda t: not t.startswith("--"),
+                                            cmd[cmd.index("--custom-weight-loader") + 1:]))
+    for k in range(2):
+        server_log = _read(logs / f"sglang-{cluster.host}-{k}.log")
+        started = [line for line in server_log.splitlines() if line.startswith("=== ")]
+        assert len(started) == 1 and all(f" {t} " in started[0] + " " for t in hook_loaders), diag
+        assert "SGLang server ready" in _read(logs / f"rollout-{cluster.host}-{k}.log"), diag
+        calls = {path: server_log.count(f'"POST /{path} HTTP/1.1" 200') for path in
+                 ("init_weights_update_group", "update_weights_from_distributed", "update_weights_from_tensor")}
+        assert calls["init_weights_update_group"] == 1, (calls, diag)
+        assert calls["update_weights_from_distributed"] == calls["update_weights_from_tensor"] >= 2, (calls, diag)
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [1, 2], history
+    for h in history:  # step 2 rolls out on both servers from the weights synced after step 1
+        assert h["routing/update/fallback_entries"] == 0, h  # every token replayed SGLang's routes
+        # the learner's log-probs of the servers' samples equal theirs (fp32): at step 2 only if the weights
+        # synced over sglang_distributed took effect on both servers
+        assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+
+
 def _dry_run(script: Path, hosts: str, **env) -> list[list[str]]:
     e = clean_env({"DRY_RUN": "1", "RLPO_HOSTNAMES": hosts, "SLURM_JOB_ID": "4242", "RLPO_ROOT": str(ROOT),
                    "PYTHON": "python3", "LOG_DIR": "/logs", **env})
@@ -157,27 +330,50 @@ def _flag(cmd: list[str], name: str) -> str:
     return cmd[i + 1]
 
 
+def _server_command(cmd: list[str]) -> list[str]:
+    """What a server step runs (after srun's flags and the optional `env K=V ...`)."""
+    i = cmd.index("-m") - 1
+    return cmd[i:-1] if cmd[-1] == "&" else cmd[i:]
+
+
 def test_disaggregated_dry_run_commands():
     cmds = _dry_run(DISAGG, "node-a node-b node-c", LEARNER_NODES="2", ROLLOUT_NODES="1", NPROC_PER_NODE="8",
                     CONFIG="configs/demo_cpu.yaml", OVERRIDES="parallel.expert=8 train_iters=5",
                     SGLANG_MODEL="/models/qwen3-moe", SGLANG_TP="4", SERVERS_PER_NODE="2",
-                    SGLANG_ARGS="--enable-return-routed-experts")
+                    SGLANG_PYTHON="/opt/sglang/bin/python", SGLANG_ENV="SGLANG_FLAG=1 OTHER=x y",
+                    SGLANG_ARGS="--enable-return-routed-experts --mem-fraction-static 0.8",
+                    SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96")
     kinds = [c[0] if c[0] != "python3" else "torchrun" for c in cmds]
-    assert kinds == ["srun", "srun", "rlpo_wait_health", "rlpo_wait_health", "srun", "torchrun", "torchrun",
-                     "rlpo_stop"], cmds
-    servers, health, learners, trs = cmds[0:2], cmds[2:4], cmds[4], cmds[5:7]
-    for k, s in enumerate(servers):
-        assert _flag(s, "--nodelist") == "node-c" and _flag(s, "--nodes") == "1", s
-        assert _flag(s, "--output") == f"/logs/rollout-%N-{k}.log"
+    # per server: its srun step, then (dry run only) the sglang command launch.sglang_server would run there
+    assert kinds == ["srun", "/opt/sglang/bin/python", "srun", "/opt/sglang/bin/python", "rlpo_wait_health",
+                     "rlpo_wait_health", "srun", "torchrun", "torchrun", "rlpo_stop_steps"], cmds
+    servers, inner, health = cmds[0:4:2], cmds[1:4:2], cmds[4:6]
+    learners, trs = cmds[6], cmds[7:9]
+    for k, (s, sg) in enumerate(zip(servers, inner)):
         assert s[-1] == "&"
-        i = s.index("-m")
-        assert s[i - 1:i + 2] == ["python3", "-m", "sglang.launch_server"], s
-        assert _flag(s, "--model-path") == "/models/qwen3-moe" and _flag(s, "--tp-size") == "4"
-        assert _flag(s, "--port") == str(30000 + k) and _flag(s, "--base-gpu-id") == str(4 * k)
-        assert "--enable-return-routed-experts" in s
+        # its own resources: 96 CPUs / 2 servers, SGLANG_TP GPUs, the job's memory without taking it
+        assert _flag(s, "--nodelist") == "node-c" and _flag(s, "--nodes") == "1" and _flag(s, "--ntasks") == "1"
+        assert "--exact" in s and _flag(s, "--cpus-per-task") == "48" and _flag(s, "--gres") == "gpu:4"
+        assert _flag(s, "--mem") == "0" and "--overlap" not in s
+        assert _flag(s, "--job-name") == f"rlpo-sglang-node-c-{k}"  # the step's name: stopped with TERM by it
+        assert _flag(s, "--output") == f"/logs/rollout-%N-{k}.log"
+        i = s.index("env")
+        assert s[i:i + 4] == ["env", "SGLANG_FLAG=1", "OTHER=x", "y"], s  # SGLANG_ENV: the server steps only
+        launcher = _server_command(s)
+        assert launcher[:3] == ["/opt/sglang/bin/python", "-m", "launch.sglang_server"], s
+        assert _flag(launcher, "--model-path") == "/models/qwen3-moe" and _flag(launcher, "--tp-size") == "4"
+        assert _flag(launcher, "--port") == str(30000 + k) and _flag(launcher, "--host") == "0.0.0.0"
+        assert _flag(launcher, "--log-file") == f"/logs/sglang-node-c-{k}.log"
+        assert _flag(launcher, "--timeout") == "900"
+        assert "--base-gpu-id" not in s  # the step sees only its own GPUs: base 0
+        assert launcher[-3:] == ["--enable-return-routed-experts", "--mem-fraction-static", "0.8"]
+        # the server command is SGLangServer's own (weight-digest loader included) plus the passed flags
+        want = SGLangServer("/models/qwen3-moe", "0.0.0.0", 30000 + k, 4, python="/opt/sglang/bin/python").command()
+        assert sg == want + ["--enable-return-routed-experts", "--mem-fraction-static", "0.8"], (sg, want)
     assert [h[1:] for h in health] == [["http://node-c:30000/health", "900"], ["http://node-c:30001/health", "900"]]
     assert _flag(learners, "--nodelist") == "node-a,node-b" and _flag(learners, "--nodes") == "2"
     assert _flag(learners, "--ntasks-per-node") == "1" and _flag(learners, "--output") == "/logs/learner-%N.log"
+    assert "--overlap" not in learners
     assert "MASTER_ADDR=node-a" in learners and "NNODES=2" in learners and "NPROC_PER_NODE=8" in learners
     tail = learners[learners.index("-m"):-1]
     assert tail == ["-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "parallel.expert=8", "train_iters=5",
@@ -190,11 +386,50 @@ def test_disaggregated_dry_run_commands():
         assert t[t.index("-m", 3):] == tail
 
 
+def test_disaggregated_dry_run_shared_node_cpu():
+    """ROLLOUT_ON_LEARNER_NODES=1 on a CPU job: servers on the learner node, no GPU request, the learner step
+    overlaps them; a bare sglang.launch_server gets the flags unchanged."""
+    cmds = _dry_run(DISAGG, "node-a", LEARNER_NODES="1", ROLLOUT_ON_LEARNER_NODES="1", NPROC_PER_NODE="2",
+                    CONFIG="c.yaml", SGLANG_MODEL="/m", SERVERS_PER_NODE="2", SLURM_CPUS_ON_NODE="2",
+                    SGLANG_LAUNCHER="sglang.launch_server", SGLANG_ARGS="--device cpu")
+    kinds = [c[0] if c[0] != "python3" else "torchrun" for c in cmds]
+    assert kinds == ["srun", "srun", "rlpo_wait_health", "rlpo_wait_health", "srun", "torchrun", "rlpo_stop_steps"], cmds
+    for k, s in enumerate(cmds[:2]):
+        assert _flag(s, "--nodelist") == "node-a" and _flag(s, "--cpus-per-task") == "1" and "--exact" in s
+        assert not any(t.startswith("--gres") for t in s) and "env" not in s
+        assert _server_command(s) == ["python3", "-m", "sglang.launch_server", "--model-path", "/m", "--host",
+                                      "0.0.0.0", "--port", str(30000 + k), "--tp-size", "1", "--device", "cpu"]
+    learners = cmds[4]
+    assert _flag(learners, "--nodelist") == "node-a" and "--overlap" in learners
+    assert learners[-3:-1] == ["rollout.engine=sglang", "rollout.sglang.urls=[http://node-a:30000,http://node-a:30001]"]
+
+
 def test_disaggregated_rejects_bad_split():
     e = clean_env({"DRY_RUN": "1", "RLPO_HOSTNAMES": "node-a node-b", "LEARNER_NODES": "2", "ROLLOUT_NODES": "1",
                    "CONFIG": "c.yaml", "SGLANG_MODEL": "m", "RLPO_ROOT": str(ROOT)})
     r = subprocess.run(["bash", str(DISAGG)], env=e, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "LEARNER_NODES" in r.stderr, r.stderr
+    e.update(ROLLOUT_ON_LEARNER_NODES="1", LEARNER_NODES="1", ROLLOUT_NODES="2")  # more rollout than learner nodes
+    r = subprocess.run(["bash", str(DISAGG)], env=e, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "ROLLOUT_ON_LEARNER_NODES" in r.stderr, r.stderr
+
+
+def test_sglang_server_cli_passes_flags_through():
+    """launch/sglang_server.py: flags it does not know reach sglang.launch_server in their order (also after
+    `--`); extra weight loaders are merged with the digest hook's, not replaced by it."""
+    script = ROOT / "launch" / "sglang_server.py"
+    r = subprocess.run([sys.executable, str(script), "--model-path", "/m", "--port", "31000", "--base-gpu-id", "2",
+                        "--custom-weight-loader", "my.loader", "--enable-return-routed-experts",
+                        "--random-seed", "-1", "--", "--mem-fraction-static", "0.8", "--python", "/venv/bin/python",
+                        "--dry-run"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    cmd = shlex.split(r.stdout.strip()[2:])
+    want = SGLangServer("/m", port=31000, python="/venv/bin/python",
+                        server_args={"custom_weight_loader": ["my.loader"]}).command()
+    assert cmd == want + ["--base-gpu-id", "2", "--enable-return-routed-experts", "--random-seed", "-1",
+                          "--mem-fraction-static", "0.8"], (cmd, want)
+    loaders = cmd[cmd.index("--custom-weight-loader") + 1:cmd.index("--base-gpu-id")]
+    assert "my.loader" in loaders and len(loaders) >= 2, loaders  # ours and the hook's
 
 
 def test_colocated_dry_run_two_nodes():

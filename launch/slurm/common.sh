@@ -89,12 +89,14 @@ rlpo_forward_term() {
 # Comma-joined host list for --nodelist.
 rlpo_join() { local IFS=,; echo "$*"; }
 
-# The training entry point after torchrun's own flags: TRAIN_ENTRY (whitespace-split, e.g. a test script),
-# else `-m rlpo_mega.cli train $CONFIG $OVERRIDES <extra overrides given as arguments>`.
+# The training entry point after torchrun's own flags: TRAIN_ENTRY (whitespace-split, e.g. a test script)
+# followed by the extra overrides given as arguments, else
+# `-m rlpo_mega.cli train $CONFIG $OVERRIDES <extra overrides given as arguments>`.
 rlpo_entry() {
     RLPO_ENTRY=()
     if [[ -n "${TRAIN_ENTRY:-}" ]]; then
         read -r -a RLPO_ENTRY <<< "$TRAIN_ENTRY"
+        RLPO_ENTRY+=("$@")
     else
         local overrides=()
         read -r -a overrides <<< "${OVERRIDES:-}"
@@ -162,7 +164,7 @@ rlpo_wait_health() {
     return 1
 }
 
-# Stop background sruns (servers): TERM makes srun cancel its step.
+# Stop background sruns (servers) at once: TERM makes srun kill its step (SIGKILL to every task).
 rlpo_stop() {
     local pid
     for pid in "$@"; do
@@ -171,4 +173,26 @@ rlpo_stop() {
     for pid in "$@"; do
         [[ -n "$pid" ]] && wait "$pid" 2>/dev/null || true
     done
+}
+
+# Stop the job's steps whose name starts with PREFIX (srun --job-name) gracefully: TERM to their tasks (what
+# `scancel --signal=TERM` does; their TERM handlers run, e.g. launch/sglang_server.py stops its server), then
+# up to TIMEOUT seconds for the given srun PIDs to end; whatever is left goes through rlpo_stop.
+# Usage: rlpo_stop_steps PREFIX TIMEOUT PID...
+rlpo_stop_steps() {
+    local prefix=$1 timeout=$2 ids=() pid deadline
+    shift 2
+    mapfile -t ids < <(squeue -h -s -j "$RLPO_JOB_ID" -o "%i %j" 2>/dev/null |
+                       awk -v p="$prefix" 'index($2, p) == 1 {print $1}')
+    if ((${#ids[@]} > 0)); then
+        rlpo_log "stopping steps ${ids[*]} (TERM)"
+        scancel --signal=TERM "${ids[@]}" || rlpo_log "scancel --signal=TERM ${ids[*]} failed"
+        deadline=$((SECONDS + timeout))
+        for pid in "$@"; do
+            while [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do
+                sleep 0.5
+            done
+        done
+    fi
+    rlpo_stop "$@"
 }
