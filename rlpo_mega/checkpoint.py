@@ -11,6 +11,19 @@ in one flat list (each identified by its key, e.g. `optimizer.state.exp_avg.<par
 offset, as megatron does) plus one shared step, and on load the tensors are put back into whatever
 chain the current layout built. Param-group hyper-parameters (lr, betas, ...) come from the current
 config, not from the checkpoint.
+
+The distributed optimizer (optim.use_distributed_optimizer) goes through megatron-core's own sharded
+state in its 'fully_reshardable' format, chosen among 0.16.1's formats because it is the only one that
+reshards across DP *and* TP/PP/EP: its tensors have the shape and sharding of the model parameter they
+belong to (keys `optimizer.state.{param,exp_avg,exp_avg_sq}.<param>`), whereas 'dp_reshardable' stores
+the DP-flattened gradient buckets (keys and offsets depend on TP/PP/EP and the bucket layout) and
+'fully_sharded_model_space', megatron's default, builds flattened-range ShardedTensors that 0.16.1's
+dist_checkpointing rejects (mapping.py:134). Its main params are renamed to the key the non-distributed
+mixed-precision optimizer uses (`optimizer.state.fp32_param.<param>`) and, where the model parameter
+is itself fp32 (it is then the main param), not stored twice: a checkpoint of either optimizer loads
+into the other at any layout. Its cost is host memory: a save gathers each DP group's state on its DP
+rank 0, a load reads the whole state of the rank's model-parallel shard and keeps its DP slice (12 B
+per parameter of the shard, e.g. 4.4B parameters = 53 GB per rank for the Qwen3-30B recipes).
 """
 from __future__ import annotations
 
@@ -38,14 +51,14 @@ def _model_state(model_chunks, prefix: str = ""):
 
 
 def _sub_optimizers(optimizer):
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _is_distributed(optimizer) -> bool:
+    """Informational (meta file): either kind of checkpoint loads into either optimizer."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-    if any(isinstance(o, DistributedOptimizer) for o in subs):
-        raise NotImplementedError(
-            "checkpointing the distributed optimizer (optim.use_distributed_optimizer=true) is not "
-            "supported yet; use the default optimizer")
-    return subs
+    return any(isinstance(sub, DistributedOptimizer) for sub in _sub_optimizers(optimizer))
 
 
 def _optim_root(sub_sd: dict) -> dict:
@@ -53,21 +66,103 @@ def _optim_root(sub_sd: dict) -> dict:
     return sub_sd["optimizer"] if "optimizer" in sub_sd else sub_sd  # Float16Optimizer nests it
 
 
+def _distributed_sharding(sub) -> dict:
+    # mem_efficient: each DP group gathers its state on DP rank 0 over the gloo group, on the host
+    # (without it, every DP rank all-gathers the whole buffer on the accelerator, and `.cuda()`s it:
+    # distrib_optimizer.py:1077-1089). Only DP rank 0's copy is a main replica, written by the save.
+    return {"distrib_optim_sharding_type": "fully_reshardable",
+            "distrib_optim_fully_reshardable_mem_efficient": sub.data_parallel_group_gloo is not None}
+
+
+def _zero_state(sub) -> bool:
+    """Give a never-stepped distributed optimizer over torch's Adam the initial state (step 0, zero
+    moments), which its state_dict needs (distrib_optimizer.py:638 reads every param's 'step'); torch's
+    Adam takes exactly this state for a fresh one. (Apex/TE FusedAdam keep the step in the param groups
+    and need nothing.) Returns whether it did."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    inner = sub.optimizer
+    if inner.state or distrib_optimizer.HAVE_APEX_OR_TE:
+        return False
+    for group in inner.param_groups:
+        for p in group["params"]:
+            inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                              "exp_avg_sq": torch.zeros_like(p)}
+    return True
+
+
+def _distributed_state(sub, model_sd, is_loading: bool):
+    """(sharded dict, step) of one DistributedOptimizer in the format described in the module doc."""
+    fresh = _zero_state(sub)
+    sd = sub.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_distributed_sharding(sub))
+    if fresh and not is_loading:
+        sub.optimizer.state.clear()  # leave it as it was: the gather above copied what it needed
+    # param_state[i] belongs to the i-th param of the buffers' param_index_maps (the order of
+    # distrib_optimizer.py:1466); keys cannot tell, local experts share one key.
+    params = [p for buffer in sub.buffers for p in buffer.param_index_map]
+    assert sd["param_state"] is None or len(sd["param_state"]) == len(params)
+    for i, entry in (sd["param_state"] or {}).items():  # None on DP ranks > 0 when saving
+        if params[i].dtype == torch.float32:
+            # The main param is a view of this very model param (distrib_optimizer.py:420): restored
+            # with the weights, it is given back to the optimizer as the loaded weight itself.
+            entry["param"] = params[i]
+        else:
+            main = entry["param"]
+            main.key = "optimizer.state.fp32_param." + main.key[len("optimizer.state.param."):]
+    steps = {float(g.get("step") or 0) for g in sd["optimizer"]["param_groups"]}  # FusedAdam: none yet
+    if len(steps) != 1:
+        raise CheckpointError(f"distributed optimizer param groups have different steps {sorted(steps)}")
+    return sd, steps.pop()
+
+
 def _optimizer_state(model_sd, optimizer, is_loading: bool):
     """(per sub-optimizer sharded dicts, flat list of their sharded tensors, shared step)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedBase
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    subs = [o.sharded_state_dict(model_sd, is_loading=is_loading) for o in _sub_optimizers(optimizer)]
-    flat, steps = [], set()
-    for sd in subs:
+    subs, flat, steps = [], [], set()
+    for sub in _sub_optimizers(optimizer):
+        if isinstance(sub, DistributedOptimizer):
+            sd, step = _distributed_state(sub, model_sd, is_loading)
+        else:
+            sd = sub.sharded_state_dict(model_sd, is_loading=is_loading)
+            step = _optim_root(sd)["state"].get("common_step")
+        subs.append(sd)
         flat += [v for v in nested_values(sd) if isinstance(v, ShardedBase)]
-        step = _optim_root(sd)["state"].get("common_step")
         if step is not None:
             steps.add(float(step))
     if len(steps) > 1:
         raise CheckpointError(f"optimizer chain has different steps {sorted(steps)}")
     return subs, flat, (steps.pop() if steps else 0.0)
+
+
+def _set_step(sd: dict, step: float):
+    if "param_state_sharding_type" in sd:  # DistributedOptimizer: one step per param group
+        for group in sd["optimizer"]["param_groups"]:
+            group["step"] = int(step)
+        return
+    root = _optim_root(sd)
+    root["state"].pop("common_step", None)
+    if step:
+        root["state"]["common_step"] = torch.tensor(float(step))
+
+
+def _load_distributed(sub, sd: dict):
+    """DistributedOptimizer.load_state_dict in its two halves, for torch's Adam (no Apex or Transformer
+    Engine), whose per-param state holds a 'step' tensor. The fully_reshardable loader leaves 'step' out
+    of what it reads (distrib_optimizer.py:2101) but then copies every state key (KeyError at :940), so
+    the step is kept aside during the second half. The first half gives every param the *same* step
+    tensor (distrib_optimizer.py:819-823), which torch's foreach Adam would then increment once per
+    param in each step: each param gets its own copy, as the plain optimizer does."""
+    sub.load_state_dict({k: v for k, v in sd.items() if k != "param_state"})
+    inner = sub.optimizer.state
+    steps = {p: state.pop("step") for p, state in inner.items() if "step" in state}
+    try:
+        sub.load_parameter_state_from_fully_reshardable(sd["param_state"])
+    finally:
+        for p, step in steps.items():
+            inner[p]["step"] = step.clone()
 
 
 _REFERENCE = "reference."  # sharded-key prefix of the KL reference model saved alongside the policy
@@ -87,7 +182,8 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     state = {"model": model_sd}
     if optimizer is not None:
         _, flat, step = _optimizer_state(model_sd, optimizer, is_loading=False)
-        state["optimizer"] = {"tensors": flat, "step": step}
+        # DP ranks > 0 of every distributed optimizer hold no tensor: no empty list in their common state
+        state["optimizer"] = {"step": step, **({"tensors": flat} if flat else {})}
     if reference_chunks is not None:
         state["reference"] = _model_state(reference_chunks, _REFERENCE)
     if rank == 0:
@@ -103,6 +199,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
                 f.write(data)
         with open(os.path.join(tmp, META), "w") as f:
             json.dump({"format": FORMAT, "has_optimizer": optimizer is not None,
+                       "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
                        "has_reference": reference_chunks is not None, **(meta or {})}, f, indent=1)
         old = path + ".old"
         shutil.rmtree(old, ignore_errors=True)
@@ -162,7 +259,7 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
             {k[len(_REFERENCE):] if k.startswith(_REFERENCE) else k: v for k, v in loaded["reference"].items()},
             strict=True)
     if optimizer is not None:
-        tensors, step = loaded["optimizer"]["tensors"], loaded["optimizer"]["step"]
+        tensors, step = loaded["optimizer"].get("tensors", []), loaded["optimizer"]["step"]
         position = {id(v): i for i, v in enumerate(flat)}
 
         def fill(v):
@@ -174,9 +271,9 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
 
         for sub, sd in zip(_sub_optimizers(optimizer), subs):
             dict_list_map_inplace(fill, sd)
-            root = _optim_root(sd)
-            root["state"].pop("common_step", None)
-            if step:
-                root["state"]["common_step"] = torch.tensor(float(step))
-            sub.load_state_dict(sd)
+            _set_step(sd, step)
+            if "param_state_sharding_type" in sd:
+                _load_distributed(sub, sd)
+            else:
+                sub.load_state_dict(sd)
     return meta

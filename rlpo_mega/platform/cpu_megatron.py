@@ -12,6 +12,7 @@ patches but that one and checks it breaks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from dataclasses import dataclass, field
 from typing import Callable
@@ -290,6 +291,41 @@ def _patch_tied_embedding_cuda():
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+# 11. The mixed-precision and distributed optimizers sort parameters by CUDA tensor type names.
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _patch_optimizer_param_types():
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    def with_cuda_type_names(init):
+        @functools.wraps(init)  # __wrapped__: the ablation test builds with the original
+        def __init__(self, *args, **kwargs):
+            # Both constructors tell fp32 from 16-bit params by `param.type()` compared with
+            # 'torch.cuda.*Tensor' and raise TypeError for anything else; a CPU param's name lacks
+            # '.cuda'. For the constructor only, the argument-less form (a name, never a cast) answers
+            # with the CUDA name of the same dtype, so the same params get the same fp32 main copies.
+            saved = torch.Tensor.type
+
+            def type_(t, dtype=None, non_blocking=False, **kw):
+                if dtype is None and not kw:
+                    name = saved(t)
+                    return _CUDA_TYPE_NAMES.get(name, name)
+                return saved(t, dtype, non_blocking, **kw)
+
+            torch.Tensor.type = type_
+            try:
+                return init(self, *args, **kwargs)
+            finally:
+                torch.Tensor.type = saved
+
+        return __init__
+
+    for cls in (optimizer.Float16OptimizerWithFloat16Params, distrib_optimizer.DistributedOptimizer):
+        cls.__init__ = with_cuda_type_names(cls.__init__)
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "current_device",
@@ -345,5 +381,12 @@ PATCHES: tuple[Patch, ...] = (
         ("models/common/language_module/language_module.py:244",),
         "tied input/output embeddings with pipeline parallel call Tensor.cuda() (not in the note)",
         _patch_tied_embedding_cuda,
+    ),
+    Patch(
+        "optimizer_param_types",
+        ("optimizer/optimizer.py:671,690,695", "optimizer/distrib_optimizer.py:361,420,431,582"),
+        "the bf16 (Float16OptimizerWithFloat16Params) and distributed optimizers accept only params "
+        "whose type() is 'torch.cuda.*Tensor' and raise TypeError for CPU ones",
+        _patch_optimizer_param_types,
     ),
 )
