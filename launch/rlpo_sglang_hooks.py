@@ -30,7 +30,7 @@ def _tp_group():
     return get_tp_group()
 
 
-def _components(module, name: str, full_rows: int, tp: int):
+def _components(module, name: str, tp: int):
     """Row counts (dim 0, or dim 1 of fused experts) of the fused parts of one TP-local shard, or None when
     the shard is one piece. Rank r's shard is [part_0 of rank r; part_1 of rank r; ...]."""
     kind = type(module).__name__
@@ -46,10 +46,15 @@ def _split_dim(module, name: str) -> int | None:
     """The dimension SGLang splits over TP for this parameter (None: replicated)."""
     kind = type(module).__name__
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "w13_weight":
-        return 1
-    if leaf == "w2_weight":
-        return 2
+    if leaf in ("w13_weight", "w2_weight"):  # fused experts: split by SGLang's MoE layout, not the TP layout
+        moe_tp, moe_ep = getattr(module, "moe_tp_size", 1), getattr(module, "moe_ep_size", 1)
+        if moe_tp > 1 and moe_ep > 1:
+            raise NotImplementedError(f"{name}: experts split over both MoE-TP ({moe_tp}) and EP ({moe_ep})")
+        if moe_ep > 1:
+            return 0  # whole experts per rank, in rank order
+        if moe_tp > 1:
+            return 1 if leaf == "w13_weight" else 2  # the intermediate dimension
+        return None  # every rank holds every expert whole (e.g. SGLang's CPU MoE)
     if kind in ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
                 "VocabParallelEmbedding", "ParallelLMHead"):
         return 0
@@ -64,10 +69,10 @@ def _unshard(module, name: str, shards: list, tp: int) -> torch.Tensor:
     if dim is None:
         return shards[0]
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "w13_weight":  # per expert [gate_r; up_r]
+    if leaf == "w13_weight" and dim == 1:  # per expert [gate_r; up_r]
         parts = [s.chunk(2, dim=1) for s in shards]
         return torch.cat([torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)], 1)
-    sizes = _components(module, name, shards[0].shape[0], tp)
+    sizes = _components(module, name, tp)
     if sizes is None:
         return torch.cat(shards, dim)
     split = [s.split(sizes, dim=0) for s in shards]

@@ -49,6 +49,8 @@ SCENARIOS = {
     "tp2_ep2_etp2": (4, QWEN, ("parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2")),
     # Tied input/output embeddings on two pipeline stages.
     "pp2_tied": (2, MIXTRAL, ("parallel.pipeline=2",)),
+    # bf16 parameters: megatron's mixed-precision optimizer (fp32 main params)
+    "tp1_bf16": (1, QWEN, ("model.params_dtype=bfloat16",)),
 }
 
 CUDA_MISSING = "Torch not compiled with CUDA enabled"
@@ -78,6 +80,8 @@ ABLATIONS = {
     "uneven_all_gather": ("tp2_ep2_etp2", "ProcessGroupGloo::allgather: invalid tensor size"),
     # language_module.py:244 weight.data.cuda() before the embedding-group all-reduce
     "tied_embedding_cuda": ("pp2_tied", CUDA_MISSING),
+    # optimizer.py:695 Float16OptimizerWithFloat16Params checks for torch.cuda parameter types
+    "optimizer_param_types": ("tp1_bf16", "Wrapped parameters must be one of"),
 }
 
 PATCHES = {p.name: p for p in all_patches()}

@@ -110,7 +110,10 @@ def _train(recipe, shrunk, *extra, timeout=900):
            *shrunk.argv(), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{shrunk.describe()}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if "[rank0]" in line or "Error" in line]
+        raise AssertionError(f"{shrunk.describe()}\n{proc.stdout[-3000:]}\nrank 0 / errors:\n"
+                             + "\n".join(errors[-60:]) + f"\n...\n{proc.stderr[-3000:]}")
     return proc
 
 

@@ -73,7 +73,7 @@ class EmbeddedEngine(RolloutEngine):
     EmbeddedEngineConfig (None = defaults). trace_spec: routing capture spec (None = no capture).
     """
 
-    def __init__(self, hf_config, cfg=None, trace_spec=None):
+    def __init__(self, hf_config, cfg=None, trace_spec=None, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
         from rlpo_mega.config import EmbeddedEngineConfig
@@ -91,7 +91,9 @@ class EmbeddedEngine(RolloutEngine):
 
         # the learner's device (one GPU per rank on a cluster): generation next to the weights it receives
         self.device = platform.device()
-        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32,
+        # the learner's parameter dtype: the engine holds exactly the synced bytes (bf16 learner -> bf16 here;
+        # its log-probs are still computed in fp32 from the logits)
+        self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype,
                                                       attn_implementation=self.cfg.attn_implementation)
         self.model.to(self.device).eval().requires_grad_(False)
         self.receiver = HFModelReceiver(self.model)
@@ -125,7 +127,8 @@ class EmbeddedEngine(RolloutEngine):
 
             hf_config = load_hf_config(hf_config or run_cfg.model.hf_config)
         ecfg = run_cfg.rollout.embedded
-        return cls(hf_config, ecfg, TraceSpec.from_hf(hf_config) if ecfg.capture_routes else None)
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[run_cfg.model.params_dtype]
+        return cls(hf_config, ecfg, TraceSpec.from_hf(hf_config) if ecfg.capture_routes else None, dtype=dtype)
 
     # ---- generation --------------------------------------------------------------------------------
     def _check(self, prompts, params, n, request_ids) -> tuple[list[list[int]], list[str]]:
