@@ -6,7 +6,7 @@ import torch
 from moe.model import build_gpt_model, transformer_config
 from rlpo_mega import platform
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, routing_replay: bool = False):
@@ -16,9 +16,9 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    if model_cfg.params_dtype not in _DTYPES:
-        raise ValueError(f"model.params_dtype={model_cfg.params_dtype!r}; choose one of {sorted(_DTYPES)}")
-    dtype = _DTYPES[model_cfg.params_dtype]
+    if model_cfg.params_dtype not in PARAMS_DTYPES:
+        raise ValueError(f"model.params_dtype={model_cfg.params_dtype!r}; choose one of {sorted(PARAMS_DTYPES)}")
+    dtype = PARAMS_DTYPES[model_cfg.params_dtype]
     use_dist_opt = bool(optim_cfg and optim_cfg.use_distributed_optimizer)
     config = transformer_config(
         hf, layout.sizes(), params_dtype=dtype, token_dispatcher=model_cfg.token_dispatcher,

@@ -131,9 +131,14 @@ class Trainer:
         """Learner -> engine(s): the export stream through the configured transport, digest-verified."""
         from moe.bridge.megatron_io import ExportStream
 
+        from rlpo_mega.training.model_setup import PARAMS_DTYPES
+
         dst = None if self.cfg.rollout.engine != "sglang" else 0
+        # every tensor in the engine's dtype (= model.params_dtype): megatron's local spec keeps some
+        # parameters (torch norms) in fp32 under bf16, and the engine holds the checkpoint dtype
         stream = ExportStream(self.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=dst,
-                              vocab_divisible_by=self.cfg.model.vocab_divisible_by)
+                              vocab_divisible_by=self.cfg.model.vocab_divisible_by,
+                              dtype=PARAMS_DTYPES[self.cfg.model.params_dtype])
         if not stream.receives:  # ranks without an engine take part in the collective export only
             for _ in stream:
                 pass
