@@ -8,7 +8,9 @@
 - log-prob mismatch between the trainer and the rollout engine, with and without replay
   (rlpo_mega.algorithms.mismatch's k3 KL and |w - 1|).
 Counts are summed over micro-batches and all ranks (tokens are disjoint across DP and SP ranks, layers
-across PP stages), so the numbers are global whatever the layout.
+across PP stages), so the numbers are global whatever the layout. They are kept on the routers' device
+(RoutingStats' `device`): counting never waits for the accelerator, and the all-reduce gets the device
+tensor NCCL requires; the host sees one copy of each phase's table, after the reduction.
 """
 from __future__ import annotations
 
@@ -32,10 +34,13 @@ def agreement(live: torch.Tensor, ref: torch.Tensor, valid: Optional[torch.Tenso
 
 
 def load_histogram(ids: torch.Tensor, num_experts: int, valid: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """ids [N, k] -> tokens per expert [E] (float64)."""
+    """ids [N, k] (in [0, E)) -> tokens per expert [E] (float64, on ids' device). Invalid rows weigh 0
+    instead of being dropped: no boolean indexing or bincount, which would wait for the accelerator."""
+    weight = torch.ones(ids.shape, dtype=torch.float64, device=ids.device)
     if valid is not None:
-        ids = ids[valid]
-    return torch.bincount(ids.reshape(-1).long(), minlength=num_experts).double()
+        weight = weight * valid.reshape(-1, 1).to(torch.float64)
+    hist = torch.zeros(num_experts, dtype=torch.float64, device=ids.device)
+    return hist.index_add_(0, ids.reshape(-1).long(), weight.reshape(-1))
 
 
 def load_entropy(hist: torch.Tensor) -> float:
@@ -57,15 +62,17 @@ def min_over_mean(hist: torch.Tensor) -> float:
 
 
 class RoutingStats:
-    """Per-phase, per-MoE-layer counters: [agree, compared, live fallback entries, tokens, load x E]."""
+    """Per-phase, per-MoE-layer counters: [agree, compared, live fallback entries, tokens, load x E], on
+    `device` (the routes' device: the model's; the caller passes it, this package knows no platform)."""
 
-    def __init__(self, num_layers: int, num_experts: int, moe_layers):
+    def __init__(self, num_layers: int, num_experts: int, moe_layers, device=None):
         self.L, self.E, self.moe_layers = num_layers, num_experts, tuple(moe_layers)
+        self.device = torch.device("cpu") if device is None else torch.device(device)
         self._acc: dict[str, torch.Tensor] = {}
 
     def _table(self, phase):
         if phase not in self._acc:
-            self._acc[phase] = torch.zeros(self.L, 4 + self.E, dtype=torch.float64)
+            self._acc[phase] = torch.zeros(self.L, 4 + self.E, dtype=torch.float64, device=self.device)
         return self._acc[phase]
 
     def update(self, phase: str, col: int, used: torch.Tensor, live: Optional[torch.Tensor] = None,
@@ -73,14 +80,14 @@ class RoutingStats:
         """used/live [N, k] for one layer and micro-batch; target [N, k] the reference routes with the
         transport's markers (-2 padding: not counted, -1 live fallback: counted as fallback, not compared)."""
         t = self._table(phase)
-        real = torch.ones(used.shape[0], dtype=torch.bool) if target is None else target[:, 0] >= -1
-        if target is not None and live is not None:
+        real = None if target is None else target[:, 0] >= -1
+        if target is not None and live is not None:  # masks, not boolean indexing: no wait for the device
             ref = target[:, 0] >= 0
-            t[col, 0] += float(same_sets(live[ref], target[ref].to(live.dtype)).sum())
-            t[col, 1] += float(ref.sum())
-            t[col, 2] += float((target[:, 0] == -1).sum())
-        t[col, 3] += float(real.sum())
-        t[col, 4:] += load_histogram(used.cpu(), self.E, real.cpu())
+            t[col, 0] += (same_sets(live, target.to(live.dtype)) & ref).sum()
+            t[col, 1] += ref.sum()
+            t[col, 2] += (target[:, 0] == -1).sum()
+        t[col, 3] += used.shape[0] if real is None else real.sum()
+        t[col, 4:] += load_histogram(used, self.E, real)
 
     def reduce(self, group=None, phases=None) -> dict:
         """Sum over every rank (collective: all ranks call it), then the metrics; resets the counters of
@@ -96,7 +103,7 @@ class RoutingStats:
             t = self._table(phase).clone()
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(t, group=group)
-            out.update(self._metrics(phase, t))
+            out.update(self._metrics(phase, t.cpu()))  # the metrics read it entry by entry: on the host
             self._acc.pop(phase, None)
         return out
 

@@ -8,13 +8,14 @@
 Megatron's replay gathers the gate weights from the live router's scores at the replayed experts
 (`scores.gather(1, top_indices)` in router_replay.py), so the router keeps receiving gradients.
 
-Schedule and recompute: the routes ride in each micro-batch dict (`routes` [b, s_local, L_local, k]);
-the wrapped forward_step hands a micro-batch's routes to its routers just before the forward
-(REPLAY_FORWARD; set_target_indices also queues them for the backward) and switches to REPLAY_BACKWARD
-right after, so an activation recompute during that micro-batch's backward pops the same routes. The
-pipeline schedules run backwards in micro-batch order, so the FIFO queue of each router matches (1F1B
-and warm-up included). A forward outside any backward while in REPLAY_BACKWARD (a later unwrapped
-forward) routes live.
+Schedule and recompute: the routes ride in each micro-batch dict (`routes` [b, s_local, L_local, k]) on
+the batch's device (`attach` copies this rank's routes there once; r2 records them there), so RouterReplay
+gets them where the router's scores are. The wrapped forward_step hands a micro-batch's routes to its
+routers just before the forward (REPLAY_FORWARD; set_target_indices also queues them for the backward)
+and switches to REPLAY_BACKWARD right after, so an activation recompute during that micro-batch's
+backward pops the same routes. The pipeline schedules run backwards in micro-batch order, so the FIFO
+queue of each router matches (1F1B and warm-up included). A forward outside any backward while in
+REPLAY_BACKWARD (a later unwrapped forward) routes live.
 
 Per-token fallback: route ids < 0 (LIVE -1 from a bad trace in fallback mode, PAD -2 for positions
 without a trace row) are routed by the live router (the router instances' class is switched to a
@@ -136,7 +137,9 @@ class RoutingReplay:
         self._replays = [r.router_replay for _, r in routers if r.router_replay is not None]
         for rr in self._replays:
             rr.__class__ = _LiveFallbackReplay
-        self.stats = RoutingStats(spec.num_layers, spec.num_experts, spec.moe_layers)
+        # the counters live where the routers' outputs do: the model's device
+        device = next(model_chunks[0].parameters()).device
+        self.stats = RoutingStats(spec.num_layers, spec.num_experts, spec.moe_layers, device=device)
 
     # --- data --------------------------------------------------------------------------------------
     def set_routes(self, routes: torch.Tensor):
@@ -148,7 +151,8 @@ class RoutingReplay:
         self._routes = routes
 
     def attach(self, micro: list[dict]):
-        """Split this rank's routes into the micro-batches (rows, as policy_step.split_rows does)."""
+        """Split this rank's routes into the micro-batches (rows, as policy_step.split_rows does), on the
+        micro-batches' device (one copy of this rank's routes)."""
         if self._routes is None:
             if self.mode == "r3":
                 raise RoutingReplayError("routing.mode=r3: no rollout routes for this batch (call set_routes "
@@ -158,7 +162,7 @@ class RoutingReplay:
         if rows != self._routes.shape[0] or micro[0]["tokens"].shape[1] % max(1, self._routes.shape[1]):
             raise RoutingReplayError(f"routes for {self._routes.shape[0]} rows x {self._routes.shape[1]} positions; "
                                      f"the micro-batches hold {rows} rows x {micro[0]['tokens'].shape[1]}")
-        for mb, r in zip(micro, self._routes.chunk(len(micro))):
+        for mb, r in zip(micro, self._routes.to(micro[0]["tokens"].device).chunk(len(micro))):
             mb["routes"] = r
         self._routes = None
 
@@ -212,7 +216,8 @@ class RoutingReplay:
                 rec = torch.stack([router.router_replay.used_topk for _, router in entries], dim=1)
                 s = rec.shape[0] // b
                 if id(batch) not in recorded:  # r2 replays what it records, not any attached routes
-                    batch["routes"] = torch.full((b, s, len(self.layers), self.spec.topk), -2, dtype=torch.int16)
+                    batch["routes"] = torch.full((b, s, len(self.layers), self.spec.topk), -2, dtype=torch.int16,
+                                                 device=rec.device)
                     recorded.add(id(batch))
                 cols = [c for c, _ in entries]
                 batch["routes"][:, :, cols] = rec.reshape(s, b, len(entries), -1).transpose(0, 1).to(torch.int16)

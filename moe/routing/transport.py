@@ -13,7 +13,8 @@ is an input position without a route). Positions without a route are PAD (-2); e
 
 The DP split is the trainer's: DP rank r trains the r-th contiguous block of rows (policy_step.shard_and_split).
 The local result is [rows of this DP rank, local sequence shard, local MoE layers, topk] int16 (int32
-beyond 32768 experts).
+beyond 32768 experts): on the host from `local_routes` (the routing driver moves them with the batch),
+on the wire device from `scatter_routes` (NCCL sends device tensors only).
 """
 from __future__ import annotations
 
@@ -157,8 +158,9 @@ def pack(traces: Sequence[RoutingTrace], pieces, cols) -> tuple[torch.Tensor, to
 
 
 def unpack(flat, replaced, pieces, n_local_rows, shard_len, n_cols, topk) -> torch.Tensor:
+    """The recipient's routes, on the payload's device."""
     dtype = torch.int32 if flat.dtype == torch.int32 else torch.int16  # int16 holds ids < 32768 and markers
-    out = torch.full((n_local_rows, shard_len, n_cols, topk), PAD, dtype=dtype)
+    out = torch.full((n_local_rows, shard_len, n_cols, topk), PAD, dtype=dtype, device=flat.device)
     entries = flat.to(dtype).reshape(-1, topk)  # one row per (token, layer)
     if replaced.numel():
         entries[replaced.long()] = LIVE
@@ -181,12 +183,23 @@ def local_routes(traces: Sequence[RoutingTrace], placement, rcpt: Recipient, n_r
     return unpack(flat, rep, pieces, r1 - r0, b - a, len(rcpt.layer_cols), topk)
 
 
+def wire_device(group=None) -> torch.device:
+    """Where a point-to-point payload must live: the current GPU for NCCL (it sends nothing else), else the
+    host (gloo)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def scatter_routes(traces: Optional[Sequence[RoutingTrace]], placement, recipients: Sequence[Recipient],
-                   n_rows: int, seq_len: int, spec: TraceSpec, src: int = 0, group=None) -> tuple[torch.Tensor, dict]:
+                   n_rows: int, seq_len: int, spec: TraceSpec, src: int = 0, group=None,
+                   device=None) -> tuple[torch.Tensor, dict]:
     """Rank `src` holds every sample's trace and sends each rank only its cut (point-to-point); the
-    placement (a few ints per sample) is known everywhere. Returns this rank's routes and, on `src`, the
-    bytes sent (payload per valid token: layers * topk * itemsize when every route goes to one rank)."""
+    placement (a few ints per sample) is known everywhere. Returns this rank's routes (on `device`, by
+    default the group's wire_device) and, on `src`, the bytes sent (payload per valid token: layers *
+    topk * itemsize when every route goes to one rank)."""
     _check_rows(placement, n_rows)
+    device = wire_device(group) if device is None else torch.device(device)
     me = dist.get_rank()
     rcpt = next(r for r in recipients if r.rank == me)
     dtype = compact_dtype(spec.num_experts)
@@ -196,12 +209,12 @@ def scatter_routes(traces: Optional[Sequence[RoutingTrace]], placement, recipien
         mine = None
         for r in recipients:
             pieces = _pieces(placement, r, n_rows, seq_len)
-            flat, rep = pack(traces, pieces, r.layer_cols)
+            flat, rep = (x.to(device) for x in pack(traces, pieces, r.layer_cols))  # cut on the host
             payload += flat.numel() * flat.element_size() + rep.numel() * rep.element_size()
             if r.rank == me:
                 mine = (pieces, flat, rep)
                 continue
-            head = torch.tensor([flat.numel(), rep.numel()], dtype=torch.int64)
+            head = torch.tensor([flat.numel(), rep.numel()], dtype=torch.int64, device=device)
             header += head.numel() * 8
             dist.send(head, r.rank, group=group)
             if flat.numel():
@@ -214,14 +227,14 @@ def scatter_routes(traces: Optional[Sequence[RoutingTrace]], placement, recipien
                  "routing/bytes_per_token": payload / max(tokens, 1)}
     else:
         pieces = _pieces(placement, rcpt, n_rows, seq_len)
-        head = torch.empty(2, dtype=torch.int64)
+        head = torch.empty(2, dtype=torch.int64, device=device)
         dist.recv(head, src, group=group)
         expect = sum(t1 - t0 for _, t0, t1, _, _ in pieces) * len(rcpt.layer_cols) * spec.topk
         if int(head[0]) != expect:
             raise RuntimeError(f"rank {me}: {int(head[0])} route ids arrived, the placement needs {expect}: "
                                "the ranks disagree about the batch layout")
-        flat = torch.empty(expect, dtype=dtype)
-        rep = torch.empty(int(head[1]), dtype=torch.int32)
+        flat = torch.empty(expect, dtype=dtype, device=device)
+        rep = torch.empty(int(head[1]), dtype=torch.int32, device=device)
         if expect:
             dist.recv(flat, src, group=group)
         if rep.numel():

@@ -49,7 +49,8 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_length: Op
         n = m.sum(dim=1)
         has = n > 0
         return (per_seq / n.clamp(min=1)).sum(), has.sum().to(torch.int)
-    return per_seq.sum() / float(norm_length), torch.tensor(loss.shape[0], dtype=torch.int)
+    # the count on the loss's device, like the other modes' (the report stacks it with the numerator)
+    return per_seq.sum() / float(norm_length), torch.tensor(loss.shape[0], dtype=torch.int, device=loss.device)
 
 
 def global_mean(parts) -> torch.Tensor:

@@ -45,7 +45,8 @@ def mismatch_metrics(old_logp, rollout_logp, mask) -> dict:
     lw = torch.where(mask, old_logp - rollout_logp, torch.zeros_like(old_logp)).detach().double()
     w = torch.exp(lw)
     dev = (w - 1).abs()
-    dev_max = torch.where(mask, dev, torch.zeros_like(dev)).max() if mask.any() else dev.new_zeros(())
+    # 0 when no token is valid, as the masked max already gives: no host sync to ask mask.any()
+    dev_max = torch.where(mask, dev, torch.zeros_like(dev)).max() if dev.numel() else dev.new_zeros(())
     return {"mismatch/k3_kl": metric(w - 1 - lw, mask), "mismatch/ratio_dev_mean": metric(dev, mask),
             "max:mismatch/ratio_dev_max": dev_max.reshape(1)}
 

@@ -2,7 +2,9 @@
 
 assemble_batch (rollout samples -> shaped rewards, advantages, padded tensors) -> prepare_micro_batches
 (DP share, micro-batches, old/reference log-prob passes) -> policy_step (one optimizer step; call it per
-mini-batch).
+mini-batch). The global batch is built on the host; shard_and_split moves this DP rank's share to
+platform.device() once, and everything after it (model, log-prob kernel, objective, routing metrics)
+follows the batch's device. Metrics are reduced as device tensors (reduce_report).
 
 Plugs into rlpo_mega.training.step (run_schedule / forward_backward) through its `forward_step`
 argument. The loss function returns (numerator, integer count, report) and the model is built with
@@ -100,11 +102,14 @@ def split_rows(batch: dict, parts: int) -> list[dict]:
 
 
 def shard_and_split(batch: dict, num_micro_batches: int) -> list[dict]:
-    """This DP rank's contiguous share of the global batch, as micro-batches."""
+    """This DP rank's contiguous share of the global (host) batch, as micro-batches on platform.device():
+    the one host-to-device copy of the step's data (only this rank's rows travel)."""
     from megatron.core import parallel_state
 
+    from rlpo_mega.training.step import to_device
+
     share = split_rows(batch, parallel_state.get_data_parallel_world_size())
-    return split_rows(share[parallel_state.get_data_parallel_rank()], num_micro_batches)
+    return split_rows(to_device(share[parallel_state.get_data_parallel_rank()]), num_micro_batches)
 
 
 def _model_out(model, batch):
@@ -134,7 +139,7 @@ def _logprob_forward_step(data_iterator, model, cfg, real_vocab):
         logp, _ = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
                                           real_vocab=real_vocab, with_entropy=False,
                                           chunk_size=cfg.logprob_chunk_size)
-        return logp.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logp": logp.detach()}
+        return logp.new_zeros(()), logp.new_zeros((), dtype=torch.int), {"logp": logp.detach()}
 
     return output, loss_func
 
@@ -174,8 +179,12 @@ def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=No
 
 def reduce_report(reports: list[dict]) -> dict:
     """Global metrics from per-micro-batch reports: [sum, count] pairs are summed over micro-batches and
-    DP ranks then divided; "max:"/"min:" keys take the max/min (NaN when no micro-batch had one). Every rank gets the values (sent from the last stage)."""
+    DP ranks then divided; "max:"/"min:" keys take the max/min (NaN when no micro-batch had one). Every
+    rank gets the values (sent from the last stage). The sums stay on platform.device() (the reports'
+    device; NCCL reduces nothing else) and reach the host in one copy at the end."""
     from megatron.core import parallel_state
+
+    from rlpo_mega import platform
 
     last = parallel_state.is_pipeline_last_stage()
     keys = sorted(reports[0]) if reports else []
@@ -187,15 +196,16 @@ def reduce_report(reports: list[dict]) -> dict:
     mean_keys = [k for k in keys if not k.startswith(("max:", "min:"))]
     max_keys = [k for k in keys if k.startswith("max:")]
     min_keys = [k for k in keys if k.startswith("min:")]
-    sums = torch.zeros(len(mean_keys), 2, dtype=torch.float64)
+    device = platform.device()
+    sums = torch.zeros(len(mean_keys), 2, dtype=torch.float64, device=device)
     # max over ranks of (max, -min): a micro-batch without the key (no valid sequence) contributes -inf
-    extremes = torch.full((len(max_keys) + len(min_keys),), -math.inf, dtype=torch.float64)
+    extremes = torch.full((len(max_keys) + len(min_keys),), -math.inf, dtype=torch.float64, device=device)
     for r in reports:
-        for i, k in enumerate(mean_keys):
-            sums[i] += r[k].detach().double().cpu()
+        if mean_keys:
+            sums += torch.stack([r[k].detach().double() for k in mean_keys])
         for i, k in enumerate(max_keys + min_keys):
             if k in r:
-                v = r[k].detach().double().cpu()
+                v = r[k].detach().double()
                 extremes[i] = torch.maximum(extremes[i], v.max() if i < len(max_keys) else -v.min())
     if last:
         dp = parallel_state.get_data_parallel_group()
@@ -206,19 +216,20 @@ def reduce_report(reports: list[dict]) -> dict:
         group = parallel_state.get_pipeline_model_parallel_group()
         dist.broadcast(sums, src=src, group=group)
         dist.broadcast(extremes, src=src, group=group)
-    out = {k: float(sums[i, 0] / sums[i, 1].clamp(min=1)) for i, k in enumerate(mean_keys)}
+    sums, extremes = sums.tolist(), extremes.tolist()  # the one device-to-host copy
+    out = {k: sums[i][0] / max(sums[i][1], 1.0) for i, k in enumerate(mean_keys)}
     for i, k in enumerate(max_keys + min_keys):
-        v = float(extremes[i])
+        v = extremes[i]
         out[k[4:]] = (v if i < len(max_keys) else -v) if math.isfinite(v) else math.nan
     return out
 
 
 def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int, ref_chunks=None,
                           routing=None) -> list[dict]:
-    """This DP rank's share of the global `batch` (same on every rank) as micro-batches, with the old
-    (and, for a KL term, reference) log-probs from forward-only passes: run once per rollout batch,
-    before any update of the policy. routing: a moe.routing.replay.RoutingReplay (r2 records the old
-    pass's routes, r3 replays the rollout's)."""
+    """This DP rank's share of the global `batch` (same on every rank, on the host) as micro-batches on
+    platform.device(), with the old (and, for a KL term, reference) log-probs from forward-only passes:
+    run once per rollout batch, before any update of the policy. routing: a moe.routing.replay.RoutingReplay
+    (r2 records the old pass's routes, r3 replays the rollout's; attached routes join the batch's device)."""
     validate(cfg)
     micro = shard_and_split(batch, num_micro_batches)
     if routing is not None:

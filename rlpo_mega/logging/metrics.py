@@ -119,10 +119,11 @@ def reduce_metrics(metrics: Mapping[str, object], group=None) -> dict[str, float
     x by max / min / sum instead (the prefix is dropped). NaN (a rank with nothing to measure) is skipped
     by the mean, max and min. Every rank gets the result.
 
-    One collective: an all_gather of the sorted values as one float64 CPU tensor, so `group` must have a
-    CPU backend (gloo; megatron's get_data_parallel_group_gloo()). A hash of the key names travels along:
-    ranks that pass different keys get an error instead of silently mixed values (a different *number*
-    of keys is a size mismatch the backend reports).
+    One collective: an all_gather of the sorted values as one float64 tensor on platform.device(), as every
+    metric reduction of the learner (NCCL takes device tensors only; gloo takes CPU and CUDA ones), so
+    `group` may be any group. A hash of the key names travels along: ranks that pass different keys get
+    an error instead of silently mixed values (a different *number* of keys is a size mismatch the
+    backend reports).
     """
     keys = sorted(metrics)
     values = [_as_float(metrics[k]) for k in keys]
@@ -133,10 +134,13 @@ def reduce_metrics(metrics: Mapping[str, object], group=None) -> dict[str, float
     else:
         import torch
 
-        local = torch.tensor([float(zlib.crc32("\n".join(keys).encode()))] + values, dtype=torch.float64)
+        from rlpo_mega import platform
+
+        local = torch.tensor([float(zlib.crc32("\n".join(keys).encode()))] + values, dtype=torch.float64,
+                             device=platform.device())
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
-        rows = [g.tolist() for g in gathered]
+        rows = torch.stack(gathered).tolist()  # one device-to-host copy
         if len({r[0] for r in rows}) != 1:
             raise ValueError(f"reduce_metrics: ranks passed different metric names (this rank: {keys})")
     out = {}

@@ -2,6 +2,11 @@
 
 The plain next-token cross-entropy here is the foundation's loss; the RL losses plug into the same
 `forward_step` contract (return summed loss, token count, report) later.
+
+Devices: batches are built on the host and moved to `platform.device()` once, as this rank's share,
+where the micro-batches are cut (`to_device`: here and in policy_step.shard_and_split); the model, the
+losses and the metrics take their device from the batch. Metric scalars are reduced as device tensors
+over megatron's groups (NCCL on GPUs takes nothing else) and copied to the host once, at the end.
 """
 from __future__ import annotations
 
@@ -9,6 +14,14 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+
+from rlpo_mega import platform
+
+
+def to_device(batch: dict, device=None) -> dict:
+    """The batch's tensors on `device` (default: platform.device()); other values as they are."""
+    device = platform.device() if device is None else device
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def mask_padded_vocab(logits: torch.Tensor, real_vocab: int) -> torch.Tensor:
@@ -81,15 +94,16 @@ def reduce_loss(reports, key="lm_loss") -> float:
     """Global token-mean from per-micro-batch (sum, count): summed over DP, sent from the last stage."""
     from megatron.core import parallel_state
 
-    stats = torch.zeros(2, dtype=torch.float64)
+    stats = torch.zeros(2, dtype=torch.float64, device=platform.device())
     for report in reports:
-        stats += report[key].double().cpu()
+        stats += report[key].double()
     if parallel_state.is_pipeline_last_stage():
         dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(stats, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                        group=parallel_state.get_pipeline_model_parallel_group())
-    return float(stats[0] / stats[1].clamp(min=1))
+    total, count = stats.tolist()  # the one device-to-host copy
+    return total / max(count, 1.0)
 
 
 def forward_backward(model_chunks, optimizer, micro_batches, forward_step=None):
@@ -122,8 +136,10 @@ def eval_loss(model_chunks, micro_batches, forward_step=None) -> float:
 
 
 def split_micro_batches(tokens: torch.Tensor, num_micro_batches: int) -> list[dict]:
+    """This rank's tokens [b, s+1] -> micro-batches on platform.device() (one copy of the tokens)."""
     if tokens.shape[0] % num_micro_batches:
         raise ValueError(f"batch of {tokens.shape[0]} is not divisible into {num_micro_batches} micro-batches")
+    tokens = tokens.to(platform.device())
     return [make_lm_batch(t) for t in tokens.chunk(num_micro_batches)]
 
 
