@@ -63,15 +63,26 @@ def _split_dim(module, name: str) -> int | None:
     return None
 
 
-def _unshard(module, name: str, shards: list, tp: int) -> torch.Tensor:
+def _unshard(module, name: str, shards: list, tp: int, config) -> torch.Tensor:
     """TP-local shards (rank order) -> SGLang's TP-1 tensor of that parameter."""
     dim = _split_dim(module, name)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("w13_weight", "w2_weight"):
+        # SGLang may pad each rank's intermediate part (its CPU bf16 MoE kernels align it, even at TP 1),
+        # so only the first I / moe_tp rows (w13: of gate and of up) of each shard are the model's
+        if dim is None:
+            shards, tp = shards[:1], 1
+        elif dim == 0:
+            shards, tp = [torch.cat(shards, 0)], 1
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        valid = inter // tp
+        if leaf == "w2_weight":
+            return torch.cat([s[..., :valid] for s in shards], 2)
+        parts = [s.chunk(2, dim=1) for s in shards]  # per expert [gate_r; up_r]
+        return torch.cat([torch.cat([p[0][:, :valid] for p in parts], 1),
+                          torch.cat([p[1][:, :valid] for p in parts], 1)], 1)
     if dim is None:
         return shards[0]
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "w13_weight" and dim == 1:  # per expert [gate_r; up_r]
-        parts = [s.chunk(2, dim=1) for s in shards]
-        return torch.cat([torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1)], 1)
     sizes = _components(module, name, tp)
     if sizes is None:
         return torch.cat(shards, dim)
@@ -93,13 +104,18 @@ def full_parameters(model, group=None):
     out = {} if rank == 0 else None
     for name, p in model.named_parameters():
         owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
-        if tp == 1 or _split_dim(owner, name) is None:
+        expert = name.endswith(("w13_weight", "w2_weight"))
+        if (tp == 1 or _split_dim(owner, name) is None) and not expert:
             if rank == 0:
                 out[name] = p.detach()
             continue
+        if tp == 1 or _split_dim(owner, name) is None:  # whole on every rank (experts: maybe padded)
+            if rank == 0:
+                out[name] = _unshard(owner, name, [p.detach()], tp, model.config)
+            continue
         stacked = group.gather(p.detach().unsqueeze(0).contiguous(), dst=0, dim=0)  # [tp, *shard]
         if rank == 0:
-            out[name] = _unshard(owner, name, list(stacked.unbind(0)), tp)
+            out[name] = _unshard(owner, name, list(stacked.unbind(0)), tp, model.config)
     return out
 
 
