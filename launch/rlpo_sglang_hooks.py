@@ -63,24 +63,30 @@ def _split_dim(module, name: str) -> int | None:
     return None
 
 
+def _model_intermediate(config) -> int:
+    """The checkpoint's expert intermediate size (SGLang's CPU path overwrites the config's with a padded one)."""
+    attr = "moe_intermediate_size" if getattr(config, "moe_intermediate_size", None) else "intermediate_size"
+    return int(getattr(config, "original_" + attr, None) or getattr(config, attr))
+
+
 def _unshard(module, name: str, shards: list, tp: int, config) -> torch.Tensor:
     """TP-local shards (rank order) -> SGLang's TP-1 tensor of that parameter."""
     dim = _split_dim(module, name)
     leaf = name.rsplit(".", 1)[-1]
     if leaf in ("w13_weight", "w2_weight"):
-        # SGLang may pad each rank's intermediate part (its CPU bf16 MoE kernels align it, even at TP 1),
-        # so only the first I / moe_tp rows (w13: of gate and of up) of each shard are the model's
+        # rank r holds intermediate rows [r*P, (r+1)*P) of the *padded* size (on its CPU path SGLang pads
+        # moe_intermediate_size to a multiple of tp*its kernel's block and keeps the model's value as
+        # original_<attr>; the rows past it are zeros): concatenate the ranks' parts, keep the model's rows
         if dim is None:
-            shards, tp = shards[:1], 1
+            shards = shards[:1]
         elif dim == 0:
-            shards, tp = [torch.cat(shards, 0)], 1
-        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        valid = inter // tp
+            shards = [torch.cat(shards, 0)]
+        real = _model_intermediate(config)
         if leaf == "w2_weight":
-            return torch.cat([s[..., :valid] for s in shards], 2)
+            return torch.cat(shards, 2)[..., :real]
         parts = [s.chunk(2, dim=1) for s in shards]  # per expert [gate_r; up_r]
-        return torch.cat([torch.cat([p[0][:, :valid] for p in parts], 1),
-                          torch.cat([p[1][:, :valid] for p in parts], 1)], 1)
+        return torch.cat([torch.cat([p[0] for p in parts], 1)[:, :real],
+                          torch.cat([p[1] for p in parts], 1)[:, :real]], 1)
     if dim is None:
         return shards[0]
     sizes = _components(module, name, tp)
