@@ -247,6 +247,8 @@ def sglang_hang_sigterm(out):
     finally:
         Trainer.save = original_save
     done = time.monotonic()
+    if "t" not in sent:  # the other ranks: rank 0 sent the signal and reports
+        return {}
     return {"rc": 0, "stopped": trainer.stopped, "history": history(out, "hang"),
             "saved": sorted(n for n in os.listdir(save_dir) if n.startswith("step_")),
             "sigterm_to_save_s": sent["save"] - sent["t"], "sigterm_to_exit_s": done - sent["t"]}
