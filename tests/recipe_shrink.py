@@ -151,3 +151,41 @@ def recipes() -> list[str]:
     found = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml")))
     extra = [p for p in ("configs/demo_cpu.yaml", "configs/gpu_smoke.yaml") if os.path.exists(os.path.join(ROOT, p))]
     return found + extra
+
+
+# What two recipes that train identically may still differ in: where they write and what the run is called.
+NAMES = ("checkpoint.save_dir", "logging.dir", "logging.run_name")
+
+
+def _flat(d: dict, prefix: str = ""):
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            yield from _flat(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def shrunk_config(recipe: str) -> dict:
+    """The full config a recipe's shrink trains with (placeholder paths and URLs), minus NAMES."""
+    from rlpo_mega.config import load_config, to_dict
+
+    hf_dirs = {t: f"/tiny/{os.path.basename(t)}" for t in glob.glob("configs/models/tiny_*.json", root_dir=ROOT)}
+    urls = {t: ["http://sglang-server"] for t in hf_dirs}
+    s = shrink(recipe, work="/work", hf_dirs=hf_dirs, prompts="/prompts.jsonl", sglang_urls=urls)
+    cfg = dict(_flat(to_dict(load_config(os.path.join(ROOT, recipe), tuple(s.argv())))))
+    return {"nproc": s.nproc, **{k: v for k, v in cfg.items() if k not in NAMES}}
+
+
+def distinct_runs() -> list[list[str]]:
+    """recipes() grouped by their shrunk config: recipes whose shrinks are the same run (e.g. the 2- and
+    4-node variants of one recipe differ only in batch size, which the shrink sets) run once for all."""
+    groups: list[tuple[dict, list[str]]] = []
+    for r in recipes():
+        cfg = shrunk_config(r)
+        for seen, members in groups:
+            if seen == cfg:
+                members.append(r)
+                break
+        else:
+            groups.append((cfg, [r]))
+    return [members for _, members in groups]

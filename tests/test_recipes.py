@@ -4,7 +4,8 @@ bf16 parameters, sequence parallelism and EP. Each: 3 RL steps with a checkpoint
 step 2 that runs step 3. With the embedded engine the resumed step 3 equals the uninterrupted one; with SGLang
 (servers attached by URL, as launch/slurm/train_disaggregated.sbatch does, at the recipe's server TP size) every
 sync of both runs is digest-verified inside the servers, the resumed run's first sync included.
-A new YAML in configs/recipes/ is covered with no new test code.
+A new YAML in configs/recipes/ is covered with no new test code. Recipes whose shrinks are the same run (the
+2- and 4-node variants differ only in batch size, which the shrink sets) share one run.
 """
 from __future__ import annotations
 
@@ -20,10 +21,11 @@ from omegaconf import OmegaConf
 from moe.model import load_hf_config
 from rlpo_mega.config import load_config, to_dict
 from tests.dist import ROOT
-from tests.recipe_shrink import CHANGEABLE, recipes, shrink
+from tests.recipe_shrink import CHANGEABLE, distinct_runs, recipes, shrink, shrunk_config
 from tests.test_sglang import SERVER_ARGS, SUPPORT, free_port, sglang_python  # noqa: F401  (fixture)
 
 RECIPES = recipes()
+RUNS = distinct_runs()  # recipes whose shrinks are one and the same run share it
 MATH_PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
 NOT_COMPARED = ("time", "perf/")  # wall-clock figures (the row's "time" stamp, time/*, perf/*)
 
@@ -138,9 +140,17 @@ def test_shrink_keeps_every_knob(recipe, assets, tmp_path):
     print(s.describe())
 
 
+def test_every_recipe_is_run():
+    """Each recipe is in exactly one run, and every recipe of a run shrinks to the same config."""
+    assert sorted(r for run in RUNS for r in run) == sorted(RECIPES)
+    for run in RUNS:
+        assert all(shrunk_config(r) == shrunk_config(run[0]) for r in run), run
+
+
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_checkpoints_and_resumes(recipe, assets, servers, tmp_path):
+@pytest.mark.parametrize("run", RUNS, ids=["+".join(os.path.basename(r)[:-5] for r in run) for run in RUNS])
+def test_recipe_runs_checkpoints_and_resumes(run, assets, servers, tmp_path):
+    recipe = run[0]  # the others of `run` shrink to this very config (test_every_recipe_is_run)
     shrunk = _shrunk(recipe, tmp_path / "full", assets, servers)
     print(shrunk.describe())
     _train(recipe, shrunk)
