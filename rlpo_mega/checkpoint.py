@@ -27,6 +27,7 @@ per parameter of the shard, e.g. 4.4B parameters = 53 GB per rank for the Qwen3-
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from moe.bridge.outputs import swap_in
 from rlpo_mega.training.model_setup import unwrap
 
 META = "rlpo_meta.json"
@@ -168,6 +170,21 @@ def _load_distributed(sub, sd: dict):
 _REFERENCE = "reference."  # sharded-key prefix of the KL reference model saved alongside the policy
 
 
+PARTIAL = ".rlpo_mega_partial"  # in `<path>.tmp` while a save writes it
+
+
+def _clear_leftover(tmp: str) -> str | None:
+    """Remove an interrupted save's `<path>.tmp` (it holds PARTIAL); anything else there is not ours: the
+    reason to stop (None: the way is clear)."""
+    if not os.path.lexists(tmp):
+        return None
+    if os.path.isdir(tmp) and os.path.isfile(os.path.join(tmp, PARTIAL)):
+        shutil.rmtree(tmp)
+        return None
+    return (f"{tmp} exists and was not written by an rlpo-mega save (a checkpoint is written there before it is "
+            "renamed into place): move it away and save again")
+
+
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
                     files: dict[str, bytes] | None = None, reference_chunks=None):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
@@ -186,10 +203,15 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         state["optimizer"] = {"step": step, **({"tensors": flat} if flat else {})}
     if reference_chunks is not None:
         state["reference"] = _model_state(reference_chunks, _REFERENCE)
+    problem = [None]
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
-        os.makedirs(tmp)
-    dist.barrier()
+        problem[0] = _clear_leftover(tmp)
+        if problem[0] is None:
+            os.makedirs(tmp)
+            open(os.path.join(tmp, PARTIAL), "w").close()  # ours: a later save may clear it
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
     dist_checkpointing.save(state, tmp)
     dist.barrier()
     if rank == 0:
@@ -201,12 +223,8 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
             json.dump({"format": FORMAT, "has_optimizer": optimizer is not None,
                        "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
                        "has_reference": reference_chunks is not None, **(meta or {})}, f, indent=1)
-        old = path + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        if os.path.exists(path):
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        os.remove(os.path.join(tmp, PARTIAL))
+        swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
     dist.barrier()
 
 
@@ -214,10 +232,11 @@ def read_meta(path: str) -> dict:
     path = os.path.abspath(path)
     file = os.path.join(path, META)
     if not os.path.isfile(file):
-        if not os.path.isdir(path) and os.path.isfile(os.path.join(path + ".old", META)):
+        aside = [a for a in glob.glob(glob.escape(path) + ".old-*") if os.path.isfile(os.path.join(a, META))]
+        if not os.path.isdir(path) and aside:
             raise CheckpointError(
-                f"{path!r} does not exist but {path + '.old'!r} does: a save was interrupted while "
-                f"swapping directories; rename {path + '.old'!r} to {path!r} to use the previous checkpoint")
+                f"{path!r} does not exist but {aside[0]!r} does: a save was interrupted while "
+                f"swapping directories; rename {aside[0]!r} to {path!r} to use the previous checkpoint")
         if not os.path.isdir(path):
             raise CheckpointError(f"checkpoint directory {path!r} does not exist; "
                                   "point checkpoint.load_dir at a finished checkpoint")
@@ -226,8 +245,7 @@ def read_meta(path: str) -> dict:
             hint = f" ({path[:-4]!r} holds the previous complete checkpoint)"
         raise CheckpointError(
             f"{path!r} is not a complete rlpo_mega checkpoint ({META} missing): it was never written or "
-            f"its save was interrupted. Point checkpoint.load_dir at a finished checkpoint{hint} and "
-            "delete this directory."
+            f"its save was interrupted. Point checkpoint.load_dir at a finished checkpoint{hint}."
         )
     with open(file) as f:
         return json.load(f)

@@ -21,7 +21,16 @@ def _train(args) -> int:
     except (ConfigError, FileNotFoundError) as e:
         return _config_error(e)
     nproc, nnodes = args.nproc_per_node, args.nnodes
+    from rlpo_mega.checkpoint import CheckpointError
+
     if (nproc > 1 or nnodes > 1) and "LOCAL_RANK" not in os.environ:
+        from rlpo_mega.training.state import plan_checkpoints
+
+        try:  # once, here, before torchrun starts the workers (they check again: direct torchrun / SLURM)
+            plan_checkpoints(cfg.checkpoint)
+        except CheckpointError as e:
+            print(f"rlpo-mega: {e}", file=sys.stderr)
+            return 2
         return _reexec_under_torchrun(args)
     from moe.families import UnsupportedModelError
     from rlpo_mega.distributed import ParallelLayoutError
@@ -32,7 +41,7 @@ def _train(args) -> int:
         return train(cfg)
     except ConfigError as e:  # the trainer runs check_run_config before building anything
         return _config_error(e)
-    except (ParallelLayoutError, UnsupportedModelError) as e:
+    except (ParallelLayoutError, UnsupportedModelError, CheckpointError) as e:
         print(f"rlpo-mega: {e}", file=sys.stderr)
         return 2
 
@@ -104,16 +113,20 @@ def _convert(args) -> int:
     from rlpo_mega import convert
 
     if (args.nproc_per_node > 1) and "LOCAL_RANK" not in os.environ:
+        from moe.bridge.outputs import check_target
+
+        check_target(args.out, convert.CONVERTED, args.overwrite)  # once, here, before torchrun starts
         return _reexec(args.nproc_per_node, ["convert", "--hf", args.hf, "--out", args.out, "--tp", str(args.tp),
-                                              "--pp", str(args.pp), "--ep", str(args.ep)])
-    convert.convert(args.hf, args.out, args.tp, args.pp, args.ep)
+                                              "--pp", str(args.pp), "--ep", str(args.ep)]
+                       + (["--overwrite"] if args.overwrite else []))
+    convert.convert(args.hf, args.out, args.tp, args.pp, args.ep, overwrite=args.overwrite)
     return 0
 
 
 def _export(args) -> int:
     from rlpo_mega import convert
 
-    convert.export(args.ckpt, args.hf_out, bucket_mb=args.bucket_mb)
+    convert.export(args.ckpt, args.hf_out, bucket_mb=args.bucket_mb, overwrite=args.overwrite)
     return 0
 
 
@@ -157,10 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--tp", type=int, default=1)
     conv.add_argument("--pp", type=int, default=1)
     conv.add_argument("--ep", type=int, default=1)
+    conv.add_argument("--overwrite", action="store_true",
+                      help="replace --out if an earlier `convert` wrote it (never anything else)")
     exp = sub.add_parser("export", help="megatron dist checkpoint -> HF checkpoint directory")
     exp.add_argument("--ckpt", required=True)
     exp.add_argument("--hf-out", required=True)
     exp.add_argument("--bucket-mb", type=int, default=256)
+    exp.add_argument("--overwrite", action="store_true",
+                     help="replace --hf-out if an earlier export wrote it (never a checkpoint, a save_dir or "
+                          "other files)")
     return parser
 
 
@@ -199,6 +217,7 @@ def main(argv=None) -> int:
 
 def _guarded(fn, args) -> int:
     from moe.bridge.hf_checkpoint import CheckpointFormatError
+    from moe.bridge.outputs import OutputExistsError
     from moe.families import UnsupportedModelError
     from rlpo_mega.checkpoint import CheckpointError
     from rlpo_mega.distributed import ParallelLayoutError
@@ -206,7 +225,7 @@ def _guarded(fn, args) -> int:
     try:
         return fn(args)
     except (CheckpointFormatError, UnsupportedModelError, CheckpointError, ParallelLayoutError,
-            FileNotFoundError) as e:
+            FileNotFoundError, OutputExistsError) as e:
         print(f"rlpo-mega {args.command}: {e}", file=sys.stderr)
         return 2
 

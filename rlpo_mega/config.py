@@ -66,6 +66,9 @@ class CheckpointConfig:
     keep_last: int = 2  # older step_<N>/ directories are deleted after a successful save
     export_hf: bool = False  # also write an HF checkpoint (step_<N>/hf_model, from_pretrained-able) at each save
     load_optimizer: bool = True  # false: weights only (e.g. an SFT checkpoint as the RL start)
+    # true: this run may replace the checkpoints of another run in save_dir (or steps past the one it resumes
+    # from); they are deleted after its first save. false: such a save_dir is refused at start
+    overwrite: bool = False
 
 
 @dataclass

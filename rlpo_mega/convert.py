@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch.distributed as dist
 
+from moe.bridge import outputs
 from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWriter, write_stream
 from moe.model import load_hf_config
 from rlpo_mega import distributed
@@ -19,30 +19,34 @@ from rlpo_mega.config import ModelConfig, ParallelConfig
 from rlpo_mega.training.model_setup import build_policy
 
 HF_FILES = "hf"  # sub-directory of a dist checkpoint holding config.json + tokenizer files
+CONVERTED = "dist_checkpoint"  # the output kind of `convert` (moe/bridge/outputs.py)
 
 
-def convert(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1):
+def convert(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
+            overwrite: bool = False):
+    """out_dir: absent or empty, or (overwrite) an earlier `convert` output; nothing else is replaced."""
+    outputs.check_target(out_dir, CONVERTED, overwrite)
     hf = load_hf_config(os.path.join(hf_dir, "config.json"))
     HFCheckpoint(hf_dir).validate(hf)  # fail before any process group or output exists
     parallel = ParallelConfig(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
     layout = distributed.init(parallel, hf)
     chunks, _ = build_policy(hf, layout, ModelConfig(init_from_hf=hf_dir), None, with_ddp=False)
-    save_checkpoint(out_dir, chunks, meta={"model_type": hf.model_type, "source": os.path.abspath(hf_dir)})
-    if dist.get_rank() == 0:
-        _copy_hf_files(hf_dir, os.path.join(out_dir, HF_FILES))
+    files = {outputs.MARKER: json.dumps({"kind": CONVERTED}).encode()}
+    for name in ("config.json",) + PASSTHROUGH:  # inside the checkpoint before its rename: never half there
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            with open(os.path.join(hf_dir, name), "rb") as f:
+                files[f"{HF_FILES}/{name}"] = f.read()
+    save_checkpoint(out_dir, chunks, meta={"model_type": hf.model_type, "source": os.path.abspath(hf_dir)},
+                    files=files)
     distributed.destroy()
 
 
-def _copy_hf_files(src: str, dst: str):
-    os.makedirs(dst, exist_ok=True)
-    for name in ("config.json",) + PASSTHROUGH:
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
-
-
-def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bucket_mb: int = 256):
+def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bucket_mb: int = 256,
+           overwrite: bool = False):
+    """hf_out: absent or empty, or (overwrite) an earlier HF export; nothing else is replaced."""
     from moe.bridge.megatron_io import ExportStream
 
+    outputs.check_target(hf_out, HFCheckpointWriter.KIND, overwrite)  # on every rank, before any collective
     read_meta(ckpt_dir)
     hf_files = os.path.join(ckpt_dir, HF_FILES)
     if not os.path.isfile(os.path.join(hf_files, "config.json")):
@@ -53,7 +57,8 @@ def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bu
     chunks, _ = build_policy(hf, layout, ModelConfig(), None, with_ddp=False)
     load_checkpoint(ckpt_dir, chunks)
     stream = ExportStream(chunks, bucket_bytes=bucket_mb << 20, dst=0)
-    write_stream(stream, HFCheckpointWriter(hf_out, hf, source_dir=hf_files) if stream.receives else None)
+    write_stream(stream, HFCheckpointWriter(hf_out, hf, source_dir=hf_files, overwrite=overwrite)
+                 if stream.receives else None)
     if stream.receives:
         with open(os.path.join(hf_out, "rlpo_digests.json"), "w") as f:
             json.dump(stream.digests, f, indent=0)

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 
 from moe.families import get_family
 
+from . import outputs
 from .mapping import param_maps
 
 # Files copied through on export so that `from_pretrained` and tokenizers work on the result.
@@ -124,13 +125,17 @@ def load_hf_dir_config(path: str):
 
 
 class HFCheckpointWriter:
-    """Writes safetensors shards into `<out>.tmp` and renames to `<out>` on close: no half-written output."""
+    """Writes safetensors shards into a fresh temporary sibling of `out` and renames it to `out` on close: no
+    half-written output. `out` must be absent or empty, or (overwrite=True) an earlier HF export: nothing
+    else is ever replaced (moe/bridge/outputs.py)."""
 
-    def __init__(self, out_dir: str, hf_config, shard_bytes: int = 2 << 30, source_dir: str | None = None):
+    KIND = "hf_export"
+
+    def __init__(self, out_dir: str, hf_config, shard_bytes: int = 2 << 30, source_dir: str | None = None,
+                 overwrite: bool = False):
         self.out = os.path.abspath(out_dir)
-        self.tmp = self.out + ".tmp"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        os.makedirs(self.tmp)
+        outputs.check_target(self.out, self.KIND, overwrite)
+        self.tmp = outputs.temp_sibling(self.out)
         self.hf_config = hf_config
         self.shard_bytes = shard_bytes
         self.source_dir = source_dir
@@ -166,9 +171,8 @@ class HFCheckpointWriter:
                 src = os.path.join(self.source_dir, name)
                 if os.path.isfile(src):
                     shutil.copy2(src, os.path.join(self.tmp, name))
-        if os.path.exists(self.out):
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
+        outputs.mark(self.tmp, self.KIND)
+        outputs.swap_in(self.tmp, self.out)
 
 
 def write_stream(stream, writer: "HFCheckpointWriter | None"):

@@ -6,6 +6,10 @@ Layout under checkpoint.save_dir:
   latest                the name of the newest complete step directory (replaced atomically)
 
 A crash mid-save leaves `step_<N>.tmp` (ignored and cleaned) and the previous `latest` untouched.
+
+Each run has an id (rlpo_meta.json "run_id", kept across resumes). A save_dir belongs to one run's timeline:
+plan_checkpoints refuses a start that would mix in another run's steps (checkpoint.overwrite replaces them
+after the first save), and prune deletes only the run's own older steps, never the step just written.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import random
 import re
 import shutil
 import signal
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,6 +31,7 @@ from rlpo_mega.checkpoint import CheckpointError, load_checkpoint, read_meta, sa
 log = logging.getLogger("rlpo_mega")
 
 STATE_FILE = "trainer_state.pt"
+LEGACY_RUN = "legacy"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -47,15 +53,63 @@ def complete_steps(save_dir: str) -> list[int]:
 
 
 def latest_checkpoint(save_dir: str):
-    """The directory `latest` names (falling back to the newest complete step directory), or None."""
+    """The directory `latest` names, or (no `latest`) the newest complete step directory, or None. A
+    `latest` naming a step that is not there is an error, not a fallback to another step or a fresh start."""
     pointer = os.path.join(save_dir, LATEST)
     if os.path.isfile(pointer):
         with open(pointer) as f:
-            path = os.path.join(save_dir, f.read().strip())
-        if os.path.isdir(path):
-            return path
+            name = f.read().strip()
+        path = os.path.join(save_dir, name)
+        if not os.path.isfile(os.path.join(path, STATE_FILE)):
+            have = ", ".join(f"step_{s:08d}" for s in complete_steps(save_dir)) or "none"
+            raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint (complete ones "
+                                  f"here: {have}): set checkpoint.load_dir to the step to resume from")
+        return path
     steps = complete_steps(save_dir)
     return step_dir(save_dir, steps[-1]) if steps else None
+
+
+def run_id_of(path: str) -> str:
+    """The run a checkpoint belongs to (checkpoints written before run ids: "legacy")."""
+    return str(read_meta(path).get("run_id", LEGACY_RUN))
+
+
+@dataclass
+class SavePlan:
+    """Where a run starts and which checkpoints in its save_dir are not its own."""
+    start: str | None  # the checkpoint to resume from (None: a fresh run)
+    step: int  # its step (0: fresh)
+    run_id: str | None  # its run (None: fresh, a new id is drawn)
+    stale: list[int] = field(default_factory=list)  # save_dir steps removed after the first save (overwrite)
+
+
+def plan_checkpoints(c) -> SavePlan:
+    """checkpoint config -> SavePlan, before anything is built (pure filesystem; every rank, and the launcher,
+    get the same answer). A save_dir holding steps of another run, or steps past the one resumed from (another
+    timeline), is refused unless checkpoint.overwrite: the keep_last pruning and `latest` would mix the two."""
+    start = None
+    if c.load_dir:
+        start = resolve_load_dir(c.load_dir)
+    elif c.resume and c.save_dir:
+        start = latest_checkpoint(c.save_dir)
+    step, run_id = 0, None
+    if start is not None:
+        meta = read_meta(start)
+        step, run_id = int(meta.get("step", 0)), str(meta.get("run_id", LEGACY_RUN))
+    stale = []
+    if c.save_dir:
+        for s in complete_steps(c.save_dir):
+            if start is None or s > step or run_id_of(step_dir(c.save_dir, s)) != run_id:
+                stale.append(s)
+    if stale and not c.overwrite:
+        names = ", ".join(f"step_{s:08d}" for s in stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+        why = ("this run starts fresh" if start is None else
+               f"this run continues {start} (step {step})")
+        raise CheckpointError(
+            f"checkpoint.save_dir={c.save_dir} holds checkpoints of another run ({names}) and {why}: resume that "
+            "run (checkpoint.resume=true, no load_dir), choose a new checkpoint.save_dir, or replace them "
+            "(checkpoint.overwrite=true: they are deleted after this run's first save)")
+    return SavePlan(start, step, run_id, stale)
 
 
 def resolve_load_dir(path: str) -> str:
@@ -90,10 +144,23 @@ def set_rng_state(state: dict):
     tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron"])
 
 
+def prune(save_dir: str, step: int, run_id: str, keep_last: int, stale=()) -> list[int]:
+    """After step `step` was saved: delete the `stale` steps and this run's older steps beyond keep_last (the
+    newest keep_last of the run, `step` included, stay). Never `step`, never another run's. Returns what went."""
+    older = [s for s in complete_steps(save_dir) if s < step and s not in stale
+             and run_id_of(step_dir(save_dir, s)) == run_id]
+    gone = [s for s in list(stale) + older[:max(len(older) - (keep_last - 1), 0)] if s != step]
+    for s in gone:
+        shutil.rmtree(step_dir(save_dir, s), ignore_errors=True)
+    return gone
+
+
 def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
-         hf_files: dict[str, bytes] | None = None, reference=None) -> str:
+         hf_files: dict[str, bytes] | None = None, reference=None, stale: tuple = ()) -> str:
     """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
-    hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, prunes old ones."""
+    hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, then prunes: this run's
+    (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
+    the `stale` steps the run was told to replace (checkpoint.overwrite)."""
     from rlpo_mega.convert import HF_FILES
 
     every = [None] * dist.get_world_size()
@@ -111,8 +178,7 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
         with open(tmp, "w") as f:
             f.write(os.path.basename(path))
         os.replace(tmp, os.path.join(save_dir, LATEST))
-        for old in complete_steps(save_dir)[:-keep_last]:
-            shutil.rmtree(step_dir(save_dir, old), ignore_errors=True)
+        prune(save_dir, step, str(meta.get("run_id", LEGACY_RUN)), keep_last, stale)
         for name in os.listdir(save_dir):  # leftovers of interrupted saves
             if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]) and name[:-4] != os.path.basename(path):
                 shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,13 @@ class Trainer:
         self.cfg = cfg
         self.hf = load_hf_config(cfg.model.hf_config)
         check_run_config(cfg, self.hf, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        # where the run starts and what in its save_dir is not its own: refused here, before anything is built
+        self.plan = ckpt_state.plan_checkpoints(cfg.checkpoint)
         self.layout = distributed.init(cfg.parallel, self.hf, cfg.seed)
+        # one id per run, kept across resumes: pruning only ever deletes this run's checkpoints
+        run_id = [self.plan.run_id or uuid.uuid4().hex]
+        dist.broadcast_object_list(run_id, src=0)
+        self.run_id, self.stale_steps = run_id[0], tuple(self.plan.stale)
         self.rank, self.device = dist.get_rank(), platform.device()
         self.spec = TraceSpec.from_hf(self.hf)
         self.chunks, self.optimizer = build_policy(self.hf, self.layout, cfg.model, cfg.optim, routing_replay=True)
@@ -91,11 +98,7 @@ class Trainer:
     def _resume(self) -> bool:
         """Load the checkpoint to start from, if any; True when it also restored the KL reference."""
         c = self.cfg.checkpoint
-        path = None
-        if c.load_dir:
-            path = ckpt_state.resolve_load_dir(c.load_dir)
-        elif c.resume and c.save_dir:
-            path = ckpt_state.latest_checkpoint(c.save_dir)
+        path = self.plan.start
         if path is None:
             return False
         st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer, reference=self.ref_chunks)
@@ -320,8 +323,9 @@ class Trainer:
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
                  "sampler": self.sampler.state_dict(), "lr_steps": self.lr_schedule.num_steps}
         path = ckpt_state.save(c.save_dir, self.step, self.chunks, self.optimizer, state, c.keep_last,
-                               meta={"model_type": self.hf.model_type}, hf_files=self._hf_files(),
-                               reference=self.ref_chunks)
+                               meta={"model_type": self.hf.model_type, "run_id": self.run_id},
+                               hf_files=self._hf_files(), reference=self.ref_chunks, stale=self.stale_steps)
+        self.stale_steps = ()  # replaced (checkpoint.overwrite) once this run has a checkpoint of its own
         if c.export_hf:
             from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
             from moe.bridge.megatron_io import ExportStream

@@ -72,6 +72,12 @@ class DiskTransport:
     """Write an HF checkpoint directory (atomically), then the engine reloads it in place."""
 
     def __init__(self, receiver, directory: str, hf_config, source_dir: str | None = None):
+        from moe.bridge.hf_checkpoint import HFCheckpointWriter
+        from moe.bridge.outputs import check_target
+
+        # at construction, not at the first sync (whose stream is collective): a directory of other files
+        # is refused before anything runs; an earlier run's export there is replaced
+        check_target(directory, HFCheckpointWriter.KIND, overwrite=True)
         self.receiver, self.directory, self.hf_config, self.source_dir = receiver, directory, hf_config, source_dir
 
     @classmethod
@@ -81,7 +87,10 @@ class DiskTransport:
     def sync(self, stream) -> dict:
         from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
 
-        write_stream(stream, HFCheckpointWriter(self.directory, self.hf_config, source_dir=self.source_dir)
+        # overwrite: each sync replaces the previous sync's export (and nothing else: a directory of other
+        # files is refused)
+        write_stream(stream, HFCheckpointWriter(self.directory, self.hf_config, source_dir=self.source_dir,
+                                                overwrite=True)
                      if stream.receives else None)
         if not stream.receives:
             return {}
