@@ -31,7 +31,7 @@ def convert(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, et
     parallel = ParallelConfig(tensor=tp, pipeline=pp, expert=ep, expert_tensor=etp)
     layout = distributed.init(parallel, hf)
     chunks, _ = build_policy(hf, layout, ModelConfig(init_from_hf=hf_dir), None, with_ddp=False)
-    files = {outputs.MARKER: json.dumps({"kind": CONVERTED}).encode()}
+    files = {outputs.MARKER: outputs.marker_bytes(CONVERTED)}
     for name in ("config.json",) + PASSTHROUGH:  # inside the checkpoint before its rename: never half there
         if os.path.isfile(os.path.join(hf_dir, name)):
             with open(os.path.join(hf_dir, name), "rb") as f:

@@ -1,5 +1,5 @@
-"""Independent float64 transcriptions of the papers' formulas (/work/shared/notes/algorithms.md), written
-as plain per-sample loops over Python scalars / 0-d tensors, never calling rlpo_mega.algorithms.
+"""Independent float64 transcriptions of the papers' formulas (shared/notes/algorithms.md, beside the
+repository), written as plain per-sample loops over Python scalars / 0-d tensors, never calling rlpo_mega.algorithms.
 
 Gradients of the references come from autograd through these loops.
 """

@@ -169,9 +169,9 @@ def shrunk_config(recipe: str) -> dict:
     """The full config a recipe's shrink trains with (placeholder paths and URLs), minus NAMES."""
     from rlpo_mega.config import load_config, to_dict
 
-    hf_dirs = {t: f"/tiny/{os.path.basename(t)}" for t in glob.glob("configs/models/tiny_*.json", root_dir=ROOT)}
+    hf_dirs = {t: f"tiny/{os.path.basename(t)}" for t in glob.glob("configs/models/tiny_*.json", root_dir=ROOT)}
     urls = {t: ["http://sglang-server"] for t in hf_dirs}
-    s = shrink(recipe, work="/work", hf_dirs=hf_dirs, prompts="/prompts.jsonl", sglang_urls=urls)
+    s = shrink(recipe, work="shrunk", hf_dirs=hf_dirs, prompts="prompts.jsonl", sglang_urls=urls)
     cfg = dict(_flat(to_dict(load_config(os.path.join(ROOT, recipe), tuple(s.argv())))))
     return {"nproc": s.nproc, **{k: v for k, v in cfg.items() if k not in NAMES}}
 

@@ -72,9 +72,14 @@ def temp_sibling(out: str) -> str:
     return tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.tmp-", dir=parent)
 
 
-def mark(path: str, kind: str, **info):
-    with open(os.path.join(path, MARKER), "w") as f:
-        json.dump({"kind": kind, **info}, f)
+def marker_bytes(kind: str) -> bytes:
+    """The MARKER file's content for an output of `kind` (for writers that place it with their other files)."""
+    return json.dumps({"kind": kind}).encode()
+
+
+def mark(path: str, kind: str):
+    with open(os.path.join(path, MARKER), "wb") as f:
+        f.write(marker_bytes(kind))
 
 
 def swap_in(tmp: str, out: str):
@@ -93,4 +98,4 @@ def swap_in(tmp: str, out: str):
         shutil.rmtree(old, ignore_errors=True)
 
 
-__all__ = ["MARKER", "OutputExistsError", "check_target", "mark", "swap_in", "temp_sibling"]
+__all__ = ["MARKER", "OutputExistsError", "check_target", "mark", "marker_bytes", "swap_in", "temp_sibling"]

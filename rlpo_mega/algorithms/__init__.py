@@ -1,6 +1,6 @@
 """RL algorithms: vocab-parallel log-probs, advantage / policy-loss / KL registries, aggregation,
 mismatch corrections, reward shaping and dynamic sampling, as the papers define them
-(/work/shared/notes/algorithms.md is the specification)."""
+(the specification: shared/notes/algorithms.md, beside the repository)."""
 from .advantages import ADVANTAGES, compute_advantages
 from .aggregation import MODES as AGGREGATIONS
 from .aggregation import aggregate
