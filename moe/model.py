@@ -78,6 +78,9 @@ def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=to
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         moe_router_dtype="fp32",
+        # packed micro-batches differ in length: pipeline stages exchange each one's shape first (megatron
+        # refuses that with the allgather dispatcher; config_checks refuses allgather with PP then)
+        variable_seq_lengths=token_dispatcher != "allgather",
     )
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -97,8 +100,12 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage()
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=have_transformer_engine(),
-                                      normalization="RMSNorm")
+    te = have_transformer_engine()
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    if not te:  # packed (THD) micro-batches: TE's attention takes them, the local one needs this
+        from .packed_attention import use_packed_core_attention
+
+        spec = use_packed_core_attention(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -90,6 +90,12 @@ class TrainerConfig:
     eval_size: int = 64  # prompts evaluated (the first ones of eval_path)
     max_bad_steps: int = 3  # consecutive steps with a non-finite loss or gradient before the run stops
     engine_restarts: int = 1  # a failed rollout engine is rebuilt (and re-synced) this many times
+    # packed: samples back to back in one row per micro-batch (THD), DP split balanced by tokens; padded: one
+    # sample per row, padded to the step's longest (the reference layout; equal rows per rank)
+    layout: Literal["packed", "padded"] = "packed"
+    # packed: cut each rank's samples into micro-batches of at most this many tokens (None: exactly
+    # parallel.num_micro_batches micro-batches, balanced by tokens); every rank runs as many as the busiest
+    max_tokens_per_micro_batch: Optional[int] = None
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
 
@@ -235,6 +241,7 @@ class SGLangEngineConfig:
     learner_address: Optional[str] = None  # how servers reach learner rank 0 (None: MASTER_ADDR, else loopback)
     store_port: int = 0  # learner rank 0's TCP store for servers (weight-sync group, digest reports); 0 = free
     flush_retries: int = 20  # /flush_cache refuses while requests run: retried with backoff (<= 2 s)
+    max_in_flight_per_server: int = 128  # generate requests in flight per server (total: x servers)
     python: Optional[str] = None  # launch: interpreter of the environment that has sglang (None: this one)
     log_dir: Optional[str] = None  # launch: per-server log files (None: ./logs/sglang)
     env: dict = field(default_factory=dict)  # launch: extra environment variables for the servers

@@ -208,6 +208,9 @@ def _check_rollout(cfg, warns: list[str]):
                               "in_process (update_weights_from_tensor, servers on this host)")
         if sg.tp_size < 1 or sg.num_servers < 1:
             raise ConfigError(f"rollout.sglang.tp_size={sg.tp_size} and num_servers={sg.num_servers} must be >= 1")
+        if sg.max_in_flight_per_server < 1:
+            raise ConfigError(f"rollout.sglang.max_in_flight_per_server={sg.max_in_flight_per_server} must be >= 1 "
+                              "(generate requests sent to each server at once)")
         for key in ("request_timeout", "control_timeout", "hang_timeout", "health_interval", "health_timeout",
                     "startup_timeout"):
             if not getattr(sg, key) > 0:
@@ -335,6 +338,19 @@ def _check_batch(cfg, world_size: Optional[int]):
                           "prompts.prompts_per_step")
     mini = batch // mb
     nmb, mbs = par.num_micro_batches, par.micro_batch_size
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget is not None:
+        if cfg.trainer.layout != "packed":
+            raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} cuts packed micro-batches; with "
+                              "trainer.layout=padded set parallel.num_micro_batches instead (or unset the budget)")
+        longest = cfg.rollout.max_new_tokens + 1
+        if budget < longest:
+            raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is below one sample's length (at least "
+                              f"rollout.max_new_tokens + a prompt token = {longest}); raise it to hold the longest "
+                              "prompt + response")
+    if (cfg.trainer.layout == "packed" and par.pipeline > 1 and cfg.model.token_dispatcher == "allgather"):
+        raise ConfigError("trainer.layout=packed with parallel.pipeline > 1 needs variable micro-batch shapes, which "
+                          "megatron refuses with model.token_dispatcher=allgather; use alltoall (or layout=padded)")
     if world_size is not None:
         if world_size < 1:
             raise ConfigError(f"world size {world_size} must be >= 1")

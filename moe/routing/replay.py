@@ -153,6 +153,8 @@ class RoutingReplay:
     def attach(self, micro: list[dict]):
         """Split this rank's routes into the micro-batches (rows, as policy_step.split_rows does), on the
         micro-batches' device (one copy of this rank's routes)."""
+        if self._routes is None and micro and all("routes" in mb for mb in micro):
+            return  # cut per micro-batch already (packed micro-batches differ in shape)
         if self._routes is None:
             if self.mode == "r3":
                 raise RoutingReplayError("routing.mode=r3: no rollout routes for this batch (call set_routes "

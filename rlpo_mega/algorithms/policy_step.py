@@ -53,6 +53,30 @@ def assemble_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
     seq_length = seq_length or total - 1
     if seq_length + 1 < total:
         raise ValueError(f"seq_length={seq_length} is shorter than the longest sample ({total} tokens) - 1")
+    advantages, keep, stats = sequence_advantages(cfg, rewards, group_ids, lengths, truncated)
+    seq = torch.full((n, seq_length + 1), pad_id, dtype=torch.long)
+    resp = torch.zeros((n, seq_length + 1), dtype=torch.bool)
+    roll = torch.zeros((n, seq_length)) if rollout_logps is not None else None
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        seq[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        resp[i, len(p):len(p) + len(r)] = True
+        if roll is not None:
+            if len(rollout_logps[i]) != len(r):
+                raise ValueError(f"sample {i}: {len(rollout_logps[i])} rollout log-probs for {len(r)} tokens")
+            roll[i, len(p) - 1:len(p) - 1 + len(r)] = torch.as_tensor(rollout_logps[i], dtype=torch.float)
+    mask = resp[:, 1:] & keep[:, None]
+    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(), "loss_mask": mask,
+             "advantages": advantages}
+    if roll is not None:
+        batch["rollout_logp"] = roll
+    return batch, stats
+
+
+def sequence_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
+                        truncated: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per-sample scalars -> (advantages [n], rows kept in the loss [n] bool, stats): DAPO's shaping (soft
+    overlong punishment on the reward, overlong filtering) and the advantage estimator. Needs nothing but
+    scalars, so every rank computes it for the whole batch (the samples themselves stay sharded)."""
     stats = {}
     rewards = rewards.float()
     sh = cfg.shaping
@@ -64,27 +88,13 @@ def assemble_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
         rewards = rewards + penalty
     adv = compute_advantages(cfg.advantage, rewards, group_ids)
     stats.update(groups=adv.num_groups, zero_advantage_groups=adv.num_zero_groups)
-    seq = torch.full((n, seq_length + 1), pad_id, dtype=torch.long)
-    resp = torch.zeros((n, seq_length + 1), dtype=torch.bool)
-    roll = torch.zeros((n, seq_length)) if rollout_logps is not None else None
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        seq[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        resp[i, len(p):len(p) + len(r)] = True
-        if roll is not None:
-            if len(rollout_logps[i]) != len(r):
-                raise ValueError(f"sample {i}: {len(rollout_logps[i])} rollout log-probs for {len(r)} tokens")
-            roll[i, len(p) - 1:len(p) - 1 + len(r)] = torch.as_tensor(rollout_logps[i], dtype=torch.float)
-    mask = resp[:, 1:]
+    keep = torch.ones(rewards.shape[0], dtype=torch.bool)
     if sh.overlong_filter:
         if truncated is None:
             raise ValueError("shaping.overlong_filter needs the truncated flags (finish reason 'length')")
-        mask = overlong_filter(mask, truncated)
+        keep = overlong_filter(keep[:, None], truncated)[:, 0]
         stats["overlong_filtered"] = int(truncated.bool().sum())
-    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(), "loss_mask": mask,
-             "advantages": adv.advantages}
-    if roll is not None:
-        batch["rollout_logp"] = roll
-    return batch, stats
+    return adv.advantages, keep, stats
 
 
 def split_rows(batch: dict, parts: int) -> list[dict]:
@@ -114,8 +124,24 @@ def shard_and_split(batch: dict, num_micro_batches: int) -> list[dict]:
 
 def _model_out(model, batch):
     tokens = batch["tokens"]
+    if "cu_seqlens" in batch:  # packed (training/batches.py): attention and RoPE restart at each boundary
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = batch["cu_seqlens"]
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
+        return model(input_ids=tokens, position_ids=batch["position_ids"], attention_mask=None,
+                     packed_seq_params=packed)
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     return model(input_ids=tokens, position_ids=position_ids, attention_mask=None)
+
+
+def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Per-token values of a packed row [1, t] -> the [samples, positions] view of the loss (a gather:
+    gradients flow back to the packed positions); padded batches are already in that view."""
+    if "index" not in batch:
+        return values
+    return values[0][batch["index"]]
 
 
 def policy_forward_step(data_iterator, model, cfg, resolved, real_vocab):
@@ -126,7 +152,7 @@ def policy_forward_step(data_iterator, model, cfg, resolved, real_vocab):
     def loss_func(logits):
         logp, entropy = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
                                                 real_vocab=real_vocab, chunk_size=cfg.logprob_chunk_size)
-        return policy_objective(logp, batch, cfg, resolved, entropy=entropy.detach())
+        return policy_objective(unpack(logp, batch), batch, cfg, resolved, entropy=unpack(entropy.detach(), batch))
 
     return output, loss_func
 
@@ -139,7 +165,7 @@ def _logprob_forward_step(data_iterator, model, cfg, real_vocab):
         logp, _ = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
                                           real_vocab=real_vocab, with_entropy=False,
                                           chunk_size=cfg.logprob_chunk_size)
-        return logp.new_zeros(()), logp.new_zeros((), dtype=torch.int), {"logp": logp.detach()}
+        return logp.new_zeros(()), logp.new_zeros((), dtype=torch.int), {"logp": unpack(logp.detach(), batch)}
 
     return output, loss_func
 
@@ -230,14 +256,19 @@ def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int
     platform.device(), with the old (and, for a KL term, reference) log-probs from forward-only passes:
     run once per rollout batch, before any update of the policy. routing: a moe.routing.replay.RoutingReplay
     (r2 records the old pass's routes, r3 replays the rollout's; attached routes join the batch's device)."""
+    return attach_old_logprobs(model_chunks, shard_and_split(batch, num_micro_batches), cfg, ref_chunks, routing)
+
+
+def attach_old_logprobs(model_chunks, micro: list[dict], cfg, ref_chunks=None, routing=None) -> list[dict]:
+    """This rank's micro-batches (on the device) with their routes attached and the old (and reference)
+    log-probs of the forward-only passes added."""
     validate(cfg)
-    micro = shard_and_split(batch, num_micro_batches)
     if routing is not None:
         routing.attach(micro)
-    if "old_logp" not in batch:
+    if "old_logp" not in micro[0]:
         _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg,
                                                      wrap_step=routing.wrap_old if routing else None))
-    if cfg.kl.coef > 0 and "ref_logp" not in batch:
+    if cfg.kl.coef > 0 and "ref_logp" not in micro[0]:
         if ref_chunks is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs a reference model (ref_chunks) or ref_logp in the batch")
         _attach(micro, "ref_logp", compute_log_probs(ref_chunks, micro, cfg))

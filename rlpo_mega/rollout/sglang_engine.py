@@ -1,11 +1,12 @@
 """The SGLang rollout engine: an HTTP client of one or more SGLang servers (one per engine-TP group).
 
 Servers are attached by URL (`rollout.sglang.urls`) or started here (`launch: true`, launch/sglang_server.py).
-Requests go to /generate with input_ids, our own rids, return_logprob and return_routed_experts; the
-routes are decoded with moe.routing.decoders. Plain HTTP (urllib): the learner's environment needs no
-sglang; only update_weights_from_tensor's payload uses torch's ForkingPickler (what sglang's
-MultiprocessingSerializer is), with CPU tensors in shared-memory files (file_system strategy: the default
-file-descriptor passing cannot cross HTTP and crashed the server).
+Requests go to /generate with input_ids, our own rids, return_logprob and return_routed_experts, at most
+`max_in_flight_per_server` at once per server; answers are decoded on the request's thread as they arrive
+(sglang_client.py: the in-flight limit, vectorized log-prob and route decoding). Plain HTTP (urllib): the
+learner's environment needs no sglang; only update_weights_from_tensor's payload uses torch's ForkingPickler
+(what sglang's MultiprocessingSerializer is), with CPU tensors in shared-memory files (file_system strategy:
+the default file-descriptor passing cannot cross HTTP and crashed the server).
 
 Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, then a flush):
   load_weights        update_weights_from_tensor (colocated: shared memory on this host)
@@ -33,8 +34,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-import queue
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
@@ -45,6 +45,7 @@ from rlpo_mega.weight_sync.digest import DigestMismatchError, verify
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, RolloutSample, SamplingParams
+from .sglang_client import DaemonPool, ServerSlots, decode_routes, parse_logprobs, pool_size
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
@@ -73,36 +74,6 @@ class _Server:
         self.url = url.rstrip("/")
         self.launched = launched  # launch/sglang_server.SGLangServer when we started it
         self.restarts = 0
-
-
-class _DaemonPool:
-    """Worker threads that never hold the process: ThreadPoolExecutor's threads are joined at interpreter
-    exit, so one request blocked on a hung server would keep a stopped trainer alive for request_timeout."""
-
-    def __init__(self, workers: int):
-        self.workers, self.queue = workers, queue.SimpleQueue()
-        for _ in range(workers):
-            threading.Thread(target=self._work, daemon=True).start()
-
-    def _work(self):
-        while (item := self.queue.get()) is not None:
-            future, fn, args = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as e:
-                    future.set_exception(e)
-
-    def submit(self, fn, *args) -> Future:
-        future = Future()
-        self.queue.put((future, fn, args))
-        return future
-
-    def shutdown(self, futures):
-        for f in futures:
-            f.cancel()  # only those not started
-        for _ in range(self.workers):
-            self.queue.put(None)
 
 
 @ENGINES.register("sglang")
@@ -239,16 +210,21 @@ class SGLangEngine(RolloutEngine):
                 k = i * n + j
                 rid = request_ids[k] if request_ids is not None else f"rlpo-{self._prefix}-{next(self._rid)}"
                 seed = None if params.seed is None else (params.seed * 1000003 + k) % (2 ** 31)
-                jobs.append((i, list(map(int, p)), rid, seed, self.servers[next(self._rr)]))
+                jobs.append((i, list(map(int, p)), rid, seed))
         if not jobs:
             return []
-        pool = _DaemonPool(min(len(jobs), 64))
-        futures = [pool.submit(self._one, i, p, rid, self._sampling(params, seed), srv)
-                   for i, p, rid, seed, srv in jobs]
+        # per-server limit (rollout.sglang.max_in_flight_per_server): each request takes a slot on the
+        # least-loaded server when it is sent (sglang_client.ServerSlots); ties rotate over calls
+        limit = self.cfg.max_in_flight_per_server
+        slots = ServerSlots(len(self.servers), limit, start=next(self._rr))
+        pool = DaemonPool(pool_size(len(jobs), len(self.servers), limit))
+        futures = [pool.submit(self._one, i, p, rid, self._sampling(params, seed), slots)
+                   for i, p, rid, seed in jobs]
         try:
             self._wait(futures)
             return [f.result() for f in futures]
         finally:  # after a hang or a stop, requests not yet sent are cancelled; blocked ones are abandoned
+            slots.close()
             pool.shutdown(futures)
 
     def _wait(self, futures, poll: float = 0.2):
@@ -284,9 +260,11 @@ class SGLangEngine(RolloutEngine):
                             f"SGLang server {url} has not answered /health for {self.cfg.hang_timeout:g} s while "
                             f"requests are in flight (rollout.sglang.hang_timeout): it is hung; restart it")
 
-    def _one(self, prompt_index, prompt, rid, sampling, server) -> RolloutSample:
+    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots) -> RolloutSample:
         payload = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
                    "return_routed_experts": self.return_routes}
+        slot = slots.acquire()  # blocks while every server has its limit in flight
+        server = self.servers[slot]
         with self._lock:
             self._inflight[rid] = server
         try:
@@ -294,6 +272,7 @@ class SGLangEngine(RolloutEngine):
         finally:
             with self._lock:
                 self._inflight.pop(rid, None)
+            slots.release(slot)  # before decoding: the server takes the next request
         try:
             out = json.loads(body)
         except ValueError:
@@ -303,21 +282,19 @@ class SGLangEngine(RolloutEngine):
             raise EngineError(f"SGLang server {server.url}/generate (rid {rid}) answered {status}: {out}")
         fr = (meta.get("finish_reason") or {}) if meta else {}
         reason = FINISH.get(fr.get("type") if isinstance(fr, dict) else fr, "abort")
-        ids = [int(t) for t in out.get("output_ids") or []]
-        lps = [float(x[0]) for x in meta.get("output_token_logprobs") or []]
+        ids = list(map(int, out.get("output_ids") or []))
+        lps = parse_logprobs(meta.get("output_token_logprobs"))
         if reason != "abort" and len(lps) != len(ids):
             raise EngineError(f"SGLang server {server.url} (rid {rid}): {len(lps)} log-probs for {len(ids)} tokens")
-        ids, lps = ids[:len(lps)], lps
+        ids = ids[:len(lps)]
         routes = None
         if self.return_routes and meta.get("routed_experts") is not None:
-            from moe.routing.decoders import decode_sglang, select_moe_layers
-
-            rows = decode_sglang(meta["routed_experts"], self.num_hidden_layers, self.spec.topk)
-            routes = select_moe_layers(rows, self.spec, self.num_hidden_layers)
+            # decoded here, on this request's worker thread, while the rest of the batch still generates
+            routes = decode_routes(meta["routed_experts"], self.num_hidden_layers, self.spec)
         elif self.return_routes and reason != "abort":
             raise EngineError(f"SGLang server {server.url} returned no routed_experts: start it with "
                               "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")
-        return RolloutSample(prompt_ids=prompt, response_ids=ids, logprobs=torch.tensor(lps, dtype=torch.float32),
+        return RolloutSample(prompt_ids=prompt, response_ids=ids, logprobs=lps,
                              finish_reason=reason, routes=routes, prompt_index=prompt_index,
                              meta={"rid": rid, "server": server.url, "finish": fr,
                                    "weight_version": meta.get("weight_version")})

@@ -32,6 +32,7 @@ class Scored:
     reward: float
     failed: bool
     correct: bool
+    replaced: Optional[torch.Tensor] = None  # bool [T, L]: trace entries the live router decides (validated)
 
 
 def mix_seed(*parts: int) -> int:

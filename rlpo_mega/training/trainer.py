@@ -71,6 +71,10 @@ class Trainer:
         from moe.routing.replay import RoutingReplay
 
         self.routing = RoutingReplay(self.chunks, self.spec, mode=cfg.routing.mode)
+        from moe.routing.transport import gather_recipients
+
+        # every rank's DP rank and MoE layers: where each sample's payload goes (training/exchange.py)
+        self.recipients = gather_recipients(self.chunks, self.spec)
         self.tokenizer = load_tokenizer(cfg)
         self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
         self.scorer = RewardScorer(cfg.reward)
@@ -156,8 +160,13 @@ class Trainer:
         local = self.guard.run(lambda: rp.generate_local(
             self.slot.engine, mine, n, params, self.scorer, self.tokenizer, timer))
         with timer("gather"):
-            scored = rp.gather(local, self.ranks)
-        return torch.tensor([s.reward for s in scored]), scored
+            samples = self._scalars(local)
+        return torch.tensor([s.reward for s in samples]), samples
+
+    def _scalars(self, local):
+        from rlpo_mega.training.exchange import gather_scalars
+
+        return gather_scalars(local, self.spec, self.cfg.routing.on_bad_trace, self.guard.group)
 
     def _collect(self, timer):
         from rlpo_mega.data.sampling import collect_groups
@@ -171,47 +180,55 @@ class Trainer:
     def _divisor(self) -> int:
         return self.cfg.trainer.mini_batches * self.layout.data * self.cfg.parallel.num_micro_batches
 
-    def _prepare(self, scored, group_ids):
-        """Batch tensors (identical on every rank) split into mini-batches with their routes."""
-        from moe.routing.trace import validate_batch
-        from rlpo_mega.algorithms.policy_step import assemble_batch, split_rows
+    def _prepare(self, samples, group_ids, timer):
+        """Advantages (every rank, from scalars), the step plan, the exchange of this rank's samples and its
+        micro-batches per mini-batch (host tensors, routes attached)."""
+        from rlpo_mega.algorithms.policy_step import sequence_advantages
+        from rlpo_mega.data.packing import aligned, plan_step
+        from rlpo_mega.training.batches import build_micro_batch
+        from rlpo_mega.training.exchange import exchange
 
-        tp = self.layout.tensor
-        total = max(len(s.prompt_ids) + len(s.response_ids) for s in scored)
-        seq_len = -(-(total - 1) // tp) * tp  # sequence parallelism splits positions over TP
-        batch, stats = assemble_batch(
-            [s.prompt_ids for s in scored], [s.response_ids for s in scored],
-            torch.tensor([s.reward for s in scored]), group_ids, self.cfg.algorithm, seq_length=seq_len,
-            truncated=torch.tensor([s.finish_reason == "length" for s in scored]),
-            rollout_logps=[s.logprobs for s in scored], pad_id=self.tokenizer.pad_token_id or 0)
-        parts = self.cfg.trainer.mini_batches
-        minis = split_rows(batch, parts)
-        traces = None
-        if all(s.routes is not None for s in scored):
-            traces, rstats = validate_batch([s.routes for s in scored], self.spec,
-                                            [len(s.prompt_ids) + len(s.response_ids) - 1 for s in scored],
-                                            self.cfg.routing.on_bad_trace)
-            stats.update({k: v for k, v in rstats.items() if k.startswith("routing/fallback")})
-        elif self.cfg.routing.mode == "r3":
+        c, tp = self.cfg, self.layout.tensor
+        adv, keep, stats = sequence_advantages(
+            c.algorithm, torch.tensor([s.reward for s in samples]), group_ids,
+            torch.tensor([s.response_len for s in samples]),
+            torch.tensor([s.finish_reason == "length" for s in samples]))
+        with_routes = all(s.has_routes for s in samples)
+        if with_routes:
+            stats.update({"routing/fallback_entries": sum(s.replaced_entries for s in samples),
+                          "routing/fallback_tokens": sum(s.replaced_tokens for s in samples),
+                          "routing/fallback_samples": sum(s.replaced_entries > 0 for s in samples)})
+        elif c.routing.mode == "r3":
             raise ConfigError("routing.mode=r3 but the rollout engine returned no routes (turn on route capture: "
                               "rollout.embedded.capture_routes=true)")
-        per = len(scored) // parts
-        return minis, [traces[i * per:(i + 1) * per] if traces else None for i in range(parts)], seq_len, stats
+        spans = [s.span for s in samples]
+        plan = plan_step(spans, c.trainer.mini_batches, self.layout.data, c.parallel.num_micro_batches,
+                         c.trainer.max_tokens_per_micro_batch, c.trainer.layout, align=tp)
+        with timer("exchange"):
+            received, xstats = exchange(samples, plan.dp_of(), self.recipients, self.spec if with_routes else None)
+        from megatron.core import parallel_state
 
-    def _old_logprobs(self, minis, traces, seq_len):
-        from moe.routing.transport import local_recipient, local_routes, padded_placement
+        me = self.recipients[self.rank]
+        pad_id = self.tokenizer.pad_token_id or 0
+        minis = [[build_micro_batch(samples, received, idx, adv, keep, layout=c.trainer.layout, align=tp,
+                                    pad_id=pad_id, padded_len=aligned(max(spans), tp),
+                                    recipient=me if with_routes else None, topk=self.spec.topk)
+                  for idx in mini] for mini in plan.mine(parallel_state.get_data_parallel_rank())]
+        stats.update({"data/packing_efficiency": sum(spans) / plan.computed_tokens(spans, tp),
+                      "data/micro_batches": max(len(m) for m in minis),
+                      # this rank's bytes over its own rows' payload (training/exchange.py); rank 0's is logged
+                      "data/bytes_over_own_share": xstats["bytes_received"] / max(xstats["own_share_bytes"], 1)})
+        return minis, adv, stats
+
+    def _old_logprobs(self, minis):
         from rlpo_mega.algorithms.mismatch import mismatch_metrics
-        from rlpo_mega.algorithms.policy_step import prepare_micro_batches, reduce_report
+        from rlpo_mega.algorithms.policy_step import attach_old_logprobs, reduce_report
+        from rlpo_mega.training.step import to_device
 
-        rcpt = local_recipient(self.chunks, self.spec)
         prepared, reports = [], []
-        for mb, tr in zip(minis, traces):
-            n_rows = mb["tokens"].shape[0]
-            if tr is not None:
-                self.routing.set_routes(local_routes(tr, padded_placement([t.num_tokens for t in tr]), rcpt,
-                                                     n_rows, seq_len, self.spec.topk))
-            micro = prepare_micro_batches(self.chunks, mb, self.cfg.algorithm, self.cfg.parallel.num_micro_batches,
-                                          ref_chunks=self.ref_chunks, routing=self.routing)
+        for mini in minis:
+            micro = attach_old_logprobs(self.chunks, [to_device(mb) for mb in mini], self.cfg.algorithm,
+                                        ref_chunks=self.ref_chunks, routing=self.routing)
             for m in micro:
                 if "old_logp" in m:  # last pipeline stage
                     reports.append(mismatch_metrics(m["old_logp"], m["rollout_logp"], m["loss_mask"].bool()))
@@ -275,14 +292,14 @@ class Trainer:
             metrics["train/skipped_step"] = 1
             return metrics
         with timer("prepare"):
-            minis, traces, seq_len, stats = self._prepare(scored, gids)
+            minis, adv, stats = self._prepare(scored, gids, timer)
         metrics.update({("advantages/" + k if k in ("groups", "zero_advantage_groups") else k): v
                         for k, v in stats.items()})
-        adv = torch.cat([m["advantages"] for m in minis]).float()
+        adv = adv.float()
         metrics.update({"advantages/mean": float(adv.mean()), "advantages/std": float(adv.std(unbiased=False)),
                         "advantages/min": float(adv.min()), "advantages/max": float(adv.max())})
         with timer("old_logprob"):
-            prepared, mismatch = self._old_logprobs(minis, traces, seq_len)
+            prepared, mismatch = self._old_logprobs(minis)
         metrics.update(mismatch)
         with timer("update"):
             out, skipped = self._update(prepared)
@@ -296,7 +313,7 @@ class Trainer:
         self.step += 1
         metrics.update(timer.metrics())
         metrics["time/step"] = time.perf_counter() - t0
-        tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in scored)
+        tokens = sum(s.prompt_len + s.response_len for s in scored)
         metrics["perf/tokens_per_s"] = tokens * self.cfg.trainer.epochs / metrics["time/step"]
         metrics["engine/restarts"] = self.guard.restarts
         return metrics
@@ -314,7 +331,7 @@ class Trainer:
 
         local = self.guard.run(lambda: rp.generate_local(
             self.slot.engine, rp.share(items, self.ranks), 1, params, self.scorer, self.tokenizer, PhaseTimer()))
-        scored = rp.gather(local, self.ranks)
+        scored = self._scalars(local)
         return {"eval/reward_mean": sum(s.reward for s in scored) / len(scored),
                 "eval/accuracy": sum(s.correct for s in scored) / len(scored)}
 
@@ -442,7 +459,7 @@ def _rollout_metrics(scored) -> dict:
     if not scored:
         return {}
     r = torch.tensor([s.reward for s in scored], dtype=torch.float64)
-    lengths = torch.tensor([len(s.response_ids) for s in scored], dtype=torch.float64)
+    lengths = torch.tensor([s.response_len for s in scored], dtype=torch.float64)
     return {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
             "reward/accuracy": sum(s.correct for s in scored) / len(scored),
             "reward/failed": sum(s.failed for s in scored),

@@ -1,0 +1,173 @@
+"""Sharded distribution of a step's samples: scalars to every rank, each sample's payload only where it trains.
+
+After the rollout each engine rank holds its own samples (tokens, rollout log-probs, routes). Two steps:
+1. `gather_scalars`: every rank gets every sample's scalars (lengths, reward, flags, owner; a few dozen bytes
+   each, over the host-side control group), which is all that advantages, dynamic sampling and the
+   micro-batch plan (rlpo_mega.data.packing) need. The owner validates its samples' routing traces first
+   (moe.routing.trace.validate_trace), so a bad trace is one error on every rank, before any exchange.
+2. `exchange`: one all_to_all of bytes (device tensors: NCCL sends nothing else) puts each sample's
+   tokens, log-probs and routes on the ranks of the DP replica that trains it, each rank receiving only
+   its own MoE layers' route columns as uint8 (<= 256 experts; int16 beyond). No pickled tensors: both
+   sides derive every offset from the scalars and the plan.
+
+Bytes received per rank are at most its own share (its rows' tokens, log-probs and all layers' routes);
+the previous all_gather_object sent the whole batch, with int32 routes, to every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe.routing.trace import RoutingTraceError, TraceSpec, compact_dtype, validate_trace
+from moe.routing.transport import wire_device
+
+
+@dataclass
+class Sample:
+    """One sample as every rank knows it; `payload` (a rollout_phase.Scored, its routes validated) only
+    on its owner, then (after `exchange`) a Received on the ranks that train it."""
+    owner: int
+    prompt_len: int
+    response_len: int
+    reward: float
+    failed: bool
+    correct: bool
+    finish_reason: str
+    replaced_entries: int = 0  # routing-trace entries the live router decides (on_bad_trace=fallback)
+    replaced_tokens: int = 0
+    has_routes: bool = False
+    payload: object = None
+
+    @property
+    def span(self) -> int:
+        """Input positions in the trainer: prompt + response - 1 (the last token is only a label)."""
+        return self.prompt_len + self.response_len - 1
+
+
+@dataclass
+class Received:
+    ids: torch.Tensor  # int64 [prompt + response]
+    logprobs: torch.Tensor  # float32 [response]
+    routes: Optional[torch.Tensor]  # compact [span, this rank's MoE layers, topk]
+    replaced: Optional[torch.Tensor]  # bool [span, this rank's MoE layers]
+
+
+def gather_scalars(local: list, spec: Optional[TraceSpec], on_bad_trace: str, group) -> list[Sample]:
+    """Every rank: all samples' scalars in rank order (= the prompt order of rollout_phase.share).
+    Raises RoutingTraceError on every rank when an owner's trace is bad (on_bad_trace=error)."""
+    me = dist.get_rank()
+    rows, error = [], None
+    try:
+        for i, s in enumerate(local):
+            rep_e = rep_t = 0
+            if s.routes is not None and spec is not None:
+                tr = validate_trace(s.routes, spec, len(s.prompt_ids) + len(s.response_ids) - 1,
+                                    f"{me}:{i}", on_bad_trace)
+                s.routes, s.replaced = tr.ids, tr.replaced
+                rep_e = tr.num_replaced
+                rep_t = 0 if tr.replaced is None else int(tr.replaced.any(dim=1).sum())
+            rows.append((len(s.prompt_ids), len(s.response_ids), float(s.reward), bool(s.failed), bool(s.correct),
+                         s.finish_reason, rep_e, rep_t, s.routes is not None))
+    except RoutingTraceError as e:
+        error = f"rank {me}: {e}"
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (rows, error), group=group)
+    errors = [e for _, e in every if e]
+    if errors:
+        raise RoutingTraceError("; ".join(errors))
+    out = []
+    for rank, (rank_rows, _) in enumerate(every):
+        for i, row in enumerate(rank_rows):
+            out.append(Sample(rank, *row, payload=local[i] if rank == me else None))
+    return out
+
+
+def _encode(s: Sample, cols: list[int], with_routes: bool) -> list[torch.Tensor]:
+    p = s.payload
+    parts = [torch.as_tensor(list(p.prompt_ids) + list(p.response_ids), dtype=torch.int32).view(torch.uint8),
+             p.logprobs.to(torch.float32).contiguous().view(torch.uint8)]
+    if with_routes:
+        parts.append(p.routes[:, cols].contiguous().view(torch.uint8).reshape(-1))
+        if s.replaced_entries:
+            parts.append(p.replaced[:, cols].to(torch.uint8).reshape(-1))
+    return parts
+
+
+def _sizes(s: Sample, n_cols: int, topk: int, itemsize: int, with_routes: bool) -> list[int]:
+    out = [4 * (s.prompt_len + s.response_len), 4 * s.response_len]
+    if with_routes:
+        out.append(s.span * n_cols * topk * itemsize)
+        if s.replaced_entries:
+            out.append(s.span * n_cols)
+    return out
+
+
+def own_share_bytes(samples: Sequence[Sample], mine: Sequence[int], spec: Optional[TraceSpec]) -> int:
+    """The wire size of these samples with every MoE layer's routes: the yardstick of `exchange`."""
+    with_routes = spec is not None and all(s.has_routes for s in samples)
+    itemsize = compact_dtype(spec.num_experts).itemsize if with_routes else 0
+    return sum(sum(_sizes(samples[i], spec.num_layers if with_routes else 0, spec.topk if with_routes else 0,
+                          itemsize, with_routes)) for i in mine)
+
+
+def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
+             group=None) -> tuple[dict[int, Received], dict]:
+    """Send each sample (index -> DP rank in dp_of) from its owner to every rank of that DP replica.
+    recipients: moe.routing.transport.gather_recipients (each rank's dp_rank and MoE layer columns).
+    Returns {sample index: Received} of this rank's samples and {"bytes_received", "own_share_bytes"}."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    mine_r = recipients[me]
+    with_routes = spec is not None and all(s.has_routes for s in samples) and bool(samples)
+    dtype = compact_dtype(spec.num_experts) if with_routes else torch.uint8
+    itemsize = dtype.itemsize
+    topk = spec.topk if with_routes else 0
+    order = sorted(dp_of)  # both sides walk samples in index order
+    outgoing = [[] for _ in range(world)]
+    for i in order:
+        s = samples[i]
+        if s.owner != me:
+            continue
+        for r in recipients:
+            if r.dp_rank == dp_of[i]:
+                outgoing[r.rank] += _encode(s, list(r.layer_cols), with_routes)
+    device = wire_device(group)
+    send_sizes = [sum(t.numel() for t in parts) for parts in outgoing]
+    n_cols = len(mine_r.layer_cols)
+    expected = {i: _sizes(samples[i], n_cols, topk, itemsize, with_routes) for i in order
+                if dp_of[i] == mine_r.dp_rank}
+    recv_sizes = [0] * world
+    for i, sizes in expected.items():
+        recv_sizes[samples[i].owner] += sum(sizes)
+    send = torch.cat([t for parts in outgoing for t in parts]) if any(send_sizes) else torch.empty(0, dtype=torch.uint8)
+    send = send.to(device)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
+    recv = recv.cpu()  # one copy; the micro-batches are cut on the host and moved once (to_device)
+    starts, base = {}, 0
+    for src in range(world):
+        starts[src] = base
+        base += recv_sizes[src]
+    out = {}
+    for i, sizes in expected.items():
+        src = samples[i].owner
+        pos = starts[src]
+        chunks = []
+        for n in sizes:
+            chunks.append(recv[pos:pos + n])
+            pos += n
+        starts[src] = pos
+        s = samples[i]
+        # clone: a view as a wider dtype needs an aligned start, and the pieces follow each other unaligned
+        ids = chunks[0].clone().view(torch.int32).long()
+        lp = chunks[1].clone().view(torch.float32)
+        routes = replaced = None
+        if with_routes:
+            routes = chunks[2].clone().view(dtype).reshape(s.span, n_cols, topk)
+            if s.replaced_entries:
+                replaced = chunks[3].reshape(s.span, n_cols).bool()
+        out[i] = Received(ids, lp, routes, replaced)
+    own = own_share_bytes(samples, list(expected), spec if with_routes else None)
+    return out, {"bytes_received": int(recv.numel()), "own_share_bytes": own}
