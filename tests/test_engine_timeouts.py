@@ -46,10 +46,11 @@ def silent_server():
 
 
 def engine_for(url, **kw):
+    """An engine attached to `url` (or a list of urls), with short health timings."""
     hf = load_hf_config(f"{ROOT}/configs/models/tiny_qwen3_moe.json")
     settings = dict(request_timeout=600.0, control_timeout=600.0, health_timeout=0.5, health_interval=0.25,
                     hang_timeout=600.0)
-    cfg = SGLangEngineConfig(urls=[url], **{**settings, **kw})
+    cfg = SGLangEngineConfig(urls=[url] if isinstance(url, str) else list(url), **{**settings, **kw})
     return SGLangEngine(cfg, hf)
 
 

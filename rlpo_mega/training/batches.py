@@ -53,7 +53,7 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
         loss_mask[k, start:start + s.response_len] = bool(keep[i])
         roll[k, start:start + s.response_len] = r.logprobs
         adv[k] = advantages[i]
-    batch = {"loss_mask": loss_mask, "advantages": adv, "rollout_logp": roll}
+    batch = {"loss_mask": loss_mask, "advantages": adv, "rollout_logp": roll, "samples": list(idx)}
     if layout == "padded":
         tokens = torch.full((n, width + 1), pad_id, dtype=torch.long)
         for k, (_, s, r) in enumerate(rows):
@@ -94,3 +94,46 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
         batch["routes"] = local_routes(traces, placement, local, n_rows, seq_len, topk)
     return batch
 
+
+
+def prepare_step(samples, group_ids, cfg, dp: int, tp: int, recipients, spec, pad_id: int, timer=None):
+    """A step's samples (exchange.Sample, global) -> (this rank's micro-batches per mini-batch as host
+    tensors with routes attached, advantages [n] of all samples, stats). Collective (the exchange).
+    Advantages come from the scalars on every rank; the plan (rlpo_mega.data.packing) decides where each
+    sample trains; only then do the samples travel."""
+    import contextlib
+
+    from megatron.core import parallel_state
+
+    from rlpo_mega.algorithms.policy_step import sequence_advantages
+    from rlpo_mega.config import ConfigError
+    from rlpo_mega.data.packing import aligned, plan_step
+    from rlpo_mega.training.exchange import exchange
+
+    adv, keep, stats = sequence_advantages(
+        cfg.algorithm, torch.tensor([s.reward for s in samples]), group_ids,
+        torch.tensor([s.response_len for s in samples]), torch.tensor([s.finish_reason == "length" for s in samples]))
+    with_routes = all(s.has_routes for s in samples)
+    if with_routes:
+        stats.update({"routing/fallback_entries": sum(s.replaced_entries for s in samples),
+                      "routing/fallback_tokens": sum(s.replaced_tokens for s in samples),
+                      "routing/fallback_samples": sum(s.replaced_entries > 0 for s in samples)})
+    elif cfg.routing.mode == "r3":
+        raise ConfigError("routing.mode=r3 but the rollout engine returned no routes (turn on route capture: "
+                          "rollout.embedded.capture_routes=true)")
+    spans = [s.span for s in samples]
+    t = cfg.trainer
+    plan = plan_step(spans, t.mini_batches, dp, cfg.parallel.num_micro_batches, t.max_tokens_per_micro_batch,
+                     t.layout, align=tp)
+    with (timer("exchange") if timer is not None else contextlib.nullcontext()):
+        received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None)
+    me = recipients[torch.distributed.get_rank()]
+    minis = [[build_micro_batch(samples, received, idx, adv, keep, layout=t.layout, align=tp, pad_id=pad_id,
+                                padded_len=aligned(max(spans), tp), recipient=me if with_routes else None,
+                                topk=spec.topk)
+              for idx in mini] for mini in plan.mine(parallel_state.get_data_parallel_rank())]
+    stats.update({"data/packing_efficiency": sum(spans) / plan.computed_tokens(spans, tp),
+                  "data/micro_batches": max(len(m) for m in minis),
+                  # this rank's bytes over its own rows' payload (training/exchange.py); rank 0's is logged
+                  "data/bytes_over_own_share": xstats["bytes_received"] / max(xstats["own_share_bytes"], 1)})
+    return minis, adv, stats

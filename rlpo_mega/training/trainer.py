@@ -181,44 +181,10 @@ class Trainer:
         return self.cfg.trainer.mini_batches * self.layout.data * self.cfg.parallel.num_micro_batches
 
     def _prepare(self, samples, group_ids, timer):
-        """Advantages (every rank, from scalars), the step plan, the exchange of this rank's samples and its
-        micro-batches per mini-batch (host tensors, routes attached)."""
-        from rlpo_mega.algorithms.policy_step import sequence_advantages
-        from rlpo_mega.data.packing import aligned, plan_step
-        from rlpo_mega.training.batches import build_micro_batch
-        from rlpo_mega.training.exchange import exchange
+        from rlpo_mega.training.batches import prepare_step
 
-        c, tp = self.cfg, self.layout.tensor
-        adv, keep, stats = sequence_advantages(
-            c.algorithm, torch.tensor([s.reward for s in samples]), group_ids,
-            torch.tensor([s.response_len for s in samples]),
-            torch.tensor([s.finish_reason == "length" for s in samples]))
-        with_routes = all(s.has_routes for s in samples)
-        if with_routes:
-            stats.update({"routing/fallback_entries": sum(s.replaced_entries for s in samples),
-                          "routing/fallback_tokens": sum(s.replaced_tokens for s in samples),
-                          "routing/fallback_samples": sum(s.replaced_entries > 0 for s in samples)})
-        elif c.routing.mode == "r3":
-            raise ConfigError("routing.mode=r3 but the rollout engine returned no routes (turn on route capture: "
-                              "rollout.embedded.capture_routes=true)")
-        spans = [s.span for s in samples]
-        plan = plan_step(spans, c.trainer.mini_batches, self.layout.data, c.parallel.num_micro_batches,
-                         c.trainer.max_tokens_per_micro_batch, c.trainer.layout, align=tp)
-        with timer("exchange"):
-            received, xstats = exchange(samples, plan.dp_of(), self.recipients, self.spec if with_routes else None)
-        from megatron.core import parallel_state
-
-        me = self.recipients[self.rank]
-        pad_id = self.tokenizer.pad_token_id or 0
-        minis = [[build_micro_batch(samples, received, idx, adv, keep, layout=c.trainer.layout, align=tp,
-                                    pad_id=pad_id, padded_len=aligned(max(spans), tp),
-                                    recipient=me if with_routes else None, topk=self.spec.topk)
-                  for idx in mini] for mini in plan.mine(parallel_state.get_data_parallel_rank())]
-        stats.update({"data/packing_efficiency": sum(spans) / plan.computed_tokens(spans, tp),
-                      "data/micro_batches": max(len(m) for m in minis),
-                      # this rank's bytes over its own rows' payload (training/exchange.py); rank 0's is logged
-                      "data/bytes_over_own_share": xstats["bytes_received"] / max(xstats["own_share_bytes"], 1)})
-        return minis, adv, stats
+        return prepare_step(samples, group_ids, self.cfg, self.layout.data, self.layout.tensor, self.recipients,
+                            self.spec, self.tokenizer.pad_token_id or 0, timer)
 
     def _old_logprobs(self, minis):
         from rlpo_mega.algorithms.mismatch import mismatch_metrics

@@ -1,0 +1,111 @@
+"""The data path: the step plan (Karmarkar-Karp DP split, token-budget micro-batches), packed micro-batches,
+and packed == padded parity through the real path (gather_scalars -> exchange -> micro-batches -> R3 old
+pass -> policy_step) at TP2+SP, EP2, PP2 and TP2/EP2/PP2, both families."""
+import pytest
+import torch
+
+from moe.routing.transport import Recipient
+from rlpo_mega.data.packing import aligned, karmarkar_karp, plan_step
+from rlpo_mega.training.batches import build_micro_batch
+from rlpo_mega.training.exchange import Received, Sample
+from tests.dist import torchrun
+
+MODELS = "configs/models/tiny_qwen3_moe.json,configs/models/tiny_mixtral.json"
+REL_TOL = 1e-5
+
+
+def test_karmarkar_karp_balances_and_is_deterministic():
+    g = torch.Generator().manual_seed(0)
+    w = torch.distributions.LogNormal(8.0, 0.7).sample((256,)).long().clamp(max=8192).tolist()
+    parts = karmarkar_karp(w, 8)
+    assert sorted(i for p in parts for i in p) == list(range(256))
+    sums = [sum(w[i] for i in p) for p in parts]
+    assert max(sums) - min(sums) <= max(w) * 0.05  # near-perfect balance of a long-tailed set
+    assert parts == karmarkar_karp(w, 8)
+    assert karmarkar_karp([5], 3) == [[0], [], []]
+    del g
+
+
+def test_plan_token_budget_and_equal_micro_batch_counts():
+    g = torch.Generator().manual_seed(1)
+    spans = torch.distributions.LogNormal(7.5, 0.8).sample((128,)).long().clamp(1, 8192).tolist()
+    plan = plan_step(spans, 2, 4, max_tokens=16384, align=2)
+    assert sorted(i for mini in plan.micro for r in mini for mb in r for i in mb) == list(range(128))
+    for m, mini in enumerate(plan.micro):
+        assert all(64 * m <= i < 64 * (m + 1) for r in mini for mb in r for i in mb)  # contiguous mini-batches
+        assert len({len(r) for r in mini}) == 1  # every DP rank runs the same number of micro-batches
+        for r in mini:
+            assert all(aligned(sum(spans[i] for i in mb), 2) <= 16384 for mb in r)
+        tokens = [sum(spans[i] for mb in r for i in mb) for r in mini]
+        assert max(tokens) - min(tokens) <= 0.1 * max(tokens)
+    assert plan.computed_tokens(spans, 2) / sum(spans) < 1.01
+    padded = plan_step(spans, 2, 4, num_micro_batches=2, layout="padded")
+    assert sum(spans) / padded.computed_tokens(spans) < 0.5  # long-tailed: most of a padded batch is padding
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        plan_step([10, 5000], 1, 1, max_tokens=4096)
+
+
+def _sample(i, plen, rlen, g, layers=2, topk=2, experts=4):
+    ids = torch.randint(3, 50, (plen + rlen,), generator=g)
+    routes = torch.rand(plen + rlen - 1, layers, experts, generator=g).argsort(-1)[..., :topk].to(torch.uint8)
+    s = Sample(0, plen, rlen, 1.0, False, True, "stop", has_routes=True)
+    return s, Received(ids, -torch.rand(rlen, generator=g), routes, None)
+
+
+def test_packed_micro_batch_layout():
+    """Each sample's tokens and labels at its own positions (no cross-sample labels), cu_seqlens with the
+    alignment tail as its own sequence, the [n, s] loss view through `index`, routes at the right tokens."""
+    g = torch.Generator().manual_seed(2)
+    pairs = [_sample(i, p, r, g) for i, (p, r) in enumerate([(3, 4), (2, 1), (5, 6)])]
+    samples, received = [p[0] for p in pairs], {i: p[1] for i, p in enumerate(pairs)}
+    rcpt = Recipient(0, 0, 1, 0, 1, (0, 1))
+    adv, keep = torch.tensor([0.5, -1.0, 2.0]), torch.tensor([True, True, False])
+    mb = build_micro_batch(samples, received, [0, 1, 2], adv, keep, layout="packed", align=4, pad_id=0,
+                           recipient=rcpt, topk=2)
+    spans = [6, 2, 10]
+    assert mb["tokens"].shape == (1, 20) and mb["cu_seqlens"].tolist() == [0, 6, 8, 18, 20]
+    off = 0
+    for k, (s, r) in enumerate(zip(spans, received.values())):
+        assert mb["tokens"][0, off:off + s].tolist() == r.ids[:-1].tolist()
+        assert mb["labels"][0, off:off + s].tolist() == r.ids[1:].tolist()
+        assert mb["index"][k, :s].tolist() == list(range(off, off + s))
+        assert mb["position_ids"][0, off:off + s].tolist() == list(range(s))
+        assert (mb["routes"][0, off:off + s].long() == r.routes.long()).all()
+        off += s
+    assert (mb["routes"][0, 18:] == -2).all()  # the tail routes live
+    assert mb["loss_mask"].sum(1).tolist() == [4, 1, 0]  # sample 2 filtered (keep=False)
+    assert mb["loss_mask"][0].nonzero().flatten().tolist() == [2, 3, 4, 5]  # prompt 3: first label at 2
+    assert torch.equal(mb["rollout_logp"][0, 2:6], received[0].logprobs)
+    assert mb["advantages"].tolist() == [0.5, -1.0, 2.0]
+    empty = build_micro_batch(samples, received, [], adv, keep, layout="packed", align=4, pad_id=0)
+    assert empty["tokens"].shape == (1, 4) and not empty["loss_mask"].any()
+
+
+LAYOUTS = {
+    "tp2_sp": (2, ["parallel.tensor=2"]),
+    "ep2": (2, ["parallel.expert=2"]),
+    "pp2_mb2": (2, ["parallel.pipeline=2", "parallel.num_micro_batches=2"]),
+    "tp2_ep2_pp2": (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
+                        "parallel.num_micro_batches=2"]),
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_equals_padded(layout):
+    nproc, overrides = LAYOUTS[layout]
+    report = torchrun("packed_parity.py", nproc, MODELS, *overrides, timeout=900)
+    assert set(report) == {"tiny_qwen3_moe.json", "tiny_mixtral.json"}
+    for model, losses in report.items():
+        for loss, r in losses.items():
+            where = f"{layout} {model} {loss}"
+            assert r["zero_grads"] == 0, where
+            assert r["grad_rel_max"] <= REL_TOL, f"{where}: gradient rel error {r['grad_rel_max']:.2e}"
+            for key, (packed, padded) in r["metrics"].items():  # loss and metrics, as tests/test_parity.py
+                assert abs(packed - padded) <= REL_TOL * max(abs(padded), 0.1), (where, key, packed, padded)
+            good, total = r["placement_packed"]
+            assert total > 0 and good == total, f"{where}: R3 routes at the wrong packed tokens {good}/{total}"
+            assert r["placement_padded"] == r["placement_packed"]
+            assert r["efficiency"]["packed"] >= 0.99 > 0.6 > r["efficiency"]["padded"], (where, r["efficiency"])
+            assert r["bytes_over_own_share"] <= 1.1, where
+        assert 0 < losses["gspo"]["clip_frac"] < 1  # the data exercises the clip

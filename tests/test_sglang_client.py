@@ -1,0 +1,218 @@
+"""The SGLang client at scale, without a real SGLang (fast): the per-server in-flight limit
+(rollout.sglang.max_in_flight_per_server) against fake /generate servers that count what they hold at once,
+and the vectorized route decoding (rlpo_mega.rollout.sglang_client) against the reference path
+(moe.routing.decoders.decode_sglang + select_moe_layers). Hang and stop handling: tests/test_engine_timeouts.py."""
+import base64
+import contextlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from moe.model import load_hf_config
+from moe.routing.decoders import decode_sglang, encode_sglang, select_moe_layers
+from moe.routing.trace import RoutingTraceError, TraceSpec, validate_trace
+from rlpo_mega.config import ConfigError, load_config
+from rlpo_mega.config_checks import check_run_config
+from rlpo_mega.rollout import RolloutInterrupted, SamplingParams
+from rlpo_mega.rollout.sglang_client import ServerSlots, SlotsClosed, decode_routes, parse_logprobs
+from tests.dist import ROOT
+from tests.test_engine_timeouts import engine_for, silent_server
+
+
+class Gauge:
+    """Requests held at once (now, most), under a lock: one per fake server, one over all of them."""
+
+    def __init__(self):
+        self.lock, self.now, self.peak = threading.Lock(), 0, 0
+
+    def enter(self):
+        with self.lock:
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+
+    def leave(self):
+        with self.lock:
+            self.now -= 1
+
+
+@contextlib.contextmanager
+def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, experts=4):
+    """A /generate server answering after `delay` s with `new_tokens` tokens, their log-probs and routes over
+    all `layers` hidden layers (SGLang's format); yields (url, its Gauge, {rid: routes sent})."""
+    mine, sent = Gauge(), {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):  # /health
+            self._send({})
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/generate":
+                return self._send({})
+            mine.enter()
+            total.enter()
+            try:
+                time.sleep(delay)
+                rows = len(req["input_ids"]) + new_tokens - 1
+                rng = np.random.default_rng(abs(hash(req["rid"])) % 2 ** 32)
+                routes = torch.from_numpy(np.argsort(rng.random((rows, layers, experts)), -1)[..., :topk]
+                                          .astype(np.int32))
+                sent[req["rid"]] = routes
+            finally:  # before the answer goes out: the client may send its next request as soon as it reads it
+                mine.leave()
+                total.leave()
+            self._send({"output_ids": list(range(10, 10 + new_tokens)), "meta_info": {
+                "finish_reason": {"type": "length"}, "weight_version": "w0",
+                "output_token_logprobs": [[-0.5 - t / 8, 10 + t, None] for t in range(new_tokens)],
+                "routed_experts": encode_sglang(routes)}})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", mine, sent
+    finally:
+        server.shutdown()
+        server.server_close()
+        t.join(5)
+
+
+def test_per_server_in_flight_limit():
+    """2 servers, max_in_flight_per_server=3, 20 requests: no server ever holds more than 3, both serve,
+    and 6 are in flight at once; answers decode into the right samples, in prompt order."""
+    total = Gauge()
+    with fake_sglang(total) as (url_a, a, sent_a), fake_sglang(total) as (url_b, b, sent_b):
+        engine = engine_for([url_a, url_b], max_in_flight_per_server=3)
+        prompts = [[1, 2, 3 + i % 4] + [7] * (i % 3) for i in range(10)]
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=3), n=2)
+        engine.shutdown()
+    assert a.peak <= 3 and b.peak <= 3, (a.peak, b.peak)
+    assert len(sent_a) > 0 and len(sent_b) > 0, (len(sent_a), len(sent_b))
+    assert total.peak == 6, total.peak
+    sent = {**sent_a, **sent_b}
+    assert len(out) == 20 and len(sent) == 20 and {s.meta["rid"] for s in out} == set(sent)
+    assert [s.prompt_index for s in out] == [i for i in range(10) for _ in range(2)]
+    for s in out:
+        assert s.prompt_ids == prompts[s.prompt_index] and s.response_ids == [10, 11, 12]
+        assert s.finish_reason == "length" and s.meta["server"] in (url_a, url_b)
+        assert s.meta["rid"] in (sent_a if s.meta["server"] == url_a else sent_b)
+        assert s.logprobs.dtype == torch.float32
+        assert torch.equal(s.logprobs, torch.tensor([-0.5, -0.625, -0.75], dtype=torch.float32))
+        assert s.routes.dtype == torch.uint8 and torch.equal(s.routes.long(), sent[s.meta["rid"]].long())
+
+
+def test_stop_sends_nothing_more():
+    """limit 1 on a hung server: one request in flight, the others wait for its slot; a stop aborts that
+    one and the waiting ones are never sent."""
+    with silent_server() as url:
+        engine = engine_for(url, max_in_flight_per_server=1)
+        generates, http = [], engine._http
+
+        def counting(server, path, *args, **kw):
+            if path == "/generate":
+                generates.append(path)
+            return http(server, path, *args, **kw)
+
+        engine._http = counting
+        t0 = time.monotonic()
+        engine.should_stop = lambda: time.monotonic() - t0 > 1.0
+        with pytest.raises(RolloutInterrupted, match="1 requests aborted"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4), n=3)
+        time.sleep(0.5)  # time for a wrongly woken worker to send
+        assert len(generates) == 1
+        engine.shutdown()
+
+
+def test_server_slots_least_loaded_then_round_robin():
+    slots = ServerSlots(3, limit=2, start=1)
+    got = [slots.acquire() for _ in range(6)]
+    assert got == [1, 2, 0, 1, 2, 0] and slots.peak == [2, 2, 2]
+    slots.release(2)
+    assert slots.acquire() == 2  # the only server with a free slot
+    outcome = []
+
+    def wait_for_slot():
+        try:
+            outcome.append(slots.acquire())
+        except SlotsClosed:
+            outcome.append("closed")
+
+    waiter = threading.Thread(target=wait_for_slot, daemon=True)
+    waiter.start()  # every server full: it waits, and close() wakes it with SlotsClosed
+    time.sleep(0.1)
+    assert waiter.is_alive() and outcome == []
+    slots.close()
+    waiter.join(2)
+    assert outcome == ["closed"]
+
+
+@pytest.mark.parametrize("experts,dtype", [(64, torch.uint8), (256, torch.uint8), (300, torch.int16)])
+def test_vectorized_decode_equals_reference(experts, dtype):
+    hidden, k = 6, 4
+    spec = TraceSpec(experts, k, (1, 3, 4))  # layers 0, 2 and 5 dense: garbage ids there, dropped
+    rng = np.random.default_rng(experts)
+    full = torch.from_numpy(rng.integers(0, experts, (37, hidden, k)).astype(np.int32))
+    full[:, [0, 2, 5]] = -7
+    payload = encode_sglang(full)
+    ref = select_moe_layers(decode_sglang(payload, hidden, k), spec, hidden)
+    new = decode_routes(payload, hidden, spec)
+    assert new.dtype == dtype and new.shape == (37, 3, k) and torch.equal(new.long(), ref.long())
+    assert torch.equal(decode_routes(payload.encode(), hidden, spec), new)  # bytes as well as str
+    assert decode_routes("", hidden, spec).shape == (0, 3, k)
+
+
+def test_out_of_range_ids_stay_visible():
+    """Narrowing -1 (no data) or 300 to uint8 would make valid-looking ids: such traces keep int32 and
+    validate_trace names them."""
+    spec = TraceSpec(256, 2, (0, 1))
+    rows = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [-1, 300]]], dtype=torch.int32)
+    dec = decode_routes(encode_sglang(rows), 2, spec)
+    assert dec.dtype == torch.int32 and torch.equal(dec, rows)
+    with pytest.raises(RoutingTraceError, match="missing route"):
+        validate_trace(dec, spec, 2, sample=0)
+
+
+def test_corrupted_payload_raises():
+    spec = TraceSpec(8, 2, (0, 1))
+    good = encode_sglang(torch.zeros(3, 2, 2, dtype=torch.int32))
+    with pytest.raises(RoutingTraceError, match="not valid base64"):
+        decode_routes(good[:-3] + "!!!", 2, spec)
+    with pytest.raises(RoutingTraceError, match="not a whole number of int32"):
+        decode_routes(base64.b64encode(bytes(13)), 2, spec)
+    with pytest.raises(RoutingTraceError, match="not a multiple"):
+        decode_routes(encode_sglang(torch.zeros(3, 2, 2, dtype=torch.int32).reshape(-1)[:-2]), 2, spec)
+    with pytest.raises(RoutingTraceError, match="MoE layer 2 is missing"):
+        decode_routes(good, 2, TraceSpec(8, 2, (0, 2)))
+
+
+def test_parse_logprobs():
+    entries = [[-0.1, 5, None], [-2.5, 7, "x"], [-1e-9, 9, None]]
+    assert torch.equal(parse_logprobs(entries), torch.tensor([float(x[0]) for x in entries], dtype=torch.float32))
+    assert parse_logprobs([]).shape == (0,) and parse_logprobs(None).dtype == torch.float32
+
+
+def test_config_check(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    hf = load_hf_config(f"{ROOT}/configs/models/tiny_qwen3_moe.json")
+    base = ("prompts.path=configs/data/toy_add_train.jsonl", "reward.function=toy_arith", "rollout.engine=sglang",
+            "rollout.sglang.urls=[http://127.0.0.1:30000]", "rollout.sync_transport=sglang_distributed")
+    assert check_run_config(load_config(None, base), hf) == []
+    with pytest.raises(ConfigError, match=r"rollout\.sglang\.max_in_flight_per_server=0 must be >= 1"):
+        check_run_config(load_config(None, base + ("rollout.sglang.max_in_flight_per_server=0",)), hf)
