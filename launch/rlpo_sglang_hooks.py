@@ -10,7 +10,7 @@ question. So the digests are computed here, where the weights live, and only the
   dummy tensor whose *name* is a JSON request {"store": [host, port], "key": ..., "algorithm": ...};
   every TP rank of the server runs this function: the TP shards are gathered to TP rank 0 over SGLang's own
   TP group (on the GPU, over NVLink), unfused into HF names (moe/families/sglang_names.py), digested with the
-  learner's algorithm (rlpo_mega/weight_sync/digest.py), and TP rank 0 writes {"digests": {...}} (or
+  learner's algorithm (moe/bridge/digest.py), and TP rank 0 writes {"digests": {...}} (or
   {"error": ...}) under `key` into the learner's TCP store.
 
 The TP layout read here is SGLang's (its linear-layer classes decide how each parameter is split); the
@@ -127,8 +127,8 @@ def full_parameters(model, group=None):
 
 def digests_of(model, algorithm: str, group=None):
     """{HF name: digest} of what this server holds (TP rank 0; None on the others)."""
+    from moe.bridge.digest import tensor_digest
     from moe.families.sglang_names import sglang_to_hf
-    from rlpo_mega.weight_sync.digest import tensor_digest
 
     full = full_parameters(model, group)
     if full is None:

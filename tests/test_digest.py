@@ -7,8 +7,8 @@ import pytest
 import torch
 import xxhash
 
-from rlpo_mega.weight_sync import digest
-from rlpo_mega.weight_sync.digest import copy_with_digests, tensor_digest
+from moe.bridge import digest
+from moe.bridge.digest import copy_with_digests, tensor_digest
 
 ALGORITHMS = ["xxh3", "sums"]
 

@@ -183,7 +183,7 @@ def test_tp2_server_digests_catch_corruption(assets, servers):
 
     from rlpo_mega.config import SGLangEngineConfig
     from rlpo_mega.rollout.sglang_engine import SGLangEngine
-    from rlpo_mega.weight_sync.digest import DigestMismatchError
+    from moe.bridge.digest import DigestMismatchError
     from rlpo_mega.weight_sync.transports import TRANSPORTS
     from tests.test_sglang import ListStream
 

@@ -23,7 +23,7 @@ from moe.model import load_hf_config
 from rlpo_mega.config import SGLangEngineConfig
 from rlpo_mega.rollout import ENGINES, EngineError, SamplingParams
 from rlpo_mega.rollout.sglang_engine import EngineRestarted, SGLangEngine
-from rlpo_mega.weight_sync.digest import DigestMismatchError, tensor_digest, verify
+from moe.bridge.digest import DigestMismatchError, tensor_digest, verify
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 from tests.dist import ROOT, torchrun
 from tests.workers.bridge import make_hf_checkpoint

@@ -65,7 +65,7 @@ def step_overhead(args):
     from moe.model import load_hf_config
     from moe.routing.replay import RoutingReplay
     from rlpo_mega import distributed
-    from rlpo_mega.algorithms.policy_step import assemble_batch, policy_step, prepare_micro_batches
+    from rlpo_mega.training.policy_step import assemble_batch, policy_step, prepare_micro_batches
     from rlpo_mega.config import load_config
     from rlpo_mega.training.model_setup import build_policy
 

@@ -99,8 +99,8 @@ class HFModelWeights:
     @torch.no_grad()
     def load_verified(self, named_tensors, algorithm: str) -> tuple[dict[str, str], dict[str, str]]:
         """Load and digest in one pass: ({name: digest of the streamed bytes}, {name: digest of the
-        engine's memory after the copy}); see rlpo_mega.weight_sync.digest.copy_with_digests."""
-        from rlpo_mega.weight_sync.digest import copy_with_digests
+        engine's memory after the copy}); see moe.bridge.digest.copy_with_digests."""
+        from moe.bridge.digest import copy_with_digests
 
         sent, loaded = {}, {}
         for name, tensor in named_tensors:

@@ -209,7 +209,7 @@ class ExportStream:
     def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | None = 0,
                  vocab_divisible_by: int = 128, dtype: torch.dtype | None = None,
                  digest_algorithm: str | None = None):
-        from rlpo_mega.weight_sync.digest import algorithm_for, tensor_digest
+        from moe.bridge.digest import algorithm_for, tensor_digest
 
         self._digest = tensor_digest
         if digest_algorithm is None:

@@ -131,14 +131,3 @@ class RoutingStats:
         out[f"{p}/fallback_entries"] = float(t[:, 2].sum())
         out[f"{p}/tokens"] = float(t[:, 3].max()) if self.L else 0.0
         return out
-
-
-def logprob_mismatch(train_logp, rollout_logp, mask, prefix: str) -> dict:
-    """Train/rollout mismatch over response tokens (k3 KL, mean and max |w - 1|), keys under `prefix`."""
-    from rlpo_mega.algorithms.mismatch import mismatch_metrics
-
-    m = mismatch_metrics(train_logp, rollout_logp, mask.bool())
-    kl, dev = m["mismatch/k3_kl"], m["mismatch/ratio_dev_mean"]
-    return {f"{prefix}/k3_kl": float(kl[0] / kl[1].clamp(min=1)),
-            f"{prefix}/ratio_dev_mean": float(dev[0] / dev[1].clamp(min=1)),
-            f"{prefix}/ratio_dev_max": float(m["max:mismatch/ratio_dev_max"].max())}

@@ -115,9 +115,8 @@ class RoutingReplay:
     `attach(micro)`, `wrap_old(step)` and `wrap_update(step)`; `metrics()` gives the step's routing metrics."""
 
     def __init__(self, model_chunks, spec: TraceSpec, mode: str = "r3"):
-        from rlpo_mega.training.model_setup import unwrap
-
-        config = unwrap(model_chunks[0]).config
+        inner = model_chunks[0]
+        config = getattr(inner, "module", inner).config  # under megatron's DDP wrapper or bare
         check_replay_config(config, mode)
         self.mode, self.spec = mode, spec
         self._routes = None
@@ -231,26 +230,6 @@ class RoutingReplay:
         """This step's routing metrics (collective over all ranks); resets the counters."""
         out = self.stats.reduce(group)
         out["routing/mode"] = self.mode
-        return out
-
-    def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
-        """Train/rollout log-prob mismatch with replay (the micro-batches' old_logp) and without it (one
-        extra forward-only pass routing live; also gives `routing/no_replay/agreement`). Needs rollout_logp.
-        Collective; every rank gets the global values."""
-        from rlpo_mega.algorithms.mismatch import mismatch_metrics
-        from rlpo_mega.algorithms.policy_step import compute_log_probs, reduce_report
-
-        live = compute_log_probs(model_chunks, micro, algo_cfg, wrap_step=lambda s: self.wrap(s, "observe", "no_replay"))
-        reports = []
-        for mb, lp in zip(micro, live or []):
-            mask = mb["loss_mask"].bool()
-            rep = {}
-            for tag, logp in (("replay", mb["old_logp"]), ("no_replay", lp)):
-                for k, v in mismatch_metrics(logp, mb["rollout_logp"], mask).items():
-                    rep[k.replace("mismatch/", f"routing/mismatch_{tag}/")] = v
-            reports.append(rep)
-        out = reduce_report(reports)
-        out.update(self.stats.reduce(phases=["no_replay"]))
         return out
 
     def reset(self):

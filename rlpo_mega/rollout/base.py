@@ -69,7 +69,18 @@ class RolloutSample:
 
 
 class RolloutEngine(abc.ABC):
-    """Every engine implements these; the trainer uses nothing else."""
+    """Every engine implements these; the trainer uses nothing else. Built from a RunConfig through ENGINES
+    (`from_config`) on the learner ranks `ranks` names: every rank holds an in-process engine, a client of
+    remote servers lives on rank 0 only (the servers batch across all requests)."""
+
+    @classmethod
+    def ranks(cls, world_size: int) -> list[int]:
+        return list(range(world_size))
+
+    @classmethod
+    @abc.abstractmethod
+    def from_config(cls, run_cfg, hf_config) -> "RolloutEngine":
+        """The engine of a RunConfig (on a rank of `ranks`)."""
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,

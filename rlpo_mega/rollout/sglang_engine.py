@@ -41,7 +41,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from rlpo_mega.weight_sync.digest import DigestMismatchError, verify
+from moe.bridge.digest import DigestMismatchError, verify
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, RolloutSample, SamplingParams
@@ -82,6 +82,15 @@ class SGLangEngine(RolloutEngine):
     HF directory), for route decoding and digest read-back. model_path: the HF directory to launch from
     (launch mode) or to restart from."""
 
+    @classmethod
+    def ranks(cls, world_size: int) -> list[int]:
+        return [0]
+
+    @classmethod
+    def from_config(cls, run_cfg, hf_config) -> "SGLangEngine":
+        return cls(run_cfg.rollout.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
+                   return_routes=run_cfg.routing.mode != "off")
+
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True):
         from moe.routing.trace import TraceSpec
 
@@ -94,6 +103,10 @@ class SGLangEngine(RolloutEngine):
         self.num_hidden_layers = int(hf_config.num_hidden_layers)
         self.return_routes = return_routes
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        from moe.families import get_family
+
+        names = get_family(hf_config.model_type).hf_names(hf_config)  # HF names are family knowledge
+        self._embed, self._head = names["embedding"], names["output"]
         self._rid = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._inflight: dict[str, _Server] = {}
@@ -376,9 +389,9 @@ class SGLangEngine(RolloutEngine):
         if not named_tensors:
             return
         names = {n for n, _ in named_tensors}
-        if self.tied and "model.embed_tokens.weight" in names and "lm_head.weight" not in names:
+        if self.tied and self._embed in names and self._head not in names:
             # sglang's Mixtral (0.5.23) ignores tie_word_embeddings and keeps its own lm_head: send it too
-            named_tensors.append(("lm_head.weight", dict(named_tensors)["model.embed_tokens.weight"]))
+            named_tensors.append((self._head, dict(named_tensors)[self._embed]))
         payload, keep = self._tensor_payload(named_tensors)
         for s in self.servers:
             self._post_ok(s, "/update_weights_from_tensor",
@@ -395,9 +408,9 @@ class SGLangEngine(RolloutEngine):
 
             for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
                 with safe_open(os.path.join(path, file), "pt") as f:
-                    if "model.embed_tokens.weight" in f.keys():
+                    if self._embed in f.keys():
                         self.begin_weight_update()
-                        self.load_weights([("model.embed_tokens.weight", f.get_tensor("model.embed_tokens.weight"))])
+                        self.load_weights([(self._embed, f.get_tensor(self._embed))])
                         self._post_ok_all("/end_weight_update")
         self.weights_updated = True
         self.flush_cache()
@@ -452,7 +465,7 @@ class SGLangEngine(RolloutEngine):
                                        enumerate(self.servers)))
         if self.tied:
             for s, d in zip(self.servers, per_server):
-                if "lm_head.weight" in d and d["lm_head.weight"] != d.get("model.embed_tokens.weight"):
+                if self._head in d and d[self._head] != d.get(self._embed):
                     raise DigestMismatchError(
                         f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
                         "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "

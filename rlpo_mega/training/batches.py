@@ -105,7 +105,7 @@ def prepare_step(samples, group_ids, cfg, dp: int, tp: int, recipients, spec, pa
 
     from megatron.core import parallel_state
 
-    from rlpo_mega.algorithms.policy_step import sequence_advantages
+    from rlpo_mega.training.policy_step import sequence_advantages
     from rlpo_mega.config import ConfigError
     from rlpo_mega.data.packing import aligned, plan_step
     from rlpo_mega.training.exchange import exchange

@@ -46,18 +46,13 @@ def mix_seed(*parts: int) -> int:
 
 def build_engine(cfg, hf):
     """The configured engine on the ranks that run one (None elsewhere)."""
-    name = cfg.rollout.engine
-    cls = ENGINES.get(name)
-    if name == "sglang":
-        if dist.get_rank() != 0:
-            return None
-        return cls(cfg.rollout.sglang, hf, model_path=cfg.model.init_from_hf,
-                   return_routes=cfg.routing.mode != "off")
-    return cls.from_config(cfg, hf) if hasattr(cls, "from_config") else cls(hf, cfg.rollout.embedded)
+    if dist.get_rank() not in engine_ranks(cfg):
+        return None
+    return ENGINES.get(cfg.rollout.engine).from_config(cfg, hf)
 
 
 def engine_ranks(cfg) -> list[int]:
-    return [0] if cfg.rollout.engine == "sglang" else list(range(dist.get_world_size()))
+    return ENGINES.get(cfg.rollout.engine).ranks(dist.get_world_size())
 
 
 def make_transport(cfg, engine, hf):

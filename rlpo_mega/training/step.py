@@ -114,13 +114,27 @@ def forward_backward(model_chunks, optimizer, micro_batches, forward_step=None):
     return run_schedule(model_chunks, micro_batches, forward_only=False, forward_step=forward_step)
 
 
+def optimizer_step(optimizer, lr_schedule=None, strict: bool = True) -> tuple[bool, float]:
+    """The one optimizer step of every path (warm-up, RL update, tests): megatron's step (clipping, the
+    mixed-precision found-inf check) -> (applied, grad_norm). The schedule advances only on applied updates,
+    as megatron's does. strict: a skipped step (non-finite gradients) raises instead of returning False."""
+    import math
+
+    ok, grad_norm, _ = optimizer.step()
+    grad_norm = float(grad_norm or 0.0)
+    applied = bool(ok) and math.isfinite(grad_norm)
+    if not applied and strict:
+        raise FloatingPointError("optimizer step skipped: non-finite gradients")
+    if applied and lr_schedule is not None:
+        lr_schedule.step(1)
+    return applied, grad_norm
+
+
 def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
     """One optimizer step over the given micro-batches (this rank's share of the global batch)."""
     reports = forward_backward(model_chunks, optimizer, micro_batches, forward_step)
-    ok, grad_norm, _ = optimizer.step()
-    if not ok:
-        raise FloatingPointError("optimizer step skipped: non-finite gradients")
-    return {"loss": reduce_loss(reports), "grad_norm": float(grad_norm or 0.0)}
+    _, grad_norm = optimizer_step(optimizer)
+    return {"loss": reduce_loss(reports), "grad_norm": grad_norm}
 
 
 @torch.no_grad()

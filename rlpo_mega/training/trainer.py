@@ -188,7 +188,7 @@ class Trainer:
 
     def _old_logprobs(self, minis):
         from rlpo_mega.algorithms.mismatch import mismatch_metrics
-        from rlpo_mega.algorithms.policy_step import attach_old_logprobs, reduce_report
+        from rlpo_mega.training.policy_step import attach_old_logprobs, reduce_report
         from rlpo_mega.training.step import to_device
 
         prepared, reports = [], []
@@ -213,7 +213,8 @@ class Trainer:
         return rp.all_ok(not bad, self.device)
 
     def _update(self, prepared) -> tuple[dict, int]:
-        from rlpo_mega.algorithms.policy_step import policy_step
+        from rlpo_mega.training.policy_step import policy_step
+        from rlpo_mega.training.step import optimizer_step
 
         outs, skipped = [], 0
         for _ in range(self.cfg.trainer.epochs):
@@ -221,12 +222,8 @@ class Trainer:
                 out = policy_step(self.chunks, self.optimizer, micro, self.cfg.algorithm, step_optimizer=False,
                                   routing=self.routing)
                 if math.isfinite(out["policy_loss"]) and self._grads_finite():
-                    ok, grad_norm, _ = self.optimizer.step()
-                    out["grad_norm"] = float(grad_norm or 0.0)
-                    if not ok or not math.isfinite(out["grad_norm"]):
-                        skipped += 1
-                    else:
-                        self.lr_schedule.step(1)  # as megatron: the schedule advances on applied updates
+                    applied, out["grad_norm"] = optimizer_step(self.optimizer, self.lr_schedule, strict=False)
+                    skipped += not applied
                 else:
                     skipped += 1
                     out["grad_norm"] = math.nan

@@ -40,7 +40,7 @@ def _batch(examples, rows, tp: int, pad: int) -> dict:
 
 def supervised_warmup(trainer):
     """trainer.cfg.trainer.warmup.steps optimizer steps of batch_size examples (seeded order, cycling)."""
-    from rlpo_mega.algorithms.policy_step import shard_and_split
+    from rlpo_mega.training.policy_step import shard_and_split
     from rlpo_mega.training.step import train_step
 
     w = trainer.cfg.trainer.warmup

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from rlpo_mega.algorithms.registry import Registry
 
-from .digest import DigestMismatchError, verify
+from moe.bridge.digest import DigestMismatchError, verify
 
 TRANSPORTS = Registry("weight-sync transport")
 
@@ -226,7 +226,7 @@ class HFModelReceiver:
         self.end_weight_update()
 
     def weight_digests(self, names, algorithm: str) -> dict[str, str]:
-        from .digest import tensor_digest
+        from moe.bridge.digest import tensor_digest
 
         return {n: tensor_digest(self.weights.read(n), algorithm) for n in names}
 

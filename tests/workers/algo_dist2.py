@@ -62,7 +62,7 @@ def dp2_invariance():
     from rlpo_mega import distributed
     from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
     from rlpo_mega.algorithms.objective import policy_objective
-    from rlpo_mega.algorithms.policy_step import (make_policy_forward_step, policy_step, prepare_micro_batches,
+    from rlpo_mega.training.policy_step import (make_policy_forward_step, policy_step, prepare_micro_batches,
                                                   shard_and_split)
     from rlpo_mega.config import load_config
     from rlpo_mega.training.model_setup import build_policy, unwrap

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from moe.model import load_hf_config  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
-from rlpo_mega.algorithms.policy_step import (assemble_batch, policy_step, prepare_micro_batches,  # noqa: E402
+from rlpo_mega.training.policy_step import (assemble_batch, policy_step, prepare_micro_batches,  # noqa: E402
                                               shard_and_split)
 from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402

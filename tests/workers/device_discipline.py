@@ -68,7 +68,7 @@ def selfcheck():
 
     from rlpo_mega import platform
     from rlpo_mega.algorithms.mismatch import mismatch_metrics
-    from rlpo_mega.algorithms.policy_step import assemble_batch
+    from rlpo_mega.training.policy_step import assemble_batch
     from rlpo_mega.config import AlgorithmConfig
     from tests.workers.device_tracker import origin
 

@@ -20,7 +20,7 @@ from moe.model import load_hf_config  # noqa: E402
 from moe.routing.trace import TraceSpec  # noqa: E402
 from moe.routing.transport import gather_recipients  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
-from rlpo_mega.algorithms.policy_step import attach_old_logprobs, policy_step  # noqa: E402
+from rlpo_mega.training.policy_step import attach_old_logprobs, policy_step  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.training.batches import prepare_step  # noqa: E402
 from rlpo_mega.training.exchange import gather_scalars  # noqa: E402

@@ -14,11 +14,10 @@ from moe.model import load_hf_config
 from moe.routing.replay import RoutingReplay, RoutingReplayError
 from moe.routing.trace import TraceSpec, validate_batch
 from moe.routing.transport import gather_recipients, padded_placement, scatter_routes
-from moe.routing.metrics import logprob_mismatch
 from rlpo_mega import distributed
 from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
 from rlpo_mega.algorithms.objective import policy_objective
-from rlpo_mega.algorithms.policy_step import _model_out, assemble_batch, policy_step, prepare_micro_batches
+from rlpo_mega.training.policy_step import _model_out, assemble_batch, policy_step, prepare_micro_batches
 from rlpo_mega.config import load_config
 from rlpo_mega.training.model_setup import build_policy
 from rlpo_mega.training.step import forward_backward
@@ -57,6 +56,39 @@ class Run:
                               len(self.lengths), SEQ, self.spec)
 
 
+
+# test-only helpers (they measure; the trainer computes its mismatch metrics in policy_step/objective)
+def logprob_mismatch(train_logp, rollout_logp, mask, prefix: str) -> dict:
+    """Train/rollout mismatch over response tokens (k3 KL, mean and max |w - 1|), keys under `prefix`."""
+    from rlpo_mega.algorithms.mismatch import mismatch_metrics
+
+    m = mismatch_metrics(train_logp, rollout_logp, mask.bool())
+    kl, dev = m["mismatch/k3_kl"], m["mismatch/ratio_dev_mean"]
+    return {f"{prefix}/k3_kl": float(kl[0] / kl[1].clamp(min=1)),
+            f"{prefix}/ratio_dev_mean": float(dev[0] / dev[1].clamp(min=1)),
+            f"{prefix}/ratio_dev_max": float(m["max:mismatch/ratio_dev_max"].max())}
+
+
+def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
+    """Train/rollout log-prob mismatch with replay (the micro-batches' old_logp) and without it (one
+    extra forward-only pass routing live; also gives `routing/no_replay/agreement`). Needs rollout_logp.
+    Collective; every rank gets the global values."""
+    from rlpo_mega.algorithms.mismatch import mismatch_metrics
+    from rlpo_mega.training.policy_step import compute_log_probs, reduce_report
+
+    live = compute_log_probs(model_chunks, micro, algo_cfg, wrap_step=lambda s: self.wrap(s, "observe", "no_replay"))
+    reports = []
+    for mb, lp in zip(micro, live or []):
+        mask = mb["loss_mask"].bool()
+        rep = {}
+        for tag, logp in (("replay", mb["old_logp"]), ("no_replay", lp)):
+            for k, v in mismatch_metrics(logp, mb["rollout_logp"], mask).items():
+                rep[k.replace("mismatch/", f"routing/mismatch_{tag}/")] = v
+        reports.append(rep)
+    out = reduce_report(reports)
+    out.update(self.stats.reduce(phases=["no_replay"]))
+    return out
+
 def old_logp(micro):
     return torch.cat([mb["old_logp"] for mb in micro])
 
@@ -83,7 +115,7 @@ def r3_case(run, perturb, recompute=False, traces=None, mode="r3"):
     micro = prepare_micro_batches(chunks, batch, cfg.algorithm, NMB, routing=driver)
     old_routes = local_forward_routes(hooks, micro, run.spec.num_layers)
     hooks.clear()
-    with_without = driver.mismatch_report(chunks, micro, cfg.algorithm) if mode == "r3" else {}
+    with_without = mismatch_report(driver, chunks, micro, cfg.algorithm) if mode == "r3" else {}
     hooks.clear()
     out = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=driver)
     res = {"old_routes_vs_trace": compare_to_traces(old_routes, run.traces),

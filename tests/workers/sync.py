@@ -14,8 +14,8 @@ from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.training.model_setup import build_policy
 from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
-from rlpo_mega.weight_sync import digest
-from rlpo_mega.weight_sync.digest import DigestMismatchError
+from moe.bridge import digest
+from moe.bridge.digest import DigestMismatchError
 from rlpo_mega.weight_sync.transports import (DiskTransport, DistributedTransport, HFModelReceiver,
                                               InProcessTransport, WeightUpdateGroup)
 from tests.dist import write_report

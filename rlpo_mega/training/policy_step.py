@@ -25,10 +25,10 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .advantages import compute_advantages
-from .logprobs import vocab_parallel_logprobs
-from .objective import policy_objective, validate
-from .shaping import overlong_filter, soft_overlong_punishment
+from rlpo_mega.algorithms.advantages import compute_advantages
+from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
+from rlpo_mega.algorithms.objective import policy_objective, validate
+from rlpo_mega.algorithms.shaping import overlong_filter, soft_overlong_punishment
 
 ROW_KEYS = ("tokens", "labels", "loss_mask", "advantages", "old_logp", "ref_logp", "rollout_logp")
 
@@ -280,7 +280,7 @@ def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_op
     """One policy update: loss/backward over the micro-batches (megatron schedule, global normalisation)
     -> optimizer step. Returns the global metrics (and grad_norm). routing: replays the micro-batches'
     routes (moe.routing.replay.RoutingReplay); its metrics are added."""
-    from rlpo_mega.training.step import forward_backward
+    from rlpo_mega.training.step import forward_backward, optimizer_step
 
     step = make_policy_forward_step(cfg, model_chunks)
     reports = forward_backward(model_chunks, optimizer, micro_batches, routing.wrap_update(step) if routing else step)
@@ -288,10 +288,7 @@ def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_op
     if routing is not None:
         out.update(routing.metrics())
     if step_optimizer:
-        ok, grad_norm, _ = optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
-        out["grad_norm"] = float(grad_norm or 0.0)
+        out["grad_norm"] = optimizer_step(optimizer)[1]
     return out
 
 
