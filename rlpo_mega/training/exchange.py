@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from moe.routing.trace import RoutingTraceError, TraceSpec, compact_dtype, validate_trace
 from moe.routing.transport import wire_device
+from rlpo_mega import platform
 
 
 @dataclass
@@ -87,12 +88,13 @@ def gather_scalars(local: list, spec: Optional[TraceSpec], on_bad_trace: str, gr
 
 def _encode(s: Sample, cols: list[int], with_routes: bool) -> list[torch.Tensor]:
     p = s.payload
+    # everything on the host (an engine on the GPU returns device tensors): one buffer, one copy to the wire
     parts = [torch.as_tensor(list(p.prompt_ids) + list(p.response_ids), dtype=torch.int32).view(torch.uint8),
-             p.logprobs.to(torch.float32).contiguous().view(torch.uint8)]
+             p.logprobs.cpu().to(torch.float32).contiguous().view(torch.uint8)]
     if with_routes:
-        parts.append(p.routes[:, cols].contiguous().view(torch.uint8).reshape(-1))
+        parts.append(p.routes.cpu()[:, cols].contiguous().view(torch.uint8).reshape(-1))
         if s.replaced_entries:
-            parts.append(p.replaced[:, cols].to(torch.uint8).reshape(-1))
+            parts.append(p.replaced.cpu()[:, cols].to(torch.uint8).reshape(-1))
     return parts
 
 
@@ -133,7 +135,8 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
         for r in recipients:
             if r.dp_rank == dp_of[i]:
                 outgoing[r.rank] += _encode(s, list(r.layer_cols), with_routes)
-    device = wire_device(group)
+    # the world group is NCCL on GPUs: device tensors only (platform.device(); the host on CPU)
+    device = platform.device() if group is None else wire_device(group)
     send_sizes = [sum(t.numel() for t in parts) for parts in outgoing]
     n_cols = len(mine_r.layer_cols)
     expected = {i: _sizes(samples[i], n_cols, topk, itemsize, with_routes) for i in order
