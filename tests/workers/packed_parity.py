@@ -2,9 +2,9 @@
 
 Every rank makes the same synthetic rollout (long-tailed lengths, random valid routes that the live router
 would not choose); each rank owns a contiguous share as an engine rank would. For each layout of the
-micro-batches (trainer.layout=padded, then packed), the real path runs: gather_scalars -> prepare_step
+micro-batches (trainer.layout=padded, packed, and packed cut by a token budget), the real path runs: gather_scalars -> prepare_step
 (advantages, plan, exchange, micro-batches) -> old log-probs with R3 -> one policy_step (no optimizer
-step). Same weights both times. Reported: the largest relative difference of every gradient and of the
+step). Same weights every time. Reported: the largest relative difference of every gradient and of the
 loss metrics, the R3 route placement (the attached routes at each sample's positions vs its trace), and
 the packing efficiency and bytes of both.
 argv: model json (comma-separated), then config overrides.
@@ -30,6 +30,7 @@ from rlpo_mega.training.step import to_device  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 
 N, GROUP = 16, 4
+BUDGET = 48  # tokens per packed micro-batch: the longest sample (prompt <= 6 + response <= 40) fits
 
 
 def rollout(hf, spec):
@@ -101,8 +102,11 @@ def run(model_json, overrides):
         everything = rollout(hf, spec)
         offsets = staleness(loss, everything)
         res = {}
-        for mode in ("padded", "packed"):
-            cfg.trainer.layout = mode
+        # budget: packed micro-batches cut by tokens (trainer.max_tokens_per_micro_batch), several per rank
+        # and of different lengths (pipeline stages exchange each one's shape)
+        for mode, budget in (("padded", None), ("packed", None), ("budget", BUDGET)):
+            cfg.trainer.layout = "padded" if mode == "padded" else "packed"
+            cfg.trainer.max_tokens_per_micro_batch = budget
             mine = share(everything, list(range(dist.get_world_size())))
             samples = gather_scalars([Scored(**vars(s)) for s in mine], spec, "error", None)
             gids = torch.arange(N) // GROUP
@@ -123,22 +127,26 @@ def run(model_json, overrides):
             report = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing)
             grads = {n: p.main_grad.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
             res[mode] = {"report": report, "grads": grads, "placement": (good, total), "stats": stats}
-        g_rel = max(float((res["packed"]["grads"][n] - a).norm() / a.norm().clamp(min=1e-30))
-                    for n, a in res["padded"]["grads"].items())
+        g_rel = max(float((res[m]["grads"][n] - a).norm() / a.norm().clamp(min=1e-30))
+                    for m in ("packed", "budget") for n, a in res["padded"]["grads"].items())
         zero = sum(int(a.norm() == 0) for a in res["padded"]["grads"].values())
         t = torch.tensor([g_rel, float(zero)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        counts = torch.tensor([*res["packed"]["placement"], *res["padded"]["placement"]], dtype=torch.float64)
+        counts = torch.tensor([*res["packed"]["placement"], *res["padded"]["placement"], *res["budget"]["placement"]],
+                              dtype=torch.float64)
         dist.all_reduce(counts)
         keys = [k for k, v in res["padded"]["report"].items()
                 if isinstance(v, float) and not k.startswith("routing/")]
-        metrics = {k: [res["packed"]["report"][k], res["padded"]["report"][k]] for k in keys}
+        metrics = {f"{m}:{k}": [res[m]["report"][k], res["padded"]["report"][k]] for k in keys
+                   for m in ("packed", "budget")}
         out[loss] = {"grad_rel_max": float(t[0]), "zero_grads": int(t[1]), "metrics": metrics,
                      "policy_loss": res["padded"]["report"]["policy_loss"],
                      "clip_frac": res["padded"]["report"].get("clip_frac_high", 0.0)
                      + res["padded"]["report"].get("clip_frac_low", 0.0),
                      "placement_packed": [counts[0].item(), counts[1].item()],
                      "placement_padded": [counts[2].item(), counts[3].item()],
+                     "placement_budget": [counts[4].item(), counts[5].item()],
+                     "micro_batches": {m: res[m]["stats"]["data/micro_batches"] for m in res},
                      "efficiency": {m: res[m]["stats"]["data/packing_efficiency"] for m in res},
                      "bytes_over_own_share": res["packed"]["stats"]["data/bytes_over_own_share"]}
         routing.close()
