@@ -110,7 +110,8 @@ def test_packed_equals_padded(layout):
             # one DP rank holds all 16 samples (at DP2 the 8 per rank fit the budget in 2)
             mbs = r["micro_batches"]
             assert mbs["budget"] > mbs["packed"] if layout in ("tp2_sp", "pp2_mb2") else mbs["budget"] >= 2, (where, mbs)
-            assert r["efficiency"]["packed"] >= 0.99 > 0.6 > r["efficiency"]["padded"], (where, r["efficiency"])
+            # packed computes only the alignment tail beyond the real tokens (< TP per micro-batch)
+            assert r["efficiency"]["packed"] >= 0.95 > 0.6 > r["efficiency"]["padded"], (where, r["efficiency"])
             assert r["bytes_over_own_share"] <= 1.1, where
         assert 0 < losses["gspo"]["clip_frac"] < 1  # the data exercises the clip
 
