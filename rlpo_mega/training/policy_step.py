@@ -186,18 +186,12 @@ def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=No
     stage, None on the others (only the last stage computes the loss). wrap_step: routing replay's wrapper."""
     from megatron.core import parallel_state
 
-    from rlpo_mega.training.step import run_schedule
+    from rlpo_mega.training.step import forward_only
 
     step = partial(_logprob_forward_step, cfg=cfg, real_vocab=_real_vocab(model_chunks))
     if wrap_step is not None:
         step = wrap_step(step)
-    for chunk in model_chunks:
-        chunk.eval()
-    try:
-        reports = run_schedule(model_chunks, micro_batches, forward_only=True, forward_step=step)
-    finally:
-        for chunk in model_chunks:
-            chunk.train()
+    reports = forward_only(model_chunks, micro_batches, forward_step=step)
     if not parallel_state.is_pipeline_last_stage():
         return None
     return [r["logp"] for r in reports]

@@ -138,15 +138,20 @@ def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
 
 
 @torch.no_grad()
-def eval_loss(model_chunks, micro_batches, forward_step=None) -> float:
+def forward_only(model_chunks, micro_batches, forward_step=None) -> list:
+    """The schedule without backward, in eval mode (no dropout), back in train mode after: the per-micro-batch
+    reports of the last pipeline stage."""
     for chunk in model_chunks:
         chunk.eval()
     try:
-        reports = run_schedule(model_chunks, micro_batches, forward_only=True, forward_step=forward_step)
+        return run_schedule(model_chunks, micro_batches, forward_only=True, forward_step=forward_step)
     finally:
         for chunk in model_chunks:
             chunk.train()
-    return reduce_loss(reports)
+
+
+def eval_loss(model_chunks, micro_batches, forward_step=None) -> float:
+    return reduce_loss(forward_only(model_chunks, micro_batches, forward_step))
 
 
 def split_micro_batches(tokens: torch.Tensor, num_micro_batches: int) -> list[dict]:
