@@ -50,22 +50,26 @@ def _choice(key: str, value: str, known: Iterable[str]) -> None:
     raise ConfigError(f"{key}={value!r} is not known; known: {', '.join(known)}.{hint}")
 
 
-def _moe_layers(hf: Any, family_known: bool) -> tuple[Optional[int], int]:
-    """(number of experts, number of MoE decoder layers) of an HF config object or raw config.json dict."""
+def _moe_layers(hf: Any, model_type: Optional[str]) -> tuple[Optional[int], int]:
+    """(number of experts, number of MoE decoder layers) of an HF config object or raw config.json dict.
+    Which layers are sparse is the family's knowledge (moe_layer_pattern); an unknown model type counts
+    every layer, and is refused by the family check that follows."""
+    from moe.families import FAMILIES
+
     get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
     experts = get("num_experts")
     if experts is None:
         experts = get("num_local_experts")
     layers = int(get("num_hidden_layers", 0) or 0)
-    if not experts:
-        return experts, 0
-    if not family_known:
-        return experts, layers
-    # qwen3_moe: layer i is sparse iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
-    dense = set(get("mlp_only_layers") or [])
-    step = get("decoder_sparse_step", 1)
-    step = 1 if step is None else int(step)
-    return experts, sum(1 for i in range(layers) if i not in dense and step > 0 and (i + 1) % step == 0)
+    family = FAMILIES.get(model_type)
+    if not experts or family is None:
+        return experts, (layers if experts else 0)
+    if isinstance(hf, dict):
+        try:
+            hf = family.hf_config_class(**hf)
+        except (TypeError, ValueError):  # reported, with its cause, by the family load in _check_model
+            return experts, layers
+    return experts, sum(family.moe_layer_pattern(hf))
 
 
 def _check_model(cfg, hf):
@@ -90,7 +94,7 @@ def _check_model(cfg, hf):
             raise ConfigError(f"model.hf_config={path!r}: could not read {file}: {e}") from None
     model_type = raw.get("model_type") if isinstance(raw, dict) else getattr(raw, "model_type", None)
     if mode != "off":
-        experts, moe_layers = _moe_layers(raw, model_type == "qwen3_moe")
+        experts, moe_layers = _moe_layers(raw, model_type)
         if not experts or not moe_layers:
             what = (f"has no experts (num_experts / num_local_experts = {experts!r})" if not experts
                     else "has no MoE layer (mlp_only_layers / decoder_sparse_step make every layer dense)")

@@ -1,24 +1,38 @@
 """Load HF checkpoint-named tensors into a live transformers model (the embedded engine's side).
 
-transformers 5 holds experts fused in memory (`mlp.experts.gate_up_proj` [E, 2F, H] = gate rows then
-up rows; `mlp.experts.down_proj` [E, H, F]) while checkpoints (and our weight stream) name them per
-expert. This module maps each streamed name onto its slice of the in-memory parameter, loads it, and
-reads the same slice back for the digest check.
+transformers 5 holds a MoE layer's experts fused in memory while checkpoints (and our weight stream) name
+them per expert. The family says both layouts (`hf_names`, `hf_inmemory_names`); this module maps each
+streamed name onto its slice of the in-memory parameter, loads it, and reads the same slice back for the
+digest check.
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
-# checkpoint projection name -> (fused in-memory parameter, which half of gate_up; None = whole)
-_EXPERT_PROJ = {
-    "gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1), "w3": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", None), "w2": ("down_proj", None),
-}
-_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
-_ROUTER = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight$")
+from moe.families import get_family
+
+
+def _checkpoint_slots(model: torch.nn.Module, params: dict) -> dict[str, tuple[str, tuple]]:
+    """{checkpoint name: (in-memory parameter name, index)} for every name that differs between the two."""
+    hf = model.config
+    family = get_family(hf.model_type)
+    ckpt, mem = family.hf_names(hf), family.hf_inmemory_names(hf)
+    slots = {}
+    for i, sparse in enumerate(family.moe_layer_pattern(hf)):
+        if not sparse:
+            continue
+        gate_up, down = mem["experts_gate_up"].format(i=i), mem["experts_down"].format(i=i)
+        for pname in (gate_up, down):
+            if pname not in params:
+                raise KeyError(f"{type(model).__name__} has no parameter {pname!r}: the family's in-memory "
+                               "layout (hf_inmemory_names) does not match this transformers version")
+        rows = params[gate_up].shape[1] // 2
+        for e in range(params[gate_up].shape[0]):
+            slots[ckpt["expert_gate"].format(i=i, e=e)] = (gate_up, (e, slice(0, rows)))
+            slots[ckpt["expert_up"].format(i=i, e=e)] = (gate_up, (e, slice(rows, 2 * rows)))
+            slots[ckpt["expert_down"].format(i=i, e=e)] = (down, (e,))
+        slots[ckpt["router"].format(i=i)] = (mem["router"].format(i=i), ())
+    return slots
 
 
 class HFModelWeights:
@@ -28,32 +42,22 @@ class HFModelWeights:
         self.model = model
         self.params = dict(model.named_parameters())
         self._pname = {id(p): n for n, p in self.params.items()}
-        tied = getattr(model.config, "tie_word_embeddings", False)
-        self.tied = tied
+        self.tied = getattr(model.config, "tie_word_embeddings", False)
+        self._map = _checkpoint_slots(model, self.params)
+        self._tied_head = None
+        if self.tied:  # the head shares the embedding's parameter; a streamed head lands there
+            names = get_family(model.config.model_type).hf_names(model.config)
+            self._tied_head = names["output"]
+            self._map[names["output"]] = (names["embedding"], ())
         # name -> (view, parameter name, index key, the key's prefixes); the parameters are fixed
         self._slots: dict[str, tuple] = {}
 
     def _target(self, name: str):
         """(parameter, view index) for a checkpoint-named tensor."""
-        m = _EXPERT.match(name)
-        if m:
-            layer, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            if proj not in _EXPERT_PROJ:
-                raise KeyError(f"unknown expert projection in {name!r}")
-            fused, half = _EXPERT_PROJ[proj]
-            param = self.params[f"{layer}.mlp.experts.{fused}"]
-            if half is None:
-                return param, (expert,)
-            rows = param.shape[1] // 2
-            return param, (expert, slice(half * rows, (half + 1) * rows))
-        m = _ROUTER.match(name)
-        if m:
-            name = f"{m.group(1)}.mlp.gate.weight"
-        if name == "lm_head.weight" and self.tied:
-            name = "model.embed_tokens.weight"
-        if name not in self.params:
+        pname, index = self._map.get(name, (name, ()))
+        if pname not in self.params:
             raise KeyError(f"streamed tensor {name!r} has no parameter in {type(self.model).__name__}")
-        return self.params[name], ()
+        return self.params[pname], index
 
     def begin(self):
         """Start an update: from now on, two streamed tensors landing on overlapping memory are an error."""
@@ -116,18 +120,8 @@ class HFModelWeights:
         return (param[index] if index else param).detach()
 
     def names(self) -> list[str]:
-        """All checkpoint names this model holds (experts unfused)."""
-        out = []
-        for pname, p in self.params.items():
-            m = re.match(r"^(model\.layers\.\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$", pname)
-            if not m:
-                out.append(pname)
-                continue
-            style = "block_sparse_moe" if self.model.config.model_type == "mixtral" else "mlp"
-            gate, up, down = (("w1", "w3", "w2") if style == "block_sparse_moe"
-                              else ("gate_proj", "up_proj", "down_proj"))
-            for e in range(p.shape[0]):
-                base = f"{m.group(1)}.{style}.experts.{e}."
-                out += [base + gate + ".weight", base + up + ".weight"] if m.group(2) == "gate_up_proj" \
-                    else [base + down + ".weight"]
-        return out
+        """All checkpoint names this model holds (experts unfused; a tied head counted once, as the
+        embedding)."""
+        mapped = {n: pname for n, (pname, _) in self._map.items() if n != self._tied_head}
+        targets = set(mapped.values())
+        return [n for n in self.params if n not in targets] + list(mapped)

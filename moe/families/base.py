@@ -78,6 +78,15 @@ class MoEFamily:
         fields.update(self.family_fields(hf))
         return fields
 
+    # --- transformers' in-memory names of a MoE layer; {i} = layer -----------------------------
+    def hf_inmemory_names(self, hf) -> dict[str, str]:
+        """Where a live transformers 5 model holds a MoE layer: the router, and the experts fused as
+        `gate_up_proj` [E, 2F, H] (gate rows, then up rows) and `down_proj` [E, H, F]. Checkpoints (and the
+        weight stream) name experts one by one (`hf_names`); the embedded engine maps between the two."""
+        m = "model.layers.{i}.mlp."
+        return {"router": m + "gate.weight", "experts_gate_up": m + "experts.gate_up_proj",
+                "experts_down": m + "experts.down_proj"}
+
     # --- HF checkpoint names (the weight bridge); {i} = layer, {e} = expert -------------------
     def hf_names(self, hf) -> dict[str, str]:
         """Templates of released-checkpoint names; families override the MLP/router parts."""
