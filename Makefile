@@ -26,7 +26,7 @@ venv-sglang:
 # A failed SGLang env build does not stop the suite: tests/test_sglang.py retries it, then skips naming why.
 test: $(STAMP)
 	-PYTHON=$(PYTHON) bash tests/sglang_support/build_env.sh
-	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=15
+	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=40
 
 # One GPU: the real trainer path (CUDA, NCCL, bf16 + distributed optimizer, GSPO + R3, embedded engine on the
 # GPU, digest-checked sync, checkpoint + resume) in a few minutes. Runs in the current environment (a CUDA torch

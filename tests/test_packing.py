@@ -10,7 +10,8 @@ from rlpo_mega.training.batches import build_micro_batch
 from rlpo_mega.training.exchange import Received, Sample
 from tests.dist import torchrun
 
-MODELS = "configs/models/tiny_qwen3_moe.json,configs/models/tiny_mixtral.json"
+# both families, each with one loss (GSPO: sequence ratio; SAPO: token gates), to keep CI short
+MODELS = "configs/models/tiny_qwen3_moe.json=gspo,configs/models/tiny_mixtral.json=sapo"
 REL_TOL = 1e-5
 
 
@@ -113,7 +114,8 @@ def test_packed_equals_padded(layout):
             # packed computes only the alignment tail beyond the real tokens (< TP per micro-batch)
             assert r["efficiency"]["packed"] >= 0.95 > 0.6 > r["efficiency"]["padded"], (where, r["efficiency"])
             assert r["bytes_over_own_share"] <= 1.1, where
-        assert 0 < losses["gspo"]["clip_frac"] < 1  # the data exercises the clip
+        if "gspo" in losses:
+            assert 0 < losses["gspo"]["clip_frac"] < 1  # the data exercises the clip
 
 
 @pytest.mark.parametrize("overrides, message", [

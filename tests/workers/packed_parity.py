@@ -7,7 +7,8 @@ micro-batches (trainer.layout=padded, packed, and packed cut by a token budget),
 step). Same weights every time. Reported: the largest relative difference of every gradient and of the
 loss metrics, the R3 route placement (the attached routes at each sample's positions vs its trace), and
 the packing efficiency and bytes of both.
-argv: model json (comma-separated), then config overrides.
+argv: model json=loss pairs (comma-separated; each family runs with its own loss to keep CI short), then
+config overrides.
 """
 import os
 import sys
@@ -82,10 +83,10 @@ def placement_agreement(micro, samples, received, rcpt, tp_rank, sp):
     return good, total
 
 
-def run(model_json, overrides):
+def run(model_json, losses, overrides):
     hf = load_hf_config(model_json)
     out = {}
-    for loss in ("gspo", "sapo"):
+    for loss in losses:
         cfg = load_config(None, overrides + (f"model.hf_config={model_json}", f"algorithm.loss.name={loss}",
                                              "routing.mode=r3", "optim.lr=1e-3"))
         layout = distributed.init(cfg.parallel, hf, cfg.seed)
@@ -165,7 +166,8 @@ def _dp_of(cfg, samples, layout):
 
 def main():
     models, *overrides = sys.argv[1:]
-    report = {os.path.basename(m): run(m, tuple(overrides)) for m in models.split(",")}
+    pairs = [m.split("=") for m in models.split(",")]
+    report = {os.path.basename(m): run(m, loss.split("+"), tuple(overrides)) for m, loss in pairs}
     if dist.get_rank() == 0:
         write_report(report)
     distributed.destroy()
