@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moe.bridge.outputs import swap_in
+from rlpo_mega.checkpoint_files import checkpoint_files, digest_files, verify_files
 from rlpo_mega.training.model_setup import unwrap
 
 META = "rlpo_meta.json"
@@ -219,10 +220,14 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
+    dist.barrier()
+    # every file's size and checksum, verified at load (rlpo_mega/checkpoint_files.py); the meta file is last
+    digests = digest_files(tmp, checkpoint_files(tmp, skip=(PARTIAL,)))
+    if rank == 0:
         with open(os.path.join(tmp, META), "w") as f:
             json.dump({"format": FORMAT, "has_optimizer": optimizer is not None,
                        "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
-                       "has_reference": reference_chunks is not None, **(meta or {})}, f, indent=1)
+                       "has_reference": reference_chunks is not None, **(meta or {}), "files": digests}, f, indent=1)
         os.remove(os.path.join(tmp, PARTIAL))
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
     dist.barrier()
@@ -251,9 +256,22 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
-def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=None) -> dict:
+def _first_non_finite(loaded: dict, flat: list) -> str | None:
+    """The key of the first loaded floating tensor holding NaN or inf (weights, KL reference, optimizer)."""
+    named = [(k, v) for part in ("model", "reference") for k, v in (loaded.get(part) or {}).items()]
+    tensors = (loaded.get("optimizer") or {}).get("tensors", [])
+    named += [(getattr(sh, "key", f"optimizer tensor {i}"), t) for i, (sh, t) in enumerate(zip(flat, tensors))]
+    for key, t in named:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return key
+    return None
+
+
+def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=None, verify: bool = True) -> dict:
     """Load into already-built model (and optimizer) at the current layout; returns the saved meta.
-    reference_chunks: filled with the saved KL reference if the checkpoint has one (meta "has_reference")."""
+    reference_chunks: filled with the saved KL reference if the checkpoint has one (meta "has_reference").
+    verify: check every file against the checksums recorded at save first (checkpoints written before
+    checksums are loaded unchecked). Loaded values holding NaN/inf are refused either way."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
@@ -270,7 +288,19 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
     with_reference = reference_chunks is not None and meta.get("has_reference", False)
     if with_reference:
         state["reference"] = _model_state(reference_chunks, _REFERENCE)
+    if verify and "files" in meta:
+        problem = verify_files(path, meta["files"])
+        if problem:
+            raise CheckpointError(problem)
     loaded = dist_checkpointing.load(state, path)
+    bad = [_first_non_finite(loaded, flat if optimizer is not None else [])]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, bad[0])
+    bad = [b for b in every if b]
+    if bad:
+        raise CheckpointError(f"checkpoint {path}: {bad[0]} holds NaN/inf values (the run that saved it had "
+                              "diverged, or the file was damaged before checksums were recorded): load an earlier "
+                              "step with checkpoint.load_dir")
     unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=True)
     if with_reference:
         unwrap(reference_chunks[0]).load_state_dict(

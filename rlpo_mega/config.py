@@ -69,6 +69,8 @@ class CheckpointConfig:
     # true: this run may replace the checkpoints of another run in save_dir (or steps past the one it resumes
     # from); they are deleted after its first save. false: such a save_dir is refused at start
     overwrite: bool = False
+    # check every file against the checksums recorded at save before loading (tools/bench_checkpoint.py: cost)
+    verify: bool = True
 
 
 @dataclass

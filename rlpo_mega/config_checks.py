@@ -161,6 +161,19 @@ def _check_algorithm(cfg, warns: list[str]):
             raise ConfigError(f"algorithm: {e}") from None
     for w in caught:
         warns.append(f"algorithm.loss: {w.message}")
+    sh = alg.shaping
+    if sh.soft_overlong:
+        # DAPO's soft overlong punishment: 0 up to L_max - L_cache, a ramp to -1 at L_max (shaping.py)
+        if sh.max_response_length is None or sh.overlong_cache is None:
+            raise ConfigError("algorithm.shaping.soft_overlong=true needs algorithm.shaping.max_response_length "
+                              "(L_max) and algorithm.shaping.overlong_cache (L_cache), e.g. L_max = "
+                              "rollout.max_new_tokens and L_cache = L_max / 4")
+        if not 0 < sh.overlong_cache <= sh.max_response_length:
+            raise ConfigError(f"algorithm.shaping.overlong_cache={sh.overlong_cache} must be in (0, "
+                              f"max_response_length={sh.max_response_length}] (L_cache <= L_max)")
+        if sh.max_response_length > cfg.rollout.max_new_tokens:
+            warns.append(f"algorithm.shaping.max_response_length={sh.max_response_length} > rollout.max_new_tokens="
+                         f"{cfg.rollout.max_new_tokens}: no response reaches the full punishment")
     if alg.logprob_chunk_size is not None and alg.logprob_chunk_size < 1:
         raise ConfigError(f"algorithm.logprob_chunk_size={alg.logprob_chunk_size} must be >= 1 (or null: auto)")
 
@@ -389,6 +402,10 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None) -> list[str
     returns (and logs) warnings for suspicious ones."""
     warns: list[str] = []
     hf = _check_model(cfg, hf)
+    context = getattr(hf, "max_position_embeddings", None)
+    if context and cfg.rollout.max_new_tokens >= context:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
+                          f"model's context (max_position_embeddings={context} in model.hf_config): lower it")
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
     _check_counts(cfg, warns)

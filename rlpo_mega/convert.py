@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from moe.bridge import outputs
 from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWriter, write_stream
+from moe.families import get_family
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.checkpoint import load_checkpoint, read_meta, save_checkpoint
@@ -36,7 +37,8 @@ def convert(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, et
         if os.path.isfile(os.path.join(hf_dir, name)):
             with open(os.path.join(hf_dir, name), "rb") as f:
                 files[f"{HF_FILES}/{name}"] = f.read()
-    save_checkpoint(out_dir, chunks, meta={"model_type": hf.model_type, "source": os.path.abspath(hf_dir)},
+    save_checkpoint(out_dir, chunks, meta={"model_type": hf.model_type, "model": get_family(hf.model_type).identity(hf),
+                                           "source": os.path.abspath(hf_dir)},
                     files=files)
     distributed.destroy()
 

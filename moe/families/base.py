@@ -78,6 +78,25 @@ class MoEFamily:
         fields.update(self.family_fields(hf))
         return fields
 
+    def identity(self, hf) -> dict[str, Any]:
+        """What makes two configs the same model, independent of the parallel layout: recorded in every
+        checkpoint and compared on resume (a checkpoint of another model is refused before it is loaded)."""
+        return {
+            "model_type": self.model_type,
+            "num_hidden_layers": int(hf.num_hidden_layers),
+            "hidden_size": int(hf.hidden_size),
+            "num_attention_heads": int(hf.num_attention_heads),
+            "num_key_value_heads": int(hf.num_key_value_heads),
+            "head_dim": int(self.head_dim(hf)),
+            "vocab_size": int(hf.vocab_size),
+            "num_experts": int(self.num_experts(hf)),
+            "num_experts_per_tok": int(hf.num_experts_per_tok),
+            "ffn_hidden_size": int(getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size),
+            "moe_ffn_hidden_size": int(getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size),
+            "moe_layers": self.moe_layer_pattern(hf),
+            "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+        }
+
     # --- transformers' in-memory names of a MoE layer; {i} = layer -----------------------------
     def hf_inmemory_names(self, hf) -> dict[str, str]:
         """Where a live transformers 5 model holds a MoE layer: the router, and the experts fused as

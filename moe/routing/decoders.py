@@ -21,13 +21,21 @@ from .trace import RoutingTrace, RoutingTraceError, TraceSpec, validate_trace
 
 def decode_sglang(data, num_hidden_layers: int, topk: int) -> torch.Tensor:
     """base64 (str/bytes) or an already-decoded array -> int32 [rows, num_hidden_layers, topk]."""
+    if data is None:
+        raise RoutingTraceError("routed_experts is None: the engine returned no routes for this sample")
     if isinstance(data, (str, bytes)):
-        raw = base64.b64decode(data, validate=True)
+        try:
+            raw = base64.b64decode(data, validate=True)
+        except ValueError as e:  # binascii.Error
+            raise RoutingTraceError(f"routed_experts: not valid base64 ({e})") from None
         if len(raw) % 4:
             raise RoutingTraceError(f"routed_experts: {len(raw)} bytes is not a whole number of int32")
         arr = np.frombuffer(raw, dtype="<i4")
     else:
-        arr = np.asarray(data, dtype=np.int64)
+        try:
+            arr = np.asarray(data, dtype=np.int64)
+        except (TypeError, ValueError) as e:
+            raise RoutingTraceError(f"routed_experts: not base64 or an array of expert ids ({e})") from None
     per_row = num_hidden_layers * topk
     if arr.size % per_row:
         raise RoutingTraceError(f"routed_experts: {arr.size} ids is not a multiple of num_hidden_layers * "

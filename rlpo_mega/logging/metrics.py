@@ -222,6 +222,10 @@ def format_console_line(step: int, metrics: Mapping[str, float], total_steps: Op
     for label, key, fmt in CONSOLE_FIELDS:
         if key in metrics:
             parts.append(f"{label} " + fmt.format(metrics[key]))
+    failed = int(metrics.get("reward/failed", 0))
+    if failed:  # the reward of these samples is the configured default: never only in the metrics file
+        of = f"/{int(metrics['reward/samples'])}" if "reward/samples" in metrics else ""
+        parts.append(f"REWARD FAILED {failed}{of} (see the log)")
     return " | ".join(parts)
 
 

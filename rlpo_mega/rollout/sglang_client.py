@@ -109,13 +109,14 @@ def parse_logprobs(entries) -> torch.Tensor:
     return torch.from_numpy(lps.astype(np.float32))  # float64 -> float32: the rounding of torch.tensor(floats)
 
 
-def decode_routes(data, num_hidden_layers: int, spec) -> torch.Tensor:
+def decode_routes(data, num_hidden_layers: int, spec, tokens: int | None = None) -> torch.Tensor:
     """meta_info.routed_experts (base64 of little-endian int32 [rows, num_hidden_layers, topk], see
     moe.routing.decoders.decode_sglang) -> the MoE layers' ids [rows, spec.num_layers, topk], vectorized:
     a zero-copy frombuffer view, one numpy index for the MoE layers, one cast to the trace's compact dtype
     (uint8 up to 256 experts). Same checks and messages as decode_sglang + select_moe_layers. Ids outside
     [0, num_experts) (-1 = no data) keep int32: narrowing would wrap them into valid-looking ids, and
-    validate_trace must see them to name the token (or fall back)."""
+    validate_trace must see them to name the token (or fall back). tokens: the rows the sample must have
+    (prompt + completion - 1); a payload of another size names the layer count it implies."""
     from moe.routing.trace import RoutingTraceError, compact_dtype
 
     topk = spec.topk
@@ -127,9 +128,19 @@ def decode_routes(data, num_hidden_layers: int, spec) -> torch.Tensor:
         if len(raw) % 4:
             raise RoutingTraceError(f"routed_experts: {len(raw)} bytes is not a whole number of int32")
         arr = np.frombuffer(raw, dtype="<i4")
+    elif isinstance(data, (list, tuple, np.ndarray, torch.Tensor)):
+        try:
+            arr = np.asarray(data, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError) as e:
+            raise RoutingTraceError(f"routed_experts: not an array of expert ids ({e})") from None
     else:
-        arr = np.asarray(data, dtype=np.int64).reshape(-1)
+        raise RoutingTraceError(f"routed_experts is {type(data).__name__} {data!r:.40}; expected base64 of int32")
     per_row = num_hidden_layers * topk
+    if tokens and arr.size != tokens * per_row:
+        raise RoutingTraceError(
+            f"routed_experts holds {arr.size} ids for {tokens} tokens, i.e. {arr.size / tokens / topk:.3g} layers "
+            f"x top-{topk} per token; model.hf_config has num_hidden_layers={num_hidden_layers}: the server "
+            "serves another model than the trainer's")
     if arr.size % per_row:
         raise RoutingTraceError(f"routed_experts: {arr.size} ids is not a multiple of num_hidden_layers * "
                                 f"topk = {num_hidden_layers} * {topk}")

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from moe.bridge.digest import DigestMismatchError, verify
+from moe.routing.trace import RoutingTraceError
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, RolloutSample, SamplingParams
@@ -303,7 +304,11 @@ class SGLangEngine(RolloutEngine):
         routes = None
         if self.return_routes and meta.get("routed_experts") is not None:
             # decoded here, on this request's worker thread, while the rest of the batch still generates
-            routes = decode_routes(meta["routed_experts"], self.num_hidden_layers, self.spec)
+            try:
+                routes = decode_routes(meta["routed_experts"], self.num_hidden_layers, self.spec,
+                                       tokens=len(prompt) + len(ids) - 1 if reason != "abort" else None)
+            except RoutingTraceError as e:
+                raise RoutingTraceError(f"sample of prompt {prompt_index} (rid {rid}, {server.url}): {e}") from None
         elif self.return_routes and reason != "abort":
             raise EngineError(f"SGLang server {server.url} returned no routed_experts: start it with "
                               "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from rlpo_mega.checkpoint_files import identity_difference
 
 log = logging.getLogger("rlpo_mega")
 
@@ -83,10 +84,11 @@ class SavePlan:
     stale: list[int] = field(default_factory=list)  # save_dir steps removed after the first save (overwrite)
 
 
-def plan_checkpoints(c) -> SavePlan:
+def plan_checkpoints(c, identity: dict | None = None) -> SavePlan:
     """checkpoint config -> SavePlan, before anything is built (pure filesystem; every rank, and the launcher,
     get the same answer). A save_dir holding steps of another run, or steps past the one resumed from (another
-    timeline), is refused unless checkpoint.overwrite: the keep_last pruning and `latest` would mix the two."""
+    timeline), is refused unless checkpoint.overwrite: the keep_last pruning and `latest` would mix the two.
+    identity: the configured model's (MoEFamily.identity); a checkpoint written for another model is refused."""
     start = None
     if c.load_dir:
         start = resolve_load_dir(c.load_dir)
@@ -96,6 +98,12 @@ def plan_checkpoints(c) -> SavePlan:
     if start is not None:
         meta = read_meta(start)
         step, run_id = int(meta.get("step", 0)), str(meta.get("run_id", LEGACY_RUN))
+        differs = identity and identity_difference(meta.get("model"), meta.get("model_type"), identity)
+        if differs:
+            raise CheckpointError(
+                f"{start} was written for another model: {differs}. Point model.hf_config at the checkpoint's "
+                f"model (its config.json: {os.path.join(start, 'hf', 'config.json')}), or start a new run "
+                "(checkpoint.resume=false and a new checkpoint.save_dir)")
     stale = []
     if c.save_dir:
         for s in complete_steps(c.save_dir):
@@ -186,7 +194,7 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
     return path
 
 
-def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=None) -> dict:
+def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=None, verify: bool = True) -> dict:
     """Load weights (+ optimizer, + the KL reference into `reference` if saved) at the current layout and
     return the trainer state, with "reference_loaded"; this rank's RNG states are restored when the world
     size is unchanged (another layout draws its own)."""
@@ -196,7 +204,7 @@ def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=No
         raise CheckpointError(f"{path!r} is a model checkpoint without trainer state ({STATE_FILE}): set "
                               "checkpoint.load_optimizer=false and trainer state starts fresh, or point "
                               "checkpoint.load_dir at a step_<N> directory the trainer wrote")
-    meta = load_checkpoint(path, chunks, optimizer if with_optimizer else None, reference)
+    meta = load_checkpoint(path, chunks, optimizer if with_optimizer else None, reference, verify=verify)
     state = torch.load(file, weights_only=False)
     state["reference_loaded"] = reference is not None and bool(meta.get("has_reference"))
     if state["world_size"] == dist.get_world_size():

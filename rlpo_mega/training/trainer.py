@@ -18,6 +18,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
+from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import TraceSpec
 from rlpo_mega import distributed, platform
@@ -49,7 +50,7 @@ def load_tokenizer(cfg):
 class Trainer:
     def __init__(self, cfg):
         from rlpo_mega.config_checks import check_run_config
-        from rlpo_mega.data import PromptSampler
+        from rlpo_mega.data import PromptSampler, load_prompts
         from rlpo_mega.logging import MetricsLogger
         from rlpo_mega.rewards.scorer import RewardScorer
         from rlpo_mega.training.model_setup import build_lr_scheduler, build_policy, optimizer_steps
@@ -58,7 +59,16 @@ class Trainer:
         self.hf = load_hf_config(cfg.model.hf_config)
         check_run_config(cfg, self.hf, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         # where the run starts and what in its save_dir is not its own: refused here, before anything is built
-        self.plan = ckpt_state.plan_checkpoints(cfg.checkpoint)
+        self.identity = get_family(self.hf.model_type).identity(self.hf)
+        self.plan = ckpt_state.plan_checkpoints(cfg.checkpoint, self.identity)
+        # every data file is read and validated before a process group or a model exists (a bad record is one
+        # DataError naming file and line, not a failure after minutes of set-up)
+        self.tokenizer = load_tokenizer(cfg)
+        self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
+        self.records = {key: load_prompts(path, "auto", cfg.prompts.prompt_key, cfg.prompts.answer_key)
+                        for key, path, used in (("warmup", cfg.trainer.warmup.path, cfg.trainer.warmup.steps > 0),
+                                                ("eval", cfg.trainer.eval_path, cfg.trainer.eval_every > 0))
+                        if used}
         self.layout = distributed.init(cfg.parallel, self.hf, cfg.seed)
         # one id per run, kept across resumes: pruning only ever deletes this run's checkpoints
         run_id = [self.plan.run_id or uuid.uuid4().hex]
@@ -75,8 +85,6 @@ class Trainer:
 
         # every rank's DP rank and MoE layers: where each sample's payload goes (training/exchange.py)
         self.recipients = gather_recipients(self.chunks, self.spec)
-        self.tokenizer = load_tokenizer(cfg)
-        self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
         self.scorer = RewardScorer(cfg.reward)
         self.step, self.bad_steps, self.warmup_done, self.stopped = 0, 0, False, False
         # The KL reference is the policy as RL starts (after any warm-up); a resumed run loads the one its
@@ -105,7 +113,8 @@ class Trainer:
         path = self.plan.start
         if path is None:
             return False
-        st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer, reference=self.ref_chunks)
+        st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer, reference=self.ref_chunks,
+                             verify=c.verify)
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
         self.warmup_done = bool(st["warmup_done"])
         self.sampler.load_state_dict(st["sampler"])
@@ -113,10 +122,21 @@ class Trainer:
         self.lr_schedule.step(0)
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
+            saved = ckpt_state.read_meta(path).get("settings") or {}
+            for key, now in self._settings().items():
+                if key in saved and saved[key] != now:
+                    log.warning("resuming with %s=%s; the run that saved %s used %s", key, now, path, saved[key])
             if self.ref_chunks is not None and not st["reference_loaded"]:
                 log.warning("%s holds no KL reference (saved with algorithm.kl.coef=0 or by an older version): "
                             "the reference is the policy as loaded", path)
         return st["reference_loaded"]
+
+    def _settings(self) -> dict:
+        """The run's key settings, recorded in each checkpoint; a resume that changes one is told so."""
+        c = self.cfg
+        return {"algorithm.loss.name": c.algorithm.loss.name, "routing.mode": c.routing.mode,
+                "algorithm.kl.coef": c.algorithm.kl.coef, "model.params_dtype": c.model.params_dtype,
+                "rollout.engine": c.rollout.engine, "world_size": dist.get_world_size()}
 
     def _build_reference(self):
         """A frozen model of the policy's layout for the KL reference (filled by a checkpoint or a copy)."""
@@ -282,10 +302,10 @@ class Trainer:
         return metrics
 
     def evaluate(self) -> dict:
-        from rlpo_mega.data import PromptSampler, load_prompts
+        from rlpo_mega.data import PromptSampler
 
         c = self.cfg
-        records = load_prompts(c.trainer.eval_path, "auto", c.prompts.prompt_key, c.prompts.answer_key)
+        records = self.records["eval"]
         items = PromptSampler(records[:c.trainer.eval_size], self.tokenizer, shuffle=False,
                               chat_template=c.prompts.chat_template, system_prompt=c.prompts.system_prompt
                               ).next_prompts(min(len(records), c.trainer.eval_size))
@@ -303,7 +323,8 @@ class Trainer:
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
                  "sampler": self.sampler.state_dict(), "lr_steps": self.lr_schedule.num_steps}
         path = ckpt_state.save(c.save_dir, self.step, self.chunks, self.optimizer, state, c.keep_last,
-                               meta={"model_type": self.hf.model_type, "run_id": self.run_id},
+                               meta={"model_type": self.hf.model_type, "model": self.identity,
+                                     "run_id": self.run_id, "settings": self._settings()},
                                hf_files=self._hf_files(), reference=self.ref_chunks, stale=self.stale_steps)
         self.stale_steps = ()  # replaced (checkpoint.overwrite) once this run has a checkpoint of its own
         if c.export_hf:
@@ -425,7 +446,7 @@ def _rollout_metrics(scored) -> dict:
     lengths = torch.tensor([s.response_len for s in scored], dtype=torch.float64)
     return {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
             "reward/accuracy": sum(s.correct for s in scored) / len(scored),
-            "reward/failed": sum(s.failed for s in scored),
+            "reward/failed": sum(s.failed for s in scored), "reward/samples": len(scored),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored)}
 

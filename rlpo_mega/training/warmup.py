@@ -10,14 +10,14 @@ import logging
 import numpy as np
 import torch
 
-from rlpo_mega.data import load_prompts, render_prompt
+from rlpo_mega.data import render_prompt
 
 log = logging.getLogger("rlpo_mega")
 
 
 def _examples(trainer):
     c, tok = trainer.cfg, trainer.tokenizer
-    records = load_prompts(c.trainer.warmup.path, "auto", c.prompts.prompt_key, c.prompts.answer_key)
+    records = trainer.records["warmup"]  # read and validated before the model was built
     out = []
     for r in records:
         prompt = render_prompt(tok, r.prompt, c.prompts.chat_template, c.prompts.system_prompt)
