@@ -11,11 +11,14 @@ sglang can import `rlpo_sglang_hooks` (the weight-digest hook, --custom-weight-l
 from __future__ import annotations
 
 import argparse
+import atexit
+import ctypes
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -57,6 +60,12 @@ def server_environment(environ) -> dict:
             if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
 
 
+def _pdeathsig():
+    """In the server's child, before exec: SIGTERM when the parent thread dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 class SGLangServer:
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
                  server_args: dict | None = None, python: str | None = None, log_dir: str | None = None,
@@ -89,9 +98,14 @@ class SGLangServer:
         log = open(self.log_path, "ab")
         log.write(f"\n=== {time.strftime('%F %T')} {' '.join(self.command())}\n".encode())
         log.flush()
+        # The server dies with this process however it ends: SIGTERM from the kernel when the starting thread
+        # dies (PR_SET_PDEATHSIG, also on SIGKILL; only from the main thread, which lives as long as the
+        # process), and stop() at interpreter exit (an exception included)
+        main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_pdeathsig if main else None)
         log.close()
+        atexit.register(self.stop, 2.0)
         self.wait_healthy(timeout)
         return self
 
@@ -127,6 +141,7 @@ class SGLangServer:
                 pass
 
     def stop(self, grace: float = 10.0):
+        atexit.unregister(self.stop)
         if self.proc is None:
             return
         self.kill(signal.SIGTERM)

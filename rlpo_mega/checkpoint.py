@@ -186,13 +186,35 @@ def _clear_leftover(tmp: str) -> str | None:
             "renamed into place): move it away and save again")
 
 
+def _agree(problem: str | None) -> str | None:
+    """Collective: the first rank's problem, on every rank (None: all went well)."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, problem)
+    return next((p for p in every if p), None)
+
+
+def _what_failed(e: BaseException, path: str) -> str:
+    from rlpo_mega.errors import disk_full
+
+    full = disk_full(e)
+    if full is not None:
+        return (f"no space left on device while saving checkpoint {path} ({full.filename or 'a shard'}); "
+                "the previous checkpoint and `latest` are intact: free space or set checkpoint.save_dir elsewhere")
+    return f"saving checkpoint {path} failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
                     files: dict[str, bytes] | None = None, reference_chunks=None):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
     the checkpoint before the swap (the trainer state), so they exist exactly when the weights do.
-    reference_chunks: a frozen KL reference model of the same layout, saved in the same checkpoint."""
+    reference_chunks: a frozen KL reference model of the same layout, saved in the same checkpoint.
+    A failure on any rank (a full disk included) is agreed by all ranks, `path`.tmp is removed and one
+    CheckpointError says what happened; `path` and anything before it are untouched."""
     from megatron.core import dist_checkpointing
 
+    from rlpo_mega.processes import in_process_checkpoint_queue
+
+    in_process_checkpoint_queue()
     path = os.path.abspath(path)
     tmp = path + ".tmp"
     rank = dist.get_rank()
@@ -204,33 +226,58 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         state["optimizer"] = {"step": step, **({"tensors": flat} if flat else {})}
     if reference_chunks is not None:
         state["reference"] = _model_state(reference_chunks, _REFERENCE)
-    problem = [None]
+    problem = None
     if rank == 0:
-        problem[0] = _clear_leftover(tmp)
-        if problem[0] is None:
-            os.makedirs(tmp)
-            open(os.path.join(tmp, PARTIAL), "w").close()  # ours: a later save may clear it
-    dist.broadcast_object_list(problem, src=0)
-    if problem[0] is not None:
-        raise CheckpointError(problem[0])
-    dist_checkpointing.save(state, tmp)
-    dist.barrier()
-    if rank == 0:
+        problem = _clear_leftover(tmp)
+        if problem is None:
+            try:
+                os.makedirs(tmp)
+                open(os.path.join(tmp, PARTIAL), "w").close()  # ours: a later save may clear it
+            except OSError as e:
+                problem = _what_failed(e, path)
+    problem = _agree(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+    def phase(fn, on_rank0_only: bool = False):
+        err = None
+        if rank == 0 or not on_rank0_only:
+            try:
+                fn()
+            except BaseException as e:  # torch's CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                err = _what_failed(e, path)
+        err = _agree(err)
+        if err is not None:
+            if rank == 0 and os.path.isfile(os.path.join(tmp, PARTIAL)):
+                shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+            dist.barrier()
+            raise CheckpointError(err)
+
+    def write_files():
         for name, data in (files or {}).items():
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
-    dist.barrier()
-    # every file's size and checksum, verified at load (rlpo_mega/checkpoint_files.py); the meta file is last
-    digests = digest_files(tmp, checkpoint_files(tmp, skip=(PARTIAL,)))
-    if rank == 0:
+
+    digests = {}
+
+    def digest():  # every file's size and checksum, verified at load (rlpo_mega/checkpoint_files.py)
+        digests.update(digest_files(tmp, checkpoint_files(tmp, skip=(PARTIAL,))))
+
+    def write_meta():
         with open(os.path.join(tmp, META), "w") as f:
             json.dump({"format": FORMAT, "has_optimizer": optimizer is not None,
                        "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
                        "has_reference": reference_chunks is not None, **(meta or {}), "files": digests}, f, indent=1)
         os.remove(os.path.join(tmp, PARTIAL))
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
-    dist.barrier()
+
+    phase(lambda: dist_checkpointing.save(state, tmp))
+    phase(write_files, on_rank0_only=True)
+    phase(digest)  # collective inside: every rank runs it
+    phase(write_meta, on_rank0_only=True)
 
 
 def read_meta(path: str) -> dict:
@@ -252,8 +299,15 @@ def read_meta(path: str) -> dict:
             f"{path!r} is not a complete rlpo_mega checkpoint ({META} missing): it was never written or "
             f"its save was interrupted. Point checkpoint.load_dir at a finished checkpoint{hint}."
         )
-    with open(file) as f:
-        return json.load(f)
+    try:
+        with open(file) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file} is unreadable ({e}): the checkpoint is damaged; load an earlier step "
+                              "(checkpoint.load_dir)") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file} is not an rlpo_mega checkpoint meta file (a JSON object)")
+    return meta
 
 
 def _first_non_finite(loaded: dict, flat: list) -> str | None:

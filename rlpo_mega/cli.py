@@ -8,42 +8,49 @@ import os
 import sys
 
 
-def _config_error(e) -> int:
-    print(f"rlpo-mega: config error: {e}", file=sys.stderr)
-    return 2
-
-
 def _train(args) -> int:
-    from rlpo_mega.config import ConfigError, load_config
+    from rlpo_mega.config import load_config
+    from rlpo_mega.errors import is_user_error, report
 
     try:
+        if args.nproc_per_node < 1 or args.nnodes < 1:
+            from rlpo_mega.config import ConfigError
+
+            raise ConfigError(f"--nnodes={args.nnodes} and --nproc-per-node={args.nproc_per_node} must be >= 1")
         cfg = load_config(args.config, tuple(args.overrides))
-    except (ConfigError, FileNotFoundError) as e:
-        return _config_error(e)
-    nproc, nnodes = args.nproc_per_node, args.nnodes
-    from rlpo_mega.checkpoint import CheckpointError
+        if (args.nproc_per_node > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
+            # the launcher: everything that can be checked without a process group is checked once, here,
+            # before torchrun starts the workers (they check again: direct torchrun / SLURM)
+            _check_before_launch(cfg, args)
+            return _launch(args)
+    except Exception as e:
+        if is_user_error(e):
+            return report("train", e, args.debug)
+        raise
+    if "LOCAL_RANK" in os.environ:
+        from rlpo_mega.processes import die_with_parent
 
-    if (nproc > 1 or nnodes > 1) and "LOCAL_RANK" not in os.environ:
-        from rlpo_mega.training.state import plan_checkpoints
-
-        try:  # once, here, before torchrun starts the workers (they check again: direct torchrun / SLURM)
-            plan_checkpoints(cfg.checkpoint)
-        except CheckpointError as e:
-            print(f"rlpo-mega: {e}", file=sys.stderr)
-            return 2
-        return _reexec_under_torchrun(args)
-    from moe.families import UnsupportedModelError
-    from rlpo_mega.distributed import ParallelLayoutError
-
+        die_with_parent()  # a killed launcher or torchrun takes its workers with it
     try:
         from rlpo_mega.training.trainer import train
 
         return train(cfg)
-    except ConfigError as e:  # the trainer runs check_run_config before building anything
-        return _config_error(e)
-    except (ParallelLayoutError, UnsupportedModelError, CheckpointError) as e:
-        print(f"rlpo-mega: {e}", file=sys.stderr)
-        return 2
+    except BaseException as e:
+        if is_user_error(e):
+            return report("train", e, args.debug)
+        raise
+
+
+def _check_before_launch(cfg, args):
+    from moe.families import get_family
+    from rlpo_mega.config_checks import check_run_config
+    from rlpo_mega.training.state import plan_checkpoints
+
+    from moe.model import load_hf_config
+
+    hf = load_hf_config(cfg.model.hf_config) if cfg.model.hf_config else None
+    check_run_config(cfg, hf, world_size=args.nproc_per_node * args.nnodes, log_warnings=False)
+    plan_checkpoints(cfg.checkpoint, get_family(hf.model_type).identity(hf) if hf is not None else None)
 
 
 def torchrun_argv(args, env=None) -> list[str]:
@@ -78,26 +85,99 @@ def torchrun_argv(args, env=None) -> list[str]:
     return cmd
 
 
-def _reexec_under_torchrun(args) -> int:
-    import subprocess
+_TORCHRUN_LOGGERS = ("torch.distributed.run", "torch.distributed.launcher.api",
+                     "torch.distributed.elastic.agent.server.api",
+                     "torch.distributed.elastic.agent.server.local_elastic_agent",
+                     "torch.distributed.elastic.multiprocessing.api",
+                     "torch.distributed.elastic.multiprocessing.errors",
+                     "torch.distributed.elastic.multiprocessing.errors.error_handler")
+
+
+def _launch(args) -> int:
+    """torchrun's agent in this process (not a child): a signal to `rlpo-mega` is a signal to the agent, which
+    passes it to every worker and waits --stop-timeout seconds for them to save before killing them. A worker's
+    user error comes back through RLPO_ERROR_FILE and is printed once, without torchrun's report; a crash names
+    the rank whose traceback is above. The dead ranks' process groups (helpers they started) are killed."""
+    from rlpo_mega.errors import EXIT_USER_ERROR
 
     try:
         cmd = torchrun_argv(args)
     except ValueError as e:
         print(f"rlpo-mega train: {e}", file=sys.stderr)
-        return 2
-    return subprocess.call(cmd)
+        return EXIT_USER_ERROR
+    return _agent(cmd[3:], "train", args.debug, args.stop_timeout)  # cmd: python -m torch.distributed.run ...
+
+
+def _agent(argv: list[str], command: str, debug: bool, stop_timeout: int) -> int:
+    import shutil
+    import signal
+    import tempfile
+
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from rlpo_mega.errors import ERROR_FILE_ENV, EXIT_STOPPED, EXIT_USER_ERROR
+
+    argv = [f"--shutdown-timeout={stop_timeout}"] + argv
+    scratch = tempfile.mkdtemp(prefix="rlpo-launch-")
+    error_file = os.path.join(scratch, "error")
+    os.environ[ERROR_FILE_ENV] = error_file
+    if not debug:
+        for name in _TORCHRUN_LOGGERS:
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+        return 0
+    except SignalException as e:
+        print(f"rlpo-mega {command}: stopped by {signal.Signals(e.sigval).name}"
+              + ("; the workers saved a checkpoint if checkpoint.save_dir is set: run the same command to resume"
+                 if command == "train" else ""), file=sys.stderr)
+        return EXIT_STOPPED
+    except ChildFailedError as e:
+        for failure in e.failures.values():  # what a dead rank started lives in its process group
+            try:
+                os.killpg(failure.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, OSError):
+                pass
+        if os.path.isfile(error_file):
+            with open(error_file) as f:
+                print(f.read().strip(), file=sys.stderr)
+            return EXIT_USER_ERROR
+        codes = {f.exitcode for f in e.failures.values()}
+        if codes == {EXIT_STOPPED}:
+            return EXIT_STOPPED
+        rank, first = e.get_first_failure()
+        how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
+        print(f"rlpo-mega {command}: rank {rank} failed ({how}); its traceback is above", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        os.environ.pop(ERROR_FILE_ENV, None)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _check(args) -> int:
-    from rlpo_mega.config import ConfigError, load_config
+    from rlpo_mega.config import load_config
     from rlpo_mega.config_checks import check_run_config
+    from rlpo_mega.errors import is_user_error, report
 
     try:
         cfg = load_config(args.config, tuple(args.overrides))
         warns = check_run_config(cfg, None, world_size=args.world_size)
-    except (ConfigError, FileNotFoundError) as e:
-        return _config_error(e)
+        if cfg.checkpoint.save_dir or cfg.checkpoint.load_dir:  # what train would refuse about checkpoints
+            from moe.families import get_family
+            from moe.model import load_hf_config
+            from rlpo_mega.training.state import plan_checkpoints
+
+            hf = load_hf_config(cfg.model.hf_config)
+            plan_checkpoints(cfg.checkpoint, get_family(hf.model_type).identity(hf))
+    except Exception as e:
+        if is_user_error(e):
+            return report("check", e, args.debug)
+        raise
     layout = f" at world size {args.world_size}" if args.world_size else ""
     print(f"{args.config}: ok{layout} ({len(warns)} warning{'' if len(warns) == 1 else 's'})")
     return 0
@@ -118,7 +198,7 @@ def _convert(args) -> int:
         check_target(args.out, convert.CONVERTED, args.overwrite)  # once, here, before torchrun starts
         return _reexec(args.nproc_per_node, ["convert", "--hf", args.hf, "--out", args.out, "--tp", str(args.tp),
                                               "--pp", str(args.pp), "--ep", str(args.ep)]
-                       + (["--overwrite"] if args.overwrite else []))
+                       + (["--overwrite"] if args.overwrite else []), args.debug)
     convert.convert(args.hf, args.out, args.tp, args.pp, args.ep, overwrite=args.overwrite)
     return 0
 
@@ -130,11 +210,9 @@ def _export(args) -> int:
     return 0
 
 
-def _reexec(nproc: int, argv: list[str]) -> int:
-    import subprocess
-
-    return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                            f"--nproc-per-node={nproc}", "-m", "rlpo_mega.cli", *argv])
+def _reexec(nproc: int, argv: list[str], debug: bool = False) -> int:
+    return _agent(["--standalone", f"--nproc-per-node={nproc}", "-m", "rlpo_mega.cli", *argv]
+                  + (["--debug"] if debug else []), argv[0], debug, stop_timeout=60)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "$SLURM_JOB_ID, else rlpo)")
     tr.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts of failed workers (default 0)")
     tr.add_argument("--log-dir", default=None, help="torchrun's per-rank stdout/stderr files (with --tee)")
+    tr.add_argument("--stop-timeout", type=int, default=300,
+                    help="on SIGTERM/SIGINT: seconds the workers get to finish the step and save before they are "
+                         "killed (default 300)")
     check = sub.add_parser("check", help="validate a config (keys, types, cross-field checks, parallel layout) "
                                          "without running anything")
     check.add_argument("config")
@@ -179,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true",
                      help="replace --hf-out if an earlier export wrote it (never a checkpoint, a save_dir or "
                           "other files)")
+    for p in (train, check, conv, exp):
+        p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
     return parser
 
 
@@ -198,6 +281,10 @@ def parse(argv=None):
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse(argv)
+    if "LOCAL_RANK" in os.environ and args.command in ("convert", "export"):
+        from rlpo_mega.processes import die_with_parent
+
+        die_with_parent()
     if args.command == "convert":
         # One process per shard of the requested layout (expert-tensor parallel 1).
         import math
@@ -216,18 +303,14 @@ def main(argv=None) -> int:
 
 
 def _guarded(fn, args) -> int:
-    from moe.bridge.hf_checkpoint import CheckpointFormatError
-    from moe.bridge.outputs import OutputExistsError
-    from moe.families import UnsupportedModelError
-    from rlpo_mega.checkpoint import CheckpointError
-    from rlpo_mega.distributed import ParallelLayoutError
+    from rlpo_mega.errors import is_user_error, report
 
     try:
         return fn(args)
-    except (CheckpointFormatError, UnsupportedModelError, CheckpointError, ParallelLayoutError,
-            FileNotFoundError, OutputExistsError) as e:
-        print(f"rlpo-mega {args.command}: {e}", file=sys.stderr)
-        return 2
+    except BaseException as e:
+        if is_user_error(e):
+            return report(args.command, e, args.debug)
+        raise
 
 
 if __name__ == "__main__":

@@ -396,7 +396,7 @@ def _check_batch(cfg, world_size: Optional[int]):
                           f"{mbs}*{nmb}; change parallel.micro_batch_size or parallel.num_micro_batches")
 
 
-def check_run_config(cfg, hf=None, world_size: Optional[int] = None) -> list[str]:
+def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warnings: bool = True) -> list[str]:
     """Check a RunConfig against the HF model config `hf` (None: read cfg.model.hf_config) and, when given, the
     world size (data-parallel split and parallel layout). Raises ConfigError for an impossible combination;
     returns (and logs) warnings for suspicious ones."""
@@ -418,7 +418,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None) -> list[str
             raise ConfigError(f"{e} (world size {world_size})") from None
     _check_batch(cfg, world_size)
     _check_data(cfg, warns)
-    for w in warns:
+    for w in warns if log_warnings else ():  # the launcher checks quietly: its workers say them
         log.warning("config: %s", w)
     return warns
 

@@ -67,7 +67,7 @@ def test_train_config_error_exit_2(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert cli.main(["train", "configs/demo_cpu.yaml", "parallel.tensr=2"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("rlpo-mega: config error:") and "Did you mean 'parallel.tensor'" in err
+    assert err.startswith("rlpo-mega train: config error:") and "Did you mean 'parallel.tensor'" in err
 
 
 def test_train_trainer_config_error_exit_2(capsys, monkeypatch):
@@ -84,7 +84,7 @@ def test_train_trainer_config_error_exit_2(capsys, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert cli.main(["train", "configs/demo_cpu.yaml"]) == 2
     assert capsys.readouterr().err.strip() == \
-        "rlpo-mega: config error: rollout.temperature=0.7 != algorithm.temperature=1.0"
+        "rlpo-mega train: config error: rollout.temperature=0.7 != algorithm.temperature=1.0"
     monkeypatch.setitem(sys.modules, "rlpo_mega.training.trainer", types.SimpleNamespace(train=lambda cfg: 0))
     assert cli.main(["train", "configs/demo_cpu.yaml"]) == 0
 
@@ -96,7 +96,7 @@ def test_check_command(capsys, monkeypatch):
     assert cli.main(["check", recipe, data, "rollout.sglang.urls=[http://n3:30000]", "--world-size", "16"]) == 0
     assert f"{recipe}: ok at world size 16 (0 warnings)" in capsys.readouterr().out
     assert cli.main(["check", recipe, data, "--world-size", "24"]) == 2
-    assert "rlpo-mega: config error: " in capsys.readouterr().err
+    assert "rlpo-mega check: config error: " in capsys.readouterr().err
     assert cli.main(["check", recipe, data, "rollout.temperature=0.6"]) == 2
     assert "rollout.temperature=0.6 != algorithm.temperature=1.0" in capsys.readouterr().err
 

@@ -102,7 +102,7 @@ def test_bad_layout_exits_before_any_process_group():
     err = proc.stderr
     # torchrun stops the other worker as soon as one fails, so it may not get to print: every rank
     # that did report must have refused before creating a process group.
-    assert err.count("rlpo-mega: config error: bad parallel layout: world size 2 is not divisible by "
+    assert err.count("rlpo-mega train: config error: bad parallel layout: world size 2 is not divisible by "
                      "tensor*pipeline = 3*1 = 3") >= 1
     ends = re.findall(r"VALIDATE rank=(\d) rc=(\d+) process_group=(\w+)", err)
     assert ends and all(rc == "2" and pg == "False" for _, rc, pg in ends), err[-3000:]

@@ -181,16 +181,26 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
         os.makedirs(save_dir, exist_ok=True)
     path = step_dir(save_dir, step)
     save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files, reference_chunks=reference)
+    problem = [None]
     if dist.get_rank() == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(path))
-        os.replace(tmp, os.path.join(save_dir, LATEST))
-        prune(save_dir, step, str(meta.get("run_id", LEGACY_RUN)), keep_last, stale)
-        for name in os.listdir(save_dir):  # leftovers of interrupted saves
-            if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]) and name[:-4] != os.path.basename(path):
-                shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-    dist.barrier()
+        try:
+            with open(tmp, "w") as f:
+                f.write(os.path.basename(path))
+            os.replace(tmp, os.path.join(save_dir, LATEST))
+        except OSError as e:  # a full disk: `latest` still names the previous step, which is intact
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            problem[0] = (f"could not point {os.path.join(save_dir, LATEST)} at {path} ({e.strerror or e}); "
+                          "it still names the previous checkpoint: free space, then resume or set checkpoint.load_dir")
+        if problem[0] is None:
+            prune(save_dir, step, str(meta.get("run_id", LEGACY_RUN)), keep_last, stale)
+            for name in os.listdir(save_dir):  # leftovers of interrupted saves
+                if name.endswith(".tmp") and _STEP_DIR.match(name[:-4]) and name[:-4] != os.path.basename(path):
+                    shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0] is not None:
+        raise CheckpointError(problem[0])
     return path
 
 
@@ -205,7 +215,11 @@ def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=No
                               "checkpoint.load_optimizer=false and trainer state starts fresh, or point "
                               "checkpoint.load_dir at a step_<N> directory the trainer wrote")
     meta = load_checkpoint(path, chunks, optimizer if with_optimizer else None, reference, verify=verify)
-    state = torch.load(file, weights_only=False)
+    try:  # covered by the checksums unless checkpoint.verify=false or a checkpoint older than them
+        state = torch.load(file, weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{file} is unreadable ({type(e).__name__}: {e}): the checkpoint is damaged; load an "
+                              "earlier step (checkpoint.load_dir)") from None
     state["reference_loaded"] = reference is not None and bool(meta.get("has_reference"))
     if state["world_size"] == dist.get_world_size():
         set_rng_state(state["rng"][dist.get_rank()])

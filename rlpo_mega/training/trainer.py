@@ -65,6 +65,8 @@ class Trainer:
         # DataError naming file and line, not a failure after minutes of set-up)
         self.tokenizer = load_tokenizer(cfg)
         self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
+        self.sampler.check_lengths(cfg.rollout.max_new_tokens, getattr(self.hf, "max_position_embeddings", None),
+                                   f"prompts.path={cfg.prompts.path}")
         self.records = {key: load_prompts(path, "auto", cfg.prompts.prompt_key, cfg.prompts.answer_key)
                         for key, path, used in (("warmup", cfg.trainer.warmup.path, cfg.trainer.warmup.steps > 0),
                                                 ("eval", cfg.trainer.eval_path, cfg.trainer.eval_every > 0))
@@ -100,7 +102,9 @@ class Trainer:
         if not self.warmup_done and cfg.trainer.warmup.steps > 0:
             from rlpo_mega.training.warmup import supervised_warmup
 
-            supervised_warmup(self)
+            if supervised_warmup(self) is None:  # SIGTERM during the warm-up: stopped within one warm-up step
+                self.stopped = True
+                return
             self.warmup_done = True
         if self.ref_chunks is not None and not reference_loaded:
             self._copy_policy_to_reference()
@@ -454,17 +458,19 @@ def _rollout_metrics(scored) -> dict:
 def train(cfg, keep_world: bool = False) -> int:
     """`rlpo-mega train`: build, (resume,) run, close. Returns the process exit code. keep_world: leave
     the world process group up for another run in this process (tests)."""
+    from rlpo_mega.errors import EXIT_STOPPED
+
     trainer = Trainer(cfg)
     ok = False
     try:
-        history = trainer.run()
+        history = [] if trainer.stopped else trainer.run()
         ok = True
         if trainer.rank == 0 and history:
             summarize(history, trainer.logger.run_dir, cfg.logging.plot)
     finally:
         trainer.close(ok)
         distributed.destroy(keep_world)
-    return 0
+    return EXIT_STOPPED if trainer.stopped else 0
 
 
 def summarize(history: list[dict], run_dir: str, with_plot: bool = True):

@@ -39,7 +39,8 @@ def _batch(examples, rows, tp: int, pad: int) -> dict:
 
 
 def supervised_warmup(trainer):
-    """trainer.cfg.trainer.warmup.steps optimizer steps of batch_size examples (seeded order, cycling)."""
+    """trainer.cfg.trainer.warmup.steps optimizer steps of batch_size examples (seeded order, cycling).
+    Returns the last loss, or None when a signal stopped it (polled after every step)."""
     from rlpo_mega.training.policy_step import shard_and_split
     from rlpo_mega.training.step import train_step
 
@@ -59,6 +60,11 @@ def supervised_warmup(trainer):
             batch = _batch(examples, rows, trainer.layout.tensor, trainer.tokenizer.pad_token_id or 0)
             micro = shard_and_split(batch, trainer.cfg.parallel.num_micro_batches)
             loss = train_step(trainer.chunks, trainer.optimizer, micro)["loss"]
+            if trainer.stop.any_rank(trainer.device):  # the warm-up is not saved: it reruns on the next start
+                if trainer.rank == 0:
+                    log.warning("stopped by signal at warm-up step %d/%d; nothing saved (a warm-up is not "
+                                "checkpointed: the next start runs it again)", step + 1, w.steps)
+                return None
             if trainer.rank == 0 and (step % 20 == 0 or step == w.steps - 1):
                 log.info("warm-up step %d/%d: answer-token loss %.4f", step + 1, w.steps, loss)
     finally:
