@@ -464,3 +464,20 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_hung_server_is_one_error_not_a_hang(tmp_path):
+    """An SGLang server that accepts connections and never answers: the trainer's first call to it fails
+    within rollout.sglang.control_timeout, as one line, exit 2 (it waited the 600 s request timeout before)."""
+    from tests.test_engine_timeouts import silent_server
+
+    with silent_server() as url:
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "train", DEMO, *QUICK, "rollout.engine=sglang",
+                               f"rollout.sglang.urls=[{url}]", "rollout.sglang.control_timeout=2",
+                               "rollout.sglang.health_timeout=0.5", f"logging.dir={tmp_path}"],
+                              cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - t0
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    one_line(proc.stderr, "train", url, "2 s")
+    assert took < 120, took
