@@ -49,6 +49,14 @@ def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bu
     from moe.bridge.megatron_io import ExportStream
 
     outputs.check_target(hf_out, HFCheckpointWriter.KIND, overwrite)  # on every rank, before any collective
+    from rlpo_mega.checkpoint import META, CheckpointError
+    from rlpo_mega.training.state import latest_checkpoint
+
+    if os.path.isdir(ckpt_dir) and not os.path.isfile(os.path.join(ckpt_dir, META)):
+        ckpt_dir = latest_checkpoint(ckpt_dir) or ckpt_dir  # a trainer's save_dir: its latest step
+    if os.path.isdir(ckpt_dir) and not os.path.isfile(os.path.join(ckpt_dir, META)):
+        raise CheckpointError(f"--ckpt {ckpt_dir} is not a finished checkpoint ({META} missing): pass a step_<N> "
+                              "directory, a trainer's save_dir or a `rlpo-mega convert` output")
     read_meta(ckpt_dir)
     hf_files = os.path.join(ckpt_dir, HF_FILES)
     if not os.path.isfile(os.path.join(hf_files, "config.json")):

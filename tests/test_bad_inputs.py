@@ -481,3 +481,19 @@ def test_hung_server_is_one_error_not_a_hang(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     one_line(proc.stderr, "train", url, "2 s")
     assert took < 120, took
+
+
+@pytest.mark.parametrize("what", ["config dir", "save_dir without a finished step"])
+def test_export_of_something_that_is_not_a_checkpoint(what, tmp_path, capsys, monkeypatch):
+    src = tmp_path / "src"
+    if what == "config dir":
+        shutil.copytree(os.path.join(ROOT, "configs/models"), src)
+    else:
+        (src / "step_00000002").mkdir(parents=True)
+        (src / "step_00000002" / "trainer_state.pt").write_bytes(b"x")
+        (src / "latest").write_text("step_00000002")
+    kept = snapshot(src)
+    rc, err = run_cli(capsys, monkeypatch, "export", "--ckpt", str(src), "--hf-out", str(tmp_path / "out"))
+    assert rc == 2
+    one_line(err, "export", "is not a finished checkpoint", "--ckpt")
+    assert snapshot(src) == kept and not (tmp_path / "out").exists()
