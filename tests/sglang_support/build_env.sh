@@ -8,6 +8,9 @@ HERE="$(cd "$(dirname "$0")" && pwd)"
 VENV="${1:-$HERE/../../.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
 STAMP="$VENV/.sglang_installed"
+# one build at a time (`make test` starts one in the background; a test that needs the venv waits for it)
+exec 9>"$VENV.lock"
+flock 9
 if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HERE/requirements.txt" ]; then exit 0; fi
 start=$(date +%s)
 rm -rf "$VENV"
