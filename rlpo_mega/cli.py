@@ -146,8 +146,8 @@ def _agent(argv: list[str], command: str, debug: bool, stop_timeout: int) -> int
                 print(f.read().strip(), file=sys.stderr)
             return EXIT_USER_ERROR
         codes = {f.exitcode for f in e.failures.values()}
-        if codes == {EXIT_STOPPED}:
-            return EXIT_STOPPED
+        if EXIT_STOPPED in codes and codes <= {EXIT_STOPPED, -signal.SIGTERM}:  # a signal sent to the workers
+            return EXIT_STOPPED  # themselves (the agent stops the rest with SIGTERM once one has exited)
         rank, first = e.get_first_failure()
         how = f"signal {first.signal_name()}" if first.exitcode < 0 else f"exit code {first.exitcode}"
         print(f"rlpo-mega {command}: rank {rank} failed ({how}); its traceback is above", file=sys.stderr)

@@ -383,11 +383,16 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path):
 
     saved = complete_steps(str(ck))
     assert len(saved) == 1 and saved[0] >= 2, saved
+    from rlpo_mega.checkpoint import read_meta
+
+    meta = read_meta(str(ck / f"step_{saved[0]:08d}"))  # the model and the run's key settings are recorded
+    assert meta["model"]["model_type"] == "qwen3_moe" and meta["settings"]["algorithm.loss.name"] == "gspo"
     args[1] = f"train_iters={saved[0] + 1}"
-    done = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "train", *args, "--nproc-per-node", "2"], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "train", *args, "algorithm.loss.name=sapo",
+                           "--nproc-per-node", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stderr + done.stdout
+    out = done.stderr + done.stdout
+    assert "resumed from" in out and "resuming with algorithm.loss.name=sapo; the run that saved" in out, out[-3000:]
 
 
 def test_sigterm_during_warmup_is_honoured_within_a_warmup_step(tmp_path):

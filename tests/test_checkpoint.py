@@ -98,6 +98,10 @@ def test_interrupted_save_is_refused_with_the_fix(single):
 
 def test_crash_mid_save_keeps_previous_checkpoint(single):
     f = single[FAMILIES[0]]["failures"]
+    # an error during the save (any rank): one CheckpointError, its .tmp removed, the checkpoint untouched
+    assert "saving checkpoint" in f["error_raised"] and "simulated failure during save" in f["error_raised"]
+    assert f["dirs_after_error"] == ["ckpt"]
+    # the process dying mid-save (no clean-up can run):
     assert f["crash_raised"] == "simulated crash during save"
     assert f["tmp_left"] == ["ckpt", "ckpt.tmp"]  # the half-written save stays aside
     assert not same(f["moved_eval"], f["saved_eval"])

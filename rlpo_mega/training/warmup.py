@@ -10,14 +10,16 @@ import logging
 import numpy as np
 import torch
 
-from rlpo_mega.data import render_prompt
+from rlpo_mega.data import load_prompts, render_prompt
 
 log = logging.getLogger("rlpo_mega")
 
 
 def _examples(trainer):
     c, tok = trainer.cfg, trainer.tokenizer
-    records = trainer.records["warmup"]  # read and validated before the model was built
+    records = trainer.records.get("warmup")  # read and validated before the model was built
+    if records is None:  # the warm-up was switched on after the trainer was built (tests)
+        records = load_prompts(c.trainer.warmup.path, "auto", c.prompts.prompt_key, c.prompts.answer_key)
     out = []
     for r in records:
         prompt = render_prompt(tok, r.prompt, c.prompts.chat_template, c.prompts.system_prompt)

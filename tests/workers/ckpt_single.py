@@ -54,15 +54,29 @@ def failures(run, d):
 
     real_save = dist_checkpointing.save
 
+    def failing_save(state, directory, *args, **kwargs):
+        real_save(state, directory, *args, **kwargs)  # data written, then an error (a full disk, a bug)
+        raise RuntimeError("simulated failure during save")
+
+    dist_checkpointing.save = failing_save
+    try:
+        save_checkpoint(ckpt, run.chunks, run.opt, meta={"step": 3})
+        f["error_raised"] = None
+    except CheckpointError as e:
+        f["error_raised"] = str(e)
+    finally:
+        dist_checkpointing.save = real_save
+    f["dirs_after_error"] = sorted(os.listdir(d))  # the failed save removed its own .tmp
+
     def crashing_save(state, directory, *args, **kwargs):
-        real_save(state, directory, *args, **kwargs)  # data written, then the job dies
-        raise RuntimeError("simulated crash during save")
+        real_save(state, directory, *args, **kwargs)  # data written, then the job dies (no clean-up runs)
+        raise SystemExit("simulated crash during save")
 
     dist_checkpointing.save = crashing_save
     try:
         save_checkpoint(ckpt, run.chunks, run.opt, meta={"step": 3})
         f["crash_raised"] = None
-    except RuntimeError as e:
+    except SystemExit as e:
         f["crash_raised"] = str(e)
     finally:
         dist_checkpointing.save = real_save
