@@ -320,6 +320,7 @@ def test_disk_full_during_save_keeps_the_previous_checkpoint(tmp_path):
     r = json.loads((tmp_path / "r.json").read_text())
     assert "no space left on device" in r["shard_error"] and "previous checkpoint and `latest` are intact" in r["shard_error"]
     assert "could not point" in r["latest_error"] and "still names the previous checkpoint" in r["latest_error"]
+    assert "could not point" in r["resave_error"]  # and step_1, which `latest` names, was kept (below)
     assert r["after"] == ["latest", "step_00000001"], r["after"]  # no step_2, no .tmp, no latest.tmp
     assert r["latest"] == "step_00000001" and r["verified"] is None
 

@@ -188,10 +188,18 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
             with open(tmp, "w") as f:
                 f.write(os.path.basename(path))
             os.replace(tmp, os.path.join(save_dir, LATEST))
-        except OSError as e:  # a full disk: `latest` still names the previous step, which is intact; the step
-            if os.path.exists(tmp):  # just written (this save's own) goes too, so the save_dir is as it was
+        except OSError as e:  # a full disk: `latest` still names the previous step, which is intact
+            if os.path.exists(tmp):
                 os.remove(tmp)
-            shutil.rmtree(path, ignore_errors=True)
+            # the step just written goes too, so the save_dir is as it was -- unless `latest` names it (a save of
+            # the step the run resumed from replaced that very directory: it is the only copy left)
+            pointer = os.path.join(save_dir, LATEST)
+            named = None
+            if os.path.isfile(pointer):
+                with open(pointer) as f:
+                    named = f.read().strip()
+            if named != os.path.basename(path):
+                shutil.rmtree(path, ignore_errors=True)
             problem[0] = (f"could not point {os.path.join(save_dir, LATEST)} at {path} ({e.strerror or e}); "
                           "it still names the previous checkpoint: free space, then resume or set checkpoint.load_dir")
         if problem[0] is None:

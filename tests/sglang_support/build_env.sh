@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the separate SGLang test venv (default /work/main/.venv-sglang; arg 1 overrides) for tests/test_sglang.py.
+# Build the separate SGLang test venv (default <repo>/.venv-sglang; arg 1 overrides) for tests/test_sglang.py.
 # The main venv stays lean: sglang 0.5.23 pins torch==2.14.1 and CUDA kernels, so it goes in with --no-deps,
 # after the CPU torch and under a torch==2.13.0 constraint so nothing can pull a CUDA torch.
 # Workarounds (shared/notes/sglang.md) live in tests/sglang_support/path, put on PYTHONPATH by the tests.

@@ -1,6 +1,7 @@
 """A real checkpoint save (1 process) that runs out of space: first inside megatron's shard writing (the
-writer raises ENOSPC after putting part of a file down), then when `latest` is replaced. Reports both errors,
-what the save_dir holds afterwards, and the verification of the step that must have survived.
+writer raises ENOSPC after putting part of a file down), then when `latest` is replaced (for a new step, and
+for the step `latest` names). Reports the errors, what the save_dir holds afterwards, and the verification of
+the step that must have survived.
 argv: save_dir."""
 import builtins
 import errno
@@ -60,6 +61,10 @@ def main():
         save(2)
     except CheckpointError as e:
         report["latest_error"] = str(e)
+    try:  # saving the step `latest` already names (as a stop right after a resume does) replaces that
+        save(1)  # very directory: it must survive a failure to rewrite `latest`
+    except CheckpointError as e:
+        report["resave_error"] = str(e)
     builtins.open = real_open
     step1 = state.step_dir(save_dir, 1)
     report.update(after=sorted(os.listdir(save_dir)), latest=open(os.path.join(save_dir, "latest")).read().strip(),
