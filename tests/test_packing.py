@@ -131,3 +131,33 @@ def test_check_rejects_bad_data_path_settings(overrides, message):
 
     with pytest.raises(ConfigError, match=message):
         check_run_config(load_config(None, tuple(overrides)), world_size=2)
+
+
+@pytest.mark.parametrize("layout", ["single", "tp2_sp", "pp2_mb2"])
+def test_old_logprobs_from_the_update_equal_the_old_pass(layout):
+    """One optimizer step per rollout batch: the update's own detached log-probs as pi_old give exactly the
+    losses, metrics (mismatch from the same forward) and gradients of the separate old-log-prob pass, with
+    R3 replay and with live routing (policy_step.old_pass_needed)."""
+    nproc, overrides = (1, []) if layout == "single" else LAYOUTS[layout]
+    report = torchrun("old_from_update.py", nproc, *overrides, timeout=600)
+    for mode, r in report.items():
+        assert r["zero_grads"] == 0, mode
+        assert r["grad_abs_diff"] == 0.0, (layout, mode, r["grad_abs_diff"])
+        assert r["metrics"]["mismatch/k3_kl"][0] > 0.1  # the rollout log-probs differ: the metric is exercised
+        for key, (separate, skipped) in r["metrics"].items():
+            assert separate == skipped, (layout, mode, key, separate, skipped)
+        assert r["agreement"][0] == r["agreement"][1] < 0.5, (layout, mode)
+
+
+def test_old_pass_needed_names_why():
+    from types import SimpleNamespace
+
+    from rlpo_mega.config import load_config
+    from rlpo_mega.training.policy_step import old_pass_needed
+
+    hf = SimpleNamespace(attention_dropout=0.0)
+    assert old_pass_needed(load_config(None, ()), hf) is None
+    for overrides, why in ((("trainer.epochs=2",), "epochs=2"), (("trainer.mini_batches=4",), "mini_batches=4"),
+                           (("routing.mode=r2",), "r2"), (("trainer.old_logprobs=recompute",), "recompute")):
+        assert why in old_pass_needed(load_config(None, overrides), hf)
+    assert "attention_dropout" in old_pass_needed(load_config(None, ()), SimpleNamespace(attention_dropout=0.1))

@@ -144,15 +144,18 @@ def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
     return values[0][batch["index"]]
 
 
-def policy_forward_step(data_iterator, model, cfg, resolved, real_vocab):
-    """forward_step for run_schedule/forward_backward: the policy loss of one micro-batch."""
+def policy_forward_step(data_iterator, model, cfg, resolved, real_vocab, old_from_update=False):
+    """forward_step for run_schedule/forward_backward: the policy loss of one micro-batch.
+    old_from_update: the old log-probs are this forward's own, detached (see `old_pass_needed`)."""
     batch = next(data_iterator)
     output = _model_out(model, batch)
 
     def loss_func(logits):
         logp, entropy = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
                                                 real_vocab=real_vocab, chunk_size=cfg.logprob_chunk_size)
-        return policy_objective(unpack(logp, batch), batch, cfg, resolved, entropy=unpack(entropy.detach(), batch))
+        logp = unpack(logp, batch)
+        b = {**batch, "old_logp": logp.detach()} if old_from_update else batch
+        return policy_objective(logp, b, cfg, resolved, entropy=unpack(entropy.detach(), batch))
 
     return output, loss_func
 
@@ -176,8 +179,28 @@ def _real_vocab(model_chunks):
     return unwrap(model_chunks[0]).real_vocab_size
 
 
-def make_policy_forward_step(cfg, model_chunks):
-    return partial(policy_forward_step, cfg=cfg, resolved=validate(cfg), real_vocab=_real_vocab(model_chunks))
+def make_policy_forward_step(cfg, model_chunks, old_from_update=False):
+    return partial(policy_forward_step, cfg=cfg, resolved=validate(cfg), real_vocab=_real_vocab(model_chunks),
+                   old_from_update=old_from_update)
+
+
+def old_pass_needed(run_cfg, hf) -> Optional[str]:
+    """Why this run needs the separate old-log-prob pass, or None when the update's own forward gives the
+    old log-probs exactly: one optimizer step per rollout batch (the weights of the old pass are the
+    update's), no dropout (the old pass runs in eval mode, the update in train mode), and the update
+    routes as the old pass would (r3 replays the rollout's routes in both; off routes live in both; r2
+    defines its routes by the old pass's record). Then pi_old = pi_theta.detach(): the ratio is 1 and its
+    gradient is grad log pi (TRL's shortcut); skipping saves one full forward per step."""
+    t = run_cfg.trainer
+    if t.old_logprobs == "recompute":
+        return "trainer.old_logprobs=recompute"
+    if t.epochs * t.mini_batches != 1:
+        return f"trainer.epochs={t.epochs} x trainer.mini_batches={t.mini_batches} optimizer steps per rollout batch"
+    if run_cfg.routing.mode == "r2":
+        return "routing.mode=r2 records its routes in the old pass"
+    if float(getattr(hf, "attention_dropout", 0.0) or 0.0) > 0:
+        return f"attention_dropout={hf.attention_dropout} (the update's forward is not the eval-mode one)"
+    return None
 
 
 @torch.no_grad()
@@ -253,13 +276,15 @@ def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int
     return attach_old_logprobs(model_chunks, shard_and_split(batch, num_micro_batches), cfg, ref_chunks, routing)
 
 
-def attach_old_logprobs(model_chunks, micro: list[dict], cfg, ref_chunks=None, routing=None) -> list[dict]:
+def attach_old_logprobs(model_chunks, micro: list[dict], cfg, ref_chunks=None, routing=None,
+                        old_pass: bool = True) -> list[dict]:
     """This rank's micro-batches (on the device) with their routes attached and the old (and reference)
-    log-probs of the forward-only passes added."""
+    log-probs of the forward-only passes added. old_pass=False: no old pass (the update takes its own
+    log-probs, `old_pass_needed`); the reference pass still runs."""
     validate(cfg)
     if routing is not None:
         routing.attach(micro)
-    if "old_logp" not in micro[0]:
+    if old_pass and "old_logp" not in micro[0]:
         _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg,
                                                      wrap_step=routing.wrap_old if routing else None))
     if cfg.kl.coef > 0 and "ref_logp" not in micro[0]:
@@ -270,13 +295,14 @@ def attach_old_logprobs(model_chunks, micro: list[dict], cfg, ref_chunks=None, r
 
 
 def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_optimizer: bool = True,
-                routing=None) -> dict:
+                routing=None, old_from_update: bool = False) -> dict:
     """One policy update: loss/backward over the micro-batches (megatron schedule, global normalisation)
     -> optimizer step. Returns the global metrics (and grad_norm). routing: replays the micro-batches'
-    routes (moe.routing.replay.RoutingReplay); its metrics are added."""
+    routes (moe.routing.replay.RoutingReplay); its metrics are added. old_from_update: the micro-batches
+    carry no old_logp; the update's own detached log-probs are pi_old (`old_pass_needed`)."""
     from rlpo_mega.training.step import forward_backward, optimizer_step
 
-    step = make_policy_forward_step(cfg, model_chunks)
+    step = make_policy_forward_step(cfg, model_chunks, old_from_update)
     reports = forward_backward(model_chunks, optimizer, micro_batches, routing.wrap_update(step) if routing else step)
     out = reduce_report(reports)
     if routing is not None:

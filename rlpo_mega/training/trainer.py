@@ -88,6 +88,13 @@ class Trainer:
         # every rank's DP rank and MoE layers: where each sample's payload goes (training/exchange.py)
         self.recipients = gather_recipients(self.chunks, self.spec)
         self.scorer = RewardScorer(cfg.reward)
+        from rlpo_mega.training.policy_step import old_pass_needed
+
+        why = old_pass_needed(cfg, self.hf)
+        self.old_from_update = why is None
+        if self.rank == 0:
+            log.info("old log-probs: %s", "the update's own forward (one optimizer step per rollout batch)"
+                     if why is None else f"a separate pass ({why})")
         self.step, self.bad_steps, self.warmup_done, self.stopped = 0, 0, False, False
         # The KL reference is the policy as RL starts (after any warm-up); a resumed run loads the one its
         # checkpoint saved, as the policy has moved since.
@@ -218,7 +225,8 @@ class Trainer:
         prepared, reports = [], []
         for mini in minis:
             micro = attach_old_logprobs(self.chunks, [to_device(mb) for mb in mini], self.cfg.algorithm,
-                                        ref_chunks=self.ref_chunks, routing=self.routing)
+                                        ref_chunks=self.ref_chunks, routing=self.routing,
+                                        old_pass=not self.old_from_update)
             for m in micro:
                 if "old_logp" in m:  # last pipeline stage
                     reports.append(mismatch_metrics(m["old_logp"], m["rollout_logp"], m["loss_mask"].bool()))
@@ -244,7 +252,7 @@ class Trainer:
         for _ in range(self.cfg.trainer.epochs):
             for micro in prepared:
                 out = policy_step(self.chunks, self.optimizer, micro, self.cfg.algorithm, step_optimizer=False,
-                                  routing=self.routing)
+                                  routing=self.routing, old_from_update=self.old_from_update)
                 if math.isfinite(out["policy_loss"]) and self._grads_finite():
                     applied, out["grad_norm"] = optimizer_step(self.optimizer, self.lr_schedule, strict=False)
                     skipped += not applied
@@ -293,7 +301,7 @@ class Trainer:
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         metrics["train/skipped_updates"] = skipped
         metrics["train/bad_steps_in_a_row"] = self.bad_steps
-        metrics.update(_policy_metrics(out))
+        metrics.update(_policy_metrics(out, "update" if self.old_from_update else "old"))
         metrics["optim/lr"] = float(self.optimizer.param_groups[0]["lr"])
         with timer("sync"):
             self.sync()
@@ -425,14 +433,16 @@ def _mean_dicts(dicts: list[dict]) -> dict:
     return out
 
 
-def _policy_metrics(out: dict) -> dict:
+def _policy_metrics(out: dict, agreement_phase: str = "old") -> dict:
+    """agreement_phase: the pass whose live router is compared with the rollout's choice (the old pass, or
+    the update's forward when it gives the old log-probs)."""
     m = {}
     for k, v in out.items():
         if k in POLICY_KEYS:
             m[POLICY_KEYS[k]] = v
-        elif k.startswith("routing/old/agreement/layer"):  # live training router vs the rollout's choice
+        elif k.startswith(f"routing/{agreement_phase}/agreement/layer"):  # live router vs the rollout's choice
             m["routing/agreement/layer_" + k.rsplit("layer", 1)[1]] = v
-        elif k == "routing/old/agreement":
+        elif k == f"routing/{agreement_phase}/agreement":
             m["routing/agreement/mean"] = v
         elif k.startswith("routing/update/load_max_over_mean/layer"):
             m["experts/load_max/layer_" + k.rsplit("layer", 1)[1]] = v
