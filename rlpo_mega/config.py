@@ -223,7 +223,9 @@ class PromptDataConfig:
 
 @dataclass
 class EmbeddedEngineConfig:
-    batch_size: int = 16  # sequences per generate() forward
+    # sequences per generate() forward; None: every request of the call (a step's whole rollout) at once
+    batch_size: Optional[int] = None
+    max_batch_tokens: Optional[int] = None  # cap rows x (longest prompt + max_new_tokens) per batch (memory)
     capture_routes: bool = True  # forward hooks on the routers (needed for R3)
     attn_implementation: str = "sdpa"  # transformers attention backend: sdpa | eager
 

@@ -215,8 +215,12 @@ def _check_rollout(cfg, warns: list[str]):
         if cfg.routing.mode == "r3" and not ro.embedded.capture_routes:
             raise ConfigError("routing.mode=r3 replays the rollout's routes, but rollout.embedded.capture_routes="
                               "false records none; set rollout.embedded.capture_routes=true (or routing.mode=r2/off)")
-        if ro.embedded.batch_size < 1:
-            raise ConfigError(f"rollout.embedded.batch_size={ro.embedded.batch_size} must be >= 1")
+        if ro.embedded.batch_size is not None and ro.embedded.batch_size < 1:
+            raise ConfigError(f"rollout.embedded.batch_size={ro.embedded.batch_size} must be >= 1 (or null: every "
+                              "request of a step in one batch)")
+        if ro.embedded.max_batch_tokens is not None and ro.embedded.max_batch_tokens < ro.max_new_tokens + 1:
+            raise ConfigError(f"rollout.embedded.max_batch_tokens={ro.embedded.max_batch_tokens} cannot hold one "
+                              f"prompt + rollout.max_new_tokens={ro.max_new_tokens}; raise it (or null: no cap)")
     if ro.engine == "sglang":
         sg = ro.sglang
         if ro.sync_transport == "distributed":

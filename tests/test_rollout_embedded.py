@@ -103,9 +103,10 @@ def test_seeded_generation_is_reproducible(setup):
 def test_samples_do_not_depend_on_batch_composition(setup):
     params = SamplingParams(max_new_tokens=8, seed=5, top_p=0.95)
     runs = []
-    for bs in (1, 4, 16):  # alone, mixed with padding and early finishers, everything in one batch
+    # alone, mixed with padding and early finishers, everything in one batch (the default), cut by a token budget
+    for bs, budget in ((1, None), (4, None), (None, None), (None, 40)):
         engine = setup.engine
-        old, engine.cfg = engine.cfg, dataclasses.replace(engine.cfg, batch_size=bs)
+        old, engine.cfg = engine.cfg, dataclasses.replace(engine.cfg, batch_size=bs, max_batch_tokens=budget)
         try:
             runs.append(engine.generate(setup.prompts, params, n=2))
         finally:

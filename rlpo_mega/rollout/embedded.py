@@ -52,17 +52,52 @@ def filter_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor
 
 
 class _Sample:
-    """One sample's running state."""
+    """One sample's running state; its tokens, log-probs and routes live in its batch's buffers (`_Rows`)."""
 
-    __slots__ = ("index", "prompt_index", "rid", "prompt", "response", "logprobs", "routes", "finish", "gen")
+    __slots__ = ("index", "prompt_index", "rid", "prompt", "finish", "gen", "rows", "row", "pad", "n")
 
     def __init__(self, index, prompt_index, rid, prompt):
         self.index, self.prompt_index, self.rid, self.prompt = index, prompt_index, rid, prompt
-        self.response: list[int] = []
-        self.logprobs: list[float] = []
-        self.routes: list[torch.Tensor] = []
         self.finish: Optional[str] = None
         self.gen: Optional[torch.Generator] = None
+        self.rows: Optional["_Rows"] = None  # None: its batch never started (aborted before)
+        self.row = self.pad = self.n = 0  # its row in the buffers, left padding, tokens generated
+
+
+class _Rows:
+    """A batch's outputs, written one decoding step at a time for the rows still running (on the host):
+    tokens and log-probs [B, max_new], routes [B, positions, moe_layers, topk]. Each sample's results are
+    views of its row (no per-sample copies)."""
+
+    def __init__(self, b: int, width: int, max_new: int, spec):
+        self.tokens = torch.zeros(b, max_new, dtype=torch.long)
+        self.logprobs = torch.zeros(b, max_new, dtype=torch.float32)
+        self.routes = None if spec is None else torch.zeros(b, width + max_new - 1, spec.num_layers, spec.topk,
+                                                            dtype=torch.int32)
+
+
+class _Noise:
+    """The exponential race's noise, each row from its own generator, drawn for several decoding steps at
+    once: a generator's [k, V] draw is the same stream as k draws of [V] (CPU generators fill in order), so a
+    sample's tokens do not depend on the chunking, and a step costs one tensor index instead of one generator
+    call per row. Chunks hold at most 2^16 values per row."""
+
+    def __init__(self, max_new: int, vocab: int):
+        self.max_new, self.vocab = max_new, vocab
+        self.chunk = max(1, min(max_new, (1 << 16) // vocab))
+        self.buf: Optional[torch.Tensor] = None  # [rows, chunk, V] of the running rows
+        self.start = 0
+
+    def step(self, batch, t: int) -> torch.Tensor:
+        if self.buf is None or t >= self.start + self.buf.shape[1]:
+            k = min(self.chunk, self.max_new - t)
+            self.buf = torch.stack([torch.empty(k, self.vocab).exponential_(generator=s.gen) for s in batch])
+            self.start = t
+        return self.buf[:, t - self.start]
+
+    def select(self, keep: torch.Tensor):
+        if self.buf is not None:
+            self.buf = self.buf[keep]
 
 
 @ENGINES.register("embedded")
@@ -85,8 +120,10 @@ class EmbeddedEngine(RolloutEngine):
             hf_config = load_hf_config(hf_config)
         self.hf = hf_config
         self.cfg = cfg if cfg is not None else EmbeddedEngineConfig()
-        if self.cfg.batch_size < 1:
-            raise ValueError(f"rollout.embedded.batch_size={self.cfg.batch_size} must be >= 1")
+        for key in ("batch_size", "max_batch_tokens"):
+            v = getattr(self.cfg, key)
+            if v is not None and v < 1:
+                raise ValueError(f"rollout.embedded.{key}={v} must be >= 1 (or null: no limit)")
         from rlpo_mega import platform
 
         # the learner's device (one GPU per rank on a cluster): generation next to the weights it receives
@@ -191,8 +228,8 @@ class EmbeddedEngine(RolloutEngine):
         for s in samples:
             s.gen = torch.Generator().manual_seed(_sample_seed(base_seed, s.prompt_index, s.index % n))
         try:
-            for start in range(0, len(samples), self.cfg.batch_size):
-                self._run_batch(samples[start:start + self.cfg.batch_size], params)
+            for batch in self._batches(samples, params.max_new_tokens):
+                self._run_batch(batch, params)
         finally:
             if self.capture is not None:
                 self.capture.clear()
@@ -200,23 +237,42 @@ class EmbeddedEngine(RolloutEngine):
                 self._active = None
         return [self._result(s, base_seed, params.seed is None) for s in samples]
 
-    def _aborted_rows(self, batch) -> list[bool]:
-        with self._lock:
-            return [self._abort_all or s.rid in self._aborted for s in batch]
+    def _batches(self, samples, max_new: int):
+        """Every sample of the call in one batch (a step's whole rollout: one forward per decoding step), or
+        cut at rollout.embedded.batch_size rows / max_batch_tokens (rows x (longest prompt + max_new))."""
+        rows, budget = self.cfg.batch_size, self.cfg.max_batch_tokens
+        start = 0
+        while start < len(samples):
+            end, longest = start, 0
+            while end < len(samples) and (rows is None or end - start < rows):
+                longest = max(longest, len(samples[end].prompt))
+                if budget is not None and end > start and (end - start + 1) * (longest + max_new) > budget:
+                    break
+                end += 1
+            yield samples[start:end]
+            start = end
 
-    def _collect_routes(self, batch, skip):
-        """This forward's router ids -> each row's sample (`skip[b]`: left-padding rows to drop)."""
+    def _aborted_rows(self, batch) -> Optional[torch.Tensor]:
+        """bool [rows] of the samples aborted so far, None when none is (the common case: no per-row work)."""
+        with self._lock:
+            if self._abort_all:
+                return torch.ones(len(batch), dtype=torch.bool)
+            if not self._aborted:
+                return None
+            return torch.tensor([s.rid in self._aborted for s in batch], dtype=torch.bool)
+
+    def _collect_routes(self, out: _Rows, rows: torch.Tensor, position: slice):
+        """This forward's router ids -> the running rows' route buffer at these positions."""
         if self.capture is None:
             return
-        r = self.capture.routes().cpu()  # [B, positions, moe_layers, topk]: sample data lives on the host
+        out.routes[rows, position] = self.capture.routes().cpu()  # [B, positions, moe_layers, topk]
         self.capture.clear()
-        for s, rows, k in zip(batch, r.unbind(0), skip):  # one unbind: views, no per-row indexing
-            s.routes.append(rows[k:] if k else rows)
 
     def _run_batch(self, batch: list[_Sample], params: SamplingParams):
         from transformers import DynamicCache
 
-        for s, ab in zip(batch, self._aborted_rows(batch)):
+        aborted = self._aborted_rows(batch)
+        for s, ab in zip(batch, [] if aborted is None else aborted.tolist()):
             if ab:
                 s.finish = "abort"  # aborted before its batch started: no tokens, no routes
         batch = [s for s in batch if s.finish is None]
@@ -224,12 +280,11 @@ class EmbeddedEngine(RolloutEngine):
             return
         lens = [len(s.prompt) for s in batch]
         width = max(lens)
-        pads = [width - n for n in lens]
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        out_rows = _Rows(len(batch), width, params.max_new_tokens, self.spec if self.capture is not None else None)
         for b, s in enumerate(batch):
-            ids[b, pads[b]:] = torch.tensor(s.prompt)
-            mask[b, pads[b]:] = 1
+            s.rows, s.row, s.pad = out_rows, b, width - lens[b]
+        ids = torch.tensor([[self.pad_id] * s.pad + s.prompt for s in batch], dtype=torch.long)
+        mask = torch.tensor([[0] * s.pad + [1] * len(s.prompt) for s in batch], dtype=torch.long)
         # per-row positions: a left-padded prompt starts at position 0 like an unpadded one
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
@@ -238,59 +293,65 @@ class EmbeddedEngine(RolloutEngine):
             self.capture.clear()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        self._collect_routes(batch, pads)
+        alive = torch.arange(len(batch))  # rows of the buffers still decoding
+        self._collect_routes(out_rows, alive, slice(0, width))
         last_pos = pos[:, -1]
-        stop = set(params.stop_token_ids)
-        for _ in range(params.max_new_tokens):
+        stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
+        noise = _Noise(params.max_new_tokens, self.vocab_size)
+        for t in range(params.max_new_tokens):
             logits = out.logits[:, -1].float() / params.temperature
             logp = torch.log_softmax(logits, dim=-1)  # before top-k/top-p: the SGLang convention
-            tokens = self._choose(logits, params, batch)
-            chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()  # fp32 -> float -> fp32 is exact
+            tokens = self._choose(logits, params, [batch[b] for b in alive.tolist()], noise, t)
+            chosen = logp.gather(1, tokens[:, None])[:, 0]
             self.decode_steps += 1
-            keep = []
-            for b, (s, ab, t) in enumerate(zip(batch, self._aborted_rows(batch), tokens.tolist())):
-                if ab:
-                    s.finish = "abort"  # this step's token is not handed out
-                    continue
-                s.response.append(t)
-                s.logprobs.append(chosen[b])
-                if t in stop:
-                    s.finish = "stop"
-                elif len(s.response) >= params.max_new_tokens:
-                    s.finish = "length"
-                else:
-                    keep.append(b)
-            if not keep:
+            host_tokens, aborted = tokens.cpu(), self._aborted_rows(batch)
+            aborted = None if aborted is None else aborted[alive]
+            kept = alive if aborted is None else alive[~aborted]  # an aborted row's token is not handed out
+            appended = host_tokens if aborted is None else host_tokens[~aborted]
+            out_rows.tokens[kept, t] = appended
+            out_rows.logprobs[kept, t] = (chosen.cpu() if aborted is None else chosen.cpu()[~aborted])
+            done = torch.isin(host_tokens, stop) | (t + 1 >= params.max_new_tokens)
+            if aborted is not None:
+                done |= aborted
+            for k in done.nonzero()[:, 0].tolist():
+                s = batch[int(alive[k])]
+                ab = aborted is not None and bool(aborted[k])
+                s.n = t if ab else t + 1
+                s.finish = "abort" if ab else ("stop" if int(host_tokens[k]) in params.stop_token_ids else "length")
+            if bool(done.all()):
                 return
-            if len(keep) < len(batch):  # prune finished rows: the cache, mask and positions shrink with them
-                sel = torch.tensor(keep, device=self.device)
+            if bool(done.any()):  # prune finished rows: the cache, mask and positions shrink with them
+                keep = (~done).nonzero()[:, 0]
+                sel = keep.to(self.device)
                 cache.batch_select_indices(sel)
-                batch, tokens, mask, last_pos = [batch[b] for b in keep], tokens[sel], mask[sel], last_pos[sel]
-            mask = torch.cat([mask, mask.new_ones(len(batch), 1)], dim=1)
+                tokens, mask, last_pos, alive = tokens[sel], mask[sel], last_pos[sel], alive[keep]
+                noise.select(keep)
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
                              past_key_values=cache, use_cache=True)
-            self._collect_routes(batch, [0] * len(batch))
+            self._collect_routes(out_rows, alive, slice(width + t, width + t + 1))
+        for k in alive.tolist():  # max_new_tokens == 0 is refused by SamplingParams; kept for safety
+            batch[k].finish, batch[k].n = "length", params.max_new_tokens
 
-    def _choose(self, logits: torch.Tensor, params: SamplingParams, batch) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, batch, noise: "_Noise", t: int) -> torch.Tensor:
         if params.top_k == 1:  # greedy: exactly the argmax, no randomness consumed
             return logits.argmax(-1)
         probs = filter_probs(logits, params.top_k, params.top_p)
         # Exponential race per row with the row's own generator: argmax p_i / E_i ~ Categorical(p).
         # the generators live on the host: a sample's draws do not depend on the device it runs on
-        race = torch.stack([torch.empty(logits.shape[-1]).exponential_(generator=s.gen) for s in batch])
-        return (probs / race.to(probs.device)).argmax(-1)
+        return (probs / noise.step(batch, t).to(probs.device)).argmax(-1)
 
     def _result(self, s: _Sample, base_seed: int, fresh: bool) -> RolloutSample:
-        routes = None
-        if self.capture is not None and s.routes:
-            rows = len(s.prompt) + len(s.response) - 1
-            routes = torch.cat(s.routes)[:rows].to(torch.int32).contiguous()
+        routes, n = None, s.n
+        if s.rows is not None and s.rows.routes is not None:
+            routes = s.rows.routes[s.row, s.pad:s.pad + len(s.prompt) + n - 1]
+        response = s.rows.tokens[s.row, :n].tolist() if s.rows is not None else []
+        lp = s.rows.logprobs[s.row, :n] if s.rows is not None else torch.zeros(0, dtype=torch.float32)
         meta = {"request_id": s.rid}
         if fresh:
             meta["seed"] = base_seed  # replays the call with SamplingParams(seed=...)
-        lp = torch.tensor(s.logprobs, dtype=torch.float32)
-        return RolloutSample(prompt_ids=list(s.prompt), response_ids=s.response, logprobs=lp,
+        return RolloutSample(prompt_ids=list(s.prompt), response_ids=response, logprobs=lp,
                              finish_reason=s.finish or "length", routes=routes, prompt_index=s.prompt_index,
                              meta=meta)
 
