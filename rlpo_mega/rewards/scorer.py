@@ -1,16 +1,20 @@
-"""Async, batched reward scoring with failure isolation.
+"""Batched reward scoring on worker threads, with failure isolation.
 
-Reward calls run on a thread pool (math checks and HTTP requests release or spend little of the GIL
-relative to their wait) driven by asyncio, so a slow sample or reward server does not serialise the
-batch. A call that raises, times out or returns a non-number gives the configured default reward and a
-flag on that sample; failures are counted per batch and over the run, and logged once per kind.
+Reward calls run on `num_workers` threads that pull the next call from a shared counter (math checks and
+HTTP requests release or spend little of the GIL relative to their wait), so a slow sample or reward
+server does not serialise the batch, and a cheap function costs a few microseconds per sample (no task or
+future per call). A call that raises, runs past `timeout` (measured from its start) or returns a
+non-number gives the configured default reward and a flag on that sample; a timed-out call's thread cannot
+be killed, so it is left to finish in the background and a fresh thread takes its place. Failures are
+counted per batch and over the run, and logged once per kind.
 """
 from __future__ import annotations
 
-import asyncio
+import itertools
 import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -41,17 +45,15 @@ class RewardScorer:
         self.cfg = cfg
         self.fn = fn if fn is not None else REWARDS.get(cfg.function)
         self.batched = bool(getattr(self.fn, "batched", False))
-        self._pool = ThreadPoolExecutor(max(1, cfg.num_workers), thread_name_prefix="reward")
         self.total_scored = 0
         self.total_failed = 0
         self._logged: set[str] = set()
+        self._closed = False
 
     # --- one call (a sample, or a chunk for a batched function) -----------------------------------------
-    async def _call(self, loop, args, n: int) -> tuple[list[float], Optional[str]]:
+    def _call(self, args, n: int) -> tuple[list[float], Optional[str]]:
         try:
-            fut = loop.run_in_executor(self._pool, self.fn, args, self.cfg)
-            # On timeout the worker thread cannot be killed; it finishes in the background.
-            out = await asyncio.wait_for(fut, self.cfg.timeout) if self.cfg.timeout else await fut
+            out = self.fn(args, self.cfg)
             values = list(out) if self.batched else [out]
             if len(values) != n:
                 raise ValueError(f"returned {len(values)} rewards for {n} samples")
@@ -59,21 +61,54 @@ class RewardScorer:
                 if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                     raise ValueError(f"returned {v!r}, not a finite number")
             return [float(v) for v in values], None
-        except asyncio.TimeoutError:
-            return [self.cfg.default] * n, f"timed out after {self.cfg.timeout}s"
         except Exception as e:  # noqa: BLE001 - any reward bug must not stop the run
             return [self.cfg.default] * n, f"{type(e).__name__}: {e}"
 
-    async def ascore(self, samples: Sequence[RewardInput]) -> RewardResult:
-        loop = asyncio.get_running_loop()
+    def _run_all(self, units: list, sizes: list[int]) -> list[tuple[list[float], Optional[str]]]:
+        """Every unit through _call on worker threads; a unit running past cfg.timeout gets the default."""
+        results: list = [None] * len(units)
+        started: list = [None] * len(units)
+        counter = itertools.count()
+        done = threading.Condition()
+
+        def worker():
+            while not self._closed:
+                i = next(counter)  # atomic under the GIL: each unit is taken once
+                if i >= len(units):
+                    return
+                started[i] = time.monotonic()
+                out = self._call(units[i], sizes[i])
+                with done:
+                    if results[i] is None:  # not already given up on (timed out)
+                        results[i] = out
+                    done.notify()
+
+        def spawn():
+            threading.Thread(target=worker, name="reward", daemon=True).start()
+
+        for _ in range(min(max(1, self.cfg.num_workers), len(units))):
+            spawn()
+        timeout = self.cfg.timeout
+        with done:
+            while any(r is None for r in results):
+                now = time.monotonic()
+                running = [i for i, r in enumerate(results) if r is None and started[i] is not None]
+                for i in running:
+                    if timeout and now - started[i] >= timeout:
+                        results[i] = ([self.cfg.default] * sizes[i], f"timed out after {timeout}s")
+                        spawn()  # its thread is stuck in the call: the rest of the batch gets a fresh one
+                waits = [started[i] + timeout - now for i in running if results[i] is None] if timeout else []
+                done.wait(timeout=max(min(waits), 0.001) if waits else (0.05 if timeout else None))
+        return results
+
+    def score(self, samples: Sequence[RewardInput]) -> RewardResult:
         if self.batched:
             bs = max(1, self.cfg.remote.batch_size)
-            chunks = [list(samples[i:i + bs]) for i in range(0, len(samples), bs)]
-            outs = await asyncio.gather(*(self._call(loop, c, len(c)) for c in chunks))
-            sizes = [len(c) for c in chunks]
+            units = [list(samples[i:i + bs]) for i in range(0, len(samples), bs)]
+            sizes = [len(c) for c in units]
         else:
-            outs = await asyncio.gather(*(self._call(loop, s, 1) for s in samples))
-            sizes = [1] * len(samples)
+            units, sizes = list(samples), [1] * len(samples)
+        outs = self._run_all(units, sizes) if units else []
         rewards, errors = [], []
         for (values, err), size in zip(outs, sizes):
             rewards += values
@@ -81,10 +116,6 @@ class RewardScorer:
         result = RewardResult(rewards, [e is not None for e in errors], errors)
         self._account(result)
         return result
-
-    def score(self, samples: Sequence[RewardInput]) -> RewardResult:
-        """Synchronous entry point (from code that is not already inside an event loop)."""
-        return asyncio.run(self.ascore(samples))
 
     def _account(self, result: RewardResult) -> None:
         self.total_scored += len(result.rewards)
@@ -100,7 +131,7 @@ class RewardScorer:
                      len(result.rewards), self.total_failed, self.total_scored)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._closed = True  # idle workers stop taking calls; a stuck call's thread is a daemon
 
     def __enter__(self):
         return self
