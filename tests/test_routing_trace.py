@@ -95,6 +95,36 @@ def test_validate_batch_counts():
         validate_batch(traces, SPEC, [5, 4])
 
 
+def test_validate_batch_one_pass_equals_per_sample():
+    """The batch's one vectorised pass (clean traces) gives each sample's validate_trace result; a batch with
+    any problem goes sample by sample (the same errors and fallbacks)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 17, 9]
+    traces = [torch.rand(n, L, E, generator=g).argsort(-1)[..., :K].to(dt)
+              for n, dt in zip(lengths, (torch.int32, torch.int64, torch.uint8, torch.int16))]
+    out, stats = validate_batch(traces, SPEC, lengths)
+    for tr, raw, n in zip(out, traces, lengths):
+        ref = validate_trace(raw, SPEC, n, "s")
+        assert tr.ids.dtype == ref.ids.dtype == torch.uint8 and torch.equal(tr.ids, ref.ids) and tr.replaced is None
+    assert stats["routing/fallback_entries"] == 0 and stats["routing/trace_bytes"] == sum(lengths) * L * K
+    top1 = TraceSpec(num_experts=8, topk=1, moe_layers=(0,))
+    short, long = torch.zeros(3, 1, 1, dtype=torch.int32), torch.zeros(16, 1, 1, dtype=torch.int32)
+    assert validate_batch([short], top1, [3])[0][0].replaced is None  # top-1: a short all-0 layer is plausible
+    with pytest.raises(RoutingTraceError, match="sample 1: .*every expert id is 0"):
+        validate_batch([short, long], top1, [3, 16])
+    for bad, what in ((lambda t: t.__setitem__((2, 1, 0), 8), "out of range"),
+                      (lambda t: t.__setitem__((2, 1), torch.tensor([3, 3])), "duplicate"),
+                      (lambda t: t.__setitem__((2, 1, 0), -1), "missing route")):
+        broken = [t.clone() for t in traces]
+        bad(broken[3])  # int16: -1 is representable
+        with pytest.raises(RoutingTraceError, match=f"sample 3: token 2, .*{what}"):
+            validate_batch(broken, SPEC, lengths)
+        fell, st = validate_batch(broken, SPEC, lengths, on_error="fallback")
+        assert st["routing/fallback_entries"] == 1 and fell[3].replaced[2, 1] and fell[0].replaced is None
+    with pytest.raises(RoutingTraceError, match="sample 3: .*rows for"):
+        validate_batch(traces, SPEC, [5, 1, 17, 8])
+
+
 def test_sglang_decode_selects_moe_layers():
     full = torch.randint(0, E, (6, 4, K), dtype=torch.int32)
     full[:, :, 1] = (full[:, :, 0] + 1) % E

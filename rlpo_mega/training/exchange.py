@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from moe.routing.trace import RoutingTraceError, TraceSpec, compact_dtype, validate_trace
+from moe.routing.trace import RoutingTraceError, TraceSpec, compact_dtype, validate_batch
 from moe.routing.transport import wire_device
 from rlpo_mega import platform
 
@@ -62,14 +62,17 @@ def gather_scalars(local: list, spec: Optional[TraceSpec], on_bad_trace: str, gr
     me = dist.get_rank()
     rows, error = [], None
     try:
+        traced = [i for i, s in enumerate(local) if s.routes is not None and spec is not None]
+        # one pass over the whole share (moe.routing.trace.validate_batch): per-sample checks only on a problem
+        traces, _ = validate_batch([local[i].routes for i in traced], spec,
+                                   [len(local[i].prompt_ids) + len(local[i].response_ids) - 1 for i in traced],
+                                   on_bad_trace, [f"{me}:{i}" for i in traced]) if traced else ([], {})
+        for i, tr in zip(traced, traces):
+            local[i].routes, local[i].replaced = tr.ids, tr.replaced
+        replaced = {i: (tr.num_replaced, 0 if tr.replaced is None else int(tr.replaced.any(dim=1).sum()))
+                    for i, tr in zip(traced, traces) if tr.replaced is not None}
         for i, s in enumerate(local):
-            rep_e = rep_t = 0
-            if s.routes is not None and spec is not None:
-                tr = validate_trace(s.routes, spec, len(s.prompt_ids) + len(s.response_ids) - 1,
-                                    f"{me}:{i}", on_bad_trace)
-                s.routes, s.replaced = tr.ids, tr.replaced
-                rep_e = tr.num_replaced
-                rep_t = 0 if tr.replaced is None else int(tr.replaced.any(dim=1).sum())
+            rep_e, rep_t = replaced.get(i, (0, 0))
             rows.append((len(s.prompt_ids), len(s.response_ids), float(s.reward), bool(s.failed), bool(s.correct),
                          s.finish_reason, rep_e, rep_t, s.routes is not None))
     except RoutingTraceError as e:

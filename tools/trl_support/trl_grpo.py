@@ -107,7 +107,9 @@ cfg = GRPOConfig(
     # seq-mean-token-mean. ("dapo", TRL's default, is a global token mean; "dr_grpo" divides by max length.)
     # DDP averages the per-process means; every process has the same number of sequences, so this is the global one.
     loss_type="grpo",
-    scale_rewards="group",  # (r - group mean) / (group std + 1e-4), torch.std (unbiased): the demo's grpo advantage
+    # (r - group mean) / (group std + 1e-4), unbiased std: the demo's grpo advantage, but for its eps (1e-6; TRL's
+    # 1e-4 is hard-coded). It only matters for groups whose rewards are all equal, whose advantages are 0 either way.
+    scale_rewards="group",
     # sampling: the demo's tempered distribution, no top-p/top-k truncation, 4 new tokens
     temperature=1.5,
     top_p=1.0,
