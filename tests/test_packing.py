@@ -80,6 +80,26 @@ def test_packed_micro_batch_layout():
     assert mb["advantages"].tolist() == [0.5, -1.0, 2.0]
     empty = build_micro_batch(samples, received, [], adv, keep, layout="packed", align=4, pad_id=0)
     assert empty["tokens"].shape == (1, 4) and not empty["loss_mask"].any()
+    # the whole-batch route cut equals the per-piece one (moe.routing.transport.local_routes), fallback entries
+    # (LIVE) and sequence-parallel shards included
+    from moe.routing.trace import RoutingTrace
+    from moe.routing.transport import LIVE, Segment, local_routes
+
+    received[1] = Received(received[1].ids, received[1].logprobs, received[1].routes,
+                           torch.tensor([[True, False], [False, True]]))
+    samples[1].replaced_entries = 2
+    for sp_rank in (0, 1):
+        r = Recipient(0, 0, 1, sp_rank, 2, (0, 1))
+        mb = build_micro_batch(samples, received, [0, 1, 2], adv, keep, layout="packed", align=4, pad_id=0,
+                               recipient=r, topk=2)
+        placement = [Segment(k, 0, o, s) for k, (o, s) in enumerate(zip([0, 6, 8], spans))]
+        traces = [RoutingTrace(x.routes, 0, x.replaced) for x in received.values()]
+        want = local_routes(traces, placement, r, 1, 20, 2)
+        assert mb["routes"].dtype == want.dtype and torch.equal(mb["routes"], want), sp_rank
+    assert (want == LIVE).sum() == 0  # shard 1 (positions 10-19) holds none of sample 1's positions
+    first = build_micro_batch(samples, received, [0, 1, 2], adv, keep, layout="packed", align=4, pad_id=0,
+                              recipient=Recipient(0, 0, 1, 0, 2, (0, 1)), topk=2)["routes"]
+    assert (first[0, 6, 0] == LIVE).all() and (first[0, 7, 1] == LIVE).all() and (first == LIVE).sum() == 4
 
 
 LAYOUTS = {

@@ -38,55 +38,66 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
                       recipient=None, topk: int = 0) -> dict:
     """One micro-batch (host tensors). idx: sample indices (may be empty: a rank with fewer samples than
     the agreed micro-batch count runs one masked pad segment, so every rank joins each forward's
-    collectives). recipient: this rank's moe.routing.transport.Recipient when routes are replayed."""
+    collectives). recipient: this rank's moe.routing.transport.Recipient when routes are replayed.
+    Built with whole-batch tensor ops (a few per micro-batch, not per sample)."""
     rows = _sample_rows(samples, received, idx)
     n = max(1, len(rows))
-    spans = [s.span for _, s, _ in rows]
-    width = max(spans, default=1)  # positions of the [n, s] loss view
+    spans = torch.tensor([s.span for _, s, _ in rows] or [1])
+    plens = torch.tensor([s.prompt_len for _, s, _ in rows] or [1])
+    rlens = torch.tensor([s.response_len for _, s, _ in rows] or [0])
+    width = int(spans.max())  # positions of the [n, s] loss view
     if layout == "padded":
         width = padded_len
-    loss_mask = torch.zeros(n, width, dtype=torch.bool)
+    col = torch.arange(width)[None, :]
+    start = (plens - 1)[:, None]  # the input position predicting the first response token
+    in_response = (col >= start) & (col < start + rlens[:, None])
+    kept = keep[torch.tensor(idx, dtype=torch.long)] if rows else torch.zeros(1, dtype=torch.bool)
+    loss_mask = in_response & kept[:, None]
     roll = torch.zeros(n, width)
     adv = torch.zeros(n)
-    for k, (i, s, r) in enumerate(rows):
-        start = s.prompt_len - 1  # the input position predicting the first response token
-        loss_mask[k, start:start + s.response_len] = bool(keep[i])
-        roll[k, start:start + s.response_len] = r.logprobs
-        adv[k] = advantages[i]
+    if rows:
+        roll[in_response] = torch.cat([r.logprobs for _, _, r in rows])  # row-major: each sample's tokens in order
+        adv = advantages[torch.tensor(idx, dtype=torch.long)].to(adv.dtype)
     batch = {"loss_mask": loss_mask, "advantages": adv, "rollout_logp": roll, "samples": list(idx)}
+    ids = torch.cat([r.ids for _, _, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
     if layout == "padded":
         tokens = torch.full((n, width + 1), pad_id, dtype=torch.long)
-        for k, (_, s, r) in enumerate(rows):
-            tokens[k, :s.span + 1] = r.ids
+        if rows:  # each row: its sample's span + 1 tokens, then padding
+            tokens[torch.arange(width + 1)[None, :] < (spans + 1)[:, None]] = ids
         batch.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())
         placement = [Segment(k, k, 0, s.span) for k, (_, s, _) in enumerate(rows)]
         n_rows, seq_len = n, width
     else:
-        total = sum(spans)
+        total = int(spans.sum()) if rows else 0
         t = -(-max(total, 1) // align) * align
+        offsets = torch.cumsum(spans, 0) - spans  # each sample's first packed position
+        # a sample's own next tokens as labels: a plain shift of the packed row would make its last position
+        # predict the next sample's first token. ids hold span + 1 tokens per sample: inputs drop each
+        # sample's last token, labels its first.
+        ends = torch.cumsum(spans + 1, 0)
+        last = torch.zeros(ids.numel(), dtype=torch.bool)
+        first = torch.zeros(ids.numel(), dtype=torch.bool)
+        if rows:
+            last[ends - 1] = True
+            first[ends - spans - 1] = True
         tokens = torch.full((t,), pad_id, dtype=torch.long)
         labels = torch.full((t,), pad_id, dtype=torch.long)
-        index = torch.zeros(n, width, dtype=torch.long)
-        pos = torch.zeros(t, dtype=torch.long)
-        cu, off = [0], 0
-        for k, (_, s, r) in enumerate(rows):
-            # a sample's own next tokens as labels: a plain shift of the packed row would make its last
-            # position predict the next sample's first token
-            tokens[off:off + s.span], labels[off:off + s.span] = r.ids[:-1], r.ids[1:]
-            index[k, :s.span] = torch.arange(off, off + s.span)
-            pos[off:off + s.span] = torch.arange(s.span)
-            off += s.span
-            cu.append(off)
-        if t > off:  # the alignment tail: its own sequence, masked
-            pos[off:] = torch.arange(t - off)
-            cu.append(t)
+        tokens[:total], labels[:total] = ids[~last], ids[~first]
+        index = torch.where(col < spans[:, None], offsets[:, None] + col, torch.zeros((), dtype=torch.long))
+        if not rows:
+            index.zero_()
+        pos = torch.arange(t)
+        pos[:total] -= torch.repeat_interleave(offsets, spans)[:total] if rows else 0
+        if t > total:  # the alignment tail: its own sequence, masked
+            pos[total:] = torch.arange(t - total)
+        cu = [0] + (torch.cumsum(spans, 0).tolist() if rows else []) + ([t] if t > total else [])
         batch.update(tokens=tokens.unsqueeze(0), labels=labels.unsqueeze(0), index=index,
                      position_ids=pos.unsqueeze(0), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
                      max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])))
-        placement, o = [], 0
-        for k, (_, s, _) in enumerate(rows):
-            placement.append(Segment(k, 0, o, s.span))
-            o += s.span
+        if recipient is not None and rows:
+            batch["routes"] = _packed_routes(rows, recipient, t, topk)
+            return batch
+        placement = [Segment(k, 0, int(o), s.span) for k, ((_, s, _), o) in enumerate(zip(rows, offsets.tolist()))]
         n_rows, seq_len = 1, t
     if recipient is not None:
         traces = [RoutingTrace(r.routes, 0, r.replaced) for _, _, r in rows]
@@ -94,6 +105,23 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
         batch["routes"] = local_routes(traces, placement, local, n_rows, seq_len, topk)
     return batch
 
+
+def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
+    """The packed row's routes [1, this rank's sequence shard, its MoE layers, topk]: the samples' routes back
+    to back (they are the packed positions), PAD on the alignment tail, LIVE where a trace entry was replaced
+    (moe.routing.transport's markers and dtype, as local_routes would cut them)."""
+    from moe.routing.transport import LIVE, PAD
+
+    routes = torch.cat([r.routes for _, _, r in rows])
+    dtype = torch.int32 if routes.dtype == torch.int32 else torch.int16
+    full = torch.full((t, routes.shape[1], topk), PAD, dtype=dtype)
+    full[:routes.shape[0]] = routes.to(dtype)
+    if any(r.replaced is not None for _, _, r in rows):
+        rep = torch.cat([r.replaced if r.replaced is not None else torch.zeros(s.span, routes.shape[1], dtype=torch.bool)
+                         for _, s, r in rows])
+        full[:routes.shape[0]][rep] = LIVE
+    a, b = recipient.shard(t)
+    return full[a:b].unsqueeze(0)
 
 
 def prepare_step(samples, group_ids, cfg, dp: int, tp: int, recipients, spec, pad_id: int, timer=None):

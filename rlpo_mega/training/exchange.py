@@ -89,33 +89,43 @@ def gather_scalars(local: list, spec: Optional[TraceSpec], on_bad_trace: str, gr
     return out
 
 
-def _encode(s: Sample, cols: list[int], with_routes: bool) -> list[torch.Tensor]:
-    p = s.payload
-    # everything on the host (an engine on the GPU returns device tensors): one buffer, one copy to the wire
-    parts = [torch.as_tensor(list(p.prompt_ids) + list(p.response_ids), dtype=torch.int32).view(torch.uint8),
-             p.logprobs.cpu().to(torch.float32).contiguous().view(torch.uint8)]
+def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, with_routes: bool) -> list[int]:
+    """Byte sizes of the wire blocks of these samples (one sender -> one recipient), in wire order: all
+    token ids (int32), all rollout log-probs (float32), all routes (compact dtype, the recipient's MoE layer
+    columns), all replaced flags (uint8, samples with fallback entries only). Block-wise, not sample by
+    sample: each block is one concatenation on the sender and one split on the recipient."""
+    sizes = [4 * sum(s.prompt_len + s.response_len for s in samples), 4 * sum(s.response_len for s in samples)]
     if with_routes:
-        parts.append(p.routes.cpu()[:, cols].contiguous().view(torch.uint8).reshape(-1))
-        if s.replaced_entries:
-            parts.append(p.replaced.cpu()[:, cols].to(torch.uint8).reshape(-1))
+        sizes.append(sum(s.span for s in samples) * n_cols * topk * itemsize)
+        sizes.append(sum(s.span for s in samples if s.replaced_entries) * n_cols)
+    return sizes
+
+
+def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool) -> list[torch.Tensor]:
+    """The blocks of `_blocks` as byte tensors, from the owner's payloads (on the host: an engine on the
+    GPU returns device tensors)."""
+    if not samples:
+        return []
+    payloads = [s.payload for s in samples]
+    ids = torch.tensor([t for p in payloads for t in (*p.prompt_ids, *p.response_ids)], dtype=torch.int32)
+    parts = [ids.view(torch.uint8), torch.cat([p.logprobs.cpu().to(torch.float32) for p in payloads]).view(torch.uint8)]
+    if with_routes:
+        routes = torch.cat([p.routes.cpu() for p in payloads])
+        parts.append((routes if len(cols) == routes.shape[1] else routes[:, cols]).contiguous().view(torch.uint8)
+                     .reshape(-1))
+        rep = [p.replaced.cpu()[:, cols].to(torch.uint8).reshape(-1) for s, p in zip(samples, payloads)
+               if s.replaced_entries]
+        if rep:
+            parts.append(torch.cat(rep))
     return parts
-
-
-def _sizes(s: Sample, n_cols: int, topk: int, itemsize: int, with_routes: bool) -> list[int]:
-    out = [4 * (s.prompt_len + s.response_len), 4 * s.response_len]
-    if with_routes:
-        out.append(s.span * n_cols * topk * itemsize)
-        if s.replaced_entries:
-            out.append(s.span * n_cols)
-    return out
 
 
 def own_share_bytes(samples: Sequence[Sample], mine: Sequence[int], spec: Optional[TraceSpec]) -> int:
     """The wire size of these samples with every MoE layer's routes: the yardstick of `exchange`."""
     with_routes = spec is not None and all(s.has_routes for s in samples)
     itemsize = compact_dtype(spec.num_experts).itemsize if with_routes else 0
-    return sum(sum(_sizes(samples[i], spec.num_layers if with_routes else 0, spec.topk if with_routes else 0,
-                          itemsize, with_routes)) for i in mine)
+    return sum(_blocks([samples[i] for i in mine], spec.num_layers if with_routes else 0,
+                       spec.topk if with_routes else 0, itemsize, with_routes))
 
 
 def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
@@ -130,50 +140,44 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
     itemsize = dtype.itemsize
     topk = spec.topk if with_routes else 0
     order = sorted(dp_of)  # both sides walk samples in index order
-    outgoing = [[] for _ in range(world)]
-    for i in order:
-        s = samples[i]
-        if s.owner != me:
-            continue
-        for r in recipients:
-            if r.dp_rank == dp_of[i]:
-                outgoing[r.rank] += _encode(s, list(r.layer_cols), with_routes)
+    outgoing = []
+    for r in recipients:  # r.rank == its index
+        mine = [samples[i] for i in order if samples[i].owner == me and dp_of[i] == r.dp_rank]
+        outgoing.append(_encode(mine, list(r.layer_cols), with_routes))
     # the world group is NCCL on GPUs: device tensors only (platform.device(); the host on CPU)
     device = platform.device() if group is None else wire_device(group)
     send_sizes = [sum(t.numel() for t in parts) for parts in outgoing]
     n_cols = len(mine_r.layer_cols)
-    expected = {i: _sizes(samples[i], n_cols, topk, itemsize, with_routes) for i in order
-                if dp_of[i] == mine_r.dp_rank}
-    recv_sizes = [0] * world
-    for i, sizes in expected.items():
-        recv_sizes[samples[i].owner] += sum(sizes)
+    expected = [i for i in order if dp_of[i] == mine_r.dp_rank]
+    from_src = [[samples[i] for i in expected if samples[i].owner == src] for src in range(world)]
+    blocks = [_blocks(f, n_cols, topk, itemsize, with_routes) for f in from_src]
+    recv_sizes = [sum(b) for b in blocks]
     send = torch.cat([t for parts in outgoing for t in parts]) if any(send_sizes) else torch.empty(0, dtype=torch.uint8)
     send = send.to(device)
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
     recv = recv.cpu()  # one copy; the micro-batches are cut on the host and moved once (to_device)
-    starts, base = {}, 0
+    out, base = {}, 0
     for src in range(world):
-        starts[src] = base
-        base += recv_sizes[src]
-    out = {}
-    for i, sizes in expected.items():
-        src = samples[i].owner
-        pos = starts[src]
-        chunks = []
-        for n in sizes:
-            chunks.append(recv[pos:pos + n])
+        got = from_src[src]
+        if not got:
+            continue
+        # clone each block: a view as a wider dtype needs an aligned start, and blocks follow each other unaligned
+        pieces, pos = [], base
+        for n in blocks[src]:
+            pieces.append(recv[pos:pos + n].clone())
             pos += n
-        starts[src] = pos
-        s = samples[i]
-        # clone: a view as a wider dtype needs an aligned start, and the pieces follow each other unaligned
-        ids = chunks[0].clone().view(torch.int32).long()
-        lp = chunks[1].clone().view(torch.float32)
-        routes = replaced = None
+        base = pos
+        ids = pieces[0].view(torch.int32).long().split([s.prompt_len + s.response_len for s in got])
+        lps = pieces[1].view(torch.float32).split([s.response_len for s in got])
+        routes = replaced = [None] * len(got)
         if with_routes:
-            routes = chunks[2].clone().view(dtype).reshape(s.span, n_cols, topk)
-            if s.replaced_entries:
-                replaced = chunks[3].reshape(s.span, n_cols).bool()
-        out[i] = Received(ids, lp, routes, replaced)
-    own = own_share_bytes(samples, list(expected), spec if with_routes else None)
+            routes = pieces[2].view(dtype).reshape(-1, n_cols, topk).split([s.span for s in got])
+            flagged = [s for s in got if s.replaced_entries]
+            rep = iter(pieces[3].reshape(-1, n_cols).bool().split([s.span for s in flagged]) if flagged else ())
+            replaced = [next(rep) if s.replaced_entries else None for s in got]
+        idx = [i for i in expected if samples[i].owner == src]
+        for i, x, lp, rt, rp in zip(idx, ids, lps, routes, replaced):
+            out[i] = Received(x, lp, rt, rp)
+    own = own_share_bytes(samples, expected, spec if with_routes else None)
     return out, {"bytes_received": int(recv.numel()), "own_share_bytes": own}
