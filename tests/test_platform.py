@@ -29,6 +29,7 @@ import sys
 from collections import defaultdict
 
 import pytest
+import torch
 
 from rlpo_mega.platform import all_patches, cpu_megatron, megatron_fixes
 from tests.dist import ROOT, torchrun
@@ -180,7 +181,7 @@ def test_scenario_fails_without_patch(patch):
 def test_scenario_trains_with_all_patches(patch):
     scenario = ABLATIONS[patch][0]
     report = passing_run(scenario)
-    assert set(report["applied"]) == set(PATCHES), report["applied"]
+    assert set(report["applied"]) == set(PATCHES) | {p.name for p in megatron_fixes.SPEEDUPS}, report["applied"]
     losses = report["losses"]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses), losses
     # (That the patched layouts reproduce the single-process losses and grads is tests/test_parity.py.)
@@ -224,12 +225,35 @@ def _python(code: str, env: dict | None = None) -> str:
     return proc.stdout
 
 
+def test_thd_rope_vectorized_equals_megatron_loop():
+    """The speed-up's one gather gives megatron's per-sequence result bit for bit, for both frequency layouts
+    (max-length freqs, and freqs over every packed position), with grads."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    megatron_fixes._thd_rope_vectorized()
+    fast = rope_utils._apply_rotary_pos_emb_thd
+    slow = fast._rlpo_original
+    g = torch.Generator().manual_seed(0)
+    cu = torch.tensor([0, 3, 4, 11, 16], dtype=torch.int32)
+    one = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    for freqs in (torch.rand(7, 1, 1, 8, generator=g), torch.rand(16, 1, 1, 8, generator=g)):
+        t = torch.randn(16, 2, 8, generator=g, requires_grad=True)
+        a, b = fast(t, cu, freqs, cp_group=one), slow(t, cu, freqs, cp_group=one)
+        assert torch.equal(a, b)
+        ga, = torch.autograd.grad(a.square().sum(), t)
+        gb, = torch.autograd.grad(b.square().sum(), t)
+        assert torch.equal(ga, gb)
+
+
 def test_selection():
     """Local-spec fixes whenever TE is absent (CPU or GPU); CPU patches whenever CUDA is absent."""
     from rlpo_mega.platform import select
 
-    assert select(have_transformer_engine=False, have_cuda=False) == megatron_fixes.FIXES + cpu_megatron.PATCHES
-    assert select(have_transformer_engine=False, have_cuda=True) == megatron_fixes.FIXES
+    local = megatron_fixes.FIXES + megatron_fixes.SPEEDUPS
+    assert select(have_transformer_engine=False, have_cuda=False) == local + cpu_megatron.PATCHES
+    assert select(have_transformer_engine=False, have_cuda=True) == local
     assert select(have_transformer_engine=True, have_cuda=True) == ()
     assert select(have_transformer_engine=True, have_cuda=False) == cpu_megatron.PATCHES
     assert set(all_patches()) == set(megatron_fixes.FIXES + cpu_megatron.PATCHES)
@@ -321,7 +345,7 @@ def _cuda_present(ablate: str = "") -> dict:
 
 def test_nothing_cpu_specific_runs_when_cuda_is_present():
     result = _cuda_present()
-    fixes = [] if result["te"] else [p.name for p in megatron_fixes.FIXES]
+    fixes = [] if result["te"] else [p.name for p in megatron_fixes.FIXES + megatron_fixes.SPEEDUPS]
     # Only the device-independent megatron fixes (and only without Transformer Engine); no version check.
     assert result["applied"] == fixes
     assert not set(result["applied"]) & {p.name for p in cpu_megatron.PATCHES}
@@ -344,7 +368,7 @@ def test_gpu_without_te_norms_fail_without_the_fixes():
     result = _cuda_present(ablate="torch_norm_sequence_parallel,final_norm_rmsnorm_apex")
     if result["te"]:
         pytest.skip("Transformer Engine is installed: the local spec and its fixes are not used")
-    assert result["applied"] == ["te_general_gemm_undefined"]
+    assert result["applied"] == ["te_general_gemm_undefined", "thd_rope_vectorized"]
     norms = result["norms"]
     assert {"input", "pre_mlp", "final"} <= set(norms), norms
     for name, (kind, message) in norms.items():

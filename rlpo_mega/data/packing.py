@@ -29,6 +29,8 @@ def karmarkar_karp(weights: Sequence[int], parts: int) -> list[list[int]]:
     them (deterministic; each set sorted). Sets may be empty when there are fewer items than parts."""
     if parts < 1:
         raise ValueError(f"parts={parts} must be >= 1")
+    if parts == 1:  # one set: everything (the differencing below would copy lists n times to find it)
+        return [list(range(len(weights)))]
     # a partial solution: `parts` (sum, items) sets sorted by sum descending; keyed by its spread
     heap, tie = [], 0
     for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):

@@ -60,7 +60,7 @@ def apply() -> list[str]:
     if _APPLIED is not None:
         return _APPLIED
     skip = {s for s in os.environ.get(_SKIP_ENV, "").split(",") if s}
-    unknown = skip - {p.name for p in all_patches()}
+    unknown = skip - {p.name for p in all_patches() + megatron_fixes.SPEEDUPS}
     if unknown:  # a misspelt ablation would otherwise run with every patch and prove nothing
         raise PlatformError(f"{_SKIP_ENV} names unknown patches {sorted(unknown)}")
     cuda = torch.cuda.is_available()
@@ -77,9 +77,9 @@ def apply() -> list[str]:
 
 
 def select(have_transformer_engine: bool, have_cuda: bool):
-    """The patches a platform needs: the local-spec fixes without TE (any device), the CPU patches
-    without CUDA."""
-    return ((() if have_transformer_engine else megatron_fixes.FIXES)
+    """The patches a platform needs: the local-spec fixes (and speed-ups) without TE (any device), the CPU
+    patches without CUDA."""
+    return ((() if have_transformer_engine else megatron_fixes.FIXES + megatron_fixes.SPEEDUPS)
             + (() if have_cuda else cpu_megatron.PATCHES))
 
 

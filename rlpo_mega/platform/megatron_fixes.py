@@ -17,6 +17,13 @@ device; they touch only code that the local spec reaches, so a run with TE gets 
 
 Each has an ablation test in tests/test_platform.py; tests/test_platform.py also builds the norms of a
 TP2+SP spec with CUDA simulated, apex stood in and TE absent (a GPU node without TE).
+
+SPEEDUPS change no result, only the cost of the same path (also only without TE; tested bitwise equal):
+- `thd_rope_vectorized`: megatron's unfused RoPE for packed (THD) sequences slices the frequencies sequence
+  by sequence in Python, one `.item()` per sequence (rope_utils.py:178-245): for an RL batch of 512 short
+  samples that loop cost more than the attention it feeds. Without context parallelism the slices are
+  `freqs[position within its sequence]` (or `freqs[:T]` when freqs already cover every packed position),
+  one gather; with context parallelism megatron's loop runs as shipped.
 """
 from __future__ import annotations
 
@@ -70,6 +77,45 @@ def _final_norm_not_apex_for_rmsnorm():
 
     gpt_layer_specs.get_gpt_decoder_block_spec = get_gpt_decoder_block_spec
 
+
+def _thd_rope_vectorized():
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+    if getattr(original, "_rlpo_vectorized", False):
+        return
+
+    def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
+                                  mscale=1.0, cp_group=None):
+        if cp_group is None or cp_group.size() != 1:
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        n = t.size(0)
+        if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:  # freqs of every packed position (case 1)
+            packed = freqs[:n]
+        else:  # freqs of positions 0..max_s-1: each token's position within its own sequence (case 2)
+            cu = cu_seqlens.to(device=t.device, dtype=torch.long)
+            pos = torch.arange(n, device=t.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+            packed = freqs[pos.to(freqs.device)]
+        return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
+                                                     multi_latent_attention=multi_latent_attention,
+                                                     mscale=mscale).squeeze(1)
+
+    _apply_rotary_pos_emb_thd._rlpo_vectorized = True
+    _apply_rotary_pos_emb_thd._rlpo_original = original
+    rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
+
+
+SPEEDUPS: tuple[Patch, ...] = (
+    Patch(
+        "thd_rope_vectorized",
+        ("models/common/embeddings/rope_utils.py:178-245",),
+        "the unfused THD RoPE slices frequencies per sequence in a Python loop; one gather gives the same "
+        "tensor (context parallel size 1)",
+        _thd_rope_vectorized,
+    ),
+)
 
 FIXES: tuple[Patch, ...] = (
     Patch(
