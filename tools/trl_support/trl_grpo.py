@@ -150,18 +150,19 @@ class StepTimer(TrainerCallback):
     when TRL logs that step's metrics, right after on_step_end (so the log gathering is outside the interval)."""
 
     def __init__(self, path):
-        self.path, self.t0, self.time_s = path, None, None
+        self.path, self.t0, self.time_s, self.end = path, None, None, None
 
     def on_step_begin(self, a, state, control, **kw):
         self.t0 = time.perf_counter()
 
     def on_step_end(self, a, state, control, **kw):
         self.time_s = time.perf_counter() - self.t0
+        self.end = time.time()  # wall clock: the bench also compares the interval between consecutive step ends
 
     def on_log(self, a, state, control, logs=None, **kw):
         if state.is_world_process_zero and logs and "reward" in logs and self.time_s is not None:
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": state.global_step, "time_s": round(self.time_s, 4),
+                f.write(json.dumps({"step": state.global_step, "time_s": round(self.time_s, 4), "end": self.end,
                                     "reward_mean": logs["reward"]}) + "\n")
             self.time_s = None
 
