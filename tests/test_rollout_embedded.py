@@ -275,7 +275,10 @@ def test_bad_input_names_cause_and_fix(setup):
         e.generate([[1]], SamplingParams(stop_token_ids=(10 ** 6,)))
 
 
-@pytest.fixture(scope="module", params=[("tp1", 1, ()), ("ep2", 2, ("parallel.expert=2",))], ids=lambda p: p[0])
+# dp2: every tensor is a data-parallel replica, taken from the rank's own copy (no broadcast); ep2: the experts
+# are broadcast from their holders, the dense tensors local
+@pytest.fixture(scope="module", params=[("tp1", 1, ()), ("dp2", 2, ()), ("ep2", 2, ("parallel.expert=2",))],
+                ids=lambda p: p[0])
 def learner_report(request, tmp_path_factory):
     _, nproc, overrides = request.param
     return torchrun("rollout_learner.py", nproc, str(tmp_path_factory.mktemp("rollout")),

@@ -131,15 +131,20 @@ def _export_plan(model):
         shape = lp.param.shape
         if lp.tp_size > 1 and lp.map.kind != "replicated":
             shape = shards_to_full(lp.map.kind, [torch.empty(shape, device="meta")] * lp.tp_size).shape
-        info.append((name, tuple(shape), lp.param.dtype))
+        info.append((name, tuple(shape), lp.param.dtype, lp.tp_size == 1 or lp.map.kind == "replicated"))
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, info)
     owners: dict[str, list[int]] = {}
     full_meta: dict[str, tuple] = {}
+    whole: dict[str, int] = {}
     for rank, items in enumerate(every):
-        for name, shape, dtype in items:
+        for name, shape, dtype, is_whole in items:
             owners.setdefault(name, []).append(rank)
             full_meta[name] = (shape, dtype)
+            whole[name] = whole.get(name, 0) + int(is_whole)
+    # tensors every rank holds whole (data-parallel replicas of an unsplit parameter): an export to every rank
+    # (dst=None) takes the local copy, identical on all replicas, instead of a broadcast per tensor
+    inner._rlpo_everywhere = {n for n, k in whole.items() if k == len(every)}
     shapes = expected_hf_shapes(inner.hf_config)
     order = [(pm, sum(math.prod(shapes[n]) for n in pm.hf)) for pm in param_maps(inner.hf_config)]
     inner._rlpo_export_plan = (mine, owners, full_meta, order)
@@ -285,6 +290,12 @@ class ExportStream:
 
     def _gather(self, pm, lp, holders, meta, rank):
         """Full megatron tensor on the receiving rank(s) (None elsewhere)."""
+        if self.dst is None and pm.megatron in _inner(self.chunks[0])._rlpo_everywhere:
+            full = lp.param.detach()  # every rank holds it whole: its own replica, no communication
+            if (tuple(full.shape), full.dtype) != meta:
+                raise RuntimeError(f"export of {pm.megatron}: local tensor {tuple(full.shape)} {full.dtype} differs "
+                                   f"from the export plan's {meta}")
+            return full
         leader = holders[0]
         full = None
         if lp is not None:
