@@ -442,8 +442,12 @@ def _policy_metrics(out: dict, agreement_phase: str = "old") -> dict:
             m[POLICY_KEYS[k]] = v
         elif k.startswith(f"routing/{agreement_phase}/agreement/layer"):  # live router vs the rollout's choice
             m["routing/agreement/layer_" + k.rsplit("layer", 1)[1]] = v
+            if agreement_phase == "update":  # the update's own key stays too (as when an old pass runs)
+                m[k] = v
         elif k == f"routing/{agreement_phase}/agreement":
             m["routing/agreement/mean"] = v
+            if agreement_phase == "update":
+                m[k] = v
         elif k.startswith("routing/update/load_max_over_mean/layer"):
             m["experts/load_max/layer_" + k.rsplit("layer", 1)[1]] = v
         elif k.startswith("routing/update/load_min_over_mean/layer"):
