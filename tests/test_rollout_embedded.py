@@ -100,6 +100,26 @@ def test_seeded_generation_is_reproducible(setup):
     assert [s.response_ids for s in d] == [s.response_ids for s in replay]
 
 
+def test_inverse_cdf_sampling_draws_the_distribution():
+    """The sampler's pick (one uniform per row, inverse CDF over the filtered probabilities) has the
+    softmax's frequencies, and never a token that top-k / top-p removed."""
+    from types import SimpleNamespace
+
+    from rlpo_mega.rollout.embedded import _Uniforms
+
+    n, vocab = 40000, 6
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0]).repeat(n, 1)
+    rows = [SimpleNamespace(gen=torch.Generator().manual_seed(i)) for i in range(n)]
+    for top_k, top_p in ((-1, 1.0), (3, 1.0), (-1, 0.8)):
+        params = SamplingParams(top_k=top_k, top_p=top_p, max_new_tokens=1)
+        picks = EmbeddedEngine._choose(None, logits, params, _Uniforms(rows, 1), 0)
+        freq = torch.bincount(picks, minlength=vocab).double() / n
+        want = filter_probs(logits[:1], top_k, top_p)[0].double()
+        want = want / want.sum()
+        assert float((freq - want).abs().max()) < 0.01, (top_k, top_p, freq, want)
+        assert bool((freq[want == 0] == 0).all()), (top_k, top_p, freq)
+
+
 def test_samples_do_not_depend_on_batch_composition(setup):
     params = SamplingParams(max_new_tokens=8, seed=5, top_p=0.95)
     runs = []

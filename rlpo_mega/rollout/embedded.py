@@ -3,12 +3,15 @@
 Weights arrive through the weight bridge (it is the receiver of InProcessTransport: begin/load/end
 delegate to an HFModelReceiver). Generation is a plain batched loop over a KV cache (DynamicCache):
 left-padded prompts with an attention mask and per-row position ids, one forward per new token, finished
-rows pruned from the batch. Log-probs are log_softmax(logits / T) of the chosen token in float32, taken
+rows pruned from the batch. By default every request of a call is one batch (a step's whole rollout: one
+forward per decoding step); rollout.embedded.batch_size / max_batch_tokens cap it. Per decoding step the
+Python work is per batch, not per row (tokens, log-probs and routes go into the batch's buffers). Log-probs are log_softmax(logits / T) of the chosen token in float32, taken
 BEFORE top-k/top-p (the SGLang convention, which the learner's log-prob kernel reproduces).
 
 Randomness: every sample draws from its own torch.Generator seeded from (seed, prompt index, sample
 index), so a sample never depends on which other samples share its batch, on batch_size or on when
-neighbours finish. seed=None draws a fresh base seed per call.
+neighbours finish. seed=None draws a fresh base seed per call. A token is sampled by inverse CDF: one
+uniform per sample and step (not one per vocabulary entry).
 
 Routing: with a TraceSpec, HFRouteCapture hooks the routers; each forward's top-k ids are assigned to
 the rows' samples, giving per sample int32 [prompt_len + response_len - 1, moe_layers, topk] (left
@@ -76,28 +79,15 @@ class _Rows:
                                                             dtype=torch.int32)
 
 
-class _Noise:
-    """The exponential race's noise, each row from its own generator, drawn for several decoding steps at
-    once: a generator's [k, V] draw is the same stream as k draws of [V] (CPU generators fill in order), so a
-    sample's tokens do not depend on the chunking, and a step costs one tensor index instead of one generator
-    call per row. Chunks hold at most 2^16 values per row."""
+class _Uniforms:
+    """One uniform draw per sample and decoding step, from the sample's own generator, all drawn when its
+    batch starts (max_new_tokens numbers a sample): a step costs one column of a [rows, max_new] tensor."""
 
-    def __init__(self, max_new: int, vocab: int):
-        self.max_new, self.vocab = max_new, vocab
-        self.chunk = max(1, min(max_new, (1 << 16) // vocab))
-        self.buf: Optional[torch.Tensor] = None  # [rows, chunk, V] of the running rows
-        self.start = 0
-
-    def step(self, batch, t: int) -> torch.Tensor:
-        if self.buf is None or t >= self.start + self.buf.shape[1]:
-            k = min(self.chunk, self.max_new - t)
-            self.buf = torch.stack([torch.empty(k, self.vocab).exponential_(generator=s.gen) for s in batch])
-            self.start = t
-        return self.buf[:, t - self.start]
+    def __init__(self, batch, max_new: int):
+        self.u = torch.stack([torch.rand(max_new, generator=s.gen, dtype=torch.float64) for s in batch])
 
     def select(self, keep: torch.Tensor):
-        if self.buf is not None:
-            self.buf = self.buf[keep]
+        self.u = self.u[keep]
 
 
 @ENGINES.register("embedded")
@@ -265,7 +255,11 @@ class EmbeddedEngine(RolloutEngine):
         """This forward's router ids -> the running rows' route buffer at these positions."""
         if self.capture is None:
             return
-        out.routes[rows, position] = self.capture.routes().cpu()  # [B, positions, moe_layers, topk]
+        r = self.capture.routes().cpu()  # [B, positions, moe_layers, topk]
+        if rows.numel() == out.routes.shape[0]:
+            out.routes[:, position] = r  # every row (the prefill, a step before any finished): a plain copy
+        else:
+            out.routes[rows, position] = r
         self.capture.clear()
 
     def _run_batch(self, batch: list[_Sample], params: SamplingParams):
@@ -297,11 +291,11 @@ class EmbeddedEngine(RolloutEngine):
         self._collect_routes(out_rows, alive, slice(0, width))
         last_pos = pos[:, -1]
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long)
-        noise = _Noise(params.max_new_tokens, self.vocab_size)
+        uniforms = None if params.top_k == 1 else _Uniforms(batch, params.max_new_tokens)
         for t in range(params.max_new_tokens):
             logits = out.logits[:, -1].float() / params.temperature
             logp = torch.log_softmax(logits, dim=-1)  # before top-k/top-p: the SGLang convention
-            tokens = self._choose(logits, params, [batch[b] for b in alive.tolist()], noise, t)
+            tokens = self._choose(logits, params, uniforms, t)
             chosen = logp.gather(1, tokens[:, None])[:, 0]
             self.decode_steps += 1
             host_tokens, aborted = tokens.cpu(), self._aborted_rows(batch)
@@ -310,22 +304,25 @@ class EmbeddedEngine(RolloutEngine):
             appended = host_tokens if aborted is None else host_tokens[~aborted]
             out_rows.tokens[kept, t] = appended
             out_rows.logprobs[kept, t] = (chosen.cpu() if aborted is None else chosen.cpu()[~aborted])
-            done = torch.isin(host_tokens, stop) | (t + 1 >= params.max_new_tokens)
+            stopped = torch.isin(host_tokens, stop)
+            done = stopped | (t + 1 >= params.max_new_tokens)
             if aborted is not None:
                 done |= aborted
-            for k in done.nonzero()[:, 0].tolist():
-                s = batch[int(alive[k])]
-                ab = aborted is not None and bool(aborted[k])
-                s.n = t if ab else t + 1
-                s.finish = "abort" if ab else ("stop" if int(host_tokens[k]) in params.stop_token_ids else "length")
-            if bool(done.all()):
+            finished = done.nonzero()[:, 0]
+            rows, why = alive[finished].tolist(), stopped[finished].tolist()
+            ab = [False] * len(rows) if aborted is None else aborted[finished].tolist()
+            for b, st, a in zip(rows, why, ab):
+                s = batch[b]
+                s.n, s.finish = (t, "abort") if a else (t + 1, "stop" if st else "length")
+            if len(rows) == len(alive):
                 return
-            if bool(done.any()):  # prune finished rows: the cache, mask and positions shrink with them
+            if rows:  # prune finished rows: the cache, mask and positions shrink with them
                 keep = (~done).nonzero()[:, 0]
                 sel = keep.to(self.device)
                 cache.batch_select_indices(sel)
                 tokens, mask, last_pos, alive = tokens[sel], mask[sel], last_pos[sel], alive[keep]
-                noise.select(keep)
+                if uniforms is not None:
+                    uniforms.select(keep)
             mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
             last_pos = last_pos + 1
             out = self.model(input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos[:, None],
@@ -334,13 +331,20 @@ class EmbeddedEngine(RolloutEngine):
         for k in alive.tolist():  # max_new_tokens == 0 is refused by SamplingParams; kept for safety
             batch[k].finish, batch[k].n = "length", params.max_new_tokens
 
-    def _choose(self, logits: torch.Tensor, params: SamplingParams, batch, noise: "_Noise", t: int) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, params: SamplingParams, uniforms: Optional[_Uniforms], t: int
+                ) -> torch.Tensor:
         if params.top_k == 1:  # greedy: exactly the argmax, no randomness consumed
             return logits.argmax(-1)
         probs = filter_probs(logits, params.top_k, params.top_p)
-        # Exponential race per row with the row's own generator: argmax p_i / E_i ~ Categorical(p).
-        # the generators live on the host: a sample's draws do not depend on the device it runs on
-        return (probs / noise.step(batch, t).to(probs.device)).argmax(-1)
+        # Inverse CDF: the first token whose cumulative probability exceeds u * total, u ~ U[0, 1) from the
+        # row's own generator (on the host: a sample's draws do not depend on the device it runs on). Float64
+        # sums keep the tail's tokens their probability; a token outside top-k/top-p (probability 0) adds
+        # nothing to the sum and is never the first to exceed it.
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        total = cdf[:, -1]
+        # strictly below the total even where u * total rounds up to it: the pick is a token of positive mass
+        x = torch.minimum(uniforms.u[:, t].to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
 
     def _result(self, s: _Sample, base_seed: int, fresh: bool) -> RolloutSample:
         routes, n = None, s.n

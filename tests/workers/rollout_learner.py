@@ -85,16 +85,10 @@ def run_family(out_dir, hf, overrides):
     after = engine.generate(prompts, sampled, n=2)
     lps_after, _ = learner_logprobs(chunks, after, hf.vocab_size)
     rep["lp_abs_err_after_step"], rep["lp_rel_err_after_step"] = errors(after, lps_after)
-    # the same seed before/after: where the tokens agree, the log-probs must have moved
-    moved = 0.0
-    for a, b in zip(before, after):
-        common = 0
-        while common < min(len(a.response_ids), len(b.response_ids)) and \
-                a.response_ids[common] == b.response_ids[common]:
-            common += 1
-        if common:
-            moved = max(moved, float((a.logprobs[:common] - b.logprobs[:common]).abs().max()))
-    rep["lp_moved_by_step"] = moved
+    # the step moved the policy: the updated learner scores the earlier samples' tokens differently from the
+    # engine's log-probs of them before the step (and the engine, re-synced, agrees with the learner above)
+    moved_lps, _ = learner_logprobs(chunks, before, hf.vocab_size)
+    rep["lp_moved_by_step"] = max(float((s.logprobs.double() - lp).abs().max()) for s, lp in zip(before, moved_lps))
     # every rank's engine received the same weights: identical samples everywhere
     mine = [(s.response_ids, s.logprobs.tolist()) for s in after]
     every = [None] * dist.get_world_size()
