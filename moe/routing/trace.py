@@ -190,9 +190,11 @@ def _all_clean(traces: Sequence, spec: TraceSpec, num_tokens: Sequence[int]) -> 
         s = ids.sort(dim=2).values
         if bool((s[:, :, 1:] == s[:, :, :-1]).any()):
             return None
-    lengths = torch.tensor(list(num_tokens))
-    row_sample = torch.repeat_interleave(torch.arange(len(traces)), lengths)
-    zero_rows = torch.zeros(len(traces), L, dtype=torch.long).index_add_(0, row_sample, (ids == 0).all(dim=2).long())
+    dev = ids.device  # where the traces are (an engine on the GPU may hand over device tensors)
+    lengths = torch.tensor(list(num_tokens), device=dev)
+    row_sample = torch.repeat_interleave(torch.arange(len(traces), device=dev), lengths)
+    zero_rows = torch.zeros(len(traces), L, dtype=torch.long, device=dev).index_add_(
+        0, row_sample, (ids == 0).all(dim=2).long())
     checked = (lengths > 0) & ((lengths >= ALL_ZERO_MIN_TOKENS_TOP1) if k < 2 else True)
     if bool(((zero_rows == lengths[:, None]) & checked[:, None]).any()):  # a layer whose ids are all 0
         return None
