@@ -179,6 +179,10 @@ def test_nan_step_skipped_then_stop_after_max_bad_steps(tmp_path):
     assert once[3]["train/bad_steps_in_a_row"] == 0 and math.isfinite(once[3]["loss/policy"])
     assert "2 steps in a row had a non-finite loss or gradient" in rep["error"]
     assert [h["step"] for h in rep["nan_always"]] == [1, 2]
+    grad = {h["step"]: h for h in rep["nan_grad"]}  # a finite loss, a NaN gradient: the gradient check skips it
+    assert math.isfinite(grad[2]["loss/policy"]) and grad[2]["train/skipped_updates"] == 2
+    assert grad[1]["train/skipped_updates"] == 0  # and step 3 trains on weights the NaN never reached:
+    assert grad[3]["train/skipped_updates"] == 0 and math.isfinite(grad[3]["loss/policy"])
 
 
 def test_dead_engine_restarted_or_run_stops_with_checkpoint(tmp_path):

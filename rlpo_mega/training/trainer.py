@@ -236,12 +236,13 @@ class Trainer:
     def _grads_finite(self) -> bool:
         bad = False
         for chunk in self.chunks:
-            for p in chunk.parameters():
-                g = getattr(p, "main_grad", None)
-                g = p.grad if g is None else g
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    bad = True
-                    break
+            # megatron's DDP keeps every gradient in a few flat buffers: one check per buffer, not per parameter
+            buffers = getattr(chunk, "buffers", None)
+            grads = ([b.grad_data for b in buffers + chunk.expert_parallel_buffers] if buffers is not None else
+                     [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in chunk.parameters()])
+            if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+                bad = True
+                break
         return rp.all_ok(not bad, self.device)
 
     def _update(self, prepared) -> tuple[dict, int]:

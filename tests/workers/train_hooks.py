@@ -45,3 +45,12 @@ def inject_nan(trainer, steps):
         return output
 
     return unwrap(trainer.chunks[0]).output_layer.register_forward_hook(hook)
+
+
+def inject_nan_grad(trainer, steps):
+    """A NaN in one parameter's gradient (the loss stays finite) while trainer.step is in `steps`: the
+    gradient check, not the loss check, must skip the update."""
+    from rlpo_mega.training.model_setup import unwrap
+
+    param = next(unwrap(trainer.chunks[0]).parameters())
+    return param.register_hook(lambda g: g * float("nan") if trainer.step in steps else g)

@@ -83,6 +83,16 @@ def nan(out):
         from rlpo_mega import distributed
         distributed.destroy(keep_world=True)
     rep = {"nan_once": history(out, "nan_once")}
+    t = Trainer(cfg(out, "nan_grad", "train_iters=3"))
+    h = hooks.inject_nan_grad(t, {1})
+    try:
+        t.run()
+    finally:
+        h.remove()
+        t.close(True)
+        from rlpo_mega import distributed
+        distributed.destroy(keep_world=True)
+    rep["nan_grad"] = history(out, "nan_grad")
     t = Trainer(cfg(out, "nan_always", "train_iters=5", "trainer.max_bad_steps=2"))
     h = hooks.inject_nan(t, set(range(100)))
     try:
