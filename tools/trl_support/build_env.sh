@@ -15,6 +15,11 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HERE/requirements.txt" ] && [ "$STAMP" -n
   exit 0
 fi
 start=$(date +%s)
+# it replaces only a virtual environment (an earlier build): never a directory of anything else
+if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
+  echo "build_env.sh: $VENV exists and is not a virtual environment; give another path (argument 1)" >&2
+  exit 2
+fi
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip
