@@ -7,23 +7,17 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 VENV="${1:-$HERE/../../.venv-sglang}"
 PYTHON="${PYTHON:-python3}"
+# shared: a fresh venv with the CPU torch first, and the check that it stayed the CPU build
+source "$HERE/../../tools/cpu_venv.sh"
 STAMP="$VENV/.sglang_installed"
 # one build at a time (`make test` starts one in the background; a test that needs the venv waits for it)
 exec 9>"$VENV.lock"
 flock 9
 if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HERE/requirements.txt" ]; then exit 0; fi
 start=$(date +%s)
-# it replaces only a virtual environment (an earlier build): never a directory of anything else
-if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
-  echo "build_env.sh: $VENV exists and is not a virtual environment; give another path (argument 1)" >&2
-  exit 2
-fi
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q "torch==2.13.0"
+fresh_cpu_venv "$VENV" "$PYTHON"
 "$VENV/bin/pip" install -q --no-deps "sglang==0.5.23"
 "$VENV/bin/pip" install -q -r "$HERE/requirements.txt" -c "$HERE/constraints.txt"
-"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
+check_cpu_torch "$VENV"
 touch "$STAMP"
 echo "sglang venv built in $(( $(date +%s) - start )) s: $VENV"

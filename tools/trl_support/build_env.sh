@@ -7,6 +7,8 @@ set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 VENV="${1:-$HERE/../../.venv-trl}"
 PYTHON="${PYTHON:-python3}"
+# shared: a fresh venv with the CPU torch first, and the check that it stayed the CPU build
+source "$HERE/../cpu_venv.sh"
 STAMP="$VENV/.trl_installed"
 # one build at a time; a second caller waits for the first, then sees the stamp
 exec 9>"$VENV.lock"
@@ -15,17 +17,9 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HERE/requirements.txt" ] && [ "$STAMP" -n
   exit 0
 fi
 start=$(date +%s)
-# it replaces only a virtual environment (an earlier build): never a directory of anything else
-if [ -e "$VENV" ] && [ ! -f "$VENV/pyvenv.cfg" ]; then
-  echo "build_env.sh: $VENV exists and is not a virtual environment; give another path (argument 1)" >&2
-  exit 2
-fi
-rm -rf "$VENV"
-"$PYTHON" -m venv "$VENV"
-"$VENV/bin/pip" install -q --upgrade pip
-"$VENV/bin/pip" install -q "torch==2.13.0" -c "$HERE/constraints.txt"
+fresh_cpu_venv "$VENV" "$PYTHON"
 "$VENV/bin/pip" install -q -r "$HERE/requirements.txt" -c "$HERE/constraints.txt"
-"$VENV/bin/python" -c "import torch; assert torch.__version__.startswith('2.13.0') and torch.version.cuda is None, torch.__version__"
+check_cpu_torch "$VENV"
 "$VENV/bin/python" -c "import trl, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
 touch "$STAMP"
 echo "trl venv built in $(( $(date +%s) - start )) s: $VENV"
