@@ -138,3 +138,37 @@ def mismatch_weight_terms(old, rollout, mask, level):
         else:
             out.append([math.prod(ws) ** (1 / len(ws))] * len(ws) if ws else [])
     return out
+
+
+# --- PPO with a critic (Schulman et al. 2016 GAE; PPO2's clipped value loss) --------------------------
+
+def gae(rewards, values, mask, gamma, lam):
+    """A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t (V = 0 after the last
+    response token); R_t = A_t + V_t. Per row, per token, as the paper writes it."""
+    adv = torch.zeros(mask.shape, dtype=torch.float64)
+    ret = torch.zeros(mask.shape, dtype=torch.float64)
+    for i in range(mask.shape[0]):
+        ts = valid_positions(mask, i)
+        v = [float(values[i, t]) for t in ts] + [0.0]
+        delta = [float(rewards[i, t]) + gamma * v[j + 1] - v[j] for j, t in enumerate(ts)]
+        for j, t in enumerate(ts):
+            a = sum((gamma * lam) ** k * delta[j + k] for k in range(len(ts) - j))
+            adv[i, t] = a
+            ret[i, t] = a + v[j]
+    return adv, ret
+
+
+def value_loss(values, old_values, returns, mask, clip_range):
+    """Per valid token: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2) (or 0.5 (V - R)^2)."""
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    out = out + 0 * values.double().sum()  # keeps autograd's graph when every token is masked
+    for i in range(mask.shape[0]):
+        for t in valid_positions(mask, i):
+            v, r = values[i, t].double(), float(returns[i, t])
+            loss = 0.5 * (v - r) ** 2
+            if clip_range is not None:
+                old = float(old_values[i, t])
+                vc = old + torch.clamp(v - old, -clip_range, clip_range)
+                loss = torch.maximum(loss, 0.5 * (vc - r) ** 2)
+            out = out.index_put((torch.tensor([i]), torch.tensor([t])), loss.reshape(1))
+    return out

@@ -1,0 +1,105 @@
+"""PPO with a critic: token rewards, generalized advantage estimation, whitening and the clipped value loss.
+
+Tensor math only (the critic model and its trainer wiring live elsewhere). Shapes are the loss side's
+[n, s] view: `mask` marks each sequence's response tokens (one contiguous run per row), values and rewards
+are aligned with them.
+
+- token_rewards: the RLHF-PPO reward (Ziegler et al. 2019, InstructGPT): the sequence reward on the last
+  response token, minus kl_coef * KL_t on every token when a per-token KL penalty is folded in.
+- gae (Schulman et al. 2016): delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lambda A_{t+1}, with
+  V and A zero after the last response token (the episode ends there); returns R_t = A_t + V_t, the value
+  target. lambda = 1, gamma = 1 gives the Monte-Carlo return minus V; lambda = 0 gives TD(0).
+- whiten: A -> (A - mean) / (std + eps) over the valid tokens (PPO's advantage normalisation).
+- value_loss: 0.5 max((V - R)^2, (V_clip - R)^2) with V_clip = V_old + clip(V - V_old, -c, c) (PPO2's vf_clip);
+  no clipping when c is None.
+Computed in float64 (the recursion accumulates over the sequence); results in the inputs' dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _check_mask(mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.bool()
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [sequences, positions], got {tuple(mask.shape)}")
+    # one contiguous run per row: the number of 0 -> 1 steps along the row is at most one
+    starts = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0].long()
+    if bool((starts > 1).any()):
+        row = int((starts > 1).nonzero()[0])
+        raise ValueError(f"row {row} of the response mask has gaps; GAE runs over one contiguous run of "
+                         "response tokens per sequence")
+    return mask
+
+
+def token_rewards(seq_rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[torch.Tensor] = None,
+                  kl_coef: float = 0.0) -> torch.Tensor:
+    """[n] sequence rewards -> [n, s] token rewards: R_i on the last response token, - kl_coef * kl on each
+    response token (kl: per-token KL estimate to the reference, [n, s]); zero elsewhere."""
+    mask = _check_mask(mask)
+    if seq_rewards.shape != mask.shape[:1]:
+        raise ValueError(f"sequence rewards {tuple(seq_rewards.shape)} for a mask of {mask.shape[0]} rows")
+    out = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    if kl is not None and kl_coef:
+        out = torch.where(mask, -kl_coef * kl.double(), out)
+    has = mask.any(1)
+    last = (mask.shape[1] - 1 - mask.flip(1).long().argmax(1))[has]  # each row's last response position
+    out[has.nonzero()[:, 0], last] += seq_rewards.double()[has]
+    return out
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) [n, s], zero outside the mask. rewards, values: [n, s] aligned with mask."""
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma={gamma} and lambda={lam} must lie in [0, 1]")
+    mask = _check_mask(mask)
+    if rewards.shape != mask.shape or values.shape != mask.shape:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} must match the mask "
+                         f"{tuple(mask.shape)}")
+    m = mask.double()
+    r, v = rewards.double() * m, values.detach().double() * m
+    adv = torch.zeros_like(r)
+    next_v = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)
+    next_a = torch.zeros_like(next_v)
+    for t in range(r.shape[1] - 1, -1, -1):  # backwards over positions, every row at once
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        a = (delta + gamma * lam * next_a) * m[:, t]
+        adv[:, t] = a
+        # a position outside the mask passes nothing back: the row's episode ends at its last response token
+        next_v, next_a = v[:, t] * m[:, t], a
+    returns = (adv + v) * m
+    return adv.to(values.dtype), returns.to(values.dtype)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the valid tokens (population std); zero outside the mask.
+    shift_mean=False keeps the mean (scales only)."""
+    mask = mask.bool()
+    xd = x.double()
+    n = mask.sum().clamp(min=1)
+    mean = torch.where(mask, xd, torch.zeros_like(xd)).sum() / n
+    var = torch.where(mask, (xd - mean) ** 2, torch.zeros_like(xd)).sum() / n
+    out = (xd - mean) / (var.sqrt() + eps) + (0.0 if shift_mean else mean)
+    return torch.where(mask, out, torch.zeros_like(out)).to(x.dtype)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token loss [n, s], clipped [n, s] bool): 0.5 (V - R)^2, or with `clip` the pessimistic max over the
+    clipped value V_old + clip(V - V_old, -clip, clip); zero outside the mask. The gradient flows to `values`."""
+    if clip is not None and not clip > 0:
+        raise ValueError(f"value clip={clip} must be > 0 (or None: no clipping)")
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    target, old = returns.detach(), old_values.detach()
+    loss = 0.5 * (values - target) ** 2
+    clipped = torch.zeros_like(mask)
+    if clip is not None:
+        v_clip = old + (values - old).clamp(-clip, clip)
+        loss_clip = 0.5 * (v_clip - target) ** 2
+        clipped = (loss_clip > loss) & mask
+        loss = torch.maximum(loss, loss_clip)
+    return torch.where(mask, loss, zero), clipped

@@ -1,0 +1,104 @@
+"""GAE, token rewards, whitening and the clipped value loss against float64 transcriptions
+(tests/algo_reference.py): Monte-Carlo (lambda = gamma = 1) and TD(0) (lambda = 0) limits, masks and response
+lengths of different sizes, a KL penalty folded into the reward, gradients of the value loss."""
+import pytest
+import torch
+
+from rlpo_mega.algorithms import gae as G
+from tests import algo_reference as ref
+
+
+def _batch(seed=0):
+    """Rows with prompts and responses of different lengths (one empty response), right padding."""
+    g = torch.Generator().manual_seed(seed)
+    spans = [(2, 5), (1, 1), (3, 0), (0, 7), (4, 3)]  # (prompt positions, response tokens)
+    width = max(p + r for p, r in spans) + 2
+    mask = torch.zeros(len(spans), width, dtype=torch.bool)
+    for i, (p, r) in enumerate(spans):
+        mask[i, p:p + r] = True
+    values = torch.randn(len(spans), width, generator=g, dtype=torch.float64)
+    rewards = torch.randn(len(spans), width, generator=g, dtype=torch.float64)
+    return rewards, values, mask
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.0), (0.99, 0.95), (0.9, 0.5), (1.0, 0.95)])
+def test_gae_matches_the_paper(gamma, lam):
+    rewards, values, mask = _batch()
+    adv, ret = G.gae(rewards, values, mask, gamma, lam)
+    want_adv, want_ret = ref.gae(rewards, values, mask, gamma, lam)
+    assert torch.allclose(adv, want_adv, rtol=0, atol=1e-12) and torch.allclose(ret, want_ret, rtol=0, atol=1e-12)
+    assert not adv[~mask].any() and not ret[~mask].any()
+
+
+def test_gae_limits_monte_carlo_and_td0():
+    rewards, values, mask = _batch(1)
+    m = mask.double()
+    adv, ret = G.gae(rewards, values, mask, 1.0, 1.0)
+    # lambda = gamma = 1: the return to go of the row's rewards minus V; the value target is the MC return
+    to_go = (rewards * m).flip(1).cumsum(1).flip(1) * m
+    assert torch.allclose(adv, to_go - values * m, atol=1e-12) and torch.allclose(ret, to_go, atol=1e-12)
+    # lambda = 0: one-step TD error, V after the last response token is 0
+    adv0, _ = G.gae(rewards, values, mask, 0.9, 0.0)
+    nxt = torch.cat([values[:, 1:] * m[:, 1:], torch.zeros(values.shape[0], 1, dtype=values.dtype)], 1)
+    assert torch.allclose(adv0, (rewards + 0.9 * nxt - values) * m, atol=1e-12)
+
+
+def test_token_rewards_put_the_reward_on_the_last_token_and_fold_in_kl():
+    _, _, mask = _batch()
+    seq = torch.tensor([1.0, -0.5, 2.0, 0.25, 3.0])
+    kl = torch.rand(mask.shape, dtype=torch.float64)
+    r = G.token_rewards(seq, mask, kl, kl_coef=0.1)
+    for i in range(mask.shape[0]):
+        ts = ref.valid_positions(mask, i)
+        want = torch.zeros(mask.shape[1], dtype=torch.float64)
+        for t in ts:
+            want[t] = -0.1 * kl[i, t]
+        if ts:
+            want[ts[-1]] += seq[i]
+        assert torch.allclose(r[i], want, atol=1e-12), i
+    # no KL: exactly the sequence reward, once per row with a response
+    plain = G.token_rewards(seq, mask)
+    assert plain.sum(1).tolist() == [1.0, -0.5, 0.0, 0.25, 3.0] and (plain != 0).sum() == 4
+
+
+def test_whiten_over_valid_tokens():
+    rewards, _, mask = _batch(2)
+    w = G.whiten(rewards, mask)
+    x = rewards[mask]
+    assert torch.allclose(w[mask], (x - x.mean()) / (x.std(unbiased=False) + 1e-8), atol=1e-12)
+    assert not w[~mask].any()
+    kept = G.whiten(rewards, mask, shift_mean=False)  # scaled to unit std, the mean kept
+    assert torch.allclose(kept[mask].mean(), x.mean(), atol=1e-12)
+    assert torch.allclose(kept[mask].std(unbiased=False), torch.tensor(1.0, dtype=torch.float64), atol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [None, 0.2, 0.05])
+def test_value_loss_and_its_gradient_match_ppo2(clip):
+    _, old, mask = _batch(3)
+    g = torch.Generator().manual_seed(4)
+    returns = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    v = (old + 0.3 * torch.randn(mask.shape, generator=g, dtype=torch.float64)).requires_grad_(True)
+    loss, clipped = G.value_loss(v, old, returns, mask, clip)
+    v2 = v.detach().clone().requires_grad_(True)
+    want = ref.value_loss(v2, old, returns, mask, clip)
+    assert torch.allclose(loss, want, atol=1e-12)
+    grad, = torch.autograd.grad(loss.sum(), v)
+    want_grad, = torch.autograd.grad(want.sum(), v2)
+    assert torch.allclose(grad, want_grad, atol=1e-12)
+    if clip is None:
+        assert not clipped.any()
+    else:  # the clip is exercised and a clipped token passes no gradient through V
+        assert 0 < int(clipped.sum()) < int(mask.sum())
+        assert not grad[clipped].any()
+
+
+def test_bad_inputs():
+    rewards, values, mask = _batch()
+    holed = mask.clone()
+    holed[0, 3] = False
+    with pytest.raises(ValueError, match="row 0 of the response mask has gaps"):
+        G.gae(rewards, values, holed)
+    with pytest.raises(ValueError, match="lambda"):
+        G.gae(rewards, values, mask, 1.0, 1.5)
+    with pytest.raises(ValueError, match="clip"):
+        G.value_loss(values, values, rewards, mask, 0.0)
