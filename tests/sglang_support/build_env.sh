@@ -15,7 +15,7 @@ exec 9>"$VENV.lock"
 flock 9
 if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HERE/requirements.txt" ]; then exit 0; fi
 start=$(date +%s)
-fresh_cpu_venv "$VENV" "$PYTHON"
+fresh_cpu_venv "$VENV" "$PYTHON" "$STAMP"
 "$VENV/bin/pip" install -q --no-deps "sglang==0.5.23"
 "$VENV/bin/pip" install -q -r "$HERE/requirements.txt" -c "$HERE/constraints.txt"
 check_cpu_torch "$VENV"

@@ -17,7 +17,7 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HERE/requirements.txt" ] && [ "$STAMP" -n
   exit 0
 fi
 start=$(date +%s)
-fresh_cpu_venv "$VENV" "$PYTHON"
+fresh_cpu_venv "$VENV" "$PYTHON" "$STAMP"
 "$VENV/bin/pip" install -q -r "$HERE/requirements.txt" -c "$HERE/constraints.txt"
 check_cpu_torch "$VENV"
 "$VENV/bin/python" -c "import trl, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)"
