@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlpo_installed
 
-.PHONY: venv venv-sglang demo test gpu-smoke clean
+.PHONY: venv venv-sglang demo demo-ppo test gpu-smoke clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rlpo-mega train configs/demo_cpu.yaml --nproc-per-node 2
+
+# PPO with a critic (GAE, value model) on the same task
+demo-ppo: $(STAMP)
+	$(VENV)/bin/rlpo-mega train configs/demo_ppo_cpu.yaml --nproc-per-node 2
 
 # Separate venv for the real-SGLang tests (tests/test_sglang.py): sglang 0.5.23 --no-deps on the CPU torch.
 venv-sglang:

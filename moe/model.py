@@ -89,8 +89,10 @@ def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=to
 
 
 def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
-                    pre_process: bool | None = None, post_process: bool | None = None):
-    """The GPTModel of this pipeline stage (TE spec when Transformer Engine is installed, else local)."""
+                    pre_process: bool | None = None, post_process: bool | None = None,
+                    value_head: bool = False, head_seed: int = 0):
+    """The GPTModel of this pipeline stage (TE spec when Transformer Engine is installed, else local).
+    value_head: a critic -- the output layer is moe.value_head.ValueHead (values [b, s, 1], never tied)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -114,10 +116,15 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=True,
-        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings),
+        share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and not value_head,
         position_embedding_type="rope",
         rotary_base=int(family.rope_theta(hf)),
     )
+    if value_head and post_process:
+        from .value_head import ValueHead
+
+        model.output_layer = ValueHead(config, seed=head_seed)
     model.hf_config = hf
     model.real_vocab_size = hf.vocab_size
+    model.value_head = value_head
     return model

@@ -169,6 +169,7 @@ def _load_distributed(sub, sd: dict):
 
 
 _REFERENCE = "reference."  # sharded-key prefix of the KL reference model saved alongside the policy
+_CRITIC = "critic."  # and of PPO's value model
 
 
 PARTIAL = ".rlpo_mega_partial"  # in `<path>.tmp` while a save writes it
@@ -204,10 +205,11 @@ def _what_failed(e: BaseException, path: str) -> str:
 
 
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
-                    files: dict[str, bytes] | None = None, reference_chunks=None):
+                    files: dict[str, bytes] | None = None, reference_chunks=None, critic=None):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
     the checkpoint before the swap (the trainer state), so they exist exactly when the weights do.
     reference_chunks: a frozen KL reference model of the same layout, saved in the same checkpoint.
+    critic: (model_chunks, optimizer or None) of PPO's value model, saved in the same checkpoint.
     A failure on any rank (a full disk included) is agreed by all ranks, `path`.tmp is removed and one
     CheckpointError says what happened; `path` and anything before it are untouched."""
     from megatron.core import dist_checkpointing
@@ -226,6 +228,11 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         state["optimizer"] = {"step": step, **({"tensors": flat} if flat else {})}
     if reference_chunks is not None:
         state["reference"] = _model_state(reference_chunks, _REFERENCE)
+    if critic is not None:
+        state["critic"] = _model_state(critic[0], _CRITIC)
+        if critic[1] is not None:
+            _, flat, step = _optimizer_state(state["critic"], critic[1], is_loading=False)
+            state["critic_optimizer"] = {"step": step, **({"tensors": flat} if flat else {})}
     problem = None
     if rank == 0:
         problem = _clear_leftover(tmp)
@@ -270,7 +277,9 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         with open(os.path.join(tmp, META), "w") as f:
             json.dump({"format": FORMAT, "has_optimizer": optimizer is not None,
                        "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
-                       "has_reference": reference_chunks is not None, **(meta or {}), "files": digests}, f, indent=1)
+                       "has_reference": reference_chunks is not None, "has_critic": critic is not None,
+                       "has_critic_optimizer": critic is not None and critic[1] is not None,
+                       **(meta or {}), "files": digests}, f, indent=1)
         os.remove(os.path.join(tmp, PARTIAL))
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
 
@@ -312,23 +321,24 @@ def read_meta(path: str) -> dict:
 
 def _first_non_finite(loaded: dict, flat: list) -> str | None:
     """The key of the first loaded floating tensor holding NaN or inf (weights, KL reference, optimizer)."""
-    named = [(k, v) for part in ("model", "reference") for k, v in (loaded.get(part) or {}).items()]
-    tensors = (loaded.get("optimizer") or {}).get("tensors", [])
-    named += [(getattr(sh, "key", f"optimizer tensor {i}"), t) for i, (sh, t) in enumerate(zip(flat, tensors))]
+    named = [(k, v) for part in ("model", "reference", "critic") for k, v in (loaded.get(part) or {}).items()]
+    for part, sharded in zip(("optimizer", "critic_optimizer"), flat):
+        tensors = (loaded.get(part) or {}).get("tensors", [])
+        named += [(getattr(sh, "key", f"{part} tensor {i}"), t) for i, (sh, t) in enumerate(zip(sharded, tensors))]
     for key, t in named:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
             return key
     return None
 
 
-def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=None, verify: bool = True) -> dict:
+def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=None, verify: bool = True,
+                    critic=None) -> dict:
     """Load into already-built model (and optimizer) at the current layout; returns the saved meta.
     reference_chunks: filled with the saved KL reference if the checkpoint has one (meta "has_reference").
+    critic: (model_chunks, optimizer or None) filled with the saved critic if the checkpoint has one.
     verify: check every file against the checksums recorded at save first (checkpoints written before
     checksums are loaded unchecked). Loaded values holding NaN/inf are refused either way."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 
     path = os.path.abspath(path)
     meta = read_meta(path)
@@ -342,12 +352,22 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
     with_reference = reference_chunks is not None and meta.get("has_reference", False)
     if with_reference:
         state["reference"] = _model_state(reference_chunks, _REFERENCE)
+    with_critic = critic is not None and meta.get("has_critic", False)
+    critic_subs = critic_flat = None
+    if with_critic:
+        state["critic"] = _model_state(critic[0], _CRITIC)
+        if critic[1] is not None:
+            if not meta.get("has_critic_optimizer"):
+                raise CheckpointError(f"{path!r} holds no critic optimizer state; load it without optimizer state "
+                                      "(checkpoint.load_optimizer=false)")
+            critic_subs, critic_flat, _ = _optimizer_state(state["critic"], critic[1], is_loading=True)
+            state["critic_optimizer"] = {"tensors": critic_flat}
     if verify and "files" in meta:
         problem = verify_files(path, meta["files"])
         if problem:
             raise CheckpointError(problem)
     loaded = dist_checkpointing.load(state, path)
-    bad = [_first_non_finite(loaded, flat if optimizer is not None else [])]
+    bad = [_first_non_finite(loaded, (flat if optimizer is not None else [], critic_flat or []))]
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, bad[0])
     bad = [b for b in every if b]
@@ -360,22 +380,35 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
         unwrap(reference_chunks[0]).load_state_dict(
             {k[len(_REFERENCE):] if k.startswith(_REFERENCE) else k: v for k, v in loaded["reference"].items()},
             strict=True)
+    if with_critic:
+        unwrap(critic[0][0]).load_state_dict(
+            {k[len(_CRITIC):] if k.startswith(_CRITIC) else k: v for k, v in loaded["critic"].items()}, strict=True)
+        if critic[1] is not None:
+            _restore_optimizer(critic[1], critic_subs, critic_flat, loaded["critic_optimizer"])
     if optimizer is not None:
-        tensors, step = loaded["optimizer"].get("tensors", []), loaded["optimizer"]["step"]
-        position = {id(v): i for i, v in enumerate(flat)}
-
-        def fill(v):
-            if isinstance(v, ShardedBase):
-                return tensors[position[id(v)]]
-            if isinstance(v, LocalNonpersistentObject):
-                return v.unwrap()
-            return v
-
-        for sub, sd in zip(_sub_optimizers(optimizer), subs):
-            dict_list_map_inplace(fill, sd)
-            _set_step(sd, step)
-            if "param_state_sharding_type" in sd:
-                _load_distributed(sub, sd)
-            else:
-                sub.load_state_dict(sd)
+        _restore_optimizer(optimizer, subs, flat, loaded["optimizer"])
     return meta
+
+
+def _restore_optimizer(optimizer, subs, flat, part: dict):
+    """Put the loaded tensors (in `flat`'s order) back into the current layout's optimizer chain."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+
+    tensors, step = part.get("tensors", []), part["step"]
+    position = {id(v): i for i, v in enumerate(flat)}
+
+    def fill(v):
+        if isinstance(v, ShardedBase):
+            return tensors[position[id(v)]]
+        if isinstance(v, LocalNonpersistentObject):
+            return v.unwrap()
+        return v
+
+    for sub, sd in zip(_sub_optimizers(optimizer), subs):
+        dict_list_map_inplace(fill, sd)
+        _set_step(sd, step)
+        if "param_state_sharding_type" in sd:
+            _load_distributed(sub, sd)
+        else:
+            sub.load_state_dict(sd)

@@ -134,15 +134,21 @@ class PolicyLossConfig:
 
 @dataclass
 class AdvantageConfig:
-    name: str = "grpo"  # grpo | dr_grpo | rloo
+    name: str = "grpo"  # grpo | dr_grpo | rloo | gae (PPO with a critic: turns the value model on, see `critic`)
     eps: float = 1.0e-6  # grpo: (R - mean) / (std + eps)
     std: str = "unbiased"  # unbiased | biased
+    gamma: float = 1.0  # gae: discount over response tokens
+    lam: float = 0.95  # gae: lambda (1: Monte-Carlo return minus V; 0: TD(0))
+    whiten: bool = True  # gae: advantages -> (A - mean) / std over the rollout batch's tokens
 
 
 @dataclass
 class KLConfig:
     coef: float = 0.0  # off by default (DAPO, GSPO); the GRPO paper uses 0.04 with k3
     estimator: str = "k3"  # k1 | k2 | k3 | k3+
+    # gae only: fold the penalty into the token rewards (RLHF-PPO: r_t -= coef * (log pi_old - log pi_ref))
+    # instead of adding coef * KL to the loss
+    in_reward: bool = False
 
 
 @dataclass
@@ -272,6 +278,19 @@ class RolloutConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of PPO (on when algorithm.advantage.name=gae): the policy's family and layout with a
+    scalar head (moe.value_head), its own optimizer and schedule, saved in the policy's checkpoints."""
+    # HF checkpoint: a token-classification critic (score.weight/bias) loads whole; a causal-LM checkpoint
+    # gives the trunk and the head starts fresh. None = the policy's model.init_from_hf
+    init_from_hf: Optional[str] = None
+    optim: OptimConfig = field(default_factory=OptimConfig)  # lr, schedule (over critic optimizer steps), clip
+    vf_coef: float = 1.0  # value-loss coefficient (the critic's loss = vf_coef * token-mean value loss)
+    vf_clip: Optional[float] = 0.2  # PPO2's value clip around the old values; None = no clipping
+    warmup_steps: int = 0  # the first RL steps update the critic only (the policy stays as it is)
+
+
+@dataclass
 class RunConfig:
     seed: int = 1234
     train_iters: int = 1  # RL steps (one rollout batch each)
@@ -286,6 +305,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     prompts: PromptDataConfig = field(default_factory=PromptDataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
 
 
 def _node(schema, key: str):

@@ -319,25 +319,63 @@ def _check_counts(cfg, warns: list[str]):
     _check_lr_schedule(cfg)
 
 
-def _check_lr_schedule(cfg):
-    """What megatron's OptimizerParamScheduler would otherwise stop with a bare assert."""
+def _check_lr_schedule(cfg, o=None, key: str = "optim"):
+    """What megatron's OptimizerParamScheduler would otherwise stop with a bare assert (the policy's optim, or
+    the critic's critic.optim: both step once per mini-batch and epoch)."""
     from rlpo_mega.training.model_setup import LR_DECAY_STYLES, optimizer_steps
 
-    o = cfg.optim
-    _choice("optim.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
+    o = cfg.optim if o is None else o
+    _choice(f"{key}.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
     if not 0 <= o.min_lr <= o.lr:
-        raise ConfigError(f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+        raise ConfigError(f"{key}.min_lr={o.min_lr} must be in [0, {key}.lr={o.lr}]")
     if not 0 <= o.lr_warmup_init <= o.lr:
-        raise ConfigError(f"optim.lr_warmup_init={o.lr_warmup_init} must be in [0, optim.lr={o.lr}]")
+        raise ConfigError(f"{key}.lr_warmup_init={o.lr_warmup_init} must be in [0, {key}.lr={o.lr}]")
     if o.lr_warmup_steps < 0 or o.lr_decay_steps < 0:
-        raise ConfigError(f"optim.lr_warmup_steps={o.lr_warmup_steps} and optim.lr_decay_steps={o.lr_decay_steps} "
+        raise ConfigError(f"{key}.lr_warmup_steps={o.lr_warmup_steps} and {key}.lr_decay_steps={o.lr_decay_steps} "
                           "must be >= 0 (decay 0: the whole run)")
     total = optimizer_steps(cfg)
     decay = o.lr_decay_steps or total
     if o.lr_decay_style != "constant" and o.lr_warmup_steps >= decay:
-        raise ConfigError(f"optim.lr_warmup_steps={o.lr_warmup_steps} leaves no optimizer step to decay over "
-                          f"(optim.lr_decay_steps={decay}; the run has train_iters x trainer.mini_batches x "
+        raise ConfigError(f"{key}.lr_warmup_steps={o.lr_warmup_steps} leaves no optimizer step to decay over "
+                          f"({key}.lr_decay_steps={decay}; the run has train_iters x trainer.mini_batches x "
                           f"trainer.epochs = {total}): shorten the warm-up or lengthen the decay")
+
+
+def _check_critic(cfg, warns: list[str]):
+    """PPO with a value model: on exactly when the advantage estimator needs one (gae)."""
+    from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS
+    from rlpo_mega.algorithms.losses import LOSSES
+
+    alg, c = cfg.algorithm, cfg.critic
+    if alg.advantage.name not in CRITIC_ESTIMATORS:
+        if alg.kl.in_reward:
+            raise ConfigError(f"algorithm.kl.in_reward=true folds the KL penalty into GAE's token rewards, but "
+                              f"algorithm.advantage.name={alg.advantage.name} has none: set algorithm.advantage.name=gae "
+                              "or algorithm.kl.in_reward=false (the KL term then goes into the loss)")
+        if c.init_from_hf is not None:
+            raise ConfigError(f"critic.init_from_hf is set but algorithm.advantage.name={alg.advantage.name} trains no "
+                              "critic: set algorithm.advantage.name=gae or unset critic.init_from_hf")
+        return
+    if LOSSES.get(alg.loss.name).per_sequence_advantage:
+        # GSPO's ratio is one number per sequence and needs one advantage per sequence; GAE gives one per
+        # token. We define no sequence-level reduction of GAE: refused, not silently averaged.
+        raise ConfigError(f"algorithm.loss.name={alg.loss.name} clips a sequence-level ratio with one advantage per "
+                          "sequence, but GAE (algorithm.advantage.name=gae) gives each token its own: use "
+                          "algorithm.loss.name=gspo_token (GSPO's ratio, per-token advantages), ppo_clip, grpo, dapo or sapo")
+    if c.vf_clip is not None and not c.vf_clip > 0:
+        raise ConfigError(f"critic.vf_clip={c.vf_clip} must be > 0 (or null: no value clipping)")
+    if not c.vf_coef > 0:
+        raise ConfigError(f"critic.vf_coef={c.vf_coef} must be > 0")
+    if c.warmup_steps < 0:
+        raise ConfigError(f"critic.warmup_steps={c.warmup_steps} must be >= 0")
+    if c.warmup_steps >= cfg.train_iters:
+        warns.append(f"critic.warmup_steps={c.warmup_steps} >= train_iters={cfg.train_iters}: the policy never moves")
+    if alg.kl.in_reward and not alg.kl.coef > 0:
+        warns.append("algorithm.kl.in_reward=true with algorithm.kl.coef=0: no KL penalty is folded in")
+    if alg.dynamic_sampling.enabled:
+        warns.append("algorithm.dynamic_sampling drops groups whose rewards are all equal; with GAE they still "
+                     "train the critic and carry non-zero advantages: consider turning it off")
+    _check_lr_schedule(cfg, c.optim, "critic.optim")
 
 
 def _check_batch(cfg, world_size: Optional[int]):
@@ -413,6 +451,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
     _check_counts(cfg, warns)
+    _check_critic(cfg, warns)
     if world_size is not None:
         from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 

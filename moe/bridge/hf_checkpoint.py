@@ -23,8 +23,9 @@ class CheckpointFormatError(ValueError):
     pass
 
 
-def expected_hf_shapes(hf) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor a released checkpoint of this config holds."""
+def expected_hf_shapes(hf, value_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a released checkpoint of this config holds (value_head: a critic's, with
+    the token-classification head `score` [1, hidden] + [1] in place of the LM head)."""
     family = get_family(hf.model_type)
     h, hd = hf.hidden_size, family.head_dim(hf)
     q, kv = hf.num_attention_heads * hd, hf.num_key_value_heads * hd
@@ -32,9 +33,11 @@ def expected_hf_shapes(hf) -> dict[str, tuple[int, ...]]:
     f_moe = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
     f_dense = hf.intermediate_size
     shapes = {}
-    for m in param_maps(hf):
+    for m in param_maps(hf, value_head):
         kind, names = m.kind, m.hf
-        if kind == "vocab":
+        if m.megatron.startswith("output_layer.") and value_head:
+            shapes[names[0]] = (1, h) if m.megatron.endswith("weight") else (1,)
+        elif kind == "vocab":
             shapes[names[0]] = (hf.vocab_size, h)
         elif kind == "qkv":
             shapes.update({names[0]: (q, h), names[1]: (kv, h), names[2]: (kv, h)})
@@ -90,9 +93,10 @@ class HFCheckpoint:
             return sl[:]
         return sl[start:stop] if dim == 0 else sl[:, start:stop]
 
-    def validate(self, hf):
-        """Every expected tensor present with its shape, nothing unexplained: one error naming the cause."""
-        expected = expected_hf_shapes(hf)
+    def validate(self, hf, value_head: bool = False, ignore: tuple = ()):
+        """Every expected tensor present with its shape, nothing unexplained: one error naming the cause.
+        ignore: names that may be present and are not read (a policy checkpoint's LM head, for a critic)."""
+        expected = {k: v for k, v in expected_hf_shapes(hf, value_head).items() if k not in ignore}
         family = get_family(hf.model_type)
         extra = sorted(set(self.file_of) - set(expected))
         expert_extra = [n for n in extra if ".experts." in n]
@@ -112,7 +116,7 @@ class HFCheckpoint:
             if got != shape:
                 raise CheckpointFormatError(
                     f"{self.path}: tensor {name!r} has shape {list(got)} but the config implies {list(shape)}")
-        unexplained = [n for n in extra if not n.endswith("rotary_emb.inv_freq")]
+        unexplained = [n for n in extra if not n.endswith("rotary_emb.inv_freq") and n not in ignore]
         if unexplained:
             raise CheckpointFormatError(f"{self.path}: unexpected tensor {unexplained[0]!r} "
                                         f"({len(unexplained)} in all) that the {hf.model_type} mapping does not know")

@@ -49,8 +49,9 @@ class Dims:
                    padded_vocab_size(hf.vocab_size, vocab_divisible_by, tensor_parallel))
 
 
-def param_maps(hf) -> list[ParamMap]:
-    """Every parameter of the model in a fixed order (the export and sync order)."""
+def param_maps(hf, value_head: bool = False) -> list[ParamMap]:
+    """Every parameter of the model in a fixed order (the export and sync order). value_head: the critic
+    (moe.value_head): its head is HF's token-classification `score` in place of the LM head."""
     family = get_family(hf.model_type)
     n = family.hf_names(hf)
     pattern = family.moe_layer_pattern(hf)
@@ -84,7 +85,12 @@ def param_maps(hf) -> list[ParamMap]:
                 ParamMap(d + "mlp.linear_fc2.weight", (f("dense_down"),), "row", i),
             ]
     maps.append(ParamMap("decoder.final_layernorm.weight", (n["final_norm"],), "replicated"))
-    if not hf.tie_word_embeddings:
+    if value_head:
+        from moe.value_head import VALUE_HEAD_HF
+
+        maps += [ParamMap("output_layer.weight", (VALUE_HEAD_HF[0],), "replicated"),
+                 ParamMap("output_layer.bias", (VALUE_HEAD_HF[1],), "replicated")]
+    elif not hf.tie_word_embeddings:
         maps.append(ParamMap("output_layer.weight", (n["output"],), "vocab"))
     return maps
 

@@ -60,7 +60,8 @@ def local_params(model) -> list[LocalParam]:
 
     inner = _inner(model)
     hf = inner.hf_config
-    maps = {m.megatron: m for m in param_maps(hf)}
+    value_head = getattr(inner, "value_head", False)
+    maps = {m.megatron: m for m in param_maps(hf, value_head)}
     layers = inner.decoder.layers if hasattr(inner, "decoder") else []
     ep_rank = ps.get_expert_model_parallel_rank()
     out = []
@@ -74,7 +75,7 @@ def local_params(model) -> list[LocalParam]:
                 local_experts = layers[int(m.group(1))].mlp.experts.num_local_experts  # Sequential- and TEGroupedMLP
                 rest = f"mlp.experts.local_experts.{ep_rank * local_experts + int(me.group(1))}.{me.group(2)}"
             g = f"decoder.layers.{layers[int(m.group(1))].layer_number - 1}.{rest}"
-        if g == "output_layer.weight" and hf.tie_word_embeddings:
+        if g == "output_layer.weight" and hf.tie_word_embeddings and not value_head:
             g = "embedding.word_embeddings.weight"  # last stage's copy of the tied embedding
         if g not in maps:
             raise KeyError(f"megatron parameter {name!r} (global {g!r}) has no HF mapping for {hf.model_type}")
@@ -91,17 +92,31 @@ def local_params(model) -> list[LocalParam]:
 
 # ---- import ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128):
-    """Fill already-built megatron model chunks from an HF checkpoint directory (any layout)."""
+def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128) -> bool:
+    """Fill already-built megatron model chunks from an HF checkpoint directory (any layout). A critic
+    (value_head) loads a token-classification checkpoint whole, or a policy's (causal-LM) checkpoint without
+    its LM head: the value head then keeps its initial weights. Returns whether every parameter was read."""
     from megatron.core import parallel_state as ps
 
+    from moe.value_head import VALUE_HEAD_HF
+
+    whole = True
     for chunk in model_chunks:
         inner = _inner(chunk)
         hf = inner.hf_config
         ckpt = HFCheckpoint(hf_dir)
-        ckpt.validate(hf)  # every rank checks names and shapes before touching a parameter
+        value_head = getattr(inner, "value_head", False)
+        skip = ()
+        if value_head and VALUE_HEAD_HF[0] not in ckpt.file_of:  # the policy's weights: the trunk only
+            from moe.families import get_family
+
+            skip = VALUE_HEAD_HF + (get_family(hf.model_type).hf_names(hf)["output"],)
+            whole = False
+        ckpt.validate(hf, value_head, ignore=skip)  # every rank checks names and shapes before touching a parameter
         dims = Dims.of(hf, vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
         for lp in local_params(chunk):
+            if set(lp.map.hf) & set(skip):
+                continue
             kind, names = lp.map.kind, lp.map.hf
             ranges = hf_row_ranges(kind, dims, [ckpt.shape(n) for n in names], lp.tp_rank, lp.tp_size)
             slices = [ckpt.read(n, *r) for n, r in zip(names, ranges)]
@@ -111,6 +126,7 @@ def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128):
                     f"{hf_dir}: {', '.join(names)} give a shard of shape {list(shard.shape)} for megatron "
                     f"{lp.local_name} of shape {list(lp.param.shape)}")
             lp.param.data.copy_(shard.to(lp.param.dtype))
+    return whole
 
 
 # ---- export ---------------------------------------------------------------------------------------
@@ -123,7 +139,7 @@ def _export_plan(model):
     cached = getattr(inner, "_rlpo_export_plan", None)
     if cached is not None:
         return cached
-    tied = inner.hf_config.tie_word_embeddings
+    tied = inner.hf_config.tie_word_embeddings and not getattr(inner, "value_head", False)
     mine = {lp.map.megatron: lp for lp in local_params(model)
             if not (lp.local_name == "output_layer.weight" and tied)}
     info = []

@@ -73,12 +73,25 @@ def rloo(r, idx, g, cfg, **_):
     return r - (total[idx] - r) / (count[idx] - 1)
 
 
+@ADVANTAGES.register("gae")
+def gae_from_critic(r, idx, g, cfg, **_):
+    """GAE needs the critic's values: the step passes the (shaped) sequence rewards on and computes
+    advantages after the value pass (rlpo_mega.training.critic, rlpo_mega.algorithms.gae)."""
+    raise ValueError("advantage.name=gae is computed from the critic's values (training/critic.py), "
+                     "not from the rewards alone")
+
+
+CRITIC_ESTIMATORS = ("gae",)  # estimators that need the value model
+
+
 def check_config(cfg):
     ADVANTAGES.get(cfg.name)
     if cfg.std not in STD_ESTIMATORS:
         raise ValueError(f"advantage.std={cfg.std!r}; choose one of {', '.join(STD_ESTIMATORS)}")
     if not cfg.eps >= 0:
         raise ValueError(f"advantage.eps={cfg.eps} must be >= 0")
+    if not (0.0 <= cfg.gamma <= 1.0 and 0.0 <= cfg.lam <= 1.0):
+        raise ValueError(f"advantage.gamma={cfg.gamma} and advantage.lam={cfg.lam} must lie in [0, 1]")
 
 
 def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **extra) -> AdvantageResult:

@@ -172,7 +172,7 @@ def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = 
         report.update(extra)
     elif cfg.mismatch.mode != "none":
         raise ValueError(f"mismatch.mode={cfg.mismatch.mode} needs rollout_logp in the batch")
-    if cfg.kl.coef > 0:
+    if cfg.kl.coef > 0 and not cfg.kl.in_reward:  # in_reward: the penalty is in GAE's token rewards
         if ref is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs ref_logp in the batch (the reference log-prob pass)")
         kl = kl_penalty(cfg.kl.estimator, logp, ref)

@@ -9,9 +9,12 @@ from rlpo_mega import platform
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, routing_replay: bool = False):
+def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, routing_replay: bool = False,
+                 value_head: bool = False, init_from_hf: str | None = None, head_seed: int = 0):
     """Returns (model_chunks, optimizer or None). model_chunks is a one-element list (no virtual PP).
-    routing_replay: give the routers megatron's RouterReplay (moe.routing.replay drives it)."""
+    routing_replay: give the routers megatron's RouterReplay (moe.routing.replay drives it).
+    value_head: the critic (moe.value_head, head drawn from head_seed); init_from_hf: its HF checkpoint
+    (None: model_cfg.init_from_hf, the policy's)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -28,13 +31,15 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
         calculate_per_token_loss=True,
         moe_enable_routing_replay=routing_replay,
     )
-    model = build_gpt_model(hf, config, vocab_divisible_by=model_cfg.vocab_divisible_by)
+    model = build_gpt_model(hf, config, vocab_divisible_by=model_cfg.vocab_divisible_by, value_head=value_head,
+                            head_seed=head_seed)
     model.to(platform.device())
-    if model_cfg.init_from_hf:
+    source = init_from_hf or model_cfg.init_from_hf
+    if source:
         # Before DDP and the optimizer: mixed-precision optimizers copy the weights at construction.
         from moe.bridge.megatron_io import load_hf_weights
 
-        load_hf_weights([model], model_cfg.init_from_hf, model_cfg.vocab_divisible_by)
+        model.loaded_whole = load_hf_weights([model], source, model_cfg.vocab_divisible_by)
     if not with_ddp:
         return [model], None
     ddp_config = DistributedDataParallelConfig(
@@ -46,6 +51,7 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     ddp.hf_config = hf
     ddp.real_vocab_size = hf.vocab_size
+    ddp.value_head = value_head
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
     if optim_cfg is None:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from rlpo_mega.algorithms.advantages import compute_advantages
+from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS, AdvantageResult, compute_advantages
 from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
 from rlpo_mega.algorithms.objective import policy_objective, validate
 from rlpo_mega.algorithms.shaping import overlong_filter, soft_overlong_punishment
@@ -86,7 +86,10 @@ def sequence_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, len
         penalty = soft_overlong_punishment(lengths, sh.max_response_length, sh.overlong_cache)
         stats["overlong_penalty_mean"] = float(penalty.mean())
         rewards = rewards + penalty
-    adv = compute_advantages(cfg.advantage, rewards, group_ids)
+    if cfg.advantage.name in CRITIC_ESTIMATORS:  # advantages come after the critic's value pass: the
+        adv = AdvantageResult(rewards, int(group_ids.unique().numel()), 0)  # shaped rewards travel in their place
+    else:
+        adv = compute_advantages(cfg.advantage, rewards, group_ids)
     stats.update(groups=adv.num_groups, zero_advantage_groups=adv.num_zero_groups)
     keep = torch.ones(rewards.shape[0], dtype=torch.bool)
     if sh.overlong_filter:
@@ -196,6 +199,8 @@ def old_pass_needed(run_cfg, hf) -> Optional[str]:
         return "trainer.old_logprobs=recompute"
     if t.epochs * t.mini_batches != 1:
         return f"trainer.epochs={t.epochs} x trainer.mini_batches={t.mini_batches} optimizer steps per rollout batch"
+    if run_cfg.algorithm.kl.in_reward and run_cfg.algorithm.kl.coef > 0:
+        return "algorithm.kl.in_reward puts log pi_old in GAE's rewards, before the update"
     if run_cfg.routing.mode == "r2":
         return "routing.mode=r2 records its routes in the old pass"
     if float(getattr(hf, "attention_dropout", 0.0) or 0.0) > 0:

@@ -164,7 +164,7 @@ def prune(save_dir: str, step: int, run_id: str, keep_last: int, stale=()) -> li
 
 
 def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
-         hf_files: dict[str, bytes] | None = None, reference=None, stale: tuple = ()) -> str:
+         hf_files: dict[str, bytes] | None = None, reference=None, stale: tuple = (), critic=None) -> str:
     """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
     hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, then prunes: this run's
     (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
@@ -180,7 +180,8 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
         files = {STATE_FILE: buf.getvalue(), **{f"{HF_FILES}/{k}": v for k, v in (hf_files or {}).items()}}
         os.makedirs(save_dir, exist_ok=True)
     path = step_dir(save_dir, step)
-    save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files, reference_chunks=reference)
+    save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files, reference_chunks=reference,
+                    critic=critic)
     problem = [None]
     if dist.get_rank() == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")
@@ -213,7 +214,8 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
     return path
 
 
-def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=None, verify: bool = True) -> dict:
+def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=None, verify: bool = True,
+         critic=None) -> dict:
     """Load weights (+ optimizer, + the KL reference into `reference` if saved) at the current layout and
     return the trainer state, with "reference_loaded"; this rank's RNG states are restored when the world
     size is unchanged (another layout draws its own)."""
@@ -223,13 +225,14 @@ def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=No
         raise CheckpointError(f"{path!r} is a model checkpoint without trainer state ({STATE_FILE}): set "
                               "checkpoint.load_optimizer=false and trainer state starts fresh, or point "
                               "checkpoint.load_dir at a step_<N> directory the trainer wrote")
-    meta = load_checkpoint(path, chunks, optimizer if with_optimizer else None, reference, verify=verify)
+    meta = load_checkpoint(path, chunks, optimizer if with_optimizer else None, reference, verify=verify, critic=critic)
     try:  # covered by the checksums unless checkpoint.verify=false or a checkpoint older than them
         state = torch.load(file, weights_only=False)
     except Exception as e:
         raise CheckpointError(f"{file} is unreadable ({type(e).__name__}: {e}): the checkpoint is damaged; load an "
                               "earlier step (checkpoint.load_dir)") from None
     state["reference_loaded"] = reference is not None and bool(meta.get("has_reference"))
+    state["critic_loaded"] = critic is not None and bool(meta.get("has_critic"))
     if state["world_size"] == dist.get_world_size():
         set_rng_state(state["rng"][dist.get_rank()])
     else:

@@ -130,6 +130,22 @@ def optimizer_step(optimizer, lr_schedule=None, strict: bool = True) -> tuple[bo
     return applied, grad_norm
 
 
+def grads_finite(model_chunks) -> bool:
+    """Every gradient finite on every rank (a non-finite one skips the optimizer step). Megatron's DDP keeps
+    the gradients in a few flat buffers: one check per buffer, not per parameter."""
+    from rlpo_mega.training.rollout_phase import all_ok
+
+    bad = False
+    for chunk in model_chunks:
+        buffers = getattr(chunk, "buffers", None)
+        grads = ([b.grad_data for b in buffers + chunk.expert_parallel_buffers] if buffers is not None else
+                 [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in chunk.parameters()])
+        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+            bad = True
+            break
+    return all_ok(not bad, platform.device())
+
+
 def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
     """One optimizer step over the given micro-batches (this rank's share of the global batch)."""
     reports = forward_backward(model_chunks, optimizer, micro_batches, forward_step)

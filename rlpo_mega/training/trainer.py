@@ -87,6 +87,13 @@ class Trainer:
 
         # every rank's DP rank and MoE layers: where each sample's payload goes (training/exchange.py)
         self.recipients = gather_recipients(self.chunks, self.spec)
+        from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS
+
+        self.critic = None
+        if cfg.algorithm.advantage.name in CRITIC_ESTIMATORS:  # PPO with a value model (training/critic.py)
+            from rlpo_mega.training.critic import Critic
+
+            self.critic = Critic(cfg, self.hf, self.layout, self.spec)
         self.scorer = RewardScorer(cfg.reward)
         from rlpo_mega.training.policy_step import old_pass_needed
 
@@ -99,6 +106,7 @@ class Trainer:
         # The KL reference is the policy as RL starts (after any warm-up); a resumed run loads the one its
         # checkpoint saved, as the policy has moved since.
         self.ref_chunks = self._build_reference() if cfg.algorithm.kl.coef > 0 else None
+        self.critic_loaded = False
         reference_loaded = self._resume()
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.ranks = rp.engine_ranks(cfg)
@@ -115,6 +123,8 @@ class Trainer:
             self.warmup_done = True
         if self.ref_chunks is not None and not reference_loaded:
             self._copy_policy_to_reference()
+        if self.critic is not None and not self.critic_loaded and not self.cfg.critic.init_from_hf:
+            self.critic.copy_trunk_from(self.chunks)  # the policy as RL starts (after any warm-up)
         self.sync()
 
     # --- set-up --------------------------------------------------------------------------------------
@@ -124,15 +134,24 @@ class Trainer:
         path = self.plan.start
         if path is None:
             return False
+        critic = (self.critic.chunks, self.critic.optimizer if c.load_optimizer else None) if self.critic else None
         st = ckpt_state.load(path, self.chunks, self.optimizer, c.load_optimizer, reference=self.ref_chunks,
-                             verify=c.verify)
+                             verify=c.verify, critic=critic)
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
         self.warmup_done = bool(st["warmup_done"])
         self.sampler.load_state_dict(st["sampler"])
         self.lr_schedule.num_steps = int(st.get("lr_steps", 0))  # checkpoints before the schedule: from 0
         self.lr_schedule.step(0)
+        self.critic_loaded = st["critic_loaded"]
+        if self.critic is not None and st["critic_loaded"]:
+            self.critic.lr_schedule.num_steps = int(st.get("critic_lr_steps", 0))
+            self.critic.lr_schedule.step(0)
         if self.rank == 0:
             log.info("resumed from %s at step %d", path, self.step)
+            if self.critic is not None and not st["critic_loaded"]:
+                log.warning("%s holds no critic (saved by a run without algorithm.advantage.name=gae): the critic "
+                            "starts from %s", path, self.cfg.critic.init_from_hf or self.cfg.model.init_from_hf
+                            or "its initialisation")
             saved = ckpt_state.read_meta(path).get("settings") or {}
             for key, now in self._settings().items():
                 if key in saved and saved[key] != now:
@@ -145,7 +164,8 @@ class Trainer:
     def _settings(self) -> dict:
         """The run's key settings, recorded in each checkpoint; a resume that changes one is told so."""
         c = self.cfg
-        return {"algorithm.loss.name": c.algorithm.loss.name, "routing.mode": c.routing.mode,
+        return {"algorithm.loss.name": c.algorithm.loss.name, "algorithm.advantage.name": c.algorithm.advantage.name,
+                "routing.mode": c.routing.mode,
                 "algorithm.kl.coef": c.algorithm.kl.coef, "model.params_dtype": c.model.params_dtype,
                 "rollout.engine": c.rollout.engine, "world_size": dist.get_world_size()}
 
@@ -233,35 +253,29 @@ class Trainer:
             prepared.append(micro)
         return prepared, reduce_report(reports)
 
-    def _grads_finite(self) -> bool:
-        bad = False
-        for chunk in self.chunks:
-            # megatron's DDP keeps every gradient in a few flat buffers: one check per buffer, not per parameter
-            buffers = getattr(chunk, "buffers", None)
-            grads = ([b.grad_data for b in buffers + chunk.expert_parallel_buffers] if buffers is not None else
-                     [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in chunk.parameters()])
-            if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
-                bad = True
-                break
-        return rp.all_ok(not bad, self.device)
-
-    def _update(self, prepared) -> tuple[dict, int]:
+    def _update(self, prepared, critic_batches=None) -> tuple[dict, int, dict]:
+        """epochs x mini-batches: a policy step (not during the critic's warm-up), then a critic step."""
         from rlpo_mega.training.policy_step import policy_step
-        from rlpo_mega.training.step import optimizer_step
+        from rlpo_mega.training.step import grads_finite, optimizer_step
 
-        outs, skipped = [], 0
+        outs, skipped, critic_outs = [], 0, []
+        policy_moves = self.critic is None or self.step >= self.cfg.critic.warmup_steps
         for _ in range(self.cfg.trainer.epochs):
-            for micro in prepared:
-                out = policy_step(self.chunks, self.optimizer, micro, self.cfg.algorithm, step_optimizer=False,
-                                  routing=self.routing, old_from_update=self.old_from_update)
-                if math.isfinite(out["policy_loss"]) and self._grads_finite():
-                    applied, out["grad_norm"] = optimizer_step(self.optimizer, self.lr_schedule, strict=False)
-                    skipped += not applied
-                else:
-                    skipped += 1
-                    out["grad_norm"] = math.nan
-                outs.append(out)
-        return _mean_dicts(outs), skipped
+            for i, micro in enumerate(prepared):
+                if policy_moves:
+                    out = policy_step(self.chunks, self.optimizer, micro, self.cfg.algorithm, step_optimizer=False,
+                                      routing=self.routing, old_from_update=self.old_from_update)
+                    if math.isfinite(out["policy_loss"]) and grads_finite(self.chunks):
+                        applied, out["grad_norm"] = optimizer_step(self.optimizer, self.lr_schedule, strict=False)
+                        skipped += not applied
+                    else:
+                        skipped += 1
+                        out["grad_norm"] = math.nan
+                    outs.append(out)
+                if critic_batches is not None:
+                    critic_outs.append(self.critic.update(critic_batches[i]))
+                    skipped += int(critic_outs[-1]["skipped"])
+        return _mean_dicts(outs), skipped, (self.critic.metrics(critic_outs) if critic_batches is not None else {})
 
     def train_step(self) -> dict:
         from rlpo_mega.logging import PhaseTimer
@@ -292,13 +306,20 @@ class Trainer:
         metrics.update({("advantages/" + k if k in ("groups", "zero_advantage_groups") else k): v
                         for k, v in stats.items()})
         adv = adv.float()
-        metrics.update({"advantages/mean": float(adv.mean()), "advantages/std": float(adv.std(unbiased=False)),
-                        "advantages/min": float(adv.min()), "advantages/max": float(adv.max())})
+        if self.critic is None:  # with a critic these are the sequence rewards; GAE's stats come with the values
+            metrics.update({"advantages/mean": float(adv.mean()), "advantages/std": float(adv.std(unbiased=False)),
+                            "advantages/min": float(adv.min()), "advantages/max": float(adv.max())})
         with timer("old_logprob"):
             prepared, mismatch = self._old_logprobs(minis)
         metrics.update(mismatch)
+        critic_batches = None
+        if self.critic is not None:  # values, GAE (the sequence rewards become token advantages), returns
+            with timer("values"):
+                critic_batches, critic_stats = self.critic.prepare(prepared)
+            metrics.update(critic_stats)
         with timer("update"):
-            out, skipped = self._update(prepared)
+            out, skipped, critic_metrics = self._update(prepared, critic_batches)
+        metrics.update(critic_metrics)
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         metrics["train/skipped_updates"] = skipped
         metrics["train/bad_steps_in_a_row"] = self.bad_steps
@@ -335,10 +356,13 @@ class Trainer:
         c = self.cfg.checkpoint
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
                  "sampler": self.sampler.state_dict(), "lr_steps": self.lr_schedule.num_steps}
+        if self.critic is not None:
+            state["critic_lr_steps"] = self.critic.lr_schedule.num_steps
         path = ckpt_state.save(c.save_dir, self.step, self.chunks, self.optimizer, state, c.keep_last,
                                meta={"model_type": self.hf.model_type, "model": self.identity,
                                      "run_id": self.run_id, "settings": self._settings()},
-                               hf_files=self._hf_files(), reference=self.ref_chunks, stale=self.stale_steps)
+                               hf_files=self._hf_files(), reference=self.ref_chunks, stale=self.stale_steps,
+                               critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None)
         self.stale_steps = ()  # replaced (checkpoint.overwrite) once this run has a checkpoint of its own
         if c.export_hf:
             from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
@@ -422,6 +446,8 @@ class Trainer:
         self.scorer.close()
         self.slot.close()
         self.routing.close()
+        if self.critic is not None:
+            self.critic.close()
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:
