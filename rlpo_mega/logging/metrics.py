@@ -27,7 +27,8 @@ MODES = ("offline", "online", "disabled")
 class Metric:
     name: str  # exact key, or with prefix=True the start of one or more keys (per-layer metrics)
     doc: str
-    when: str = "always"  # always | clip (clipping losses) | gate (SAPO) | kl_ref (kl.coef > 0) | dynamic_sampling
+    # always | clip (clipping losses) | gate (SAPO) | kl_ref (kl.coef > 0) | dynamic_sampling | critic (gae)
+    when: str = "always"
     prefix: bool = False
 
 
@@ -76,11 +77,21 @@ REQUIRED_METRICS: tuple[Metric, ...] = (
     Metric("time/sync", "seconds pushing weights to the rollout engine"),
     Metric("time/step", "seconds for the whole step"),
     Metric("perf/tokens_per_s", "prompt + response tokens trained per second of the step"),
+    Metric("critic/value_loss", "token-mean of the (clipped) value loss 0.5 (V - R)^2, before vf_coef", when="critic"),
+    Metric("critic/vf_clip_frac", "tokens whose clipped value loss is the larger (critic.vf_clip)", when="critic"),
+    Metric("critic/explained_variance", "1 - Var(R - V_old) / Var(R) over the batch's response tokens",
+           when="critic"),
+    Metric("critic/returns_mean", "mean GAE return R = A + V_old (the value target)", when="critic"),
+    Metric("critic/values_mean", "mean old value V_old", when="critic"),
+    Metric("critic/grad_norm", "critic gradient norm before clipping", when="critic"),
+    Metric("critic/lr", "critic learning rate", when="critic"),
+    Metric("time/values", "seconds in the critic's value pass and GAE", when="critic"),
 )
 
 
-def required_metrics(loss_name: str, *, kl_ref: bool = False, dynamic_sampling: bool = True) -> list[Metric]:
-    """The metrics a step must log for this loss (SAPO: gate stats instead of clip fractions)."""
+def required_metrics(loss_name: str, *, kl_ref: bool = False, dynamic_sampling: bool = True,
+                     critic: bool = False) -> list[Metric]:
+    """The metrics a step must log for this loss (SAPO: gate stats instead of clip fractions; a critic's)."""
     from rlpo_mega.algorithms.losses import LOSSES
 
     gated = LOSSES.get(loss_name).eps_low is None  # unknown name: error listing the known ones
@@ -89,15 +100,17 @@ def required_metrics(loss_name: str, *, kl_ref: bool = False, dynamic_sampling: 
         active.add("kl_ref")
     if dynamic_sampling:
         active.add("dynamic_sampling")
+    if critic:
+        active.add("critic")
     return [m for m in REQUIRED_METRICS if m.when in active]
 
 
 def missing_metrics(logged_keys: Iterable[str], loss_name: str, *, kl_ref: bool = False,
-                    dynamic_sampling: bool = True) -> list[str]:
+                    dynamic_sampling: bool = True, critic: bool = False) -> list[str]:
     """Required names absent from `logged_keys` (prefix metrics shown as 'name*'); [] when complete."""
     keys = set(logged_keys)
     missing = []
-    for m in required_metrics(loss_name, kl_ref=kl_ref, dynamic_sampling=dynamic_sampling):
+    for m in required_metrics(loss_name, kl_ref=kl_ref, dynamic_sampling=dynamic_sampling, critic=critic):
         if m.prefix:
             if not any(k.startswith(m.name) for k in keys):
                 missing.append(m.name + "*")

@@ -117,21 +117,24 @@ class Critic:
                     kl = p["old_logp"] - p["ref_logp"]  # k1 per token: the RLHF-PPO penalty
                 r = token_rewards(p["advantages"], mask, kl, alg.kl.coef)
                 adv, ret = gae(r, v.double(), mask, adv_cfg.gamma, adv_cfg.lam)
-                rows.append((p, c, adv, ret, v, mask))
+                rows.append((p, c, adv, ret, v, mask, kl))
         reports = []
-        for _, _, adv, ret, v, mask in rows:
+        for _, _, adv, ret, v, mask, kl in rows:
             rep = {"adv": _pair(adv, mask), "adv_sq": _pair(adv ** 2, mask), "ret": _pair(ret, mask),
                    "ret_sq": _pair(ret ** 2, mask), "val": _pair(v, mask), "res": _pair(ret - v, mask),
                    "res_sq": _pair((ret - v) ** 2, mask)}
-            if bool(mask.any()):
-                # reduce_report names these by what follows "max:"/"min:": not the means' names
-                rep.update({"max:adv_max": adv[mask], "min:adv_min": adv[mask], "max:ret_max": ret[mask],
-                            "min:ret_min": ret[mask]})
+            if kl is not None:
+                rep["kl"] = _pair(kl, mask)
+            # reduce_report names these by what follows "max:"/"min:" (not the means' names); every report has
+            # every key (the DP ranks reduce one vector): an empty mask (a pad micro-batch) gives -inf / +inf
+            none = adv.new_full((1,), math.inf)
+            rep.update({"max:adv_max": adv[mask] if mask.any() else -none, "min:adv_min": adv[mask] if mask.any() else none,
+                        "max:ret_max": ret[mask] if mask.any() else -none, "min:ret_min": ret[mask] if mask.any() else none})
             reports.append(rep)
         s = reduce_report(reports)
         var = lambda a, b: max(s[b] - s[a] ** 2, 0.0)  # noqa: E731  E[x^2] - E[x]^2 over the batch's tokens
         mean, std = s["adv"], math.sqrt(var("adv", "adv_sq"))
-        for p, c, adv, ret, v, mask in rows:
+        for p, c, adv, ret, v, mask, _ in rows:
             if adv_cfg.whiten:  # over the whole rollout batch, as one batch would be (rlpo_mega.algorithms.gae.whiten)
                 adv = (adv - mean) / (std + 1e-8)
             p["advantages"] = torch.where(mask, adv, torch.zeros_like(adv)).float()
@@ -142,6 +145,8 @@ class Critic:
                  "critic/returns_min": s.get("ret_min", math.nan), "critic/returns_max": s.get("ret_max", math.nan),
                  "critic/values_mean": s["val"],
                  "critic/explained_variance": 1.0 - var("res", "res_sq") / var_ret if var_ret > 0 else math.nan}
+        if "kl" in s:  # the penalty folded into the rewards: mean log pi_old - log pi_ref (k1)
+            stats["kl/ref"] = s["kl"]
         return critic, stats
 
     def update(self, micro: list[dict]) -> dict:

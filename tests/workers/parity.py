@@ -63,12 +63,13 @@ def save_sharded_grads(model_chunk, grads_dir):
     dist_checkpointing.save(sharded_grads(model_chunk), grads_dir)
 
 
-def full_grads_at_tp1(hf, world_size, model_cfg, grads_dir):
+def full_grads_at_tp1(hf, world_size, model_cfg, grads_dir, value_head: bool = False):
     """Re-initialise megatron at TP1 (every rank holds the full model) and load the saved gradients."""
     from megatron.core import dist_checkpointing
 
     distributed.init_model_parallel(distributed.Layout(world_size, 1, 1, 1, 1, False))
-    tp1, _ = build_policy(hf, distributed.Layout(world_size, 1, 1, 1, 1, False), model_cfg, None, with_ddp=False)
+    tp1, _ = build_policy(hf, distributed.Layout(world_size, 1, 1, 1, 1, False), model_cfg, None, with_ddp=False,
+                          value_head=value_head)
     sd = dist_checkpointing.load(tp1[0].sharded_state_dict(), grads_dir)
     tp1[0].load_state_dict(sd, strict=True)
     return {n: p.detach().clone() for n, p in tp1[0].named_parameters()}
