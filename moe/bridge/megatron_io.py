@@ -161,8 +161,9 @@ def _export_plan(model):
     # tensors every rank holds whole (data-parallel replicas of an unsplit parameter): an export to every rank
     # (dst=None) takes the local copy, identical on all replicas, instead of a broadcast per tensor
     inner._rlpo_everywhere = {n for n, k in whole.items() if k == len(every)}
-    shapes = expected_hf_shapes(inner.hf_config)
-    order = [(pm, sum(math.prod(shapes[n]) for n in pm.hf)) for pm in param_maps(inner.hf_config)]
+    value_head = getattr(inner, "value_head", False)
+    shapes = expected_hf_shapes(inner.hf_config, value_head)
+    order = [(pm, sum(math.prod(shapes[n]) for n in pm.hf)) for pm in param_maps(inner.hf_config, value_head)]
     inner._rlpo_export_plan = (mine, owners, full_meta, order)
     return inner._rlpo_export_plan
 
