@@ -58,6 +58,30 @@ def test_every_loss_logs_every_metric_to_wandb(matrix, loss, mode):
         assert all(0.5 < v <= 1.0 for v in wb.history["routing/update/agreement"])
 
 
+@pytest.mark.parametrize("mode", ["r3", "off"])
+def test_ppo_with_a_critic_logs_every_metric(matrix, mode):
+    """PPO + GAE (two mini-batches per step, EP2): the critic's metrics in W&B next to the policy's; r3 folds a KL
+    penalty into the rewards (logged as kl/ref) and its first step trains the critic alone (critic.warmup_steps=1)."""
+    out, report = matrix
+    run = f"ppo_gae_{mode}"
+    assert report[run] == {"rc": 0, "steps": [1, 2]}
+    wb = _wandb(out / run)
+    assert wb.config["algorithm"]["advantage"]["name"] == "gae"
+    logged = set(wb.history)
+    assert missing_metrics(logged, "ppo_clip", kl_ref=mode == "r3", dynamic_sampling=False, critic=True) == []
+    h = wb.history
+    for key in ("critic/value_loss", "critic/explained_variance", "critic/vf_clip_frac", "critic/returns_mean",
+                "critic/values_mean", "critic/grad_norm", "advantages/std"):
+        assert len(h[key]) == 2 and all(math.isfinite(v) for v in h[key]), (key, h[key])
+    assert all(v > 0 for v in h["advantages/std"])  # GAE's advantages before whitening
+    if mode == "r3":
+        assert len(h["loss/policy"]) == 1  # step 1: the critic alone
+        assert all(0.5 < v <= 1.0 for v in h["critic/routing/update/agreement"])
+        assert h["kl/ref"][0] == 0.0  # the reference is the policy as RL starts; step 1 did not move it
+    else:
+        assert len(h["loss/policy"]) == 2
+
+
 def lr_reference(n, init, peak, low, warmup, decay, style="cosine"):
     """Linear warm-up then cosine or linear decay (Loshchilov & Hutter), transcribed in float64."""
     if warmup and n <= warmup:
@@ -112,6 +136,20 @@ def test_resume_equals_uninterrupted_run(resumed):
     for step in (1, 2, 3, 4):
         assert math.isclose(full[step]["optim/lr"], lr[step], rel_tol=1e-12), (step, full[step]["optim/lr"], lr)
     assert resumed["ckpt_dirs"] == ["latest", "step_00000004"]  # keep_last=1 pruned step 2
+
+
+def test_resume_with_a_critic_equals_uninterrupted_run(tmp_path):
+    r = torchrun("train_scenarios.py", 2, "resume_ppo", str(tmp_path), env={"WANDB_MODE": "disabled"}, timeout=900)
+    full = {h["step"]: h for h in r["full"]}
+    second = {h["step"]: h for h in r["second"]}
+    assert [h["step"] for h in r["first"]] == [1, 2] and sorted(second) == [3, 4]
+    for step in (3, 4):  # the critic's weights, optimizer and schedule came back with the checkpoint
+        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "optim/lr", "critic/value_loss",
+                    "critic/grad_norm", "critic/lr", "critic/explained_variance", "critic/values_mean",
+                    "advantages/max"):
+            assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
+    assert "loss/policy" not in full[1] and "loss/policy" in full[2]  # critic.warmup_steps=1
+    assert r["resharded_equal"] is True
 
 
 def test_reference_is_the_policy_after_warmup(tmp_path):

@@ -48,6 +48,13 @@ def matrix(out):
             run = f"{loss}_{mode}"
             rc = train(cfg(out, run, f"algorithm.loss.name={loss}", f"routing.mode={mode}", *extra))
             runs[run] = {"rc": rc, "steps": [h["step"] for h in history(out, run)]}
+    # PPO with a critic (GAE), R3 on and off; r3 folds a KL penalty into the rewards and warms the critic up
+    for mode, extra in (("r3", ("algorithm.kl.coef=0.04", "algorithm.kl.in_reward=true", "critic.warmup_steps=1")),
+                        ("off", ())):
+        run = f"ppo_gae_{mode}"
+        rc = train(cfg(out, run, "algorithm.loss.name=ppo_clip", "algorithm.advantage.name=gae",
+                       f"routing.mode={mode}", *extra))
+        runs[run] = {"rc": rc, "steps": [h["step"] for h in history(out, run)]}
     return runs
 
 
@@ -68,6 +75,36 @@ def resume(out):
               "parallel.tensor=2", *LR_SCHEDULE))
     return {run: history(out, run) for run in ("full", "first", "second", "tp2")} | {
         "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck}
+
+
+PPO = ("algorithm.loss.name=ppo_clip", "algorithm.advantage.name=gae", "critic.optim.lr_decay_style=cosine",
+       "critic.optim.lr=1e-3", "critic.optim.lr_warmup_steps=2", "critic.optim.lr_decay_steps=8", "critic.warmup_steps=1",
+       "optim.lr_decay_style=cosine", "optim.lr_warmup_steps=2", "optim.lr_decay_steps=8")
+
+
+def resume_ppo(out):
+    """PPO with a critic: uninterrupted 4 steps vs 2 steps + resume to 4; then the checkpoint's critic loaded
+    at the saved layout and at TP2 exports the same tensors (resharded exactly)."""
+    from moe.bridge.megatron_io import export_hf_state
+    from rlpo_mega import distributed
+
+    ck = os.path.join(out, "ckpt")
+    train(cfg(out, "full", "train_iters=4", *PPO))
+    train(cfg(out, "first", "train_iters=2", f"checkpoint.save_dir={ck}", *PPO))
+    train(cfg(out, "second", "train_iters=4", f"checkpoint.save_dir={ck}", "checkpoint.resume=true", *PPO))
+    exports = {}
+    for name, layout in (("ep2", ()), ("tp2", ("parallel.expert=1", "parallel.tensor=2"))):
+        t = Trainer(cfg(out, f"load_{name}", "train_iters=4", f"checkpoint.load_dir={ck}", *layout, *PPO))
+        try:
+            exports[name] = export_hf_state(t.critic.chunks, dst=0)
+        finally:
+            t.close(True)
+            distributed.destroy(keep_world=True)
+    same = None
+    if dist.get_rank() == 0:
+        a, b = exports["ep2"], exports["tp2"]
+        same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a) and "score.weight" in a
+    return {run: history(out, run) for run in ("full", "first", "second")} | {"resharded_equal": same}
 
 
 def nan(out):
