@@ -278,3 +278,43 @@ def test_yaml_on_off_words_stay_words_for_string_keys(tmp_path):
     cfg = load_config(str(path), ("algorithm.mismatch.mode=none",))
     assert (cfg.routing.mode, cfg.prompts.chat_template, cfg.logging.wandb) == ("off", "on", False)
     assert load_config(None, ("routing.mode=off",)).routing.mode == "off"
+
+
+GAE = ("algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip")
+
+
+def test_ppo_demo_config_passes(tiny_hf):
+    cfg = load_config(str(ROOT / "configs" / "demo_ppo_cpu.yaml"))
+    assert check_run_config(cfg, tiny_hf, world_size=2) == []
+
+
+def test_gae_with_a_sequence_level_ratio_is_refused(tiny_hf):
+    """GSPO clips one ratio per sequence with one advantage per sequence; GAE gives one per token and we define
+    no reduction of it: refused, with the token-level variant named."""
+    msg = _err(tiny_hf, "algorithm.advantage.name=gae", "algorithm.loss.name=gspo")
+    assert "gspo_token" in msg and "algorithm.advantage.name=gae" in msg
+    for loss in ("gspo_token", "ppo_clip", "grpo", "dapo", "sapo"):
+        check_run_config(_cfg("algorithm.advantage.name=gae", f"algorithm.loss.name={loss}"), tiny_hf)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("critic.vf_clip=0", "critic.vf_clip=0"),
+    ("critic.vf_coef=0", "critic.vf_coef=0"),
+    ("critic.warmup_steps=-1", "critic.warmup_steps=-1"),
+    ("algorithm.advantage.lam=1.5", "advantage.lam=1.5 must lie in [0, 1]"),
+    ("critic.optim.min_lr=1.0", "critic.optim.min_lr=1.0"),
+])
+def test_critic_settings(tiny_hf, override, message):
+    assert message in _err(tiny_hf, *GAE, override)
+
+
+def test_critic_knobs_without_a_critic_are_refused(tiny_hf):
+    assert "algorithm.advantage.name=gae" in _err(tiny_hf, "algorithm.kl.in_reward=true", "algorithm.kl.coef=0.1")
+    assert "critic.init_from_hf" in _err(tiny_hf, "critic.init_from_hf=somewhere")
+
+
+def test_critic_warnings(tiny_hf):
+    warns = check_run_config(_cfg(*GAE, "critic.warmup_steps=1", "algorithm.kl.in_reward=true"), tiny_hf,
+                             log_warnings=False)
+    assert any("critic.warmup_steps=1 >= train_iters=1" in w for w in warns)
+    assert any("algorithm.kl.in_reward=true with algorithm.kl.coef=0" in w for w in warns)
