@@ -137,7 +137,7 @@ def test_gspo_token_mean_is_a_warning_naming_the_pitfall():
 
 
 @pytest.mark.parametrize("section, key, value, match", [
-    ("advantage", "name", "ppo", r"unknown advantage estimator 'ppo'; known: dr_grpo, grpo, rloo"),
+    ("advantage", "name", "ppo", r"unknown advantage estimator 'ppo'; known: dr_grpo, gae, grpo, rloo"),
     ("advantage", "std", "sample", r"advantage.std='sample'"),
     ("kl", "estimator", "k4", r"unknown KL estimator 'k4'; known: k1, k2, k3, k3\+"),
     ("kl", "coef", -0.1, r"kl.coef=-0.1 must be >= 0"),

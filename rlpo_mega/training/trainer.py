@@ -2,8 +2,9 @@
 
 One step: draw prompts -> rollout (engine ranks, their share) -> rewards -> dynamic sampling ->
 shaping + advantages (assemble_batch) -> per mini-batch: routes to this rank, old (and reference)
-log-probs -> `epochs` passes of optimizer steps over the mini-batches (megatron schedule, global
-normalisation) -> weight sync to the engine (digest-verified) -> metrics -> eval / checkpoint.
+log-probs -> with a critic (advantage gae, training/critic.py): old values, GAE, returns -> `epochs` passes of
+optimizer steps over the mini-batches (megatron schedule, global normalisation; the critic steps after the
+policy on each mini-batch, alone during critic.warmup_steps) -> weight sync to the engine (digest-verified) -> metrics -> eval / checkpoint.
 A non-finite loss or gradient skips the optimizer step (stop after trainer.max_bad_steps in a row);
 SIGTERM saves at the end of the step and exits; a failed engine is rebuilt and re-synced.
 """
@@ -25,17 +26,11 @@ from rlpo_mega import distributed, platform
 from rlpo_mega.config import ConfigError, to_dict
 from rlpo_mega.training import rollout_phase as rp
 from rlpo_mega.training import state as ckpt_state
+from rlpo_mega.training.step_report import mean_dicts as _mean_dicts
+from rlpo_mega.training.step_report import policy_metrics as _policy_metrics
+from rlpo_mega.training.step_report import rollout_metrics as _rollout_metrics
 
 log = logging.getLogger("rlpo_mega")
-
-POLICY_KEYS = {  # policy_step report -> logged metric
-    "policy_loss": "loss/policy", "clip_frac_low": "loss/clip_frac_low", "clip_frac_high": "loss/clip_frac_high",
-    "gate_mean": "loss/gate_mean", "gate_weight_mean": "loss/gate_weight_mean",
-    "gate_weight_below_half_frac": "loss/gate_weight_below_half_frac", "ratio_mean": "ratio/token_mean",
-    "seq_ratio_mean": "ratio/seq_mean", "seq_ratio_min": "ratio/seq_min", "seq_ratio_max": "ratio/seq_max",
-    "kl": "kl/ref", "kl_old_k3": "kl/policy", "entropy": "entropy/mean", "grad_norm": "optim/grad_norm",
-}
-
 
 def load_tokenizer(cfg):
     from transformers import AutoTokenizer
@@ -448,52 +443,6 @@ class Trainer:
         self.routing.close()
         if self.critic is not None:
             self.critic.close()
-
-
-def _mean_dicts(dicts: list[dict]) -> dict:
-    keys = {k for d in dicts for k in d}
-    out = {}
-    for k in keys:
-        vals = [d[k] for d in dicts if k in d and isinstance(d[k], (int, float))]
-        if vals:
-            out[k] = sum(vals) / len(vals)
-    return out
-
-
-def _policy_metrics(out: dict, agreement_phase: str = "old") -> dict:
-    """agreement_phase: the pass whose live router is compared with the rollout's choice (the old pass, or
-    the update's forward when it gives the old log-probs)."""
-    m = {}
-    for k, v in out.items():
-        if k in POLICY_KEYS:
-            m[POLICY_KEYS[k]] = v
-        elif k.startswith(f"routing/{agreement_phase}/agreement/layer"):  # live router vs the rollout's choice
-            m["routing/agreement/layer_" + k.rsplit("layer", 1)[1]] = v
-            if agreement_phase == "update":  # the update's own key stays too (as when an old pass runs)
-                m[k] = v
-        elif k == f"routing/{agreement_phase}/agreement":
-            m["routing/agreement/mean"] = v
-            if agreement_phase == "update":
-                m[k] = v
-        elif k.startswith("routing/update/load_max_over_mean/layer"):
-            m["experts/load_max/layer_" + k.rsplit("layer", 1)[1]] = v
-        elif k.startswith("routing/update/load_min_over_mean/layer"):
-            m["experts/load_min/layer_" + k.rsplit("layer", 1)[1]] = v
-        elif k.startswith(("routing/", "mismatch/")):
-            m[k] = v
-    return m
-
-
-def _rollout_metrics(scored) -> dict:
-    if not scored:
-        return {}
-    r = torch.tensor([s.reward for s in scored], dtype=torch.float64)
-    lengths = torch.tensor([s.response_len for s in scored], dtype=torch.float64)
-    return {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
-            "reward/accuracy": sum(s.correct for s in scored) / len(scored),
-            "reward/failed": sum(s.failed for s in scored), "reward/samples": len(scored),
-            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-            "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored)}
 
 
 def train(cfg, keep_world: bool = False) -> int:

@@ -1,0 +1,58 @@
+"""A step's report: the trainer's policy_step keys -> logged metric names, rollout stats, means over updates."""
+from __future__ import annotations
+
+import torch
+
+POLICY_KEYS = {  # policy_step report -> logged metric
+    "policy_loss": "loss/policy", "clip_frac_low": "loss/clip_frac_low", "clip_frac_high": "loss/clip_frac_high",
+    "gate_mean": "loss/gate_mean", "gate_weight_mean": "loss/gate_weight_mean",
+    "gate_weight_below_half_frac": "loss/gate_weight_below_half_frac", "ratio_mean": "ratio/token_mean",
+    "seq_ratio_mean": "ratio/seq_mean", "seq_ratio_min": "ratio/seq_min", "seq_ratio_max": "ratio/seq_max",
+    "kl": "kl/ref", "kl_old_k3": "kl/policy", "entropy": "entropy/mean", "grad_norm": "optim/grad_norm",
+}
+
+
+def mean_dicts(dicts: list[dict]) -> dict:
+    keys = {k for d in dicts for k in d}
+    out = {}
+    for k in keys:
+        vals = [d[k] for d in dicts if k in d and isinstance(d[k], (int, float))]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+def policy_metrics(out: dict, agreement_phase: str = "old") -> dict:
+    """agreement_phase: the pass whose live router is compared with the rollout's choice (the old pass, or
+    the update's forward when it gives the old log-probs)."""
+    m = {}
+    for k, v in out.items():
+        if k in POLICY_KEYS:
+            m[POLICY_KEYS[k]] = v
+        elif k.startswith(f"routing/{agreement_phase}/agreement/layer"):  # live router vs the rollout's choice
+            m["routing/agreement/layer_" + k.rsplit("layer", 1)[1]] = v
+            if agreement_phase == "update":  # the update's own key stays too (as when an old pass runs)
+                m[k] = v
+        elif k == f"routing/{agreement_phase}/agreement":
+            m["routing/agreement/mean"] = v
+            if agreement_phase == "update":
+                m[k] = v
+        elif k.startswith("routing/update/load_max_over_mean/layer"):
+            m["experts/load_max/layer_" + k.rsplit("layer", 1)[1]] = v
+        elif k.startswith("routing/update/load_min_over_mean/layer"):
+            m["experts/load_min/layer_" + k.rsplit("layer", 1)[1]] = v
+        elif k.startswith(("routing/", "mismatch/")):
+            m[k] = v
+    return m
+
+
+def rollout_metrics(scored) -> dict:
+    if not scored:
+        return {}
+    r = torch.tensor([s.reward for s in scored], dtype=torch.float64)
+    lengths = torch.tensor([s.response_len for s in scored], dtype=torch.float64)
+    return {"reward/mean": float(r.mean()), "reward/std": float(r.std(unbiased=False)),
+            "reward/accuracy": sum(s.correct for s in scored) / len(scored),
+            "reward/failed": sum(s.failed for s in scored), "reward/samples": len(scored),
+            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored)}
