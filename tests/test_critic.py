@@ -30,6 +30,16 @@ def reference(tmp_path_factory):
         return root, json.load(f)
 
 
+def test_r3_replays_the_recorded_routes_in_the_critic(reference):
+    """Routes recorded from the critic; its routers perturbed; the value pass (routing.mode=r3) dispatches exactly
+    the recorded experts while the live routers disagree, and its values stay closer to the unperturbed ones
+    than live routing's (only the gate weights, from the live scores, move)."""
+    r = reference[1]["replay"]
+    assert r["routers"] == 2 and r["replayed_exactly"], r
+    assert r["live_agreement"] < 0.7, r
+    assert r["replay_dev"] < r["live_dev"], r
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_critic_layout_matches_single_process(layout, reference, tmp_path):
     root, ref = reference

@@ -58,7 +58,7 @@ def test_every_loss_logs_every_metric_to_wandb(matrix, loss, mode):
         assert all(0.5 < v <= 1.0 for v in wb.history["routing/update/agreement"])
 
 
-@pytest.mark.parametrize("mode", ["r3", "off"])
+@pytest.mark.parametrize("mode", ["r3", "r2", "off"])
 def test_ppo_with_a_critic_logs_every_metric(matrix, mode):
     """PPO + GAE (two mini-batches per step, EP2): the critic's metrics in W&B next to the policy's; r3 folds a KL
     penalty into the rewards (logged as kl/ref) and its first step trains the critic alone (critic.warmup_steps=1)."""
@@ -74,9 +74,10 @@ def test_ppo_with_a_critic_logs_every_metric(matrix, mode):
                 "critic/values_mean", "critic/grad_norm", "advantages/std"):
         assert len(h[key]) == 2 and all(math.isfinite(v) for v in h[key]), (key, h[key])
     assert all(v > 0 for v in h["advantages/std"])  # GAE's advantages before whitening
+    if mode != "off":  # the critic's update replays (r3: the rollout's routes; r2: its own old pass's)
+        assert all(0.5 < v <= 1.0 for v in h["critic/routing/update/agreement"])
     if mode == "r3":
         assert len(h["loss/policy"]) == 1  # step 1: the critic alone
-        assert all(0.5 < v <= 1.0 for v in h["critic/routing/update/agreement"])
         assert h["kl/ref"][0] == 0.0  # the reference is the policy as RL starts; step 1 did not move it
     else:
         assert len(h["loss/policy"]) == 2

@@ -66,6 +66,8 @@ def main():
                 grads_dir = os.path.join(out_dir, "grads")
                 save_sharded_grads(critic.chunks[0], grads_dir)
     critic.close()
+    if phase == "reference":
+        result["replay"] = replay_check(hf, layout, init, batch)
     if phase != "reference":
         model_cfg = cfg.model
         del critic
@@ -76,6 +78,41 @@ def main():
         with open(os.path.join(out_dir, f"{phase}.json"), "w") as f:
             json.dump(result, f)
     distributed.destroy()
+
+
+def replay_check(hf, layout, init, batch):
+    """R3 in the critic: routes recorded from the critic, its routers perturbed, the value pass replays the
+    recorded experts exactly while its live routers disagree; live routing gives other values."""
+    from moe.routing.metrics import same_sets
+    from moe.routing.replay import _flat
+    from moe.routing.transport import local_routers
+    from rlpo_mega.training.critic import values_forward_step
+    from rlpo_mega.training.step import forward_only
+
+    cfg = load_config(None, tuple(sys.argv[4:]) + SETTINGS + ("routing.mode=r3",))
+    critic = Critic(cfg, hf, layout, TraceSpec.from_hf(hf))
+    load_checkpoint(init, critic.chunks)
+    micro = shard_and_split(batch, 1)
+    forward_only(critic.chunks, micro, critic.routing.wrap(values_forward_step, "record", "record"))
+    routes = micro[0]["routes"].clone()
+    v0 = critic.old_values(micro)[0]
+    g = torch.Generator().manual_seed(21)
+    with torch.no_grad():
+        for name, p in critic.chunks[0].named_parameters():
+            if ".router." in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    v_replay = critic.old_values(micro)[0]
+    routers = local_routers(critic.chunks)
+    replayed = all(bool(same_sets(r.router_replay.used_topk, _flat(routes[:, :, col]).long()).all())
+                   for col, (_, r) in enumerate(routers))
+    live = critic.routing.metrics()["routing/old/agreement"]
+    critic.routing.reset()
+    v_live = forward_only(critic.chunks, [{k: v for k, v in micro[0].items() if k != "routes"}],
+                          values_forward_step)[0]["values"]
+    mask = micro[0]["loss_mask"].bool()
+    critic.close()
+    return {"replayed_exactly": replayed, "live_agreement": live, "routers": len(routers),
+            "replay_dev": float((v_replay - v0)[mask].abs().max()), "live_dev": float((v_live - v0)[mask].abs().max())}
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def matrix(out):
             runs[run] = {"rc": rc, "steps": [h["step"] for h in history(out, run)]}
     # PPO with a critic (GAE), R3 on and off; r3 folds a KL penalty into the rewards and warms the critic up
     for mode, extra in (("r3", ("algorithm.kl.coef=0.04", "algorithm.kl.in_reward=true", "critic.warmup_steps=1")),
-                        ("off", ())):
+                        ("r2", ("trainer.mini_batches=2",)), ("off", ())):
         run = f"ppo_gae_{mode}"
         rc = train(cfg(out, run, "algorithm.loss.name=ppo_clip", "algorithm.advantage.name=gae",
                        f"routing.mode={mode}", *extra))
