@@ -3,7 +3,7 @@
 A CUDA run refuses what a CPU run accepts: a host tensor in the model's inputs or in one op with a device
 tensor, a host tensor handed to an NCCL collective. The tracker emulates that split (the accelerator is
 `cpu:0`, the host `cpu`) with real arithmetic, and real trainer runs (2 processes: DP2 x EP2 with a KL
-reference, R3 and TIS; PP2 with R2) must finish with nothing recorded: every tensor that reaches the
+reference, R3 and TIS; PP2 with R2; PP2 PPO with a critic) must finish with nothing recorded: every tensor that reaches the
 model, the loss, the routers or a collective is on platform.device().
 """
 import pytest
@@ -31,7 +31,7 @@ def runs(tmp_path_factory):
     return torchrun("device_discipline.py", 2, str(tmp_path_factory.mktemp("device")), timeout=900)
 
 
-@pytest.mark.parametrize("run", ["ep2_grpo_kl_r3", "pp2_gspo_r2"])
+@pytest.mark.parametrize("run", ["ep2_grpo_kl_r3", "pp2_gspo_r2", "pp2_ppo_gae_r2"])
 def test_trainer_keeps_every_tensor_on_the_device(runs, run):
     """Warm-up + 2 RL steps: no host tensor reaches the model, the loss, the routers or a collective."""
     r = runs[run]

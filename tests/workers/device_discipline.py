@@ -34,6 +34,11 @@ RUNS = {
     # PP2: the last stage's reductions broadcast to the first; R2 records routes in the old pass
     "pp2_gspo_r2": ("parallel.pipeline=2", "parallel.expert=1", "algorithm.loss.name=gspo", "routing.mode=r2",
                     "parallel.num_micro_batches=2"),
+    # PPO with a critic at PP2: its value pass, GAE (KL folded into the rewards from the reference pass), the
+    # batch-wide whitening and its statistics (reduced on the last stage, broadcast), R2 in both models
+    "pp2_ppo_gae_r2": ("parallel.pipeline=2", "parallel.expert=1", "algorithm.loss.name=ppo_clip",
+                       "algorithm.advantage.name=gae", "algorithm.kl.coef=0.04", "algorithm.kl.in_reward=true",
+                       "routing.mode=r2", "parallel.num_micro_batches=2", "trainer.mini_batches=2"),
 }
 
 
@@ -47,7 +52,7 @@ def run(out, name, overrides):
         t = Trainer(cfg)
         ok = False
         try:
-            tracker.watch(t.chunks + (t.ref_chunks or []))
+            tracker.watch(t.chunks + (t.ref_chunks or []) + (t.critic.chunks if t.critic else []))
             t.cfg.trainer.warmup.steps = 2
             supervised_warmup(t)
             history = t.run()
