@@ -124,6 +124,12 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
         from .value_head import ValueHead
 
         model.output_layer = ValueHead(config, seed=head_seed)
+        # The bias is 1-D: optimizers group it with the norms (no weight decay), and megatron-core 0.16.1's
+        # distributed optimizer assumes a group holds one parameter dtype (it lists fp32 parameters first, then
+        # the fp32 copies of 16-bit ones, but indexes them in bucket order). The norms' dtype differs by spec
+        # (local: fp32 under bf16; Transformer Engine: bf16): the bias takes theirs.
+        norm = model.decoder.final_layernorm.weight
+        model.output_layer.bias.data = model.output_layer.bias.data.to(norm.dtype)
     model.hf_config = hf
     model.real_vocab_size = hf.vocab_size
     model.value_head = value_head

@@ -35,7 +35,8 @@ class ValueHead(MegatronModule):
 
     def forward(self, hidden: torch.Tensor, weight=None, runtime_gather_output=None):
         """hidden [s (/tp under SP), b, h] -> (values [s, b, 1], None), the output layer's contract."""
-        values = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        # the bias may be kept in the norms' dtype (moe.model.build_gpt_model): computed in the weight's
+        values = torch.nn.functional.linear(hidden, self.weight, self.bias.to(self.weight.dtype))
         if self.sequence_parallel:
             from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 

@@ -172,9 +172,10 @@ def control_group(timeout_s: float):
     return _CONTROL[key]
 
 
-def destroy(keep_world: bool = False):
+def destroy(keep_world: bool = False, barrier: bool = True):
     """Tear down megatron's groups and (unless keep_world: several runs in one launch) the world group;
-    torch cannot re-create a world group under the same torchrun rendezvous."""
+    torch cannot re-create a world group under the same torchrun rendezvous. barrier=False after an error:
+    a peer may be stuck in a collective this rank left, and waiting for it would hide this rank's error."""
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():
@@ -183,5 +184,6 @@ def destroy(keep_world: bool = False):
         dist.destroy_process_group(group)
     _CONTROL.clear()
     if dist.is_initialized() and not keep_world:
-        dist.barrier()  # no rank may close its connections while a peer is still communicating
+        if barrier:
+            dist.barrier()  # no rank may close its connections while a peer is still communicating
         dist.destroy_process_group()

@@ -150,6 +150,10 @@ def test_resume_with_a_critic_equals_uninterrupted_run(tmp_path):
                     "advantages/max"):
             assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
     assert "loss/policy" not in full[1] and "loss/policy" in full[2]  # critic.warmup_steps=1
+    full16, second16 = {h["step"]: h for h in r["full_bf16"]}, {h["step"]: h for h in r["second_bf16"]}
+    assert sorted(second16) == [3]  # bf16, distributed optimizers (policy and critic): step 3 resumed exactly
+    for key in ("loss/policy", "optim/grad_norm", "critic/value_loss", "critic/grad_norm", "critic/values_mean"):
+        assert second16[3][key] == full16[3][key], (key, second16[3][key], full16[3][key])
     assert r["resharded_equal"] is True
 
 

@@ -459,7 +459,7 @@ def train(cfg, keep_world: bool = False) -> int:
             summarize(history, trainer.logger.run_dir, cfg.logging.plot)
     finally:
         trainer.close(ok)
-        distributed.destroy(keep_world)
+        distributed.destroy(keep_world, barrier=ok)
     return EXIT_STOPPED if trainer.stopped else 0
 
 

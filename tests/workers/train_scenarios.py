@@ -92,6 +92,13 @@ def resume_ppo(out):
     train(cfg(out, "full", "train_iters=4", *PPO))
     train(cfg(out, "first", "train_iters=2", f"checkpoint.save_dir={ck}", *PPO))
     train(cfg(out, "second", "train_iters=4", f"checkpoint.save_dir={ck}", "checkpoint.resume=true", *PPO))
+    # bf16 parameters with both distributed optimizers (the recipes' setting): 2 steps + resume to 3
+    bf16 = ("model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
+            "critic.optim.use_distributed_optimizer=true") + PPO
+    ck16 = os.path.join(out, "ckpt_bf16")
+    train(cfg(out, "full_bf16", "train_iters=3", *bf16))
+    train(cfg(out, "first_bf16", "train_iters=2", f"checkpoint.save_dir={ck16}", *bf16))
+    train(cfg(out, "second_bf16", "train_iters=3", f"checkpoint.save_dir={ck16}", "checkpoint.resume=true", *bf16))
     exports = {}
     for name, layout in (("ep2", ()), ("tp2", ("parallel.expert=1", "parallel.tensor=2"))):
         t = Trainer(cfg(out, f"load_{name}", "train_iters=4", f"checkpoint.load_dir={ck}", *layout, *PPO))
@@ -104,7 +111,8 @@ def resume_ppo(out):
     if dist.get_rank() == 0:
         a, b = exports["ep2"], exports["tp2"]
         same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a) and "score.weight" in a
-    return {run: history(out, run) for run in ("full", "first", "second")} | {"resharded_equal": same}
+    return {run: history(out, run) for run in ("full", "first", "second", "full_bf16", "second_bf16")} | {
+        "resharded_equal": same}
 
 
 def nan(out):
