@@ -15,6 +15,14 @@ device; they touch only code that the local spec reaches, so a run with TE gets 
   whatever the normalization (gpt_layer_specs.py:644; its layers already get the torch norm for RMSNorm),
   and FusedLayerNorm rejects RMSNorm (fused_layer_norm.py:66), which both our families use.
 
+- `float16_optimizer_fp32_param_ids`: the local spec keeps its norms in fp32 under bf16 parameters, and
+  the mixed-precision optimizer (Float16OptimizerWithFloat16Params) then holds fp32 params next to the
+  fp32 copies of the 16-bit ones. Its sharded_state_dict maps optimizer state ids to model params through
+  the 16-bit params alone (optimizer.py:812-814), while the torch optimizer numbers every param of every
+  group: the first save after an optimizer step stopped with "Param id N does not match any model sharded
+  param" (dist_checkpointing/optimizer.py:145), so bf16 with the plain optimizer could not checkpoint.
+  The ids are mapped through every param in the optimizer's own order (the 16-bit param for its copy).
+
 Each has an ablation test in tests/test_platform.py; tests/test_platform.py also builds the norms of a
 TP2+SP spec with CUDA simulated, apex stood in and TE absent (a GPU node without TE).
 
@@ -107,6 +115,36 @@ def _thd_rope_vectorized():
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
 
 
+def _float16_optimizer_fp32_param_ids():
+    from megatron.core.optimizer import optimizer as opt_mod
+
+    cls = opt_mod.Float16OptimizerWithFloat16Params
+    if getattr(cls.sharded_state_dict, "_rlpo_fixed", False):
+        return
+    original = cls.sharded_state_dict
+
+    def model_params_in_optimizer_order(self):
+        for g, group in enumerate(self.optimizer.param_groups):
+            model_of = {id(main): p for p, main in zip(self.float16_groups[g], self.fp32_from_float16_groups[g])}
+            for param in group["params"]:
+                yield model_of.get(id(param), param)  # an fp32 param is its own main param
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None):
+        for g, group in enumerate(self.fp32_from_fp32_groups):
+            if group and self.float16_groups[g]:  # its fp32_from_fp16_params list would be misaligned
+                raise NotImplementedError("a mixed-precision optimizer param group holds both fp32 and 16-bit "
+                                          "params; its checkpoint layout is not supported")
+        mapper = opt_mod.get_param_id_to_sharded_param_map
+        opt_mod.get_param_id_to_sharded_param_map = lambda sd, _params: mapper(sd, model_params_in_optimizer_order(self))
+        try:
+            return original(self, model_sharded_state_dict, is_loading, metadata)
+        finally:
+            opt_mod.get_param_id_to_sharded_param_map = mapper
+
+    sharded_state_dict._rlpo_fixed = True
+    cls.sharded_state_dict = sharded_state_dict
+
+
 SPEEDUPS: tuple[Patch, ...] = (
     Patch(
         "thd_rope_vectorized",
@@ -138,5 +176,12 @@ FIXES: tuple[Patch, ...] = (
         "with apex installed the local spec's final norm is FusedLayerNorm, which rejects RMSNorm; "
         "the torch RMSNorm is used instead, as for the layers' norms",
         _final_norm_not_apex_for_rmsnorm,
+    ),
+    Patch(
+        "float16_optimizer_fp32_param_ids",
+        ("optimizer/optimizer.py:812-814", "dist_checkpointing/optimizer.py:145"),
+        "the mixed-precision optimizer's checkpoint maps state ids through its 16-bit params only; the local "
+        "spec's fp32 norms made the first save after a step fail: ids are mapped through every param",
+        _float16_optimizer_fp32_param_ids,
     ),
 )

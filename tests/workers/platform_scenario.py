@@ -16,6 +16,7 @@ apex but no Transformer Engine: megatron's local spec then picks apex's FusedLay
 norm (megatron_fixes.final_norm_rmsnorm_apex). Every other `from apex... import` falls back as without
 apex. The report names the classes of the norms built.
 """
+import os
 import sys
 import types
 
@@ -61,7 +62,7 @@ def tp_spread(tensors: dict) -> float:
 
 def main():
     model_json = sys.argv[1]
-    steps, untag_from, overrides = 2, None, []
+    steps, untag_from, overrides, save_optimizer = 2, None, [], False
     for arg in sys.argv[2:]:
         if arg.startswith("--steps="):
             steps = int(arg.split("=", 1)[1])
@@ -69,6 +70,8 @@ def main():
             untag_from = int(arg.split("=", 1)[1])
         elif arg == "--fake-apex":
             pass
+        elif arg == "--save-optimizer":
+            save_optimizer = True
         else:
             overrides.append(arg)
     cfg = load_config(None, tuple(overrides))
@@ -91,7 +94,23 @@ def main():
         grad_norms.append(out["grad_norm"])
         if layout.tensor > 1:
             norm_grad_spread.append(tp_spread({n: p.main_grad for n, p in norms.items()}))
+    resumed = None
+    if save_optimizer:  # a checkpoint with the optimizer after the steps, loaded into a fresh one: the next step equal
+        import tempfile
+
+        from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            box = [tmp]
+            dist.broadcast_object_list(box, src=0)
+            save_checkpoint(os.path.join(box[0], "ckpt"), chunks, opt)
+            chunks2, opt2 = build_policy(hf, layout, cfg.model, cfg.optim)
+            load_checkpoint(os.path.join(box[0], "ckpt"), chunks2, opt2)
+            dist.barrier()
+        resumed = [train_step(chunks, opt, micro)["loss"], train_step(chunks2, opt2, micro)["loss"]]
+        resumed += [train_step(chunks, opt, micro)["loss"], train_step(chunks2, opt2, micro)["loss"]]
     report = {
+        "resumed": resumed,
         "applied": platform.apply(),
         "losses": losses,
         "grad_norms": grad_norms,
