@@ -126,10 +126,10 @@ class Critic:
             if kl is not None:
                 rep["kl"] = _pair(kl, mask)
             # reduce_report names these by what follows "max:"/"min:" (not the means' names); every report has
-            # every key (the DP ranks reduce one vector): an empty mask (a pad micro-batch) gives -inf / +inf
-            none = adv.new_full((1,), math.inf)
-            rep.update({"max:adv_max": adv[mask] if mask.any() else -none, "min:adv_min": adv[mask] if mask.any() else none,
-                        "max:ret_max": ret[mask] if mask.any() else -none, "min:ret_min": ret[mask] if mask.any() else none})
+            # every key (the DP ranks reduce one vector); masked positions are -inf / +inf (an empty mask: NaN)
+            inf = torch.full_like(adv, math.inf)
+            rep.update({"max:adv_max": torch.where(mask, adv, -inf), "min:adv_min": torch.where(mask, adv, inf),
+                        "max:ret_max": torch.where(mask, ret, -inf), "min:ret_min": torch.where(mask, ret, inf)})
             reports.append(rep)
         s = reduce_report(reports)
         var = lambda a, b: max(s[b] - s[a] ** 2, 0.0)  # noqa: E731  E[x^2] - E[x]^2 over the batch's tokens
