@@ -121,13 +121,26 @@ class SGLangServer:
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang server {self.url} exited with code {self.proc.returncode} during "
-                                   f"start-up; see its log {self.log_path}")
+                                   f"start-up{self._startup_cause()}; see its log {self.log_path}")
             if self.healthy(timeout=2.0):
                 return
             time.sleep(1.0)
         self.stop()
         raise TimeoutError(f"SGLang server {self.url} not healthy after {timeout:.0f} s; see its log "
                            f"{self.log_path} (raise rollout.sglang.startup_timeout if it is just slow)")
+
+    def _startup_cause(self) -> str:
+        """The cause a user can act on, from the log's tail: a taken port is the common one (uvicorn exits 3)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 20000))
+                tail = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        if "address already in use" in tail.lower():
+            return (f": port {self.port} on {self.host} is already in use (another server or process holds it; "
+                    f"choose a free one with rollout.sglang.base_port)")
+        return ""
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -11,6 +11,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
+def free_port(low: int = 20000, high: int = 29999) -> int:
+    """A free TCP port below the kernel's ephemeral range, for a server that binds it only later.
+
+    bind(0) hands out ephemeral ports, the same range gloo's pairs and torchrun's stores draw from while the
+    server starts: a CI run lost an SGLang server's HTTP port that way (uvicorn exit 3, address in use).
+    SGLang picks its own internal ports the same way (get_free_port_below_ephemeral)."""
+    import random
+    import socket
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = min(high, int(f.read().split()[0]) - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    for port in random.sample(range(low, high + 1), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port in [{low}, {high}]")
+
+
 def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeout: int = 600,
              expect_fail: bool = False, json_report: bool = True):
     """Returns rank 0's JSON report (None if json_report=False), or for expect_fail the process."""

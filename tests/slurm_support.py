@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
+from tests.dist import free_port
+
 APT_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "srun", "scancel", "sinfo", "squeue", "scontrol", "munged", "mungekey"]
 SBIN_DIRS = ["/usr/sbin", "/sbin", "/usr/local/sbin"]
@@ -101,14 +103,12 @@ def _ensure_installed(missing: list[str]) -> Optional[str]:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
+    """n distinct free ports below the ephemeral range (tests.dist.free_port says why)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
     return ports
 
 

@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from rlpo_mega import cli
-from tests.dist import ROOT, WORKERS
+from tests.dist import ROOT, WORKERS, free_port
 
 DEMO = "configs/demo_cpu.yaml"
 QUICK = ("trainer.warmup.steps=0", "trainer.eval_every=0", "checkpoint.save_dir=null", "logging.mode=disabled",
@@ -455,7 +455,7 @@ from launch.sglang_server import SGLangServer
 s = SGLangServer("model", port=int(sys.argv[1]), python={str(stub)!r}, log_dir={str(tmp_path)!r}).start(60)
 print(s.proc.pid, flush=True)
 time.sleep(600)
-""", str(_free_port())], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
+""", str(free_port())], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
     pid = int(parent.stdout.readline())
     assert os.path.exists(f"/proc/{pid}")
     parent.kill()
@@ -464,12 +464,24 @@ time.sleep(600)
               timeout=20)
 
 
-def _free_port():
+def test_launched_server_on_a_taken_port_names_the_port(tmp_path):
+    """A server whose HTTP port is taken exits during start-up (uvicorn's exit 3, as a CI run once met): the
+    error names the port and the setting to change, not only the exit code."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from launch.sglang_server import SGLangServer
+
+    stub = tmp_path / "python"
+    stub.write_text(f"#!/bin/sh\nexec {sys.executable} {os.path.join(WORKERS, 'stub_server.py')} \"$@\"\n")
+    stub.chmod(0o755)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(RuntimeError) as e:
+            SGLangServer("model", port=port, python=str(stub), log_dir=str(tmp_path)).start(30)
+    assert "exited with code 3" in str(e.value) and f"port {port}" in str(e.value), e.value
+    assert "already in use" in str(e.value) and "rollout.sglang.base_port" in str(e.value), e.value
 
 
 def test_hung_server_is_one_error_not_a_hang(tmp_path):

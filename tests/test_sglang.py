@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -25,7 +24,7 @@ from rlpo_mega.rollout import ENGINES, EngineError, SamplingParams
 from rlpo_mega.rollout.sglang_engine import EngineRestarted, SGLangEngine
 from moe.bridge.digest import DigestMismatchError, tensor_digest, verify
 from rlpo_mega.weight_sync.transports import TRANSPORTS
-from tests.dist import ROOT, torchrun
+from tests.dist import ROOT, free_port, torchrun
 from tests.workers.bridge import make_hf_checkpoint
 
 SUPPORT = os.path.join(ROOT, "tests", "sglang_support")
@@ -51,12 +50,6 @@ def sglang_python():
             pytest.skip(f"the SGLang venv could not be built (tests/sglang_support/build_env.sh, rc "
                         f"{proc.returncode}): {(proc.stdout + proc.stderr)[-1500:]}")
     return py
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

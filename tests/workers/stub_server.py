@@ -14,4 +14,10 @@ class Health(BaseHTTPRequestHandler):
 
 if __name__ == "__main__":
     port = int(sys.argv[sys.argv.index("--port") + 1])
-    HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    try:
+        server = HTTPServer(("127.0.0.1", port), Health)
+    except OSError as e:  # as uvicorn does under sglang: logs the error, exits STARTUP_FAILURE (3)
+        print(f"ERROR:    [Errno {e.errno}] error while attempting to bind on address ('127.0.0.1', {port}): "
+              f"{e.strerror.lower()}", flush=True)
+        sys.exit(3)
+    server.serve_forever()

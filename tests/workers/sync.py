@@ -1,6 +1,5 @@
 """Weight-sync worker: an EP2 learner syncs to an HF engine through each transport, clean and corrupted."""
 import os
-import socket
 import subprocess
 import sys
 
@@ -18,14 +17,8 @@ from moe.bridge import digest
 from moe.bridge.digest import DigestMismatchError
 from rlpo_mega.weight_sync.transports import (DiskTransport, DistributedTransport, HFModelReceiver,
                                               InProcessTransport, WeightUpdateGroup)
-from tests.dist import write_report
+from tests.dist import free_port, write_report
 from tests.workers.bridge import make_hf_checkpoint, megatron_logits, rel_err
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main():
