@@ -119,6 +119,7 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
         share_embeddings_and_output_weights=bool(hf.tie_word_embeddings) and not value_head,
         position_embedding_type="rope",
         rotary_base=int(family.rope_theta(hf)),
+        rotary_percent=family.rotary_percent(hf),
     )
     if value_head and post_process:
         from .value_head import ValueHead

@@ -62,14 +62,18 @@ def _moe_layers(hf: Any, model_type: Optional[str]) -> tuple[Optional[int], int]
         experts = get("num_local_experts")
     layers = int(get("num_hidden_layers", 0) or 0)
     family = FAMILIES.get(model_type)
-    if not experts or family is None:
+    if family is None:
         return experts, (layers if experts else 0)
     if isinstance(hf, dict):
         try:
-            hf = family.hf_config_class(**hf)
+            hf = family.hf_config_class(**{k: v for k, v in hf.items() if k != "model_type"})
         except (TypeError, ValueError):  # reported, with its cause, by the family load in _check_model
-            return experts, layers
-    return experts, sum(family.moe_layer_pattern(hf))
+            return experts, (layers if experts else 0)
+    try:  # the family names its expert count (n_routed_experts for the sigmoid-router families)
+        experts = family.num_experts(hf)
+    except AttributeError:
+        pass
+    return experts, (sum(family.moe_layer_pattern(hf)) if experts else 0)
 
 
 def _check_model(cfg, hf):
@@ -117,6 +121,12 @@ def _check_model(cfg, hf):
     _choice("model.token_dispatcher", cfg.model.token_dispatcher, TOKEN_DISPATCHERS)
     if cfg.model.vocab_divisible_by < 1:
         raise ConfigError(f"model.vocab_divisible_by={cfg.model.vocab_divisible_by} must be >= 1")
+    rate = cfg.model.expert_bias_update_rate
+    if rate < 0:
+        raise ConfigError(f"model.expert_bias_update_rate={rate} must be >= 0 (0 keeps the routers' bias fixed)")
+    if rate > 0 and not FAMILIES[model_type].expert_bias(hf):
+        raise ConfigError(f"model.expert_bias_update_rate={rate}: {model_type} routers have no score-correction "
+                          "bias to update; set it to 0")
     return hf
 
 
@@ -452,6 +462,10 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
     _check_rollout(cfg, warns)
     _check_counts(cfg, warns)
     _check_critic(cfg, warns)
+    if cfg.model.expert_bias_update_rate > 0 and cfg.routing.mode != "off":
+        warns.append(f"model.expert_bias_update_rate={cfg.model.expert_bias_update_rate} with routing.mode="
+                     f"{cfg.routing.mode}: the routers' bias is updated from the replayed routes' expert loads "
+                     "(the rollout's or the old pass's), and every sync moves the engine's routing with it")
     if world_size is not None:
         from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 

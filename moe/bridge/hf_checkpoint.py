@@ -40,16 +40,22 @@ def expected_hf_shapes(hf, value_head: bool = False) -> dict[str, tuple[int, ...
         elif kind == "vocab":
             shapes[names[0]] = (hf.vocab_size, h)
         elif kind == "qkv":
-            shapes.update({names[0]: (q, h), names[1]: (kv, h), names[2]: (kv, h)})
+            bias = m.megatron.endswith(".bias")
+            shapes.update({n: (rows,) if bias else (rows, h) for n, rows in zip(names, (q, kv, kv))})
         elif m.megatron.endswith("linear_proj.weight"):
             shapes[names[0]] = (h, q)
         elif m.megatron.endswith("router.weight"):
             shapes[names[0]] = (experts, h)
-        elif kind == "glu":
+        elif m.megatron.endswith("router.expert_bias"):
+            shapes[names[0]] = (experts,)
+        elif kind in ("glu", "row"):
             f = f_moe if m.expert is not None else f_dense
-            shapes.update({names[0]: (f, h), names[1]: (f, h)})
-        elif kind == "row":
-            shapes[names[0]] = (h, f_moe if m.expert is not None else f_dense)
+            if ".shared_experts." in m.megatron:
+                f = family.shared_expert_size(hf)
+            if kind == "glu":
+                shapes.update({names[0]: (f, h), names[1]: (f, h)})
+            else:
+                shapes[names[0]] = (h, f)
         elif "layernorm" in m.megatron and "self_attention" in m.megatron:
             shapes[names[0]] = (hd,)
         else:
@@ -98,7 +104,7 @@ class HFCheckpoint:
         ignore: names that may be present and are not read (a policy checkpoint's LM head, for a critic)."""
         expected = {k: v for k, v in expected_hf_shapes(hf, value_head).items() if k not in ignore}
         family = get_family(hf.model_type)
-        extra = sorted(set(self.file_of) - set(expected))
+        extra = sorted(n for n in set(self.file_of) - set(expected) if not family.extra_hf_tensor(hf, n))
         expert_extra = [n for n in extra if ".experts." in n]
         if expert_extra:
             found = {int(n.split(".experts.")[1].split(".")[0]) for n in self.file_of if ".experts." in n}

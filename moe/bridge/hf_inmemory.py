@@ -40,7 +40,8 @@ class HFModelWeights:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.params = dict(model.named_parameters())
+        # persistent buffers are weights too (the sigmoid router's e_score_correction_bias)
+        self.params = {**dict(model.named_buffers()), **dict(model.named_parameters())}
         self._pname = {id(p): n for n, p in self.params.items()}
         self.tied = getattr(model.config, "tie_word_embeddings", False)
         self._map = _checkpoint_slots(model, self.params)

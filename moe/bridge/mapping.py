@@ -63,8 +63,11 @@ def param_maps(hf, value_head: bool = False) -> list[ParamMap]:
         maps += [
             ParamMap(d + "input_layernorm.weight", (f("input_norm"),), "replicated", i),
             ParamMap(d + "self_attention.linear_qkv.weight", (f("q"), f("k"), f("v")), "qkv", i),
-            ParamMap(d + "self_attention.linear_proj.weight", (f("o"),), "row", i),
         ]
+        if family.qkv_bias(hf):
+            maps.append(ParamMap(d + "self_attention.linear_qkv.bias", (f("q_bias"), f("k_bias"), f("v_bias")),
+                                 "qkv", i))
+        maps.append(ParamMap(d + "self_attention.linear_proj.weight", (f("o"),), "row", i))
         if family.qk_layernorm(hf):
             maps += [
                 ParamMap(d + "self_attention.q_layernorm.weight", (f("q_norm"),), "replicated", i),
@@ -73,6 +76,14 @@ def param_maps(hf, value_head: bool = False) -> list[ParamMap]:
         maps.append(ParamMap(d + "pre_mlp_layernorm.weight", (f("post_attn_norm"),), "replicated", i))
         if pattern[i]:
             maps.append(ParamMap(d + "mlp.router.weight", (f("router"),), "replicated", i))
+            if family.expert_bias(hf):  # a buffer, not a parameter: loaded, exported and synced all the same
+                maps.append(ParamMap(d + "mlp.router.expert_bias", (f("router_bias"),), "replicated", i))
+            if family.shared_expert_size(hf):  # split over TP like a dense MLP (not an expert parameter)
+                maps += [
+                    ParamMap(d + "mlp.shared_experts.linear_fc1.weight", (f("shared_gate"), f("shared_up")),
+                             "glu", i),
+                    ParamMap(d + "mlp.shared_experts.linear_fc2.weight", (f("shared_down"),), "row", i),
+                ]
             for e in range(experts):
                 x = d + f"mlp.experts.local_experts.{e}."
                 maps += [
@@ -97,12 +108,12 @@ def param_maps(hf, value_head: bool = False) -> list[ParamMap]:
 
 # ---- HF tensors <-> full megatron tensor (TP1 layout) -------------------------------------------
 def hf_to_full(kind: str, tensors: list[torch.Tensor], dims: Dims) -> torch.Tensor:
-    if kind == "qkv":
+    if kind == "qkv":  # weights [rows, hidden] and biases [rows] alike
         q, k, v = tensors
         g, hd = dims.groups, dims.head_dim
-        hidden = q.shape[-1]
-        return torch.cat([q.reshape(g, -1, hidden), k.reshape(g, hd, hidden), v.reshape(g, hd, hidden)],
-                         dim=1).reshape(-1, hidden)
+        rest = tuple(q.shape[1:])
+        return torch.cat([q.reshape(g, -1, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)],
+                         dim=1).reshape(-1, *rest)
     if kind == "glu":
         return torch.cat(tensors, dim=0)
     if kind == "vocab":
@@ -124,11 +135,11 @@ def full_to_hf(kind: str, full: torch.Tensor, dims: Dims, empty=new_tensor) -> l
     if kind == "qkv":
         g, hd = dims.groups, dims.head_dim
         per_group = dims.heads // g
-        hidden = full.shape[-1]
-        grouped = full.reshape(g, per_group + 2, hd, hidden)
+        rest = tuple(full.shape[1:])
+        grouped = full.reshape(g, per_group + 2, hd, *rest)
         out = []
         for part in (grouped[:, :per_group], grouped[:, per_group:per_group + 1], grouped[:, per_group + 1:]):
-            t = empty((part.shape[0] * part.shape[1] * hd, hidden), full.dtype, full.device)
+            t = empty((part.shape[0] * part.shape[1] * hd, *rest), full.dtype, full.device)
             t.view(part.shape).copy_(part)
             out.append(t)
         return out

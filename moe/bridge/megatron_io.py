@@ -54,6 +54,13 @@ class LocalParam:
     tp_group: object
 
 
+def weight_tensors(module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight: the parameters, and the routers' expert_bias buffers -- no gradient,
+    updated outside the optimizer, but model state all the same (imported, exported, synced, copied)."""
+    buffers = [(n, b) for n, b in module.named_buffers() if n.endswith("router.expert_bias")]
+    return list(module.named_parameters()) + buffers
+
+
 def local_params(model) -> list[LocalParam]:
     """This rank's parameters with their global mapping and the group that shards them."""
     from megatron.core import parallel_state as ps
@@ -65,7 +72,7 @@ def local_params(model) -> list[LocalParam]:
     layers = inner.decoder.layers if hasattr(inner, "decoder") else []
     ep_rank = ps.get_expert_model_parallel_rank()
     out = []
-    for name, p in inner.named_parameters():
+    for name, p in weight_tensors(inner):
         g = name
         m = _LAYER.match(name)
         if m:

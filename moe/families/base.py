@@ -43,6 +43,26 @@ class MoEFamily:
     def qk_layernorm(self, hf) -> bool:
         return False
 
+    def qkv_bias(self, hf) -> bool:
+        """q/k/v projections with a bias (the output projection never has one here)."""
+        return bool(getattr(hf, "attention_bias", False))
+
+    def rotary_percent(self, hf) -> float:
+        """The fraction of each head's dims that RoPE rotates (the first ones, rotate-half style)."""
+        return 1.0
+
+    def shared_expert_size(self, hf) -> int:
+        """Intermediate size of the always-on shared expert MLP of a MoE layer (0: none)."""
+        return 0
+
+    def expert_bias(self, hf) -> bool:
+        """The router selects with a score-correction bias (a checkpointed buffer, aux-loss-free balancing)."""
+        return False
+
+    def extra_hf_tensor(self, hf, name: str) -> bool:
+        """A checkpoint tensor that is neither mapped nor an error (e.g. multi-token-prediction layers)."""
+        return False
+
     def family_fields(self, hf) -> dict[str, Any]:
         """Extra TransformerConfig fields specific to this family."""
         return {}
@@ -63,7 +83,7 @@ class MoEFamily:
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=bool(getattr(hf, "attention_bias", False)),
+            add_qkv_bias=self.qkv_bias(hf),
             qk_layernorm=self.qk_layernorm(hf),
             attention_dropout=float(getattr(hf, "attention_dropout", 0.0)),
             hidden_dropout=0.0,
@@ -75,6 +95,8 @@ class MoEFamily:
             moe_aux_loss_coeff=aux,
             moe_layer_freq=self.moe_layer_pattern(hf),
         )
+        if self.shared_expert_size(hf):
+            fields["moe_shared_expert_intermediate_size"] = self.shared_expert_size(hf)
         fields.update(self.family_fields(hf))
         return fields
 
@@ -122,4 +144,7 @@ class MoEFamily:
             "o": a + "o_proj.weight",
             "q_norm": a + "q_norm.weight",
             "k_norm": a + "k_norm.weight",
+            "q_bias": a + "q_proj.bias",
+            "k_bias": a + "k_proj.bias",
+            "v_bias": a + "v_proj.bias",
         }

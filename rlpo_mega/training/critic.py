@@ -82,8 +82,10 @@ class Critic:
         its own initialisation); the optimizer's main copies follow (mixed precision)."""
         from rlpo_mega.training.model_setup import unwrap
 
-        mine = dict(unwrap(self.chunks[0]).named_parameters())
-        for name, p in unwrap(policy_chunks[0]).named_parameters():
+        from moe.bridge.megatron_io import weight_tensors
+
+        mine = dict(weight_tensors(unwrap(self.chunks[0])))
+        for name, p in weight_tensors(unwrap(policy_chunks[0])):
             if not name.startswith("output_layer."):
                 mine[name].copy_(p)
         self.optimizer.reload_model_params()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from moe.families import get_family
 from moe.model import build_gpt_model, transformer_config
 from rlpo_mega import platform
 
@@ -30,6 +31,8 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
         # all DP ranks), so splitting a batch never changes the gradient.
         calculate_per_token_loss=True,
         moe_enable_routing_replay=routing_replay,
+        **({"moe_router_bias_update_rate": model_cfg.expert_bias_update_rate}
+           if get_family(hf.model_type).expert_bias(hf) else {}),
     )
     model = build_gpt_model(hf, config, vocab_divisible_by=model_cfg.vocab_divisible_by, value_head=value_head,
                             head_seed=head_seed)

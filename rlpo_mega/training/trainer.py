@@ -173,10 +173,11 @@ class Trainer:
         return ref
 
     def _copy_policy_to_reference(self):
+        from moe.bridge.megatron_io import weight_tensors
         from rlpo_mega.training.model_setup import unwrap
 
         with torch.no_grad():
-            for (n, p), (n2, q) in zip(unwrap(self.chunks[0]).named_parameters(), self.ref_chunks[0].named_parameters()):
+            for (n, p), (n2, q) in zip(weight_tensors(unwrap(self.chunks[0])), weight_tensors(self.ref_chunks[0])):
                 assert n == n2, (n, n2)
                 q.copy_(p)
 

@@ -27,6 +27,9 @@ def make_hf_checkpoint(hf, path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():  # a sigmoid router's score-correction bias: mapped, so perturbed
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.05)
     model.save_pretrained(path)
 
 

@@ -92,6 +92,10 @@ def run_family(phase, ref_root, out_dir, model_cfg, overrides):
     chunks, opt = build_policy(hf, layout, cfg.model, cfg.optim)
     ref_dir = os.path.join(ref_root, f"reference_{tag}")
     if phase == "reference":
+        g = torch.Generator().manual_seed(17)
+        for name, b in unwrap(chunks[0]).named_buffers():  # a sigmoid router's score-correction bias starts at
+            if name.endswith("router.expert_bias"):        # zero: perturbed, so the biased selection is tested
+                b.copy_(torch.randn(b.shape, generator=g) * 0.05)
         save_checkpoint(os.path.join(ref_dir, "init"), chunks)
     else:
         load_checkpoint(os.path.join(ref_dir, "init"), chunks)

@@ -30,8 +30,8 @@ NMB = 2
 
 
 class Run:
-    def __init__(self, out_dir):
-        self.hf = load_hf_config(MODEL)
+    def __init__(self, out_dir, model=MODEL):
+        self.model, self.hf = model, load_hf_config(model)
         self.ckpt = os.path.join(out_dir, "hf_ckpt")
         make_hf_checkpoint(self.hf, self.ckpt)
         self.spec = TraceSpec.from_hf(self.hf)
@@ -40,10 +40,11 @@ class Run:
         self.lengths = [len(p) + len(r) - 1 for p, r in zip(self.prompts, self.responses)]
         self.traces, self.vstats = validate_batch(self.raw, self.spec, self.lengths)
 
-    def build(self, mode, recompute=False, replay=True):
+    def build(self, mode, recompute=False, replay=True, bias_rate=0.0):
         cfg = load_config(None, (f"model.init_from_hf={self.ckpt}", "optim.lr=1e-3", f"routing.mode={mode}",
                                  f"model.recompute={recompute}", f"parallel.num_micro_batches={NMB}",
-                                 "algorithm.loss.name=gspo"))
+                                 "algorithm.loss.name=gspo", f"model.hf_config={self.model}",
+                                 f"model.expert_bias_update_rate={bias_rate}"))
         layout = distributed.init(cfg.parallel, self.hf, cfg.seed)
         chunks, opt = build_policy(self.hf, layout, cfg.model, cfg.optim, routing_replay=replay)
         batch, _ = assemble_batch(self.prompts, self.responses, self.rewards, self.groups, cfg.algorithm,
@@ -104,8 +105,15 @@ def router_grad_norms(chunks):
     return [float(r.weight.main_grad.norm()) for _, r in local_routers(chunks)]
 
 
-def r3_case(run, perturb, recompute=False, traces=None, mode="r3"):
-    cfg, chunks, opt, batch = run.build(mode, recompute)
+def expert_biases(chunks):
+    from moe.routing.transport import local_routers
+
+    return [r.expert_bias.detach().clone() for _, r in local_routers(chunks) if r.expert_bias is not None]
+
+
+def r3_case(run, perturb, recompute=False, traces=None, mode="r3", bias_rate=0.0):
+    cfg, chunks, opt, batch = run.build(mode, recompute, bias_rate=bias_rate)
+    bias_before = expert_biases(chunks)
     if perturb:
         perturb_routers(chunks)
     routes, wire = run.routes(chunks, traces)
@@ -119,7 +127,7 @@ def r3_case(run, perturb, recompute=False, traces=None, mode="r3"):
     hooks.clear()
     out = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=driver)
     res = {"old_routes_vs_trace": compare_to_traces(old_routes, run.traces),
-           "update_routes_vs_trace": compare_to_traces(local_forward_routes(hooks, micro, 2), run.traces),
+           "update_routes_vs_trace": compare_to_traces(local_forward_routes(hooks, micro, run.spec.num_layers), run.traces),
            "metrics": {k: v for k, v in out.items() if k.startswith("routing/") and "layer" not in k},
            "router_grad_norms": router_grad_norms(chunks), **mismatch(micro, f"mismatch_{mode}"),
            "wire": wire, "with_without": {k: v for k, v in with_without.items() if "layer" not in k}}
@@ -132,6 +140,8 @@ def r3_case(run, perturb, recompute=False, traces=None, mode="r3"):
     res["replay_queues_empty"] = all(not rr.replay_backward_list for rr in driver._replays)
     ok, grad_norm, _ = opt.step()
     res["grad_norm"] = float(grad_norm)
+    if bias_before:  # megatron updates the bias in finalize_model_grads, from the loads the layers dispatched
+        res["bias_change"] = [(a - b).tolist() for a, b in zip(expert_biases(chunks), bias_before)]
     hooks.close()
     driver.close()
     return res, old_logp(micro), old_routes
@@ -164,7 +174,7 @@ def r2_case(run):
         ratios.clear()
         hooks.clear()
         forward_backward(chunks, opt, micro, driver.wrap_update(probe))
-        routes = local_forward_routes(hooks, micro, 2)
+        routes = local_forward_routes(hooks, micro, run.spec.num_layers)
         m = driver.metrics()
         return torch.cat(ratios), routes, m
 
@@ -198,7 +208,7 @@ def fallback_case(run):
     hooks = RouteHooks(chunks, run.spec.topk)
     driver.set_routes(routes)
     micro = prepare_micro_batches(chunks, batch, cfg.algorithm, NMB, routing=driver)
-    got = local_forward_routes(hooks, micro, 2)
+    got = local_forward_routes(hooks, micro, run.spec.num_layers)
     live = local_forward_routes(hooks, micro, 2, live=True)  # the live router's choice in the same pass
     m = driver.metrics()
     ok_fallback = ok_replayed = True
@@ -241,6 +251,20 @@ def refusals(run):
 
 def main():
     out_dir = sys.argv[1]
+    if len(sys.argv) > 2:  # another family (argv: out_dir model_config): R3 vs off with perturbed routers
+        run = Run(out_dir, sys.argv[2])
+        report = {"validation": run.vstats}
+        report["identical"], _, _ = r3_case(run, perturb=False)
+        report["perturbed_off"], _, _ = r3_case(run, perturb=True, mode="off")
+        report["perturbed_r3"], _, _ = r3_case(run, perturb=True)
+        report["r3_bias_rate"], _, _ = r3_case(run, perturb=True, bias_rate=0.01)
+        # the replayed routes' per-expert loads, per MoE layer (what a bias update must have counted)
+        spec = run.spec
+        report["trace_loads"] = [torch.bincount(torch.cat([t.ids[:, j].reshape(-1).long() for t in run.traces]),
+                                                minlength=spec.num_experts).tolist() for j in range(spec.num_layers)]
+        write_report(report)
+        distributed.destroy()
+        return
     run = Run(out_dir)
     report = {"validation": run.vstats}
     report["identical"], _, _ = r3_case(run, perturb=False)

@@ -1,0 +1,108 @@
+"""The sigmoid-router (DeepSeek-V3-style) families: glm4_moe's routing replay, trainer, family refusals.
+
+The bridge (transformers forward == megatron at TP1, TP2+EP2, TP2/EP2/PP2; export exact; after a training
+step) is in test_bridge.py, layout parity (TP2+SP, EP2, PP2) in test_parity.py: both list glm4_moe.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.dist import ROOT, torchrun
+
+GLM = "configs/models/tiny_glm4_moe.json"
+
+
+@pytest.fixture(scope="module")
+def glm_routing(tmp_path_factory):
+    root = tmp_path_factory.mktemp("routing_glm")
+    return torchrun("routing_single.py", 1, str(root), GLM)
+
+
+def test_megatron_routes_equal_transformers_group_limited_biased(glm_routing):
+    """Same weights (a perturbed score-correction bias, 2 expert groups, top-1 group, top-2 experts): the
+    learner's live routes are transformers' exactly, and so are its log-probs."""
+    r = glm_routing["identical"]
+    assert r["old_routes_vs_trace"] == 1.0 and r["metrics"]["routing/old/agreement"] == 1.0
+    assert r["mismatch_r3/ratio_dev_max"] < 1e-5
+
+
+def test_r3_with_perturbed_routers_restores_the_recorded_routes(glm_routing):
+    off, r3 = glm_routing["perturbed_off"], glm_routing["perturbed_r3"]
+    assert off["old_routes_vs_trace"] < 0.5  # the perturbed router chooses other experts (or other groups)
+    assert r3["old_routes_vs_trace"] == 1.0 and r3["update_routes_vs_trace"] == 1.0
+    assert r3["metrics"]["routing/update/agreement"] < 0.5  # the live router still disagrees
+    assert all(g > 1e-4 for g in r3["router_grad_norms"])  # gate weights from the live scores: it learns
+    assert r3["mismatch_r3/k3_kl"] < off["mismatch_off/k3_kl"]
+
+
+def test_expert_bias_moves_only_when_the_config_says_so(glm_routing):
+    """A replayed step leaves the bias as loaded (model.expert_bias_update_rate=0, the default); with a rate,
+    megatron's aux-loss-free update moves every expert's bias by exactly +-rate."""
+    assert all(c == 0.0 for layer in glm_routing["perturbed_r3"]["bias_change"] for c in layer)
+    moved = [c for layer in glm_routing["r3_bias_rate"]["bias_change"] for c in layer]
+    assert moved and all(abs(abs(c) - 0.01) < 1e-6 for c in moved), moved
+
+
+def test_trainer_gspo_r3_few_steps(tmp_path):
+    """The shipped demo's GSPO + R3 at EP2 on glm4_moe (embedded engine, weights synced every step)."""
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "--nproc-per-node", "2",
+           f"model.hf_config={GLM}", "train_iters=3", "trainer.warmup.steps=0", "trainer.eval_every=0",
+           "checkpoint.save_dir=null", "logging.mode=disabled", f"logging.dir={logs}", "logging.progress_bar=false",
+           "prompts.prompts_per_step=16"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in open(logs / "metrics.jsonl") if line.strip()]
+    rows = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["routing/update/agreement"] >= 0.99  # the live routers choose what R3 replays
+        assert r["mismatch/ratio_dev_max"] < 1e-5  # the engine (transformers) and the learner agree after syncs
+        assert r["optim/grad_norm"] > 0
+
+
+def _glm(**changes):
+    from moe.model import load_hf_config
+
+    hf = load_hf_config(os.path.join(ROOT, GLM))
+    for k, v in changes.items():
+        setattr(hf, k, v)
+    return hf
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"norm_topk_prob": False}, "norm_topk_prob=false"),
+    ({"n_group": 4, "topk_group": 2}, "num_experts_per_tok == 2 * topk_group"),
+    ({"n_group": 3}, "not a multiple of n_group"),
+])
+def test_routers_megatron_cannot_express_are_refused(changes, needle):
+    from moe.families import UnsupportedModelError, get_family
+
+    with pytest.raises(UnsupportedModelError, match=needle.replace("*", r"\*")):
+        get_family("glm4_moe").transformer_fields(_glm(**changes))
+
+
+def test_multi_token_prediction_layers_are_not_an_error(tmp_path):
+    """Released GLM-4.5 / DeepSeek-V3 checkpoints carry MTP layers after the decoder (model.layers.{L});
+    they validate (and are not read), while a stray tensor inside the decoder still fails."""
+    import torch
+    from safetensors.torch import save_file
+
+    from moe.bridge.hf_checkpoint import CheckpointFormatError, HFCheckpoint, expected_hf_shapes
+
+    hf = _glm()
+    tensors = {n: torch.zeros(s) for n, s in expected_hf_shapes(hf).items()}
+    assert tensors["model.layers.1.mlp.gate.e_score_correction_bias"].shape == (8,)
+    assert tensors["model.layers.1.self_attn.q_proj.bias"].shape == (64,)
+    assert tensors["model.layers.1.mlp.shared_experts.gate_proj.weight"].shape == (32, 64)
+    mtp = {"model.layers.2.mlp.experts.0.up_proj.weight": torch.zeros(32, 64), "model.layers.2.eh_proj.weight":
+           torch.zeros(64, 128)}
+    save_file({**tensors, **mtp}, str(tmp_path / "model.safetensors"))
+    HFCheckpoint(str(tmp_path)).validate(hf)
+    save_file({**tensors, "model.layers.1.mlp.stray.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match="stray"):
+        HFCheckpoint(str(tmp_path)).validate(hf)
