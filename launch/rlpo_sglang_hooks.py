@@ -55,6 +55,14 @@ def _split_dim(module, name: str) -> int | None:
         if moe_tp > 1:
             return 1 if leaf == "w13_weight" else 2  # the intermediate dimension
         return None  # every rank holds every expert whole (e.g. SGLang's CPU MoE)
+    # a parallel linear built whole on every rank (SGLang replicates e.g. glm4_moe's shared experts in some
+    # set-ups) holds its full size: nothing to gather
+    if getattr(module, "output_size_per_partition", None) == getattr(module, "output_size", -1) \
+            and kind != "RowParallelLinear":
+        return None
+    if getattr(module, "input_size_per_partition", None) == getattr(module, "input_size", -1) \
+            and kind == "RowParallelLinear":
+        return None
     if kind in ("QKVParallelLinear", "MergedColumnParallelLinear", "ColumnParallelLinear",
                 "VocabParallelEmbedding", "ParallelLMHead"):
         return 0
@@ -122,7 +130,22 @@ def full_parameters(model, group=None):
         stacked = group.gather(p.detach().unsqueeze(0).contiguous(), dst=0, dim=0)  # [tp, *shard]
         if rank == 0:
             out[name] = _unshard(owner, name, list(stacked.unbind(0)), tp, model.config)
+    if rank == 0:
+        for name in [n for n in out if ".shared_experts." in n]:
+            out[name] = _unpad_shared_expert(name, out[name], model.config)
     return out
+
+
+def _unpad_shared_expert(name: str, t: torch.Tensor, config) -> torch.Tensor:
+    """A shared expert MLP is built with the padded intermediate size too (on SGLang's CPU path, with the
+    experts'; zero rows past the model's): keep the checkpoint's rows (gate_up: each half) or columns (down)."""
+    real = _model_intermediate(config) * int(getattr(config, "n_shared_experts", 1) or 1)
+    if name.endswith("gate_up_proj.weight") and t.shape[0] > 2 * real:
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([gate[:real], up[:real]], 0)
+    if name.endswith("down_proj.weight") and t.shape[1] > real:
+        return t[:, :real]
+    return t
 
 
 def digests_of(model, algorithm: str, group=None):
@@ -130,10 +153,24 @@ def digests_of(model, algorithm: str, group=None):
     from moe.bridge.digest import tensor_digest
     from moe.families.sglang_names import sglang_to_hf
 
+    from collections import Counter
+
+    from moe.families import get_family
+
     full = full_parameters(model, group)
     if full is None:
         return None
-    return {n: tensor_digest(t, algorithm) for n, t in sglang_to_hf(full, model.config).items()}
+    # SGLang holds some tensors wider than the model dtype (sigmoid routers' gate weights in fp32); the learner
+    # sends them in the model dtype and the upcast is exact, so they are digested back in it. Tensors every
+    # side keeps in fp32 (the family's fp32_hf_tensor: the score-correction bias) are sent and digested as such.
+    dtype = Counter(t.dtype for t in full.values() if t.is_floating_point()).most_common(1)[0][0]
+    family = get_family(model.config.model_type)
+    out = {}
+    for n, t in sglang_to_hf(full, model.config).items():
+        if t.is_floating_point() and t.dtype != dtype and not family.fp32_hf_tensor(model.config, n):
+            t = t.to(dtype)
+        out[n] = tensor_digest(t, algorithm)
+    return out
 
 
 def report_digests(model, named_tensors):

@@ -53,8 +53,6 @@ class ParallelSizes:
 
 def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=torch.float32,
                        token_dispatcher: str = "alltoall", recompute: bool = False, **extra):
-    from megatron.core.transformer import TransformerConfig
-
     family = get_family(hf.model_type)
     fields = family.transformer_fields(hf)
     on_gpu = torch.cuda.is_available()
@@ -85,7 +83,26 @@ def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=to
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     fields.update(extra)
-    return TransformerConfig(**fields)
+    return family.megatron_config_class(hf)(**fields)
+
+
+def _mla_duplicated_down_projections(block_spec):
+    """MLA without TE: the q/kv down-projections as whole (duplicated) linears, as TE's spec has them.
+
+    The local spec makes them column-parallel and gathers their output over TP; the shared RoPE key k_pe then
+    leaves that gather (whose backward only splits) into every rank's heads, so each rank kept only its own
+    heads' part of k_pe's gradient: under TP2+SP the kv down-projection's gradient was 0.5% off and everything
+    below it too. With a duplicated linear megatron takes its other branch (multi_latent_attention.py:615-622):
+    k_pe is gathered along the sequence, whose backward reduce-scatters (sums) over TP; the weights are tagged
+    sequence_parallel, so finalize_model_grads sums their gradients over TP too."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    for layer in block_spec.layer_specs:
+        sub = getattr(layer.submodules.self_attention, "submodules", None)
+        if sub is not None and hasattr(sub, "linear_kv_down_proj"):
+            sub.linear_q_down_proj = Linear
+            sub.linear_kv_down_proj = Linear
+    return block_spec
 
 
 def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
@@ -108,6 +125,8 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
         from .packed_attention import use_packed_core_attention
 
         spec = use_packed_core_attention(spec)
+        if config.multi_latent_attention:
+            spec = _mla_duplicated_down_projections(spec)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

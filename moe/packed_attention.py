@@ -18,6 +18,16 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 
 class PackedDotProductAttention(DotProductAttention):
+    def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+        # Multi-latent attention passes its q/k and v head dims (megatron-core 0.16.1's MLA was written for
+        # TE's attention; the local DotProductAttention has no such arguments and fails to build). The local
+        # math takes the q/k dim from the tensors and sizes its output by config.kv_channels, which the MLA
+        # family sets to the value head dim: checked here, not assumed.
+        super().__init__(*args, **kwargs)
+        if v_channels is not None and v_channels != self.config.kv_channels:
+            raise ValueError(f"core attention: v_channels={v_channels} but config.kv_channels="
+                             f"{self.config.kv_channels}; an MLA config must set kv_channels to v_head_dim")
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if packed_seq_params is None:

@@ -112,6 +112,8 @@ def _distributed_state(sub, model_sd, is_loading: bool):
         else:
             main = entry["param"]
             main.key = "optimizer.state.fp32_param." + main.key[len("optimizer.state.param."):]
+    if not any(g["params"] for g in sub.optimizer.param_groups):
+        return sd, None  # nothing here to step (a pipeline stage without MoE layers: its expert optimizer)
     steps = {float(g.get("step") or 0) for g in sd["optimizer"]["param_groups"]}  # FusedAdam: none yet
     if len(steps) != 1:
         raise CheckpointError(f"distributed optimizer param groups have different steps {sorted(steps)}")

@@ -10,11 +10,13 @@ What a shrink may change, and nothing else (`CHANGEABLE`; tests/test_recipes.py 
                trainer.eval_size, trainer.warmup.steps (<= 2)
   lengths      rollout.max_new_tokens
   run length   train_iters = 3 and checkpoint.save_every = 2 (a checkpoint at step 2, then a resume)
-  host-only    paths (prompts, eval, save_dir, logging.dir), reward.num_workers, SGLang server URLs
+  host-only    paths (prompts, eval, save_dir, logging.dir), reward.num_workers, SGLang server URLs, and the
+               SGLang server's TP size above 2 becomes 2 (this CPU has 2 cores; the weight-update group is
+               1 + servers x TP ranks either way)
 Everything else stays the recipe's: loss and its clip/gate settings, advantage, KL, mismatch correction,
 routing mode, engine, weight transport and bucket size, optimizer kind (distributed optimizer) and
 hyper-parameters, params dtype, sequence parallelism, expert-tensor size, recompute, token dispatcher,
-checkpoint keep_last, mini-batches and epochs, temperatures, the SGLang server's TP size and timeouts.
+checkpoint keep_last, mini-batches and epochs, temperatures, the SGLang server's timeouts (and TP size up to 2).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ CHANGEABLE = {
     "rollout.max_new_tokens",
     "train_iters", "checkpoint.save_every",
     "prompts.path", "trainer.eval_path", "checkpoint.save_dir", "checkpoint.resume", "logging.dir",
-    "reward.num_workers", "rollout.sglang.urls",
+    "reward.num_workers", "rollout.sglang.urls", "rollout.sglang.tp_size",
 }
 MAX_WORLD = 4
 
@@ -143,6 +145,8 @@ def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: 
         s.set("reward.num_workers", 1, "host-only")
     if _get(cfg, "rollout.engine") == "sglang" and not _get(cfg, "rollout.sglang.launch", False):
         s.set("rollout.sglang.urls", list(sglang_urls[tiny]), "host-only")
+    if _get(cfg, "rollout.sglang.tp_size", 1) > 2:
+        s.set("rollout.sglang.tp_size", 2, "host-only")
     return s
 
 

@@ -9,7 +9,8 @@ from moe.bridge.mapping import (Dims, full_to_hf, full_to_shard, hf_row_ranges, 
 from moe.model import load_hf_config
 from tests.dist import torchrun
 
-MODELS = "configs/models/tiny_qwen3_moe.json,configs/models/tiny_mixtral.json,configs/models/tiny_glm4_moe.json"
+MODELS = ("configs/models/tiny_qwen3_moe.json,configs/models/tiny_mixtral.json,configs/models/tiny_glm4_moe.json,"
+          "configs/models/tiny_deepseek_v3.json")
 LAYOUTS = {
     "tp1": (1, []),
     "tp2_ep2_etp2": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2"]),
@@ -22,7 +23,7 @@ LAYOUTS = {
 def test_import_forward_export_roundtrip(layout, tmp_path):
     nproc, overrides = LAYOUTS[layout]
     reports = torchrun("bridge.py", nproc, str(tmp_path), MODELS, *overrides)
-    assert set(reports) == {"qwen3_moe", "mixtral", "glm4_moe"}
+    assert set(reports) == {"qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"}
     for family, r in reports.items():
         assert r["import_logits_rel_err"] <= 1e-4, (layout, family, r)
         assert r["export_names_equal"] and r["export_dtypes_equal"], (layout, family)

@@ -83,7 +83,10 @@ def test_convert_rejects_unknown_family(good_ckpt, tmp_path):
     bad = _mutate(good_ckpt, tmp_path, lambda t: None, config_fn=lambda c: c.update(model_type="llama"))
     proc = _cli("convert", "--hf", bad, "--out", str(tmp_path / "out"))
     assert proc.returncode == 2
-    assert "model_type 'llama' is not supported; supported model types: mixtral, qwen3_moe" in proc.stderr
+    from moe.families import FAMILIES
+
+    assert f"model_type 'llama' is not supported; supported model types: {', '.join(sorted(FAMILIES))}" in proc.stderr
+    assert "deepseek_v3, glm4_moe, mixtral, qwen3_moe" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -1,7 +1,8 @@
-"""The sigmoid-router (DeepSeek-V3-style) families: glm4_moe's routing replay, trainer, family refusals.
+"""The sigmoid-router (DeepSeek-V3-style) families, glm4_moe and deepseek_v3 (MLA): routing replay against
+transformers' routers, the trainer, what the families refuse.
 
 The bridge (transformers forward == megatron at TP1, TP2+EP2, TP2/EP2/PP2; export exact; after a training
-step) is in test_bridge.py, layout parity (TP2+SP, EP2, PP2) in test_parity.py: both list glm4_moe.
+step) is in test_bridge.py, layout parity (TP2+SP, EP2, PP2) in test_parity.py: both list these families.
 """
 import json
 import os
@@ -13,24 +14,26 @@ import pytest
 from tests.dist import ROOT, torchrun
 
 GLM = "configs/models/tiny_glm4_moe.json"
+MODELS = {"glm4_moe": GLM, "deepseek_v3": "configs/models/tiny_deepseek_v3.json"}
 
 
-@pytest.fixture(scope="module")
-def glm_routing(tmp_path_factory):
-    root = tmp_path_factory.mktemp("routing_glm")
-    return torchrun("routing_single.py", 1, str(root), GLM)
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def sigmoid_routing(request, tmp_path_factory):
+    """glm4_moe: 2 groups of 4 experts, top-1 group, top-2; deepseek_v3: 4 groups of 2, top-2 groups, top-4."""
+    root = tmp_path_factory.mktemp(f"routing_{request.param}")
+    return torchrun("routing_single.py", 1, str(root), MODELS[request.param])
 
 
-def test_megatron_routes_equal_transformers_group_limited_biased(glm_routing):
+def test_megatron_routes_equal_transformers_group_limited_biased(sigmoid_routing):
     """Same weights (a perturbed score-correction bias, 2 expert groups, top-1 group, top-2 experts): the
     learner's live routes are transformers' exactly, and so are its log-probs."""
-    r = glm_routing["identical"]
+    r = sigmoid_routing["identical"]
     assert r["old_routes_vs_trace"] == 1.0 and r["metrics"]["routing/old/agreement"] == 1.0
     assert r["mismatch_r3/ratio_dev_max"] < 1e-5
 
 
-def test_r3_with_perturbed_routers_restores_the_recorded_routes(glm_routing):
-    off, r3 = glm_routing["perturbed_off"], glm_routing["perturbed_r3"]
+def test_r3_with_perturbed_routers_restores_the_recorded_routes(sigmoid_routing):
+    off, r3 = sigmoid_routing["perturbed_off"], sigmoid_routing["perturbed_r3"]
     assert off["old_routes_vs_trace"] < 0.5  # the perturbed router chooses other experts (or other groups)
     assert r3["old_routes_vs_trace"] == 1.0 and r3["update_routes_vs_trace"] == 1.0
     assert r3["metrics"]["routing/update/agreement"] < 0.5  # the live router still disagrees
@@ -38,19 +41,20 @@ def test_r3_with_perturbed_routers_restores_the_recorded_routes(glm_routing):
     assert r3["mismatch_r3/k3_kl"] < off["mismatch_off/k3_kl"]
 
 
-def test_expert_bias_moves_only_when_the_config_says_so(glm_routing):
+def test_expert_bias_moves_only_when_the_config_says_so(sigmoid_routing):
     """A replayed step leaves the bias as loaded (model.expert_bias_update_rate=0, the default); with a rate,
     megatron's aux-loss-free update moves every expert's bias by exactly +-rate."""
-    assert all(c == 0.0 for layer in glm_routing["perturbed_r3"]["bias_change"] for c in layer)
-    moved = [c for layer in glm_routing["r3_bias_rate"]["bias_change"] for c in layer]
+    assert all(c == 0.0 for layer in sigmoid_routing["perturbed_r3"]["bias_change"] for c in layer)
+    moved = [c for layer in sigmoid_routing["r3_bias_rate"]["bias_change"] for c in layer]
     assert moved and all(abs(abs(c) - 0.01) < 1e-6 for c in moved), moved
 
 
-def test_trainer_gspo_r3_few_steps(tmp_path):
-    """The shipped demo's GSPO + R3 at EP2 on glm4_moe (embedded engine, weights synced every step)."""
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_trainer_gspo_r3_few_steps(family, tmp_path):
+    """The shipped demo's GSPO + R3 at EP2 (embedded engine, weights synced every step)."""
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "--nproc-per-node", "2",
-           f"model.hf_config={GLM}", "train_iters=3", "trainer.warmup.steps=0", "trainer.eval_every=0",
+           f"model.hf_config={MODELS[family]}", "train_iters=3", "trainer.warmup.steps=0", "trainer.eval_every=0",
            "checkpoint.save_dir=null", "logging.mode=disabled", f"logging.dir={logs}", "logging.progress_bar=false",
            "prompts.prompts_per_step=16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
@@ -106,3 +110,37 @@ def test_multi_token_prediction_layers_are_not_an_error(tmp_path):
     save_file({**tensors, "model.layers.1.mlp.stray.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointFormatError, match="stray"):
         HFCheckpoint(str(tmp_path)).validate(hf)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_convert_then_export_is_exact(family, tmp_path):
+    """`rlpo-mega convert` (HF -> megatron dist checkpoint at TP2/EP2) then `export` give every tensor back
+    exactly, the score-correction bias (a buffer, perturbed away from zero) included, and transformers loads
+    the result."""
+    import torch
+    from safetensors.torch import load_file
+
+    from moe.model import load_hf_config
+    from tests.workers.bridge import make_hf_checkpoint
+
+    src, ckpt, out = tmp_path / "hf", tmp_path / "dist", tmp_path / "hf_out"
+    make_hf_checkpoint(load_hf_config(os.path.join(ROOT, MODELS[family])), str(src))
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    for args in (("convert", "--hf", str(src), "--out", str(ckpt), "--tp", "2", "--ep", "2"),
+                 ("export", "--ckpt", str(ckpt), "--hf-out", str(out))):
+        proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    original = load_file(str(src / "model.safetensors"))
+    exported = {}
+    for f in os.listdir(out):
+        if f.endswith(".safetensors"):
+            exported.update(load_file(str(out / f)))
+    assert sorted(original) == sorted(exported)
+    bias = [k for k in original if k.endswith("e_score_correction_bias")]
+    assert bias and all(original[k].abs().max() > 0 for k in bias)
+    for k in original:
+        assert original[k].dtype == exported[k].dtype and torch.equal(original[k], exported[k]), k
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(out))

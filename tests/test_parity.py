@@ -13,7 +13,7 @@ import torch
 from tests.dist import torchrun
 
 CONFIGS = {"qwen3_moe": "configs/models/tiny_qwen3_moe.json", "mixtral": "configs/models/tiny_mixtral.json",
-           "glm4_moe": "configs/models/tiny_glm4_moe.json"}
+           "glm4_moe": "configs/models/tiny_glm4_moe.json", "deepseek_v3": "configs/models/tiny_deepseek_v3.json"}
 BASE = ("qwen3_moe", "mixtral")
 ALL = tuple(CONFIGS)  # the sigmoid-router families at the layouts their issue names (TP2+SP, EP2, PP2)
 REL_TOL = 1e-5

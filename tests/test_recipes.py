@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from moe.model import load_hf_config
 from rlpo_mega.config import load_config, to_dict
 from tests.dist import ROOT
-from tests.recipe_shrink import CHANGEABLE, distinct_runs, recipes, shrink, shrunk_config
+from tests.recipe_shrink import CHANGEABLE, distinct_runs, recipes, shrink, shrunk_config, tiny_config_for
 from tests.test_sglang import SERVER_ARGS, SUPPORT, free_port, sglang_python  # noqa: F401  (fixture)
 
 RECIPES = recipes()
@@ -45,7 +45,8 @@ def assets(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("recipe_assets")
     hf_dirs = {}
-    for tiny in ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json"):
+    for tiny in ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json",
+                 "configs/models/tiny_glm4_moe.json"):
         out = root / os.path.basename(tiny)[:-5]
         make_hf_checkpoint(load_hf_config(os.path.join(ROOT, tiny)), str(out))
         for f in os.listdir(os.path.join(ROOT, "configs", "tokenizers", "tiny_char")):
@@ -102,8 +103,8 @@ def _shrunk(recipe, work, assets, servers):
     if raw.get("rollout", {}).get("engine") == "sglang":
         s = raw["rollout"].get("sglang", {})
         dtype = raw.get("model", {}).get("params_dtype", "float32")
-        urls = {tiny: [servers().url(d, dtype, s.get("tp_size", 1))] for tiny, d in hf_dirs.items()
-                if tiny.endswith("qwen3_moe.json")}
+        tiny = tiny_config_for(raw["model"]["hf_config"])  # the server of the recipe's family only
+        urls = {tiny: [servers().url(hf_dirs[tiny], dtype, min(s.get("tp_size", 1), 2))]}
     return shrink(recipe, work=str(work), hf_dirs=hf_dirs, prompts=prompts, sglang_urls=urls)
 
 

@@ -35,7 +35,9 @@ def expected_hf_shapes(hf, value_head: bool = False) -> dict[str, tuple[int, ...
     shapes = {}
     for m in param_maps(hf, value_head):
         kind, names = m.kind, m.hf
-        if m.megatron.startswith("output_layer.") and value_head:
+        if m.shapes is not None:
+            shapes.update(zip(names, m.shapes))
+        elif m.megatron.startswith("output_layer.") and value_head:
             shapes[names[0]] = (1, h) if m.megatron.endswith("weight") else (1,)
         elif kind == "vocab":
             shapes[names[0]] = (hf.vocab_size, h)

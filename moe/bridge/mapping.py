@@ -7,6 +7,9 @@ of, with a `kind` saying how it is fused and sharded:
   vocab       embedding / output layer: rows split over TP, vocabulary padded with zero rows
   qkv         linear_qkv: rows grouped per KV group [q heads of the group, k, v], groups split over TP
   glu         linear_fc1 of a SwiGLU MLP: [gate; up], each of gate and up split over TP
+  column      a column-parallel linear kept whole in HF (MLA's projections): rows split over TP; where
+              megatron keeps it whole on every rank (Transformer Engine's duplicated down-projections)
+              it is replicated (megatron_io reads that from the parameter)
   row         linear_proj / linear_fc2: columns split over TP
 
 Everything here is pure tensor code (no process groups), so it is tested directly against
@@ -30,6 +33,8 @@ class ParamMap:
     kind: str
     layer: Optional[int] = None  # global decoder layer (None: embedding / final norm / output)
     expert: Optional[int] = None  # global expert index (None: not an expert parameter)
+    shapes: Optional[tuple] = None  # the HF tensors' shapes where the family states them (attention)
+    fp32: bool = False  # kept in fp32 whatever the model dtype, by megatron, transformers and SGLang alike
 
 
 @dataclass(frozen=True)
@@ -60,24 +65,15 @@ def param_maps(hf, value_head: bool = False) -> list[ParamMap]:
     for i in range(hf.num_hidden_layers):
         d = f"decoder.layers.{i}."
         f = lambda key, e=None: n[key].format(i=i, e=e)  # noqa: E731
-        maps += [
-            ParamMap(d + "input_layernorm.weight", (f("input_norm"),), "replicated", i),
-            ParamMap(d + "self_attention.linear_qkv.weight", (f("q"), f("k"), f("v")), "qkv", i),
-        ]
-        if family.qkv_bias(hf):
-            maps.append(ParamMap(d + "self_attention.linear_qkv.bias", (f("q_bias"), f("k_bias"), f("v_bias")),
-                                 "qkv", i))
-        maps.append(ParamMap(d + "self_attention.linear_proj.weight", (f("o"),), "row", i))
-        if family.qk_layernorm(hf):
-            maps += [
-                ParamMap(d + "self_attention.q_layernorm.weight", (f("q_norm"),), "replicated", i),
-                ParamMap(d + "self_attention.k_layernorm.weight", (f("k_norm"),), "replicated", i),
-            ]
+        maps.append(ParamMap(d + "input_layernorm.weight", (f("input_norm"),), "replicated", i))
+        maps += [ParamMap(d + "self_attention." + name, tuple(f(k) for k in keys), kind, i, shapes=shapes)
+                 for name, keys, kind, shapes in family.attention_maps(hf)]
         maps.append(ParamMap(d + "pre_mlp_layernorm.weight", (f("post_attn_norm"),), "replicated", i))
         if pattern[i]:
             maps.append(ParamMap(d + "mlp.router.weight", (f("router"),), "replicated", i))
             if family.expert_bias(hf):  # a buffer, not a parameter: loaded, exported and synced all the same
-                maps.append(ParamMap(d + "mlp.router.expert_bias", (f("router_bias"),), "replicated", i))
+                maps.append(ParamMap(d + "mlp.router.expert_bias", (f("router_bias"),), "replicated", i,
+                                     fp32=family.fp32_hf_tensor(hf, f("router_bias"))))
             if family.shared_expert_size(hf):  # split over TP like a dense MLP (not an expert parameter)
                 maps += [
                     ParamMap(d + "mlp.shared_experts.linear_fc1.weight", (f("shared_gate"), f("shared_up")),
@@ -154,7 +150,7 @@ def full_to_hf(kind: str, full: torch.Tensor, dims: Dims, empty=new_tensor) -> l
 def full_to_shard(kind: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     if size == 1 or kind == "replicated":
         return full
-    if kind in ("qkv", "vocab"):  # qkv rows are group-major, so a contiguous split splits groups
+    if kind in ("qkv", "vocab", "column"):  # qkv rows are group-major, so a contiguous split splits groups
         return full.chunk(size, dim=0)[rank].contiguous()
     if kind == "glu":
         gate, up = full.chunk(2, dim=0)
@@ -167,7 +163,7 @@ def full_to_shard(kind: str, full: torch.Tensor, rank: int, size: int) -> torch.
 def shards_to_full(kind: str, shards: list[torch.Tensor]) -> torch.Tensor:
     if len(shards) == 1 or kind == "replicated":
         return shards[0]
-    if kind in ("qkv", "vocab"):
+    if kind in ("qkv", "vocab", "column"):
         return torch.cat(shards, dim=0)
     if kind == "glu":
         halves = [s.chunk(2, dim=0) for s in shards]
@@ -185,7 +181,7 @@ def hf_row_ranges(kind: str, dims: Dims, hf_shapes: list[tuple], rank: int, size
         g0, g1 = rank * dims.groups // size, (rank + 1) * dims.groups // size
         per_group = [s[0] // dims.groups for s in hf_shapes]  # rows per KV group in q, k, v
         return [(0, g0 * r, g1 * r) for r in per_group]
-    if kind == "glu":
+    if kind in ("glu", "column"):
         return [(0, rank * s[0] // size, (rank + 1) * s[0] // size) for s in hf_shapes]
     if kind == "row":
         return [(1, rank * s[1] // size, (rank + 1) * s[1] // size) for s in hf_shapes]

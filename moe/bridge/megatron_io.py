@@ -28,6 +28,8 @@ _EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(.*)")
 _TE_TO_LOCAL = (
     (re.compile(r"^self_attention\.linear_qkv\.layer_norm_weight$"), "input_layernorm.weight"),
     (re.compile(r"^mlp\.linear_fc1\.layer_norm_weight$"), "pre_mlp_layernorm.weight"),
+    (re.compile(r"^self_attention\.linear_q_up_proj\.layer_norm_weight$"), "self_attention.q_layernorm.weight"),
+    (re.compile(r"^self_attention\.linear_kv_up_proj\.layer_norm_weight$"), "self_attention.kv_layernorm.weight"),
     (re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$"), r"mlp.experts.local_experts.\2.\1.weight"),
 )
 
@@ -93,6 +95,8 @@ def local_params(model) -> list[LocalParam]:
         else:
             rank, size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
             group = ps.get_tensor_model_parallel_group()
+        if pm.kind == "column" and not getattr(p, "tensor_model_parallel", False):
+            rank, size = 0, 1  # kept whole on every TP rank (TE's duplicated MLA down-projections)
         out.append(LocalParam(name, p, pm, rank, size, group))
     return out
 
@@ -288,7 +292,7 @@ class ExportStream:
         bucket, size = [], 0
         for pm, numel in order:
             if receives and bucket:
-                nbytes = numel * (self.dtype or full_meta[pm.megatron][1]).itemsize
+                nbytes = numel * ((None if pm.fp32 else self.dtype) or full_meta[pm.megatron][1]).itemsize
                 if size + nbytes > self.bucket_bytes:  # yield before gathering: a bucket stays <= bucket_bytes
                     yield bucket
                     bucket.clear()  # the consumer is done with it: free its tensors before the next gathers
@@ -301,7 +305,7 @@ class ExportStream:
             if full is None:
                 continue
             for name, t in zip(pm.hf, full_to_hf(pm.kind, full, dims, self._empty)):
-                if self.dtype is not None and t.dtype != self.dtype:
+                if self.dtype is not None and t.dtype != self.dtype and not pm.fp32:
                     t = self._empty(t.shape, self.dtype, t.device).copy_(t)
                 if self.compute_digests:
                     self.digests[name] = self._digest(t, self.digest_algorithm)

@@ -25,6 +25,6 @@ def get_family(model_type: str) -> MoEFamily:
 
 
 # Importing the modules registers them.
-from . import glm4_moe, mixtral, qwen3_moe  # noqa: E402,F401
+from . import deepseek_v3, glm4_moe, mixtral, qwen3_moe  # noqa: E402,F401
 
 __all__ = ["FAMILIES", "MoEFamily", "UnsupportedModelError", "get_family", "register_family"]

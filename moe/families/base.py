@@ -1,7 +1,7 @@
 """What every MoE family provides: HF config -> megatron-core TransformerConfig fields and layer kinds."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch.nn.functional as F
 
@@ -59,9 +59,33 @@ class MoEFamily:
         """The router selects with a score-correction bias (a checkpointed buffer, aux-loss-free balancing)."""
         return False
 
+    def fp32_hf_tensor(self, hf, name: str) -> bool:
+        """A checkpoint tensor every side keeps in fp32 whatever the model dtype (transformers'
+        _keep_in_fp32_modules, megatron, SGLang): exported and synced in fp32."""
+        return False
+
     def extra_hf_tensor(self, hf, name: str) -> bool:
         """A checkpoint tensor that is neither mapped nor an error (e.g. multi-token-prediction layers)."""
         return False
+
+    def attention_maps(self, hf) -> list[tuple[str, tuple[str, ...], str, Optional[tuple]]]:
+        """The attention block's parameters: (megatron name under `self_attention.`, hf_names keys, mapping
+        kind (moe/bridge/mapping.py), the HF shapes or None for the bridge's defaults). GQA with a fused
+        q/k/v projection here; multi-latent attention (deepseek_v3) states its own."""
+        maps = [("linear_qkv.weight", ("q", "k", "v"), "qkv", None)]
+        if self.qkv_bias(hf):
+            maps.append(("linear_qkv.bias", ("q_bias", "k_bias", "v_bias"), "qkv", None))
+        maps.append(("linear_proj.weight", ("o",), "row", None))
+        if self.qk_layernorm(hf):
+            maps += [("q_layernorm.weight", ("q_norm",), "replicated", None),
+                     ("k_layernorm.weight", ("k_norm",), "replicated", None)]
+        return maps
+
+    def megatron_config_class(self, hf):
+        """megatron-core's config class for this architecture (MLA has its own)."""
+        from megatron.core.transformer import TransformerConfig
+
+        return TransformerConfig
 
     def family_fields(self, hf) -> dict[str, Any]:
         """Extra TransformerConfig fields specific to this family."""

@@ -36,6 +36,9 @@ class SigmoidRouterFamily(MoEFamily):
     def expert_bias(self, hf) -> bool:
         return True
 
+    def fp32_hf_tensor(self, hf, name: str) -> bool:
+        return name.endswith("e_score_correction_bias")
+
     def extra_hf_tensor(self, hf, name: str) -> bool:
         # multi-token-prediction layers follow the decoder (model.layers.{L + j}); transformers skips them too
         if name.startswith("model.layers."):

@@ -23,6 +23,23 @@ device; they touch only code that the local spec reaches, so a run with TE gets 
   param" (dist_checkpointing/optimizer.py:145), so bf16 with the plain optimizer could not checkpoint.
   The ids are mapped through every param in the optimizer's own order (the 16-bit param for its copy).
 
+- `distributed_optimizer_group_order`: the distributed optimizer builds each param group's list as its fp32
+  params, then the fp32 copies of its 16-bit params (distrib_optimizer.py:434-443), but records each model
+  param's position in bucket order (:297) and reads optimizer state through that position (:894-908). A group
+  holding both (the local spec's fp32 norms with 16-bit 1-D params: glm4_moe's q/k/v biases, both without
+  weight decay) got another param's state: the first bf16 checkpoint of glm4_moe failed on a shape mismatch
+  (and a same-shape swap would have saved wrong state silently). The positions are rebuilt in the list's order.
+- `distributed_optimizer_without_params`: with torch's Adam the distributed optimizer takes its step from the
+  per-param states and asserts there is exactly one (distrib_optimizer.py:639-643). A pipeline stage that
+  holds only dense layers (glm4_moe / deepseek_v3's first layers, PP2) has an expert optimizer without
+  params, so the first checkpoint failed there. Such an optimizer reports step 0 (rlpo_mega.checkpoint leaves
+  it out of the chain's step check).
+- `mla_have_te_flag`: multi_latent_attention.py sets HAVE_TE from an import of megatron's TE extension,
+  which succeeds without TE (MagicMock stand-ins), and then tests isinstance(linear_proj, TELinear) with a
+  MagicMock as the class (multi_latent_attention.py:183-185): no MLA model (deepseek_v3) could be built.
+  Its flag is set to what is true. (The local DotProductAttention also lacks MLA's k_channels/v_channels
+  arguments: moe/packed_attention.py's subclass, the local spec's core attention here, takes them.)
+
 Each has an ablation test in tests/test_platform.py; tests/test_platform.py also builds the norms of a
 TP2+SP spec with CUDA simulated, apex stood in and TE absent (a GPU node without TE).
 
@@ -145,6 +162,60 @@ def _float16_optimizer_fp32_param_ids():
     cls.sharded_state_dict = sharded_state_dict
 
 
+def _distributed_optimizer_group_order():
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if getattr(cls.__init__, "_rlpo_fixed", False):
+        return
+    original = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # the optimizer's groups list a group's fp32 params first, then (the fp32 copies of) its 16-bit ones
+        # (distrib_optimizer.py:434-443); index the model params the same way
+        for g in range(len(self.opt_group_ranges)):
+            for j, p in enumerate(list(self.model_fp32_groups[g]) + list(self.model_float16_groups[g])):
+                self.model_param_group_index_map[p] = (g, j)
+
+    __init__._rlpo_fixed = True
+    cls.__init__ = __init__
+
+
+def _distributed_optimizer_without_params():
+    import torch
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if getattr(cls.state_dict, "_rlpo_fixed", False):
+        return
+    original = cls.state_dict
+
+    def state_dict(self):
+        if dopt.HAVE_APEX_OR_TE or any(g["params"] for g in self.optimizer.param_groups):
+            return original(self)
+        # no params here (the expert optimizer of a pipeline stage without MoE layers): megatron reads the step
+        # from per-param states and asserts there is exactly one; this optimizer has none to take
+        inner = self.optimizer.state_dict
+        self.optimizer.state_dict = lambda: {**inner(), "state": {0: {"step": torch.tensor(0.0)}}}
+        try:
+            return original(self)
+        finally:
+            del self.optimizer.state_dict
+
+    state_dict._rlpo_fixed = True
+    cls.state_dict = state_dict
+
+
+def _mla_have_te_flag():
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    # The module's `try: from megatron.core.extensions.transformer_engine import TELinear` succeeds without
+    # TE (that module stands MagicMocks in for TE's classes), so HAVE_TE is True and the TELinear check
+    # after building linear_proj calls isinstance(x, <MagicMock>): a TypeError for every MLA model.
+    mla.HAVE_TE = False
+
+
 SPEEDUPS: tuple[Patch, ...] = (
     Patch(
         "thd_rope_vectorized",
@@ -183,5 +254,28 @@ FIXES: tuple[Patch, ...] = (
         "the mixed-precision optimizer's checkpoint maps state ids through its 16-bit params only; the local "
         "spec's fp32 norms made the first save after a step fail: ids are mapped through every param",
         _float16_optimizer_fp32_param_ids,
+    ),
+    Patch(
+        "distributed_optimizer_group_order",
+        ("optimizer/distrib_optimizer.py:297,434-443,894-908",),
+        "the distributed optimizer indexes a param group's params in bucket order but lists them fp32 first: "
+        "with fp32 norms and 16-bit biases in one group (glm4_moe's q/k/v biases) its checkpoint swapped their "
+        "states (a shape error at the first save)",
+        _distributed_optimizer_group_order,
+    ),
+    Patch(
+        "distributed_optimizer_without_params",
+        ("optimizer/distrib_optimizer.py:639-643",),
+        "a distributed optimizer without params (the expert optimizer of a pipeline stage holding only dense "
+        "layers) failed `assert len(steps) == 1` at the first checkpoint: torch Adam's step is read from "
+        "per-param states, and it has none",
+        _distributed_optimizer_without_params,
+    ),
+    Patch(
+        "mla_have_te_flag",
+        ("transformer/multi_latent_attention.py:54-66,183-185",),
+        "multi_latent_attention.py believes TE is installed (its import of megatron's TE extension succeeds "
+        "with MagicMock stand-ins), so building MLA's output projection fails in isinstance(x, TELinear)",
+        _mla_have_te_flag,
     ),
 )

@@ -172,9 +172,12 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
         lps = pieces[1].view(torch.float32).split([s.response_len for s in got])
         routes = replaced = [None] * len(got)
         if with_routes:
-            routes = pieces[2].view(dtype).reshape(-1, n_cols, topk).split([s.span for s in got])
+            # explicit row counts: a pipeline stage without MoE layers (dense first layers) has n_cols == 0
+            spans = [s.span for s in got]
+            routes = pieces[2].view(dtype).reshape(sum(spans), n_cols, topk).split(spans)
             flagged = [s for s in got if s.replaced_entries]
-            rep = iter(pieces[3].reshape(-1, n_cols).bool().split([s.span for s in flagged]) if flagged else ())
+            rep = iter(pieces[3].reshape(sum(s.span for s in flagged), n_cols).bool().split(
+                [s.span for s in flagged]) if flagged else ())
             replaced = [next(rep) if s.replaced_entries else None for s in got]
         idx = [i for i in expected if samples[i].owner == src]
         for i, x, lp, rt, rp in zip(idx, ids, lps, routes, replaced):
