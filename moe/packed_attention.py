@@ -51,6 +51,9 @@ class PackedDotProductAttention(DotProductAttention):
         index = torch.where(valid, cu[:-1, None] + pos[None, :], torch.zeros((), dtype=torch.long,
                                                                              device=query.device))
         q, k, v = (x[index].transpose(0, 1) for x in (query, key, value))  # [longest, n, heads, dim]
+        # the parent views k and v as [s, b * heads, dim]: fine after its GQA expansion copies them, not for
+        # multi-latent attention (as many k/v heads as q heads, nothing expanded)
+        k, v = k.contiguous(), v.contiguous()
         out = super().forward(q, k, v, None, attn_mask_type, attention_bias)  # [longest, n, heads * dim]
         return out.transpose(0, 1)[valid].unsqueeze(1)  # [t, 1, heads * dim] in packed order
 

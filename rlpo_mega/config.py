@@ -38,8 +38,8 @@ class ModelConfig:
     token_dispatcher: str = "alltoall"  # alltoall | allgather
     recompute: bool = False
     # Sigmoid routers with a score-correction bias (glm4_moe, deepseek_v3): megatron's aux-loss-free update,
-    # bias += rate * sign(mean load - expert load) per step. 0 (slime's RL setting) keeps the checkpoint's
-    # bias, so replayed batches never move it and the engine routes with the bias the learner has.
+    # bias += rate * sign(mean load - expert load) per step. 0 (as slime's GLM script runs RL) keeps the
+    # checkpoint's bias, so replayed batches never move it and the engine routes with the bias the learner has.
     expert_bias_update_rate: float = 0.0
 
 

@@ -90,19 +90,5 @@ def test_convert_rejects_unknown_family(good_ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_convert_then_export_is_exact(good_ckpt, tmp_path):
-    ckpt, out = tmp_path / "dist", tmp_path / "hf_out"
-    proc = _cli("convert", "--hf", good_ckpt, "--out", str(ckpt), "--tp", "2", "--ep", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _cli("export", "--ckpt", str(ckpt), "--hf-out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    original, exported = load_file(os.path.join(good_ckpt, "model.safetensors")), {}
-    for f in os.listdir(out):
-        if f.endswith(".safetensors"):
-            exported.update(load_file(os.path.join(out, f)))
-    assert sorted(original) == sorted(exported)
-    for k in original:
-        assert original[k].dtype == exported[k].dtype and (original[k] == exported[k]).all(), k
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(str(out))  # transformers loads what we wrote
+# `convert` then `export` round trip: tests/test_families_sigmoid.py::test_convert_then_export_is_exact (glm4_moe
+# and deepseek_v3: the mapping kinds of every family here plus q/k/v biases, MLA, shared experts, the bias buffer)

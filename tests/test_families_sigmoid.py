@@ -5,6 +5,7 @@ The bridge (transformers forward == megatron at TP1, TP2+EP2, TP2/EP2/PP2; expor
 step) is in test_bridge.py, layout parity (TP2+SP, EP2, PP2) in test_parity.py: both list these families.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,11 +18,16 @@ GLM = "configs/models/tiny_glm4_moe.json"
 MODELS = {"glm4_moe": GLM, "deepseek_v3": "configs/models/tiny_deepseek_v3.json"}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def sigmoid_routing(request, tmp_path_factory):
-    """glm4_moe: 2 groups of 4 experts, top-1 group, top-2; deepseek_v3: 4 groups of 2, top-2 groups, top-4."""
-    root = tmp_path_factory.mktemp(f"routing_{request.param}")
-    return torchrun("routing_single.py", 1, str(root), MODELS[request.param])
+@pytest.fixture(scope="module")
+def routing_runs(tmp_path_factory):
+    """One process, both families: glm4_moe (2 groups of 4 experts, top-1 group, top-2) and deepseek_v3 (4
+    groups of 2, top-2 groups, top-4), each with a perturbed score-correction bias."""
+    return torchrun("routing_single.py", 1, str(tmp_path_factory.mktemp("routing")), ",".join(MODELS.values()))
+
+
+@pytest.fixture(params=sorted(MODELS))
+def sigmoid_routing(request, routing_runs):
+    return routing_runs[request.param]
 
 
 def test_megatron_routes_equal_transformers_group_limited_biased(sigmoid_routing):
@@ -41,6 +47,15 @@ def test_r3_with_perturbed_routers_restores_the_recorded_routes(sigmoid_routing)
     assert r3["mismatch_r3/k3_kl"] < off["mismatch_off/k3_kl"]
 
 
+def test_r2_replays_the_old_pass_routes(sigmoid_routing):
+    """R2: the old pass records, the update replays (GSPO ratio exactly 1); after the routers move, the update
+    still dispatches the recorded (group-limited, bias-corrected) routes while the live ones disagree."""
+    r = sigmoid_routing["r2"]
+    assert r["ratio_exactly_one"] and r["update_equals_recorded"] and r["recompute_calls"] > 0
+    assert r["after_router_change_equals_recorded"] and r["after_router_change_live_agreement"] < 0.6
+    assert all(g > 1e-4 for g in r["router_grad_norms"])
+
+
 def test_expert_bias_moves_only_when_the_config_says_so(sigmoid_routing):
     """A replayed step leaves the bias as loaded (model.expert_bias_update_rate=0, the default); with a rate,
     megatron's aux-loss-free update moves every expert's bias by exactly +-rate."""
@@ -49,12 +64,13 @@ def test_expert_bias_moves_only_when_the_config_says_so(sigmoid_routing):
     assert moved and all(abs(abs(c) - 0.01) < 1e-6 for c in moved), moved
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_trainer_gspo_r3_few_steps(family, tmp_path):
-    """The shipped demo's GSPO + R3 at EP2 (embedded engine, weights synced every step)."""
+def test_trainer_gspo_r3_few_steps(tmp_path):
+    """deepseek_v3: the shipped demo's GSPO + R3 at EP2 (embedded engine, weights synced every step). glm4_moe
+    trains through its recipe (tests/test_recipes.py: GLM-4.5-Air shrunk, GSPO + R3 with SGLang, TP2/PP2/EP2,
+    bf16 and the distributed optimizer, checkpoint and resume)."""
     logs = tmp_path / "logs"
     cmd = [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "--nproc-per-node", "2",
-           f"model.hf_config={MODELS[family]}", "train_iters=3", "trainer.warmup.steps=0", "trainer.eval_every=0",
+           f"model.hf_config={MODELS['deepseek_v3']}", "train_iters=3", "trainer.warmup.steps=0", "trainer.eval_every=0",
            "checkpoint.save_dir=null", "logging.mode=disabled", f"logging.dir={logs}", "logging.progress_bar=false",
            "prompts.prompts_per_step=16"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
@@ -66,7 +82,9 @@ def test_trainer_gspo_r3_few_steps(family, tmp_path):
     for r in rows:
         assert r["routing/update/agreement"] >= 0.99  # the live routers choose what R3 replays
         assert r["mismatch/ratio_dev_max"] < 1e-5  # the engine (transformers) and the learner agree after syncs
-        assert r["optim/grad_norm"] > 0
+        assert math.isfinite(r["optim/grad_norm"]) and math.isfinite(r["loss/policy"])
+    # a random tiny model mostly scores 0 on the toy task: some step had a group with a learning signal
+    assert any(r["optim/grad_norm"] > 0 for r in rows), [r["advantages/zero_advantage_groups"] for r in rows]
 
 
 def _glm(**changes):

@@ -36,6 +36,8 @@ from tests.dist import ROOT, torchrun
 
 QWEN = "configs/models/tiny_qwen3_moe.json"
 MIXTRAL = "configs/models/tiny_mixtral.json"
+GLM = "configs/models/tiny_glm4_moe.json"
+DEEPSEEK = "configs/models/tiny_deepseek_v3.json"
 
 # name -> (processes, model, overrides). Every scenario trains 2 optimizer steps (clip_grad=1.0 by
 # default, alltoall token dispatcher, local layer spec: no Transformer Engine; no apex but in tp2_ep2).
@@ -53,6 +55,14 @@ SCENARIOS = {
     # bf16 parameters: megatron's mixed-precision optimizer (fp32 main params), saved with the optimizer and
     # loaded into a fresh model and optimizer after the steps
     "tp1_bf16": (1, QWEN, ("model.params_dtype=bfloat16", "--save-optimizer")),
+    # glm4_moe on two pipeline stages (the first holds only its dense layer) with EP2, bf16 parameters and the
+    # distributed optimizer, saved and reloaded: q/k/v biases (bf16) share a param group with fp32 norms, and the
+    # first stage's expert optimizer has no params
+    "pp2_glm_bf16_distopt": (4, GLM, ("parallel.pipeline=2", "parallel.expert=2", "parallel.num_micro_batches=2",
+                                      "model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
+                                      "--save-optimizer")),
+    # multi-latent attention (deepseek_v3) on the local spec
+    "mla": (1, DEEPSEEK, ()),
 }
 
 CUDA_MISSING = "Torch not compiled with CUDA enabled"
@@ -86,6 +96,12 @@ ABLATIONS = {
     "optimizer_param_types": ("tp1_bf16", "Wrapped parameters must be one of"),
     # dist_checkpointing/optimizer.py:145 in the save after the steps (the local spec's fp32 norms)
     "float16_optimizer_fp32_param_ids": ("tp1_bf16", "does not match any model sharded param"),
+    # distrib_optimizer.py:1068 copying the wrong param's state into the checkpoint's shard (the first save)
+    "distributed_optimizer_group_order": ("pp2_glm_bf16_distopt", "must match the size of tensor b"),
+    # distrib_optimizer.py:642 `assert len(steps) == 1` on the dense stage's expert optimizer (the first save)
+    "distributed_optimizer_without_params": ("pp2_glm_bf16_distopt", "AssertionError"),
+    # multi_latent_attention.py:185 isinstance(self.linear_proj, TELinear) with a MagicMock as TELinear
+    "mla_have_te_flag": ("mla", "isinstance() arg 2 must be a type"),
 }
 
 PATCHES = {p.name: p for p in all_patches()}

@@ -1,8 +1,9 @@
 """Every shipped recipe runs end to end on this CPU, shrunk (tests/recipe_shrink.py): the real `rlpo-mega train`
 command under torchrun, with the recipe's loss, routing replay, engine, weight transport, distributed optimizer,
-bf16 parameters, sequence parallelism and EP. Each: 3 RL steps with a checkpoint at step 2, then a resume from
-step 2 that runs step 3. With the embedded engine the resumed step 3 equals the uninterrupted one; with SGLang
-(servers attached by URL, as launch/slurm/train_disaggregated.sbatch does, at the recipe's server TP size) every
+bf16 parameters, sequence parallelism and EP. Each: 2 RL steps with a checkpoint after each, then a resume from
+step 1 that runs step 2. With the embedded engine the resumed step 2 equals the uninterrupted one; with SGLang
+(servers attached by URL, as launch/slurm/train_disaggregated.sbatch does, at the recipe's server TP size, 2 at
+most here) every
 sync of both runs is digest-verified inside the servers, the resumed run's first sync included.
 A new YAML in configs/recipes/ is covered with no new test code. Recipes whose shrinks are the same run (the
 2- and 4-node variants differ only in batch size, which the shrink sets) share one run.
@@ -65,6 +66,8 @@ class _Servers:
 
     def url(self, hf_dir: str, dtype: str, tp: int) -> str:
         key = (hf_dir, dtype, tp)
+        for other in [k for k in self.running if k != key]:  # one at a time: an idle SGLang server on this
+            self.running.pop(other).stop()                    # CPU still spins its scheduler processes
         if key not in self.running:
             sys.path.insert(0, os.path.join(ROOT, "launch"))
             from sglang_server import SGLangServer
@@ -170,22 +173,22 @@ def test_recipe_runs_checkpoints_and_resumes(run, assets, servers, tmp_path):
     print(shrunk.describe())
     _train(recipe, shrunk)
     full = _history(shrunk.overrides["logging.dir"])
-    assert [h["step"] for h in full] == [1, 2, 3]
+    assert [h["step"] for h in full] == [1, 2]
     save_dir = shrunk.overrides["checkpoint.save_dir"]
-    step2 = os.path.join(save_dir, "step_00000002")
-    assert os.path.isdir(step2) and os.path.isdir(os.path.join(save_dir, "step_00000003"))
+    step1 = os.path.join(save_dir, "step_00000001")
+    assert os.path.isdir(step1) and os.path.isdir(os.path.join(save_dir, "step_00000002"))
     if _resume_shown_by(run):
         print(f"resume: as {_resume_shown_by(run)}'s (the same run but for the loss)")
         return
 
     resumed_dir = tmp_path / "resumed"
-    _train(recipe, shrunk, f"checkpoint.load_dir={step2}", f"logging.dir={resumed_dir / 'logs'}",
+    _train(recipe, shrunk, f"checkpoint.load_dir={step1}", f"logging.dir={resumed_dir / 'logs'}",
            f"checkpoint.save_dir={resumed_dir / 'ckpt'}")
     resumed = _history(resumed_dir / "logs")
-    assert [h["step"] for h in resumed] == [3], resumed  # continued at step 3 from the saved state
+    assert [h["step"] for h in resumed] == [2], resumed  # continued at step 2 from the saved state
     cfg = load_config(os.path.join(ROOT, recipe), tuple(shrunk.argv()))
     a, b = full[-1], resumed[-1]
-    if cfg.rollout.engine == "embedded":  # same engine state, same RNG: the same step 3
+    if cfg.rollout.engine == "embedded":  # same engine state, same RNG: the same step 2
         keys = sorted(k for k in a if not k.startswith(NOT_COMPARED) and isinstance(a[k], (int, float)))
         assert keys and {k: b.get(k) for k in keys} == {k: a[k] for k in keys}
     else:  # SGLang samples differently; the resumed weights reached the servers (the first sync verified)

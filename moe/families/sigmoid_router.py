@@ -14,9 +14,10 @@ with two differences that are refused rather than approximated:
 - megatron always renormalises the top-k sigmoid weights: norm_topk_prob=False is not expressible.
 
 The bias update (megatron's aux-loss-free rule, bias += rate * sign(mean load - load) after each step) is
-off unless model.expert_bias_update_rate > 0, as slime's GLM/DeepSeek scripts run RL
-(--moe-router-bias-update-rate 0): the bias stays the checkpoint's, so the rollout engine's routing and the
-learner's agree after every weight sync.
+off unless model.expert_bias_update_rate > 0, as slime runs RL on these models (its GLM-4.7-30B-A3B model
+script passes --moe-router-bias-update-rate 0): the bias stays the checkpoint's, so replayed batches never
+move it and the rollout engine routes with the bias the learner has. With a rate, megatron counts the loads
+the layers dispatched: under R2/R3 the replayed routes (and padding tokens, which it counts unmasked).
 """
 from __future__ import annotations
 

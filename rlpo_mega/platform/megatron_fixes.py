@@ -257,7 +257,7 @@ FIXES: tuple[Patch, ...] = (
     ),
     Patch(
         "distributed_optimizer_group_order",
-        ("optimizer/distrib_optimizer.py:297,434-443,894-908",),
+        ("optimizer/distrib_optimizer.py:297,434-443,894-908,1068",),
         "the distributed optimizer indexes a param group's params in bucket order but lists them fp32 first: "
         "with fp32 norms and 16-bit biases in one group (glm4_moe's q/k/v biases) its checkpoint swapped their "
         "states (a shape error at the first save)",
@@ -273,7 +273,7 @@ FIXES: tuple[Patch, ...] = (
     ),
     Patch(
         "mla_have_te_flag",
-        ("transformer/multi_latent_attention.py:54-66,183-185",),
+        ("transformer/multi_latent_attention.py:54-65,183-185",),
         "multi_latent_attention.py believes TE is installed (its import of megatron's TE extension succeeds "
         "with MagicMock stand-ins), so building MLA's output projection fails in isinstance(x, TELinear)",
         _mla_have_te_flag,

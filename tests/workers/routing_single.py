@@ -251,18 +251,20 @@ def refusals(run):
 
 def main():
     out_dir = sys.argv[1]
-    if len(sys.argv) > 2:  # another family (argv: out_dir model_config): R3 vs off with perturbed routers
-        run = Run(out_dir, sys.argv[2])
-        report = {"validation": run.vstats}
-        report["identical"], _, _ = r3_case(run, perturb=False)
-        report["perturbed_off"], _, _ = r3_case(run, perturb=True, mode="off")
-        report["perturbed_r3"], _, _ = r3_case(run, perturb=True)
-        report["r3_bias_rate"], _, _ = r3_case(run, perturb=True, bias_rate=0.01)
-        # the replayed routes' per-expert loads, per MoE layer (what a bias update must have counted)
-        spec = run.spec
-        report["trace_loads"] = [torch.bincount(torch.cat([t.ids[:, j].reshape(-1).long() for t in run.traces]),
-                                                minlength=spec.num_experts).tolist() for j in range(spec.num_layers)]
-        write_report(report)
+    if len(sys.argv) > 2:  # other families (argv: out_dir model_configs,...): R3 vs off with perturbed routers
+        reports = {}
+        for model in sys.argv[2].split(","):
+            family_dir = os.path.join(out_dir, os.path.basename(model)[:-5])
+            os.makedirs(family_dir, exist_ok=True)
+            run = Run(family_dir, model)
+            report = {"validation": run.vstats}
+            report["identical"], _, _ = r3_case(run, perturb=False)
+            report["perturbed_off"], _, _ = r3_case(run, perturb=True, mode="off")
+            report["perturbed_r3"], _, _ = r3_case(run, perturb=True)
+            report["r3_bias_rate"], _, _ = r3_case(run, perturb=True, bias_rate=0.01)
+            report["r2"] = r2_case(run)
+            reports[run.hf.model_type] = report
+        write_report(reports)
         distributed.destroy()
         return
     run = Run(out_dir)

@@ -1,0 +1,60 @@
+"""The trainer with a launched SGLang server (the recipes' weight path under torchrun, a killed and a hung
+server). A module of its own: the family servers of tests/test_sglang.py are stopped by then (an idle SGLang
+server on this CPU keeps its scheduler processes spinning, which slowed these runs by about half).
+"""
+import json
+import os
+
+import pytest
+
+from moe.model import load_hf_config
+from tests.dist import ROOT, free_port, torchrun
+from tests.test_sglang import FAMILIES, SERVER_ARGS, SUPPORT, sglang_python  # noqa: F401  (a fixture)
+from tests.workers.bridge import make_hf_checkpoint
+
+pytestmark = pytest.mark.timeout(900)
+
+def _trainer_env(sglang_python, ckpt, **extra):
+    return {"WANDB_MODE": "disabled", "RLPO_SGLANG_HF": ckpt, "RLPO_SGLANG_PYTHON": sglang_python,
+            "RLPO_SGLANG_PORT": str(free_port()), "RLPO_SGLANG_PATH": os.path.join(SUPPORT, "path"),
+            "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS), **extra}
+
+
+def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
+    """The recipes' weight path under torchrun: the trainer (2 learner ranks) launches an SGLang server from
+    rank 0 and syncs with `sglang_distributed` (rank 0 hosts the group's store; before the fix rank 0's
+    rendezvous became a client of torchrun's agent store and the first sync timed out after 300 s). GSPO + R3,
+    3 steps; the server is killed after step 1: the engine and its transport are rebuilt (a new group), the
+    weights re-synced, and every sync is digest-verified inside the server (report_digests)."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("train_scenarios.py", 2, "sglang_distributed_run", str(tmp_path / "run"), timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
+    # start, after step 1, the restart's re-sync, after steps 2 and 3: each verified every tensor
+    assert len(r["syncs"]) == 5 and all(s["tensors"] == r["syncs"][0]["tensors"] > 0 for s in r["syncs"]), r
+    groups = r["groups"]
+    assert len(groups) == 5 and groups[0] == groups[1] != groups[2] == groups[3] == groups[4], groups
+    assert r["history"][1]["engine/restarts"] == 1
+    for h in r["history"]:  # every rollout ran on synced weights: steps 2 and 3 after the restart's re-sync
+        assert h["routing/update/fallback_entries"] == 0, h  # every token replayed SGLang's routes
+        assert 0.5 < h["routing/update/agreement"] <= 1.0, h
+        # learner log-probs of SGLang's samples equal the server's (fp32) only if the synced weights took effect
+        assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+
+
+def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
+    """After step 1 the server is frozen (SIGSTOP: it still accepts connections, never answers). Step 2's
+    rollout waits; SIGTERM to rank 0 meanwhile: the wait ends, every rank saves step 1 and the run exits."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("train_scenarios.py", 2, "sglang_hang_sigterm", str(tmp_path / "run"), timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    assert r["rc"] == 0 and r["stopped"] and [h["step"] for h in r["history"]] == [1], r
+    assert r["saved"] == ["step_00000001"], r
+    # the wait ends at once (aborts bounded by health_timeout, 5 s), not at request_timeout or hang_timeout
+    # (600 s here); the save and the server's shutdown follow
+    assert r["sigterm_to_save_s"] < 20 and r["sigterm_to_exit_s"] < 120, r
+    print(f"SIGTERM -> save {r['sigterm_to_save_s']:.1f} s, -> exit {r['sigterm_to_exit_s']:.1f} s")
