@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -252,13 +253,13 @@ def test_qwen3_30b_a3b_config():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[Path(p).stem for p in RECIPES])
 def test_recipe_passes(path):
-    world = 16 if "2nodes" in path else 32
+    world = 8 * int(re.search(r"_(\d+)nodes", path)[1])  # learner nodes of 8 GPUs
     # the recipes' data path is a placeholder users replace; the SLURM script adds the servers' URLs
     cfg = load_config(path, (f"prompts.path={PROMPTS}", "rollout.sglang.urls=[http://n3:30000,http://n3:30001]"))
     hf = load_hf_config(cfg.model.hf_config)
     assert check_run_config(cfg, hf, world_size=world) == []
     layout = resolve_layout(cfg.parallel, world, hf)
-    assert layout.world_size == world and layout.expert == 8 and layout.sequence_parallel
+    assert layout.world_size == world and layout.expert == (16 if "glm45" in path else 8) and layout.sequence_parallel
     assert cfg.model.params_dtype == "bfloat16" and cfg.routing.mode == "r3" and cfg.rollout.engine == "sglang"
     assert cfg.optim.use_distributed_optimizer
     loss = cfg.algorithm.loss
