@@ -64,6 +64,62 @@ def test_expert_bias_moves_only_when_the_config_says_so(sigmoid_routing):
     assert moved and all(abs(abs(c) - 0.01) < 1e-6 for c in moved), moved
 
 
+def test_sync_never_splits_what_sglang_loads_together(routing_runs):
+    """SGLang fuses MLA's q_a_proj and kv_a_proj_with_mqa on load and only within one load call (one bucket):
+    even at a 1-byte bucket size each layer's pair travels together; every other tensor goes alone."""
+    from moe.model import load_hf_config
+
+    layers = load_hf_config(os.path.join(ROOT, MODELS["deepseek_v3"])).num_hidden_layers
+    a = "model.layers.{}.self_attn."
+    assert [b for b in routing_runs["deepseek_v3"]["export_buckets"] if len(b) > 1] == [
+        [a.format(i) + "q_a_proj.weight", a.format(i) + "kv_a_proj_with_mqa.weight"] for i in range(layers)]
+    assert all(len(b) == 1 for b in routing_runs["glm4_moe"]["export_buckets"])
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_sglang_layout_unfuses_to_hf_names(family):
+    """The digest hook's SGLang -> HF unfusing (moe/families/sglang_names.py) on SGLang 0.5.23's layout as its
+    model code builds it (deepseek_v2.py: fused_qkv_a_proj_with_mqa = [q_a_proj; kv_a_proj_with_mqa];
+    gate_up_proj = [gate; up]; experts.w13_weight [E, 2I, H], w2_weight [E, H, I]): every HF tensor back,
+    exactly. deepseek_v3 does not run on SGLang's CPU path (README), so this is its SGLang coverage here."""
+    import re
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from moe.families.sglang_names import sglang_to_hf
+    from moe.model import load_hf_config
+
+    hf = load_hf_config(os.path.join(ROOT, MODELS[family]))
+    torch.manual_seed(0)
+    ref = {k: v.clone() for k, v in AutoModelForCausalLM.from_config(hf).state_dict().items()}
+    sgl, experts = {}, {}
+    for name, t in ref.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        elif name.endswith("kv_a_proj_with_mqa.weight") and hf.q_lora_rank is not None:
+            sgl[name.replace("kv_a_proj_with_mqa", "fused_qkv_a_proj_with_mqa")] = torch.cat(
+                [ref[name.replace("kv_a_proj_with_mqa", "q_a_proj")], t])
+        elif re.search(r"\.(q|k|v)_proj\.(weight|bias)$", name) and "self_attn" in name:
+            if ".q_proj." in name and name.replace("q_proj", "k_proj") in ref:
+                sgl[name.replace("q_proj", "qkv_proj")] = torch.cat(
+                    [ref[name], ref[name.replace("q_proj", "k_proj")], ref[name.replace("q_proj", "v_proj")]])
+            elif ".q_proj." in name:
+                sgl[name] = t  # MLA without q_lora: q_proj alone
+        elif name.endswith("gate_proj.weight"):
+            sgl[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, ref[name.replace("gate_proj", "up_proj")]])
+        elif not name.endswith(("up_proj.weight", "q_a_proj.weight")):
+            sgl[name] = t
+    for prefix, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        sgl[prefix + ".w13_weight"] = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(n)])
+        sgl[prefix + ".w2_weight"] = torch.stack([parts[(e, "down")] for e in range(n)])
+    back = sglang_to_hf(sgl, hf)
+    assert sorted(back) == sorted(ref)
+    assert all(torch.equal(back[k], ref[k]) for k in ref)
+
+
 def test_trainer_gspo_r3_few_steps(tmp_path):
     """deepseek_v3: the shipped demo's GSPO + R3 at EP2 (embedded engine, weights synced every step). glm4_moe
     trains through its recipe (tests/test_recipes.py: GLM-4.5-Air shrunk, GSPO + R3 with SGLang, TP2/PP2/EP2,

@@ -35,6 +35,7 @@ class ParamMap:
     expert: Optional[int] = None  # global expert index (None: not an expert parameter)
     shapes: Optional[tuple] = None  # the HF tensors' shapes where the family states them (attention)
     fp32: bool = False  # kept in fp32 whatever the model dtype, by megatron, transformers and SGLang alike
+    with_previous: bool = False  # synced in the previous map's bucket (an engine fuses the two on load)
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,14 @@ def param_maps(hf, value_head: bool = False) -> list[ParamMap]:
     n = family.hf_names(hf)
     pattern = family.moe_layer_pattern(hf)
     experts = family.num_experts(hf)
+    together = family.loaded_with_previous(hf)
     maps = [ParamMap("embedding.word_embeddings.weight", (n["embedding"],), "vocab")]
     for i in range(hf.num_hidden_layers):
         d = f"decoder.layers.{i}."
         f = lambda key, e=None: n[key].format(i=i, e=e)  # noqa: E731
         maps.append(ParamMap(d + "input_layernorm.weight", (f("input_norm"),), "replicated", i))
-        maps += [ParamMap(d + "self_attention." + name, tuple(f(k) for k in keys), kind, i, shapes=shapes)
+        maps += [ParamMap(d + "self_attention." + name, tuple(f(k) for k in keys), kind, i, shapes=shapes,
+                          with_previous=bool(set(keys) & together))
                  for name, keys, kind, shapes in family.attention_maps(hf)]
         maps.append(ParamMap(d + "pre_mlp_layernorm.weight", (f("post_attn_norm"),), "replicated", i))
         if pattern[i]:

@@ -233,7 +233,8 @@ class ExportStream:
     of every tensor yielded (unless a transport set `compute_digests = False` and fills it itself as it
     loads), computed with
     `digest_algorithm` (default: the cheap one on the parameters' device); receivers digest with the same.
-    A bucket holds at most `bucket_bytes` (one larger tensor goes alone) and is valid until the next
+    A bucket holds at most `bucket_bytes` (one larger tensor goes alone; a map `with_previous` always joins
+    the bucket of the map before it, whose tensor an engine fuses with it on load) and is valid until the next
     one is requested: the stream then empties the list so its tensors can be freed. A consumer that
     keeps no reference to a bucket's tensors after that (it copies or sends them) may set
     `recycle = True`: the stream then reuses its CPU buffers across buckets and syncs (_BufferPool).
@@ -291,7 +292,7 @@ class ExportStream:
         self._empty = pool.empty if pool is not None else new_tensor
         bucket, size = [], 0
         for pm, numel in order:
-            if receives and bucket:
+            if receives and bucket and not pm.with_previous:
                 nbytes = numel * ((None if pm.fp32 else self.dtype) or full_meta[pm.megatron][1]).itemsize
                 if size + nbytes > self.bucket_bytes:  # yield before gathering: a bucket stays <= bucket_bytes
                     yield bucket

@@ -81,6 +81,12 @@ class MoEFamily:
                      ("k_layernorm.weight", ("k_norm",), "replicated", None)]
         return maps
 
+    def loaded_with_previous(self, hf) -> set[str]:
+        """hf_names keys of attention tensors an inference engine loads only together with the map just before
+        them (one fused parameter it fills once both parts arrived in the same load call): the weight sync
+        never starts a new bucket at them."""
+        return set()
+
     def megatron_config_class(self, hf):
         """megatron-core's config class for this architecture (MLA has its own)."""
         from megatron.core.transformer import TransformerConfig

@@ -86,19 +86,25 @@ class DeepseekV3Family(SigmoidRouterFamily):
         h, heads = int(hf.hidden_size), int(hf.num_attention_heads)
         q_dim = int(hf.qk_nope_head_dim) + int(hf.qk_rope_head_dim)
         kv_lora, rope, v = int(hf.kv_lora_rank), int(hf.qk_rope_head_dim), int(hf.v_head_dim)
+        kv_a = ("linear_kv_down_proj.weight", ("kv_a",), "column", ((kv_lora + rope, h),))
         if hf.q_lora_rank is None:
-            maps = [("linear_q_proj.weight", ("q",), "column", ((heads * q_dim, h),))]
-        else:
+            maps = [("linear_q_proj.weight", ("q",), "column", ((heads * q_dim, h),)), kv_a]
+        else:  # kv_a right after q_a: SGLang loads the two as one tensor (loaded_with_previous)
             r = int(hf.q_lora_rank)
-            maps = [("linear_q_down_proj.weight", ("q_a",), "column", ((r, h),)),
+            maps = [("linear_q_down_proj.weight", ("q_a",), "column", ((r, h),)), kv_a,
                     ("q_layernorm.weight", ("q_a_norm",), "replicated", ((r,),)),
                     ("linear_q_up_proj.weight", ("q_b",), "column", ((heads * q_dim, r),))]
         return maps + [
-            ("linear_kv_down_proj.weight", ("kv_a",), "column", ((kv_lora + rope, h),)),
             ("kv_layernorm.weight", ("kv_a_norm",), "replicated", ((kv_lora,),)),
             ("linear_kv_up_proj.weight", ("kv_b",), "column", ((heads * (int(hf.qk_nope_head_dim) + v), kv_lora),)),
             ("linear_proj.weight", ("o",), "row", ((h, heads * v),)),
         ]
+
+    def loaded_with_previous(self, hf):
+        # SGLang fuses q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj_with_mqa and, within one load call,
+        # holds whichever comes first until the other arrives; split over two calls, neither is ever loaded
+        # (sglang/srt/models/deepseek_common/deepseek_weight_loader.py, `cached_a_proj`)
+        return {"kv_a"} if hf.q_lora_rank is not None else set()
 
     def identity(self, hf):
         ident = super().identity(hf)

@@ -1,6 +1,7 @@
 """SGLang's parameter layout (TP 1) -> HF names, for every registered family.
 
-SGLang fuses q/k/v into `qkv_proj`, a dense MLP's gate/up into `gate_up_proj`, and a MoE layer's experts into
+SGLang fuses q/k/v into `qkv_proj`, MLA's two down-projections (q_a_proj, kv_a_proj_with_mqa: deepseek_v3 with a
+q_lora_rank) into `fused_qkv_a_proj_with_mqa`, a dense MLP's gate/up into `gate_up_proj`, and a MoE layer's experts into
 `experts.w13_weight` [E, 2I, H] (per expert: gate rows, then up rows) and `experts.w2_weight` [E, H, I]; its
 embedding and lm_head may carry padded vocabulary rows. The per-expert HF names come from the family's own
 `hf_names` templates, so a new family needs nothing here.
@@ -32,6 +33,10 @@ def sglang_to_hf(params: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]
             q, k, v = t.split([heads * head_dim, kv * head_dim, kv * head_dim], dim=0)
             for part, x in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[name.replace("qkv_proj", part)] = x
+        elif ".fused_qkv_a_proj_with_mqa." in name:  # rows [q_a (q_lora_rank); kv_a (kv_lora_rank + rope)]
+            q_a, kv_a = t.split([int(hf.q_lora_rank), t.shape[0] - int(hf.q_lora_rank)], dim=0)
+            out[name.replace("fused_qkv_a_proj_with_mqa", "q_a_proj")] = q_a
+            out[name.replace("fused_qkv_a_proj_with_mqa", "kv_a_proj_with_mqa")] = kv_a
         elif ".gate_up_proj." in name:
             g, u = t.chunk(2, dim=0)
             out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = g, u

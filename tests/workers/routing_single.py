@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from moe.bridge.megatron_io import ExportStream
 from moe.model import load_hf_config
 from moe.routing.replay import RoutingReplay, RoutingReplayError
 from moe.routing.trace import TraceSpec, validate_batch
@@ -147,6 +148,12 @@ def r3_case(run, perturb, recompute=False, traces=None, mode="r3", bias_rate=0.0
     return res, old_logp(micro), old_routes
 
 
+def export_buckets(run):
+    """The weight sync's buckets at a 1-byte bucket size: every tensor alone but those an engine loads together."""
+    _, chunks, _, _ = run.build("off")
+    return [[name for name, _ in bucket] for bucket in ExportStream(chunks, bucket_bytes=1, dst=0) if bucket]
+
+
 def r2_case(run):
     """Record in the old-log-prob pass, replay in the update: ratio 1 exactly without an optimizer step;
     after the routers change (as an optimizer step would change them), the recorded routes still rule."""
@@ -263,6 +270,7 @@ def main():
             report["perturbed_r3"], _, _ = r3_case(run, perturb=True)
             report["r3_bias_rate"], _, _ = r3_case(run, perturb=True, bias_rate=0.01)
             report["r2"] = r2_case(run)
+            report["export_buckets"] = export_buckets(run)
             reports[run.hf.model_type] = report
         write_report(reports)
         distributed.destroy()
