@@ -116,6 +116,8 @@ def _train(recipe, shrunk, *extra, timeout=900):
            *shrunk.argv(), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    with open(os.path.join(os.path.dirname(shrunk.overrides["logging.dir"]), "train.log"), "a") as f:
+        f.write(proc.stdout + proc.stderr)  # kept with the run (pytest's tmp dir) for a look at its timeline
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if "[rank0]" in line or "Error" in line]
         raise AssertionError(f"{shrunk.describe()}\n{proc.stdout[-3000:]}\nrank 0 / errors:\n"

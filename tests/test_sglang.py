@@ -30,11 +30,14 @@ from tests.workers.bridge import make_hf_checkpoint
 SUPPORT = os.path.join(ROOT, "tests", "sglang_support")
 VENV = os.environ.get("RLPO_SGLANG_VENV", os.path.join(ROOT, ".venv-sglang"))
 FAMILIES = {"qwen3_moe": "configs/models/tiny_qwen3_moe.json", "mixtral": "configs/models/tiny_mixtral.json"}
-# the measured CPU recipe (shared/notes/sglang.md); float32 so log-probs compare with the learner's
+# the measured CPU recipe (shared/notes/sglang.md); float32 so log-probs compare with the learner's.
+# sleep_on_idle: an idle server's scheduler otherwise polls without pause; measured on this 2-core machine, an
+# idle TP-2 server used 1.27 cores without it, 0.04 with it, and the learners launched beside it ran that
+# much slower.
 SERVER_ARGS = dict(device="cpu", attention_backend="torch_native", disable_overlap_schedule=True,
                    max_total_tokens=4096, max_running_requests=8, chunked_prefill_size=512,
                    mem_fraction_static=0.15, skip_server_warmup=True, enable_return_routed_experts=True,
-                   skip_tokenizer_init=True, dtype="float32")
+                   skip_tokenizer_init=True, dtype="float32", sleep_on_idle=True)
 PROMPTS = [[5, 17, 33, 90, 41], [7, 8, 200, 3], [11, 12, 13, 14, 15, 16, 99]]
 
 pytestmark = pytest.mark.timeout(900)
