@@ -156,7 +156,7 @@ def recipes() -> list[str]:
     learns; a resume equals the uninterrupted run) and most trainer tests start from it."""
     found = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "recipes", "*.yaml")))
     extra = [p for p in ("configs/gpu_smoke.yaml",) if os.path.exists(os.path.join(ROOT, p))]
-    return extra + found  # the embedded-engine run first: an idle SGLang CPU server keeps its cores busy
+    return extra + found
 
 
 # What two recipes that train identically may still differ in: where they write and what the run is called.

@@ -167,36 +167,6 @@ def _resume_shown_by(run) -> str | None:
     return None
 
 
-@pytest.mark.timeout(1500)
-@pytest.mark.parametrize("run", RUNS, ids=["+".join(os.path.basename(r)[:-5] for r in run) for run in RUNS])
-def test_recipe_runs_checkpoints_and_resumes(run, assets, servers, tmp_path):
-    recipe = run[0]  # the others of `run` shrink to this very config (test_every_recipe_is_run)
-    shrunk = _shrunk(recipe, tmp_path / "full", assets, servers)
-    print(shrunk.describe())
-    _train(recipe, shrunk)
-    full = _history(shrunk.overrides["logging.dir"])
-    assert [h["step"] for h in full] == [1, 2]
-    save_dir = shrunk.overrides["checkpoint.save_dir"]
-    step1 = os.path.join(save_dir, "step_00000001")
-    assert os.path.isdir(step1) and os.path.isdir(os.path.join(save_dir, "step_00000002"))
-    if _resume_shown_by(run):
-        print(f"resume: as {_resume_shown_by(run)}'s (the same run but for the loss)")
-        return
-
-    resumed_dir = tmp_path / "resumed"
-    _train(recipe, shrunk, f"checkpoint.load_dir={step1}", f"logging.dir={resumed_dir / 'logs'}",
-           f"checkpoint.save_dir={resumed_dir / 'ckpt'}")
-    resumed = _history(resumed_dir / "logs")
-    assert [h["step"] for h in resumed] == [2], resumed  # continued at step 2 from the saved state
-    cfg = load_config(os.path.join(ROOT, recipe), tuple(shrunk.argv()))
-    a, b = full[-1], resumed[-1]
-    if cfg.rollout.engine == "embedded":  # same engine state, same RNG: the same step 2
-        keys = sorted(k for k in a if not k.startswith(NOT_COMPARED) and isinstance(a[k], (int, float)))
-        assert keys and {k: b.get(k) for k in keys} == {k: a[k] for k in keys}
-    else:  # SGLang samples differently; the resumed weights reached the servers (the first sync verified)
-        assert b["reward/mean"] == b["reward/mean"] and b["loss/policy"] == b["loss/policy"]  # not NaN
-
-
 def test_tp2_server_digests_catch_corruption(assets, servers):
     """The recipes' SGLang layout (server tp_size 2, bf16): the digests computed inside the server (its two TP
     shards gathered and unfused to HF names) equal the sender's for every tensor -- fused q/k/v and expert w13
@@ -226,6 +196,36 @@ def test_tp2_server_digests_catch_corruption(assets, servers):
             with pytest.raises(DigestMismatchError, match="1 tensors") as e:
                 transport.sync(bad)
             assert victim in str(e.value)
-        transport.sync(ListStream(weights, bucket=16))  # restored for the recipes that share the server
+        transport.sync(ListStream(weights, bucket=16))  # restored for the recipes that share the server (next)
     finally:
         transport.close()
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("run", RUNS, ids=["+".join(os.path.basename(r)[:-5] for r in run) for run in RUNS])
+def test_recipe_runs_checkpoints_and_resumes(run, assets, servers, tmp_path):
+    recipe = run[0]  # the others of `run` shrink to this very config (test_every_recipe_is_run)
+    shrunk = _shrunk(recipe, tmp_path / "full", assets, servers)
+    print(shrunk.describe())
+    _train(recipe, shrunk)
+    full = _history(shrunk.overrides["logging.dir"])
+    assert [h["step"] for h in full] == [1, 2]
+    save_dir = shrunk.overrides["checkpoint.save_dir"]
+    step1 = os.path.join(save_dir, "step_00000001")
+    assert os.path.isdir(step1) and os.path.isdir(os.path.join(save_dir, "step_00000002"))
+    if _resume_shown_by(run):
+        print(f"resume: as {_resume_shown_by(run)}'s (the same run but for the loss)")
+        return
+
+    resumed_dir = tmp_path / "resumed"
+    _train(recipe, shrunk, f"checkpoint.load_dir={step1}", f"logging.dir={resumed_dir / 'logs'}",
+           f"checkpoint.save_dir={resumed_dir / 'ckpt'}")
+    resumed = _history(resumed_dir / "logs")
+    assert [h["step"] for h in resumed] == [2], resumed  # continued at step 2 from the saved state
+    cfg = load_config(os.path.join(ROOT, recipe), tuple(shrunk.argv()))
+    a, b = full[-1], resumed[-1]
+    if cfg.rollout.engine == "embedded":  # same engine state, same RNG: the same step 2
+        keys = sorted(k for k in a if not k.startswith(NOT_COMPARED) and isinstance(a[k], (int, float)))
+        assert keys and {k: b.get(k) for k in keys} == {k: a[k] for k in keys}
+    else:  # SGLang samples differently; the resumed weights reached the servers (the first sync verified)
+        assert b["reward/mean"] == b["reward/mean"] and b["loss/policy"] == b["loss/policy"]  # not NaN
