@@ -6,26 +6,18 @@ transformers' *ForTokenClassification with num_labels=1. Layout parity runs the 
 """
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist import torchrun
+from tests.layout_runs import CRITIC_LAYOUTS, layout_run, reference_run
 
 REL_TOL = 1e-5
-LAYOUTS = {
-    "tp2_sp": (2, ["parallel.tensor=2"]),
-    "ep2": (2, ["parallel.expert=2"]),
-    "pp2_mb2": (2, ["parallel.pipeline=2", "parallel.num_micro_batches=2"]),
-    "tp2_ep2_pp2": (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
-                        "parallel.num_micro_batches=2"]),
-}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("critic_reference")
-    torchrun("critic_parity.py", 1, "reference", str(root), str(root), json_report=False)
+    root = os.path.join(reference_run(tmp_path_factory), "critic")
     with open(os.path.join(root, "reference.json")) as f:
         return root, json.load(f)
 
@@ -40,11 +32,11 @@ def test_r3_replays_the_recorded_routes_in_the_critic(reference):
     assert r["replay_dev"] < r["live_dev"], r
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_critic_layout_matches_single_process(layout, reference, tmp_path):
+@pytest.mark.parametrize("layout", CRITIC_LAYOUTS)
+def test_critic_layout_matches_single_process(layout, reference, tmp_path_factory):
+    """(Run in the policy parity's launch of this layout: tests/layout_runs.py.)"""
     root, ref = reference
-    nproc, overrides = LAYOUTS[layout]
-    torchrun("critic_parity.py", nproc, "layout", str(root), str(tmp_path), *overrides, json_report=False)
+    tmp_path = Path(layout_run(layout, tmp_path_factory)) / "critic"
     with open(tmp_path / "layout.json") as f:
         got = json.load(f)
     assert ref["advantages_finite"] and got["advantages_finite"]

@@ -10,34 +10,14 @@ import os
 import pytest
 import torch
 
-from tests.dist import torchrun
+from tests.layout_runs import LAYOUTS, layout_run, reference_run
 
-CONFIGS = {"qwen3_moe": "configs/models/tiny_qwen3_moe.json", "mixtral": "configs/models/tiny_mixtral.json",
-           "glm4_moe": "configs/models/tiny_glm4_moe.json", "deepseek_v3": "configs/models/tiny_deepseek_v3.json"}
-BASE = ("qwen3_moe", "mixtral")
-ALL = tuple(CONFIGS)  # the sigmoid-router families at the layouts their issue names (TP2+SP, EP2, PP2)
 REL_TOL = 1e-5
-
-LAYOUTS = {  # name: (processes, overrides, families)
-    "tp2_sp": (2, ["parallel.tensor=2"], ALL),
-    "ep2": (2, ["parallel.expert=2"], ALL),
-    "pp2_mb2": (2, ["parallel.pipeline=2", "parallel.num_micro_batches=2"], ALL),
-    "tp2_ep2_etp1": (2, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=1"], BASE),
-    "tp2_ep2_etp2": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2"], BASE),
-    "tp2_ep2_pp2": (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
-                        "parallel.num_micro_batches=2"], BASE),
-}
-
-
-def _models(families) -> str:
-    return ",".join(CONFIGS[f] for f in families)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parity_reference")
-    torchrun("parity.py", 1, "reference", str(root), str(root), _models(ALL), json_report=False)
-    return root
+    return reference_run(tmp_path_factory)
 
 
 def _load(root, name):
@@ -46,10 +26,9 @@ def _load(root, name):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(layout, reference, tmp_path):
-    nproc, overrides, families = LAYOUTS[layout]
-    torchrun("parity.py", nproc, "layout", str(reference), str(tmp_path), _models(families), *overrides,
-             json_report=False)
+def test_layout_matches_single_process(layout, reference, tmp_path_factory):
+    families = LAYOUTS[layout][2]
+    tmp_path = layout_run(layout, tmp_path_factory)
     for family in families:
         ref = _load(reference, f"reference_{family}.json")["losses"]
         got = _load(tmp_path, f"layout_{family}.json")["losses"]

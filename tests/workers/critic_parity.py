@@ -35,8 +35,13 @@ SETTINGS = ("algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip", "alg
 
 
 def main():
-    phase, ref_root, out_dir = sys.argv[1:4]
-    cfg = load_config(None, tuple(sys.argv[4:]) + SETTINGS)
+    run(*sys.argv[1:4], tuple(sys.argv[4:]))
+    distributed.destroy()
+
+
+def run(phase, ref_root, out_dir, overrides: tuple):
+    """Also called by tests/workers/parity.py (RLPO_CRITIC_DIRS): one launch per layout for both parities."""
+    cfg = load_config(None, overrides + SETTINGS)
     hf = load_hf_config(MODEL)
     layout = distributed.init(cfg.parallel, hf, cfg.seed)
     rank = torch.distributed.get_rank()
@@ -67,7 +72,7 @@ def main():
                 save_sharded_grads(critic.chunks[0], grads_dir)
     critic.close()
     if phase == "reference":
-        result["replay"] = replay_check(hf, layout, init, batch)
+        result["replay"] = replay_check(hf, layout, init, batch, overrides)
     if phase != "reference":
         model_cfg = cfg.model
         del critic
@@ -77,10 +82,10 @@ def main():
     if rank == 0:
         with open(os.path.join(out_dir, f"{phase}.json"), "w") as f:
             json.dump(result, f)
-    distributed.destroy()
+    torch.distributed.barrier()
 
 
-def replay_check(hf, layout, init, batch):
+def replay_check(hf, layout, init, batch, overrides):
     """R3 in the critic: routes recorded from the critic, its routers perturbed, the value pass replays the
     recorded experts exactly while its live routers disagree; live routing gives other values."""
     from moe.routing.metrics import same_sets
@@ -89,7 +94,7 @@ def replay_check(hf, layout, init, batch):
     from rlpo_mega.training.critic import values_forward_step
     from rlpo_mega.training.step import forward_only
 
-    cfg = load_config(None, tuple(sys.argv[4:]) + SETTINGS + ("routing.mode=r3",))
+    cfg = load_config(None, overrides + SETTINGS + ("routing.mode=r3",))
     critic = Critic(cfg, hf, layout, TraceSpec.from_hf(hf))
     load_checkpoint(init, critic.chunks)
     micro = shard_and_split(batch, 1)

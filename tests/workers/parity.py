@@ -80,6 +80,11 @@ def main():
     overrides = tuple(sys.argv[5:]) + ("optim.lr=1e-3",)
     for model_cfg in model_cfgs.split(","):
         run_family(phase, ref_root, out_dir, model_cfg, overrides)
+    if os.environ.get("RLPO_CRITIC_DIRS"):  # the critic's parity at this layout too (tests/layout_runs.py)
+        from tests.workers.critic_parity import run as critic_parity
+
+        critic_ref, critic_out = os.environ["RLPO_CRITIC_DIRS"].split(",")
+        critic_parity(phase, critic_ref, critic_out, tuple(sys.argv[5:]))
     distributed.destroy()
 
 
