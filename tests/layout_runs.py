@@ -60,3 +60,27 @@ def layout_run(name: str, tmp_path_factory) -> str:
         torchrun("parity.py", nproc, "layout", ref, out, _models(families), *overrides, json_report=False, env=env)
         _RUNS[name] = out
     return _RUNS[name]
+
+
+# The bridge (tests/test_bridge.py, workers/bridge.py) and the value model's bridge (tests/test_critic.py,
+# workers/critic_bridge.py, after the policy families in the same processes), likewise.
+BRIDGE_MODELS = ",".join(CONFIGS[f] for f in ALL)
+CRITIC_BRIDGE_MODELS = ",".join(CONFIGS[f] for f in BASE)
+BRIDGE_LAYOUTS = {  # name: (processes, overrides, the critic too)
+    "tp1": (1, [], True),
+    "tp2_ep2_etp2": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2"], False),
+    "tp2_ep2_pp2": (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
+                        "parallel.num_micro_batches=2"], True),
+}
+CRITIC_BRIDGE_LAYOUTS = [name for name, (_, _, critic) in BRIDGE_LAYOUTS.items() if critic]
+_BRIDGE: dict[str, dict] = {}
+
+
+def bridge_run(name: str, tmp_path_factory) -> dict:
+    """{model_type: policy report, "critic:" + model_type: value-model report} at bridge layout `name`."""
+    if name not in _BRIDGE:
+        nproc, overrides, critic = BRIDGE_LAYOUTS[name]
+        env = {"RLPO_CRITIC_MODELS": CRITIC_BRIDGE_MODELS} if critic else {}
+        _BRIDGE[name] = torchrun("bridge.py", nproc, str(tmp_path_factory.mktemp(f"bridge_{name}")), BRIDGE_MODELS,
+                                 *overrides, env=env)
+    return _BRIDGE[name]

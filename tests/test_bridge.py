@@ -8,21 +8,14 @@ from moe.bridge.mapping import (Dims, full_to_hf, full_to_shard, hf_row_ranges, 
                                 hf_to_full, param_maps, shards_to_full)
 from moe.model import load_hf_config
 from tests.dist import torchrun
+from tests.layout_runs import BRIDGE_LAYOUTS, BRIDGE_MODELS, bridge_run
 
-MODELS = ("configs/models/tiny_qwen3_moe.json,configs/models/tiny_mixtral.json,configs/models/tiny_glm4_moe.json,"
-          "configs/models/tiny_deepseek_v3.json")
-LAYOUTS = {
-    "tp1": (1, []),
-    "tp2_ep2_etp2": (4, ["parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=2"]),
-    "tp2_ep2_pp2": (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
-                        "parallel.num_micro_batches=2"]),
-}
+MODELS = BRIDGE_MODELS
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_import_forward_export_roundtrip(layout, tmp_path):
-    nproc, overrides = LAYOUTS[layout]
-    reports = torchrun("bridge.py", nproc, str(tmp_path), MODELS, *overrides)
+@pytest.mark.parametrize("layout", list(BRIDGE_LAYOUTS))
+def test_import_forward_export_roundtrip(layout, tmp_path_factory):
+    reports = {k: v for k, v in bridge_run(layout, tmp_path_factory).items() if not k.startswith("critic:")}
     assert set(reports) == {"qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"}
     for family, r in reports.items():
         assert r["import_logits_rel_err"] <= 1e-4, (layout, family, r)

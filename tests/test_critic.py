@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist import torchrun
-from tests.layout_runs import CRITIC_LAYOUTS, layout_run, reference_run
+from tests.layout_runs import CRITIC_BRIDGE_LAYOUTS, CRITIC_LAYOUTS, bridge_run, layout_run, reference_run
 
 REL_TOL = 1e-5
 @pytest.fixture(scope="module")
@@ -62,20 +61,12 @@ def test_critic_layout_matches_single_process(layout, reference, tmp_path_factor
         assert rel <= REL_TOL, f"{layout} {name}: gradient rel error {rel:.2e}"
 
 
-BRIDGE_MODELS = "configs/models/tiny_qwen3_moe.json,configs/models/tiny_mixtral.json"
-BRIDGE_LAYOUTS = {
-    "tp1": (1, []),
-    "tp2_ep2_pp2": (8, ["parallel.tensor=2", "parallel.expert=2", "parallel.pipeline=2",
-                        "parallel.num_micro_batches=2"]),
-}
-
-
-@pytest.mark.parametrize("layout", list(BRIDGE_LAYOUTS))
-def test_value_model_equals_transformers_token_classification(layout, tmp_path):
+@pytest.mark.parametrize("layout", CRITIC_BRIDGE_LAYOUTS)
+def test_value_model_equals_transformers_token_classification(layout, tmp_path_factory):
     """Import a *ForTokenClassification(num_labels=1) checkpoint: values equal transformers' (fp32, rel <= 1e-4),
-    export gives its tensors back exactly; from a causal-LM checkpoint the trunk is the policy's, exactly."""
-    nproc, overrides = BRIDGE_LAYOUTS[layout]
-    reports = torchrun("critic_bridge.py", nproc, str(tmp_path), BRIDGE_MODELS, *overrides)
+    export gives its tensors back exactly; from a causal-LM checkpoint the trunk is the policy's, exactly.
+    (Run in the policy bridge's launch of this layout: tests/layout_runs.py.)"""
+    reports = {k[len("critic:"):]: v for k, v in bridge_run(layout, tmp_path_factory).items() if k.startswith("critic:")}
     assert set(reports) == {"qwen3_moe", "mixtral"}
     for family, r in reports.items():
         assert r["values_scale"] > 0.1 and r["values_rel_err"] <= 1e-4, (layout, family, r)

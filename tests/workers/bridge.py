@@ -82,6 +82,12 @@ def per_family_main(run_family):
     for model_cfg in model_cfgs.split(","):
         hf = load_hf_config(model_cfg)
         reports[hf.model_type] = run_family(out_dir, hf, overrides)
+    if os.environ.get("RLPO_CRITIC_MODELS"):  # the value model's bridge at this layout too (tests/layout_runs.py)
+        from tests.workers.critic_bridge import run_family as critic_family
+
+        for model_cfg in os.environ["RLPO_CRITIC_MODELS"].split(","):
+            hf = load_hf_config(model_cfg)
+            reports["critic:" + hf.model_type] = critic_family(out_dir, hf, overrides)
     if dist.get_rank() == 0:
         write_report(reports)
     distributed.destroy()
