@@ -178,3 +178,12 @@ class MoEFamily:
             "k_bias": a + "k_proj.bias",
             "v_bias": a + "v_proj.bias",
         }
+
+
+def gated_mlp_names(m: str = "model.layers.{i}.mlp.") -> dict[str, str]:
+    """The MoE block's names shared by Qwen3-MoE and the DeepSeek-V3 block (glm4_moe, deepseek_v3): router
+    `gate`, experts' gate/up/down projections, and a dense layer's."""
+    return {"router": m + "gate.weight", "expert_gate": m + "experts.{e}.gate_proj.weight",
+            "expert_up": m + "experts.{e}.up_proj.weight", "expert_down": m + "experts.{e}.down_proj.weight",
+            "dense_gate": m + "gate_proj.weight", "dense_up": m + "up_proj.weight",
+            "dense_down": m + "down_proj.weight"}

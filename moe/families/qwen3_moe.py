@@ -4,7 +4,7 @@ from __future__ import annotations
 from transformers import Qwen3MoeConfig
 
 from . import register_family
-from .base import MoEFamily, UnsupportedModelError
+from .base import MoEFamily, UnsupportedModelError, gated_mlp_names
 
 
 @register_family
@@ -33,15 +33,4 @@ class Qwen3MoeFamily(MoEFamily):
         return {"moe_ffn_hidden_size": hf.moe_intermediate_size}
 
     def hf_names(self, hf):
-        names = super().hf_names(hf)
-        m = "model.layers.{i}.mlp."
-        names.update(
-            router=m + "gate.weight",
-            expert_gate=m + "experts.{e}.gate_proj.weight",
-            expert_up=m + "experts.{e}.up_proj.weight",
-            expert_down=m + "experts.{e}.down_proj.weight",
-            dense_gate=m + "gate_proj.weight",
-            dense_up=m + "up_proj.weight",
-            dense_down=m + "down_proj.weight",
-        )
-        return names
+        return {**super().hf_names(hf), **gated_mlp_names()}

@@ -21,7 +21,7 @@ the layers dispatched: under R2/R3 the replayed routes (and padding tokens, whic
 """
 from __future__ import annotations
 
-from .base import MoEFamily, UnsupportedModelError
+from .base import MoEFamily, UnsupportedModelError, gated_mlp_names
 
 
 class SigmoidRouterFamily(MoEFamily):
@@ -78,19 +78,7 @@ class SigmoidRouterFamily(MoEFamily):
         return ident
 
     def hf_names(self, hf):
-        names = super().hf_names(hf)
         m = "model.layers.{i}.mlp."
-        names.update(
-            router=m + "gate.weight",
-            router_bias=m + "gate.e_score_correction_bias",
-            expert_gate=m + "experts.{e}.gate_proj.weight",
-            expert_up=m + "experts.{e}.up_proj.weight",
-            expert_down=m + "experts.{e}.down_proj.weight",
-            shared_gate=m + "shared_experts.gate_proj.weight",
-            shared_up=m + "shared_experts.up_proj.weight",
-            shared_down=m + "shared_experts.down_proj.weight",
-            dense_gate=m + "gate_proj.weight",
-            dense_up=m + "up_proj.weight",
-            dense_down=m + "down_proj.weight",
-        )
-        return names
+        return {**super().hf_names(hf), **gated_mlp_names(m), "router_bias": m + "gate.e_score_correction_bias",
+                "shared_gate": m + "shared_experts.gate_proj.weight", "shared_up": m + "shared_experts.up_proj.weight",
+                "shared_down": m + "shared_experts.down_proj.weight"}
