@@ -143,16 +143,14 @@ def _routes_and_logprobs_match_learner(engine, hf, ckpt, tmp_path):
     assert agree == total
 
 
-def _engine_path_once(family):
-    """The weight-update, disk and abort paths are the engine's, the same for every family: shown on
-    qwen3_moe (mixtral's own paths: its routes, its tied head, a server without restarts)."""
-    if family[1].model_type != "qwen3_moe":
-        pytest.skip("engine path shown on qwen3_moe")
+# The weight-update, disk and abort paths are the engine's, the same for every family: run on qwen3_moe's server
+# only (mixtral's own: its routes, its tied head, a killed server detected).
+engine_path_once = pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)
 
 
+@engine_path_once
 def test_tensor_update_and_digest(family):
     engine, hf, ckpt, w = family
-    _engine_path_once(family)
     name = out_head(hf)
     zero = torch.zeros_like(w[name])
     stats = TRANSPORTS.get("in_process")(engine).sync(ListStream([(name, zero)]))  # digest-verified
@@ -178,9 +176,9 @@ def permuted(hf, w, perm):
     return new
 
 
+@engine_path_once
 def test_distributed_update_permutes_routes(family):
     engine, hf, ckpt, w = family
-    _engine_path_once(family)
     base = engine.generate(PROMPTS, greedy())
     perm = torch.tensor([2, 0, 3, 1])
     transport = TRANSPORTS.get("sglang_distributed")(engine, backend="gloo")
@@ -200,9 +198,9 @@ def test_distributed_update_permutes_routes(family):
     assert [a.routes.tolist() for a in again] == [b.routes.tolist() for b in base]
 
 
+@engine_path_once
 def test_disk_update(family, tmp_path):
     from safetensors.torch import save_file
-    _engine_path_once(family)
 
     engine, hf, ckpt, w = family
     new_dir = tmp_path / "zeroed"
@@ -233,9 +231,9 @@ def test_tied_lm_head_caught(family):
     TRANSPORTS.get("in_process")(engine).sync(ListStream([("model.embed_tokens.weight", w["model.embed_tokens.weight"])]))
 
 
+@engine_path_once
 def test_abort_by_rid(family):
     engine, *_ = family
-    _engine_path_once(family)
     got = {}
     t = threading.Thread(target=lambda: got.setdefault("s", engine.generate(
         [PROMPTS[0]], SamplingParams(max_new_tokens=450), request_ids=["rlpo-test-abort"])))
