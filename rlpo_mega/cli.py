@@ -1,4 +1,4 @@
-"""`rlpo-mega` command line: train (in-process, or re-exec under torchrun for several processes), check,
+"""`rlpo-mega` command line: train (in-process, or re-exec under torchrun for several processes), check, plan,
 plot, convert, export."""
 from __future__ import annotations
 
@@ -183,6 +183,30 @@ def _check(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    import json
+    import warnings
+
+    from rlpo_mega.config import load_config
+    from rlpo_mega.errors import is_user_error, report
+    from rlpo_mega.planning.plan import make_plan, render
+
+    warnings.filterwarnings("ignore")  # megatron's import-time notes about TE and Apex
+    try:
+        cfg = load_config(args.config, tuple(args.overrides))
+        plan = make_plan(cfg, args.config, args.world_size, args.lengths, args.steps, args.prompt_tokens, args.seed)
+    except Exception as e:
+        if is_user_error(e):
+            return report("plan", e, args.debug)
+        raise
+    print(json.dumps(plan.to_json()) if args.json else render(plan))
+    exceeded = plan.first_exceeded()
+    if exceeded:
+        print(f"rlpo-mega plan: {exceeded}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _plot(args) -> int:
     from rlpo_mega.logging import plot as plot_mod
 
@@ -242,6 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--world-size", type=int, default=None,
                        help="total processes (nodes x GPUs per node): also checks the parallel layout and the "
                             "data-parallel split of the batch")
+    plan = sub.add_parser("plan", help="the config at its real size on this CPU, without GPUs or weights: memory per "
+                                       "learner GPU, server GPU and host against their budgets, the step plan, "
+                                       "the checkpoint's save time against the pre-emption window")
+    plan.add_argument("config")
+    plan.add_argument("overrides", nargs="*", help="dotted overrides, e.g. cluster.gpu_memory_gb=141")
+    plan.add_argument("--world-size", type=int, default=None,
+                      help="learner processes (default: cluster.learner_nodes x cluster.gpus_per_node)")
+    plan.add_argument("--lengths", default="uniform",
+                      help="response lengths: uniform, heavy-tail or all-max (up to rollout.max_new_tokens), or a "
+                           "file: a JSON array of lengths or a run's metrics.jsonl (default uniform)")
+    plan.add_argument("--steps", type=int, default=20, help="steps of the planner to simulate (default 20)")
+    plan.add_argument("--prompt-tokens", type=int, default=512, help="tokens of every prompt (default 512)")
+    plan.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths")
+    plan.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
     from rlpo_mega.logging import plot as plot_mod
 
     plot_mod.build_parser(sub.add_parser("plot", help="plot a run's metrics.jsonl curves to a PNG"))
@@ -260,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true",
                      help="replace --hf-out if an earlier export wrote it (never a checkpoint, a save_dir or "
                           "other files)")
-    for p in (train, check, conv, exp):
+    for p in (train, check, plan, conv, exp):
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
     return parser
 
@@ -297,6 +335,8 @@ def main(argv=None) -> int:
         return _train(args)
     if args.command == "check":
         return _check(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "plot":
         return _plot(args)
     return 1

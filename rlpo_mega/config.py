@@ -295,6 +295,18 @@ class CriticConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """What a recipe is sized for: `rlpo-mega plan` and `check` read it (the launchers pass their own sizes)."""
+    learner_nodes: Optional[int] = None  # nodes of learner GPUs; world size = learner_nodes * gpus_per_node
+    rollout_nodes: int = 0  # nodes of SGLang servers beside them (disaggregated); 0: none
+    gpus_per_node: int = 8
+    gpu_memory_gb: float = 80.0  # an H100's (GB = 1e9 bytes)
+    host_memory_gb: float = 1000.0  # one node's RAM
+    gpu_reserved_gb: float = 5.0  # CUDA context, NCCL's buffers, the allocator's fragmentation (assumed)
+    storage_gb_per_s: float = 2.0  # what one node writes to (and reads from) the checkpoint file system
+
+
+@dataclass
 class RunConfig:
     seed: int = 1234
     train_iters: int = 1  # RL steps (one rollout batch each)
@@ -310,6 +322,7 @@ class RunConfig:
     prompts: PromptDataConfig = field(default_factory=PromptDataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 def _node(schema, key: str):

@@ -280,22 +280,23 @@ def _existing_file(key: str, path: Optional[str], why: str) -> None:
         raise ConfigError(f"{key}={path!r} does not exist (or is not a file); {why}")
 
 
-def _check_data(cfg, warns: list[str]):
+def _check_data(cfg, warns: list[str], files: bool = True):
     p, tr = cfg.prompts, cfg.trainer
-    _existing_file("prompts.path", p.path, "set it to the .jsonl or .parquet file of training prompts")
+    existing = _existing_file if files else (lambda key, path, why: None)
+    existing("prompts.path", p.path, "set it to the .jsonl or .parquet file of training prompts")
     _choice("prompts.format", p.format, PROMPT_FORMATS)
     _choice("prompts.chat_template", p.chat_template, CHAT_TEMPLATES)
     if tr.eval_every < 0:
         raise ConfigError(f"trainer.eval_every={tr.eval_every} must be >= 0 (0: never)")
     if tr.eval_every > 0:
-        _existing_file("trainer.eval_path", tr.eval_path,
+        existing("trainer.eval_path", tr.eval_path,
                        f"trainer.eval_every={tr.eval_every} evaluates on it; set it or trainer.eval_every=0")
         if tr.eval_size < 1:
             raise ConfigError(f"trainer.eval_size={tr.eval_size} must be >= 1")
     if tr.warmup.steps < 0:
         raise ConfigError(f"trainer.warmup.steps={tr.warmup.steps} must be >= 0")
     if tr.warmup.steps > 0:
-        _existing_file("trainer.warmup.path", tr.warmup.path,
+        existing("trainer.warmup.path", tr.warmup.path,
                        f"trainer.warmup.steps={tr.warmup.steps} trains on it; set it or trainer.warmup.steps=0")
         if tr.warmup.batch_size < 1:
             raise ConfigError(f"trainer.warmup.batch_size={tr.warmup.batch_size} must be >= 1")
@@ -436,7 +437,9 @@ def _check_batch(cfg, world_size: Optional[int]):
         share, what = mini // dp, f"each data-parallel rank's share of a mini-batch ({mini}/{dp} = {mini // dp})"
     else:
         share, what = mini, f"a mini-batch ({mini} sequences, before the data-parallel split)"
-    if share % nmb:
+    # packed: the DP split balances tokens, so ranks hold uneven sample counts and a rank short of samples runs
+    # empty (masked pad) micro-batches; only the padded layout needs equal rows per micro-batch
+    if cfg.trainer.layout == "padded" and share % nmb:
         raise ConfigError(f"{what} does not split into parallel.num_micro_batches={nmb} micro-batches; make it a "
                           f"multiple of {nmb} or change parallel.num_micro_batches")
     if world_size is not None and mbs != 1 and mbs * nmb != share:
@@ -448,10 +451,11 @@ def _check_batch(cfg, world_size: Optional[int]):
                           f"{mbs}*{nmb}; change parallel.micro_batch_size or parallel.num_micro_batches")
 
 
-def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warnings: bool = True) -> list[str]:
+def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warnings: bool = True,
+                     files: bool = True) -> list[str]:
     """Check a RunConfig against the HF model config `hf` (None: read cfg.model.hf_config) and, when given, the
     world size (data-parallel split and parallel layout). Raises ConfigError for an impossible combination;
-    returns (and logs) warnings for suspicious ones."""
+    returns (and logs) warnings for suspicious ones. files=False: data files may be placeholders (`plan`)."""
     warns: list[str] = []
     hf = _check_model(cfg, hf)
     context = getattr(hf, "max_position_embeddings", None)
@@ -474,7 +478,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
         except ParallelLayoutError as e:
             raise ConfigError(f"{e} (world size {world_size})") from None
     _check_batch(cfg, world_size)
-    _check_data(cfg, warns)
+    _check_data(cfg, warns, files)
     for w in warns if log_warnings else ():  # the launcher checks quietly: its workers say them
         log.warning("config: %s", w)
     return warns

@@ -38,12 +38,14 @@ def user_error_types() -> tuple[type, ...]:
     from rlpo_mega.config import ConfigError
     from rlpo_mega.data.dataset import DataError
     from rlpo_mega.distributed import ParallelLayoutError
+    from rlpo_mega.planning.meta_build import MetaBuildError
+    from rlpo_mega.planning.plan import PlanError
     from rlpo_mega.platform import PlatformError
     from rlpo_mega.rollout.base import EngineError
 
     return (ConfigError, CheckpointError, DataError, ParallelLayoutError, UnsupportedModelError,
             CheckpointFormatError, OutputExistsError, RoutingTraceError, EngineError, PlatformError,
-            DigestMismatchError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+            DigestMismatchError, PlanError, MetaBuildError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def disk_full(e: BaseException) -> OSError | None:

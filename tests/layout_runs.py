@@ -26,6 +26,8 @@ LAYOUTS = {  # name: (processes, overrides, policy families, the critic too)
                         "parallel.num_micro_batches=2"], BASE, True),
 }
 CRITIC_LAYOUTS = [name for name, (_, _, _, critic) in LAYOUTS.items() if critic]
+# tests/test_plan.py: the memory model against megatron-core's allocations (workers/plan_memory.py), at these
+PLAN_MEMORY_LAYOUTS = ("tp2_sp", "ep2", "pp2_mb2", "tp2_ep2_pp2")
 
 _RUNS: dict[str, str] = {}
 
@@ -48,7 +50,7 @@ def reference_run(tmp_path_factory) -> str:
 
 def layout_run(name: str, tmp_path_factory) -> str:
     """Layout `name` (LAYOUTS) from the reference's initial weights. Its directory: layout_<family>.json,
-    grads_<family>.pt and, for CRITIC_LAYOUTS, critic/."""
+    grads_<family>.pt, for CRITIC_LAYOUTS critic/ and for PLAN_MEMORY_LAYOUTS plan_memory/."""
     if name not in _RUNS:
         ref = reference_run(tmp_path_factory)
         nproc, overrides, families, critic = LAYOUTS[name]
@@ -57,6 +59,9 @@ def layout_run(name: str, tmp_path_factory) -> str:
         if critic:
             os.makedirs(os.path.join(out, "critic"))
             env["RLPO_CRITIC_DIRS"] = f"{os.path.join(ref, 'critic')},{os.path.join(out, 'critic')}"
+        if name in PLAN_MEMORY_LAYOUTS:
+            os.makedirs(os.path.join(out, "plan_memory"))
+            env["RLPO_PLAN_MEMORY_DIR"] = os.path.join(out, "plan_memory")
         torchrun("parity.py", nproc, "layout", ref, out, _models(families), *overrides, json_report=False, env=env)
         _RUNS[name] = out
     return _RUNS[name]

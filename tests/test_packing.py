@@ -46,6 +46,24 @@ def test_plan_token_budget_and_equal_micro_batch_counts():
         plan_step([10, 5000], 1, 1, max_tokens=4096)
 
 
+def test_plan_fixed_micro_batch_count_with_uneven_samples_per_rank():
+    """The recipes' fixed count at their real size: 512 samples of 300..8500 tokens, 4 mini-batches, DP8,
+    16 micro-batches. The token-balanced DP split leaves some rank fewer than 16 samples (the mean): its extra
+    micro-batches are empty (one masked pad segment each), every rank runs 16, every sample trains once."""
+    g = torch.Generator().manual_seed(26)
+    for draw in range(20):
+        spans = torch.randint(300, 8501, (512,), generator=g).tolist()
+        plan = plan_step(spans, 4, 8, num_micro_batches=16, layout="packed", align=2)
+        assert sorted(i for mini in plan.micro for r in mini for mb in r for i in mb) == list(range(512))
+        counts = [sum(len(mb) for mb in r) for mini in plan.micro for r in mini]
+        assert all(len(r) == 16 for mini in plan.micro for r in mini)
+        if draw == 0:
+            assert min(counts) < 16 < max(counts)  # the case that used to raise
+    # a budget: never fewer micro-batches than the count, never more than a rank's samples unless the count says so
+    plan = plan_step([100] * 3 + [4000] * 5, 1, 2, num_micro_batches=4, max_tokens=8192)
+    assert {len(r) for r in plan.micro[0]} == {4}
+
+
 def _sample(i, plen, rlen, g, layers=2, topk=2, experts=4):
     ids = torch.randint(3, 50, (plen + rlen,), generator=g)
     routes = torch.rand(plen + rlen - 1, layers, experts, generator=g).argsort(-1)[..., :topk].to(torch.uint8)

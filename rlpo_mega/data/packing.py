@@ -116,17 +116,18 @@ def _fits(parts, samples, spans, max_tokens, align):
 
 
 def _micro_count(samples, spans, minimum, max_tokens, align) -> int:
-    """The fewest micro-batches (>= minimum) whose token counts fit the budget."""
-    if minimum > len(samples):
-        raise ValueError(f"{len(samples)} samples on a DP rank cannot fill {minimum} micro-batches "
-                         "(parallel.num_micro_batches)")
-    if max_tokens is None:
+    """The fewest micro-batches (>= minimum) whose token counts fit the budget. A rank may hold fewer samples
+    than `minimum` (the DP split balances tokens, not counts): its extra micro-batches are empty, and an empty
+    micro-batch runs one masked pad segment (training/batches.build_micro_batch), so every rank still joins
+    each micro-batch's collectives."""
+    if max_tokens is None or not samples:
         return minimum
     longest = max(spans[i] for i in samples)
     if aligned(longest, align) > max_tokens:
         raise ValueError(f"a sample spans {longest} tokens, more than trainer.max_tokens_per_micro_batch="
                          f"{max_tokens}: raise the budget to at least the longest prompt + response")
     k = max(minimum, math.ceil(aligned(sum(spans[i] for i in samples), align) / max_tokens))
-    while not _fits(karmarkar_karp([spans[i] for i in samples], k), samples, spans, max_tokens, align):
+    while k < len(samples) and not _fits(karmarkar_karp([spans[i] for i in samples], k), samples, spans,
+                                         max_tokens, align):
         k += 1  # balanced sets can still overflow by a sample; one more set always helps in the end
-    return min(k, len(samples))
+    return max(minimum, min(k, len(samples)))

@@ -16,7 +16,7 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     routing_replay: give the routers megatron's RouterReplay (moe.routing.replay drives it).
     value_head: the critic (moe.value_head, head drawn from head_seed); init_from_hf: its HF checkpoint
     (None: model_cfg.init_from_hf, the policy's)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -45,13 +45,7 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
         model.loaded_whole = load_hf_weights([model], source, model_cfg.vocab_divisible_by)
     if not with_ddp:
         return [model], None
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_dist_opt,
-        average_in_collective=False,
-    )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(use_dist_opt), module=model)
     ddp.hf_config = hf
     ddp.real_vocab_size = hf.vocab_size
     ddp.value_head = value_head
@@ -75,6 +69,18 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     config.grad_scale_func = optimizer.scale_loss
     return [ddp], optimizer
+
+
+def ddp_config(use_distributed_optimizer: bool):
+    """The DDP settings of every model (rlpo_mega.planning sizes the buffers they give)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        average_in_collective=False,
+    )
 
 
 def unwrap(chunk):

@@ -225,7 +225,10 @@ class Trainer:
                               oversample=p.oversample)
 
     def _divisor(self) -> int:
-        return self.cfg.trainer.mini_batches * self.layout.data * self.cfg.parallel.num_micro_batches
+        """Rows a rollout batch must be a multiple of: padded splits each rank's rows evenly into micro-batches;
+        packed needs only equal mini-batches (each rank's micro-batch count follows from its samples)."""
+        per_rank = self.cfg.parallel.num_micro_batches if self.cfg.trainer.layout == "padded" else 1
+        return self.cfg.trainer.mini_batches * self.layout.data * per_rank
 
     def _prepare(self, samples, group_ids, timer):
         from rlpo_mega.training.batches import prepare_step

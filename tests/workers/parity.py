@@ -85,6 +85,10 @@ def main():
 
         critic_ref, critic_out = os.environ["RLPO_CRITIC_DIRS"].split(",")
         critic_parity(phase, critic_ref, critic_out, tuple(sys.argv[5:]))
+    if os.environ.get("RLPO_PLAN_MEMORY_DIR"):  # tests/test_plan.py's allocations at this layout (layout_runs.py)
+        from tests.workers.plan_memory import run as plan_memory
+
+        plan_memory(os.environ["RLPO_PLAN_MEMORY_DIR"], tuple(sys.argv[5:]))
     distributed.destroy()
 
 

@@ -1,0 +1,168 @@
+"""Bytes per learner GPU: what megatron-core allocates for a rank (exact, from meta_build's buffers) and what a
+micro-batch adds (an estimate, stated as one).
+
+Exact (tests/test_plan.py compares them byte for byte with the tensors megatron-core allocated at TP2+SP, EP2,
+PP2 and TP2/EP2/PP2, with and without the distributed optimizer):
+- params: the DDP param buffers under the distributed optimizer (each parameter a view into one), else the
+  parameters themselves; plus the modules' buffers (a sigmoid router's fp32 score-correction bias).
+- grads: the DDP grad buffers (fp32: grad_reduce_in_fp32), padding included.
+- optimizer: Adam's exp_avg and exp_avg_sq (fp32) and the fp32 main copies of 16-bit parameters. The
+  distributed optimizer cuts every bucket into DP-size equal ranges (distrib_optimizer.py
+  `_build_model_gbuf_range`) and keeps state only for the parameter elements inside this rank's range; fp32
+  parameters are their own main copies (views). Without it: every element, full size.
+
+Estimated (one number each, the formula in its function): activations of the largest micro-batch under the
+recipe's recompute setting, the logits and the log-prob kernel's chunk, the exchange's buffers and routes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+GB = 1e9
+
+
+def _range_elements(params: list, lo: int, hi: int) -> int:
+    """Parameter elements of [lo, hi) (buffer indices), padding excluded."""
+    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in params)
+
+
+def optimizer_elements(buffer: dict, dp_rank: int) -> int:
+    """Elements of `buffer` whose optimizer state DP rank `dp_rank` keeps (the distributed optimizer)."""
+    total = 0
+    for start, end in buffer["buckets"]:
+        size = (end - start) // buffer["dp"]
+        lo = start + dp_rank * size
+        total += _range_elements(buffer["params"], lo, lo + size)
+    return total
+
+
+@dataclass
+class ModelBytes:
+    """One model (policy or critic) on one rank: parameter count and bytes by kind."""
+    params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def model_bytes(rank: dict, distributed_optimizer: bool, dp_rank: int | None = None,
+                expert_dp_rank: int | None = None) -> ModelBytes:
+    """`rank`: one entry of meta_build.build. dp_rank/expert_dp_rank: the rank's place in its data-parallel
+    groups (None: the largest over them, what a table of the layout needs)."""
+    buffers = rank["buffers"]
+    if distributed_optimizer:
+        params = sum(b["numel"] * ITEMSIZE[b["param_dtype"]] for b in buffers)
+    else:
+        params = rank["param_bytes"]
+    params += rank["module_buffer_bytes"]
+    grads = sum(b["numel"] * ITEMSIZE[b["grad_dtype"]] for b in buffers)
+    opt = 0
+    for b in buffers:
+        main = 0 if b["param_dtype"] == "float32" else 4  # fp32 params are their own main copy
+        if distributed_optimizer:
+            which = expert_dp_rank if b["expert"] else dp_rank
+            ranks = range(b["dp"]) if which is None else (which,)
+            elements = max(optimizer_elements(b, r) for r in ranks)
+        else:
+            elements = b["numel_unpadded"]
+        opt += elements * (main + 8)
+    return ModelBytes(rank["params"], params, grads, opt)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The sizes the activation estimate needs (megatron's TransformerConfig fields of the family)."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # dense layers' MLP
+    moe_ffn: int
+    shared_ffn: int
+    topk: int
+    experts: int
+    moe_layers: tuple  # 1 per layer that is MoE
+    padded_vocab: int
+
+    @classmethod
+    def of(cls, hf, vocab_divisible_by: int, tp: int):
+        from moe.families import get_family
+        from moe.model import padded_vocab_size
+
+        family = get_family(hf.model_type)
+        f = family.transformer_fields(hf)
+        return cls(f["hidden_size"], f["num_attention_heads"], f.get("num_query_groups") or f["num_attention_heads"],
+                   f.get("kv_channels") or f["hidden_size"] // f["num_attention_heads"], f["ffn_hidden_size"],
+                   f.get("moe_ffn_hidden_size") or f["ffn_hidden_size"],
+                   f.get("moe_shared_expert_intermediate_size") or 0, f.get("moe_router_topk") or 1,
+                   family.num_experts(hf), tuple(family.moe_layer_pattern(hf)),
+                   padded_vocab_size(hf.vocab_size, vocab_divisible_by, tp))
+
+
+def layer_activation_bytes(s: Shape, tokens: int, tp: int, moe: bool, imbalance: float) -> int:
+    """What one decoder layer keeps for its backward, bf16 (2 B), sequence parallel over `tp`, flash-style
+    attention (no [L, L] scores: Transformer Engine's fused attention), no dropout masks (dropout 0).
+    Attention: the input norm's and the QKV linear's inputs (sequence shards), q/k/v, the attention output and
+    its log-sum-exp (fp32), the projection's input. MoE: the norm's and router's inputs, fp32 router logits
+    and probabilities, then per routed token copy (tokens x topk / tp on average, times `imbalance` for the
+    busiest rank: nothing caps an expert's load) the permuted input, fc1's gate+up output, the activation
+    and the un-permuted output. A dense MLP and a shared expert: their norm input, fc1's output and the
+    activation, split over TP."""
+    t = tokens / tp
+    attn = 2 * t * (2 * s.hidden + (s.heads + 2 * s.kv_heads) * s.head_dim + 2 * s.heads * s.head_dim) \
+        + 4 * t * s.heads
+    if not moe:
+        return int(attn + 2 * t * (s.hidden + 3 * s.ffn))
+    copies = t * s.topk * imbalance
+    mlp = 2 * t * 2 * s.hidden + 4 * 2 * t * s.experts + copies * (2 * (2 * s.hidden + 3 * s.moe_ffn) + 4)
+    if s.shared_ffn:
+        mlp += 2 * t * 3 * s.shared_ffn
+    return int(attn + mlp)
+
+
+def activation_bytes(s: Shape, tokens: int, tp: int, layers: range, recompute: bool, in_flight: int,
+                     imbalance: float) -> int:
+    """A pipeline stage's activations with `in_flight` micro-batches of `tokens` started and not yet finished
+    (1F1B: pipeline - stage). Full recompute (uniform, one layer per checkpoint) keeps each layer's input and
+    rebuilds one layer at a time in the backward; without it every layer keeps everything."""
+    per_layer = [layer_activation_bytes(s, tokens, tp, bool(s.moe_layers[i]), imbalance) for i in layers]
+    if recompute:
+        kept = len(per_layer) * 2 * tokens / tp * s.hidden
+        return int(in_flight * kept + max(per_layer, default=0))
+    return int(in_flight * sum(per_layer))
+
+
+def logits_bytes(s: Shape, tokens: int, tp: int) -> int:
+    """The output layer's logits of one micro-batch [tokens, vocab / tp] (bf16) and their gradient."""
+    return 2 * 2 * tokens * s.padded_vocab // tp
+
+
+def logprob_chunk_bytes(s: Shape, tokens: int, tp: int) -> int:
+    """The log-prob kernel's fp32 temporaries: a few chunk-sized tensors (algorithms/logprobs.py)."""
+    from rlpo_mega.algorithms.logprobs import _rows_per_chunk
+
+    rows = _rows_per_chunk(tokens, s.padded_vocab // tp, None)
+    return 3 * 4 * rows * (s.padded_vocab // tp)
+
+
+def route_bytes(moe_layers_here: int, topk: int, tokens: int, tp: int) -> int:
+    """R3 routes of one micro-batch on the device: [tokens / tp, this stage's MoE layers, topk] int16."""
+    return 2 * math.ceil(tokens / tp) * moe_layers_here * topk
+
+
+@dataclass
+class GPUBytes:
+    """One learner GPU (a pipeline stage's rank), by kind."""
+    stage: int
+    params: int  # parameter count (policy + critic)
+    by_kind: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())

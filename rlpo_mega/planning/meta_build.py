@@ -1,0 +1,154 @@
+"""The recipe's real model, built by megatron-core for one rank of its layout on the `meta` device.
+
+`rlpo-mega plan` sizes a recipe without GPUs, weights or a process group of the recipe's size: this module runs
+in a child process (`python -m rlpo_mega.planning.meta_build`, JSON in on stdin, JSON out on stdout) that
+joins torch's fake process group (every collective a no-op) as the rank to size, lets megatron-core's own
+parallel_state, GPTModel and DistributedDataParallel build that rank's model and its param/grad buffers --
+with megatron's own sharding, vocabulary padding and bucket padding -- and reports what they hold. Nothing is
+allocated: `torch.cuda.current_device()` is the meta device while the model and its buffers are built.
+
+One child per plan: it is the CPU platform (megatron's run-time patches, no CUDA even on a GPU host), and a
+fake world group must not share a process with a real one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moe.model import ParallelSizes, build_gpt_model, load_hf_config, transformer_config
+
+
+@dataclass(frozen=True)
+class Request:
+    hf_config: str  # config.json path (or directory)
+    world_size: int
+    tensor: int
+    pipeline: int
+    expert: int
+    expert_tensor: int
+    sequence_parallel: bool
+    params_dtype: str  # float32 | bfloat16
+    vocab_divisible_by: int
+    use_distributed_optimizer: bool
+    value_head: bool = False  # the critic: a scalar head in place of the output layer
+    recompute: bool = False
+    ranks: tuple = ()  # global ranks to build; () = the first rank of every pipeline stage
+
+
+def _interval_lists(buffer) -> list:
+    """[start, end) of every parameter in the buffer (megatron's param_index_map), bucket boundaries."""
+    return sorted([s, e] for s, e, _ in buffer.param_index_map.values())
+
+
+def _describe(ddp, model) -> dict:
+    buffers = []
+    for expert, group in ((False, ddp.buffers), (True, ddp.expert_parallel_buffers)):
+        for b in group:
+            buffers.append({
+                "expert": expert, "param_dtype": str(b.param_dtype).removeprefix("torch."),
+                "grad_dtype": str(b.grad_dtype).removeprefix("torch."), "numel": int(b.numel),
+                "numel_unpadded": int(b.numel_unpadded), "dp": int(b.data_parallel_world_size),
+                "params": _interval_lists(b), "buckets": [list(map(int, x)) for x in b.bucket_indices],
+                "param_data": b.param_data is not None})
+    params = list(model.parameters())
+    return {
+        "params": int(sum(p.numel() for p in params)),
+        "param_bytes": int(sum(p.numel() * p.element_size() for p in params)),
+        "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
+        "expert_params": int(sum(p.numel() for p in params if not getattr(p, "allreduce", True))),
+        # buffers of the modules (the routers' fp32 score-correction bias, RoPE tables) beside the parameters
+        "module_buffer_bytes": int(sum(b.numel() * b.element_size() for b in model.buffers()
+                                       if b.device.type == "meta")),
+        "buffers": buffers,
+    }
+
+
+def _build_rank(req: Request, rank: int) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from rlpo_mega.training.model_setup import PARAMS_DTYPES, ddp_config
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=req.world_size)
+    try:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=req.tensor, pipeline_model_parallel_size=req.pipeline,
+            expert_model_parallel_size=req.expert, expert_tensor_parallel_size=req.expert_tensor,
+            create_gloo_process_groups=False)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+        hf = load_hf_config(req.hf_config)
+        sizes = ParallelSizes(req.tensor, req.pipeline, req.expert, req.expert_tensor, req.sequence_parallel)
+        config = transformer_config(hf, sizes, params_dtype=PARAMS_DTYPES[req.params_dtype],
+                                    recompute=req.recompute, calculate_per_token_loss=True)
+        # meta tensors hold no values: megatron's CPU initialisation (full weights, then split) would draw them
+        config.use_cpu_initialization = False
+        config.perform_initialization = False
+        with torch.device("meta"):
+            model = build_gpt_model(hf, config, vocab_divisible_by=req.vocab_divisible_by, value_head=req.value_head)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(req.use_distributed_optimizer),
+                                      module=model)
+        out = _describe(ddp, model)
+        out.update(rank=rank, stage=parallel_state.get_pipeline_model_parallel_rank(),
+                   tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+                   ep_rank=parallel_state.get_expert_model_parallel_rank(),
+                   dp_rank=parallel_state.get_data_parallel_rank(),
+                   expert_dp_rank=parallel_state.get_expert_data_parallel_rank())
+        return out
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def build(req: Request) -> list[dict]:
+    """In this process: the ranks of `req` (see Request.ranks). Use `run` from anywhere else."""
+    from rlpo_mega import platform
+
+    platform.apply()
+    real = torch.cuda.current_device
+    torch.cuda.current_device = lambda: torch.device("meta")  # DDP's buffers: torch.zeros(device=current_device())
+    try:
+        ranks = req.ranks or tuple(s * (req.world_size // req.pipeline) for s in range(req.pipeline))
+        return [_build_rank(req, r) for r in ranks]
+    finally:
+        torch.cuda.current_device = real
+
+
+class MetaBuildError(RuntimeError):
+    pass
+
+
+def run(req: Request, timeout: float = 600.0) -> list[dict]:
+    """`build(req)` in a child process on the CPU platform (see the module docstring)."""
+    import subprocess
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "rlpo_mega.planning.meta_build"], input=json.dumps(asdict(req)),
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+        raise MetaBuildError(f"building {req.hf_config} on the meta device at TP{req.tensor}/PP{req.pipeline}/"
+                             f"EP{req.expert} failed: {tail[0]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    import logging
+
+    logging.disable(logging.WARNING)  # megatron's per-buffer logs would reach stdout
+    raw = json.loads(sys.stdin.read())
+    raw["ranks"] = tuple(raw.get("ranks", ()))
+    result = build(Request(**raw))
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""`rlpo-mega plan`: a recipe at its real size on a CPU -- no GPU, no weights, no prompts file, no process group of
+its size. What depends on size is checked here, at the size, so that a shrunk test run cannot hide it:
+
+- the step plan: K steps of the real planner (rlpo_mega.data.packing.plan_step) on drawn response lengths; any
+  refusal is the recipe's failure;
+- every learner GPU (one row per pipeline stage): the model's parameters, gradients and optimizer state as
+  megatron-core allocates them (meta_build, exact) plus the largest planned micro-batch's activations, logits,
+  log-prob chunk, routes and the exchange's buffers (estimates, memory.py);
+- every SGLang server GPU: weights at its TP, the KV pool mem_fraction_static leaves, the weight sync's and
+  the digest hook's transients, whether the requests in flight fit the pool;
+- every host: the checkpoint's save and load transients, the rollout driver's buffers; the checkpoint's size
+  and the time its save needs against the SIGTERM lead time of launch/slurm.
+
+One table per role with the budget and the headroom; the first budget exceeded is the one line of a failure.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from moe.families import get_family
+from moe.model import load_hf_config
+from rlpo_mega.config_checks import check_run_config
+from rlpo_mega.data.packing import aligned, plan_step
+from rlpo_mega.distributed import resolve_layout
+from rlpo_mega.planning import memory
+from rlpo_mega.planning.meta_build import Request, run as meta_run
+
+GB = 1e9
+LENGTH_DISTS = ("uniform", "heavy-tail", "all-max")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the rollout engine's default share of a GPU for weights + KV pool when the recipe does not state it
+DEFAULT_MEM_FRACTION = 0.85
+SGLANG_RUNTIME_GB = 4.0  # a server's CUDA graphs, activations of a prefill chunk, NCCL (assumed)
+
+
+class PlanError(ValueError):
+    """The recipe does not fit, or cannot be planned: one line naming the first budget exceeded."""
+
+
+# ---- response lengths
+def response_lengths(spec: str, max_new: int, n: int, steps: int, seed: int) -> list[list[int]]:
+    """`steps` lists of `n` response lengths: a distribution (LENGTH_DISTS) or a file (a JSON array of lengths,
+    or a run's metrics.jsonl: each step's mean, max and truncated fraction)."""
+    rng = random.Random(seed)
+    if spec == "uniform":
+        return [[rng.randint(1, max_new) for _ in range(n)] for _ in range(steps)]
+    if spec == "heavy-tail":  # long-CoT: most answers short, a long tail, some cut at the limit
+        return [[min(max_new, max(1, int(rng.lognormvariate(math.log(max_new / 6), 1.0)))) for _ in range(n)]
+                for _ in range(steps)]
+    if spec == "all-max":
+        return [[max_new] * n for _ in range(steps)]
+    if not os.path.isfile(spec):
+        raise PlanError(f"--lengths {spec!r} is neither a distribution ({', '.join(LENGTH_DISTS)}) nor a file")
+    with open(spec) as f:
+        text = f.read()
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError:
+        values = None
+    if isinstance(values, list):
+        if not values or not all(isinstance(v, int) and v >= 1 for v in values):
+            raise PlanError(f"--lengths {spec}: a JSON array of response lengths (integers >= 1) was expected")
+        return [[min(max_new, rng.choice(values)) for _ in range(n)] for _ in range(steps)]
+    return _lengths_from_metrics(spec, text, max_new, n, steps, rng)
+
+
+def _lengths_from_metrics(spec, text, max_new, n, steps, rng):
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise PlanError(f"--lengths {spec}: neither a JSON array nor a metrics.jsonl (a line is not JSON)") from None
+        if "response/length_mean" in row:
+            rows.append(row)
+    if not rows:
+        raise PlanError(f"--lengths {spec}: no step with response/length_mean (a run's metrics.jsonl was expected)")
+    out = []
+    for k in range(steps):  # the last `steps` logged steps, each: its truncated share at the limit, the rest
+        row = rows[-steps:][k % min(steps, len(rows))]  # exponential with the remaining mean, capped at its max
+        cut = round(n * row.get("response/truncated_frac", 0.0))
+        mean, top = row["response/length_mean"], min(max_new, int(row.get("response/length_max", max_new)))
+        rest_mean = max(1.0, (mean * n - cut * max_new) / max(1, n - cut))
+        out.append([max_new] * cut + [min(top, max(1, int(rng.expovariate(1 / rest_mean)))) for _ in range(n - cut)])
+    return out
+
+
+# ---- the step plan
+@dataclass
+class StepSummary:
+    steps: int = 0
+    largest_micro_tokens: int = 0  # aligned tokens of the largest micro-batch any rank runs
+    most_micro_batches: int = 0  # per rank and mini-batch
+    largest_rank_tokens: int = 0  # one DP rank's tokens of one step (the exchange's receive)
+    step_tokens: int = 0  # the largest step's tokens (the rollout driver's and the sender's)
+    efficiency: float = 1.0  # the worst packing efficiency
+
+
+def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_tokens: int) -> StepSummary:
+    t, s = cfg.trainer, StepSummary()
+    for k, responses in enumerate(lengths):
+        spans = [prompt_tokens + r - 1 for r in responses]
+        try:
+            plan = plan_step(spans, t.mini_batches, dp, cfg.parallel.num_micro_batches,
+                             t.max_tokens_per_micro_batch, t.layout, align=tp)
+        except ValueError as e:
+            raise PlanError(f"step plan, drawn step {k + 1}: {e}") from None
+        s.steps += 1
+        width = aligned(max(spans), tp)
+        for mini in plan.micro:
+            for rank in mini:
+                s.most_micro_batches = max(s.most_micro_batches, len(rank))
+                for mb in rank:
+                    tokens = (max(len(mb), 1) * width if t.layout == "padded"
+                              else aligned(max(sum(spans[i] for i in mb), 1), tp))
+                    s.largest_micro_tokens = max(s.largest_micro_tokens, tokens)
+        per_rank = [0] * dp
+        for i, d in plan.dp_of().items():
+            per_rank[d] += prompt_tokens + responses[i]
+        s.largest_rank_tokens = max(s.largest_rank_tokens, max(per_rank))
+        s.step_tokens = max(s.step_tokens, sum(prompt_tokens + r for r in responses))
+        s.efficiency = min(s.efficiency, sum(spans) / plan.computed_tokens(spans, tp))
+    return s
+
+
+# ---- roles
+@dataclass
+class Row:
+    """One GPU or host: bytes by kind against a budget."""
+    role: str
+    name: str
+    budget: int
+    parts: dict = field(default_factory=dict)  # kind -> bytes
+    info: dict = field(default_factory=dict)  # counts, not bytes
+    notes: list = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def headroom(self) -> int:
+        return self.budget - self.total
+
+
+def _request(cfg, layout, hf_config: str, value_head: bool) -> Request:
+    return Request(hf_config, layout.world_size, layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor,
+                   layout.sequence_parallel, cfg.model.params_dtype, cfg.model.vocab_divisible_by,
+                   cfg.optim.use_distributed_optimizer, value_head=value_head, recompute=cfg.model.recompute)
+
+
+def _stage_layers(hf, pp: int, stage: int) -> range:
+    per = hf.num_hidden_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optional[list], budget: int,
+                 reserved: int, imbalance: float) -> list[Row]:
+    shape = memory.Shape.of(hf, cfg.model.vocab_divisible_by, layout.tensor)
+    tp, pp = layout.tensor, layout.pipeline
+    tokens = steps.largest_micro_tokens
+    family = get_family(hf.model_type)
+    topk = shape.topk
+    route_item = 2 if family.num_experts(hf) > 256 else 1
+    rows = []
+    for s, rank in enumerate(built):
+        stage = rank["stage"]
+        layers = _stage_layers(hf, pp, stage)
+        moe_here = sum(shape.moe_layers[i] for i in layers)
+        policy = memory.model_bytes(rank, cfg.optim.use_distributed_optimizer)
+        row = Row("learner GPU", f"stage {stage}" if pp > 1 else "every rank", budget)
+        row.info["params"] = policy.params
+        row.parts.update(params=policy.param_bytes, grads=policy.grad_bytes, optimizer=policy.optimizer_bytes)
+        if critic is not None:
+            value = memory.model_bytes(critic[s], cfg.critic.optim.use_distributed_optimizer)
+            row.info["critic params"] = value.params
+            row.parts["critic"] = value.total
+        in_flight = pp - stage if pp > 1 else 1
+        row.parts["activations"] = memory.activation_bytes(shape, tokens, tp, layers, cfg.model.recompute, in_flight,
+                                                           imbalance)
+        if stage == pp - 1:
+            row.parts["logits"] = memory.logits_bytes(shape, tokens, tp)
+            row.parts["logprob chunk"] = memory.logprob_chunk_bytes(shape, tokens, tp)
+        if cfg.routing.mode != "off" and moe_here:
+            row.parts["routes"] = memory.route_bytes(moe_here, topk, tokens, tp)
+        # the exchange (training/exchange.py): one all_to_all of a step's payload on the device: token ids and
+        # log-probs (4 B each), this stage's routes per input position; the receive holds the rank's share, the
+        # send on the engine's rank (SGLang: rank 0 alone holds every sample) the whole step's
+        per_token = 8 + (moe_here * topk * route_item if cfg.routing.mode == "r3" else 0)
+        recv = steps.largest_rank_tokens * per_token
+        send = steps.step_tokens * (8 + sum(shape.moe_layers) * topk * route_item) \
+            if cfg.rollout.engine == "sglang" and stage == 0 else recv
+        row.parts["exchange"] = recv + send
+        row.parts["reserved"] = reserved
+        row.info["micro-batch tokens"] = tokens
+        rows.append(row)
+    return rows
+
+
+def total_params(built: list, layout) -> int:
+    """Parameters of the whole model: each stage's dense part times TP, its experts times EP x ETP (the norms,
+    replicated over TP, are counted TP times: a few hundred thousand parameters)."""
+    return sum((r["params"] - r["expert_params"]) * layout.tensor + r["expert_params"] * layout.expert
+               * layout.expert_tensor for r in built)
+
+
+def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt_tokens: int) -> list[Row]:
+    """largest_tensor: bytes of the largest HF tensor (bf16): the digest hook's unit of work."""
+    """One row per kind of server (they are alike): weights at its TP, the KV pool, the transients."""
+    sg, c = cfg.rollout.sglang, cfg.cluster
+    tp = sg.tp_size
+    servers = len(sg.urls) if sg.urls else sg.num_servers if sg.launch else c.rollout_nodes * c.gpus_per_node // tp
+    if servers < 1:
+        raise PlanError("rollout.engine=sglang with no servers to plan: set cluster.rollout_nodes (the nodes the "
+                        "SGLang servers run on), rollout.sglang.urls or rollout.sglang.launch + num_servers")
+    fraction = float(sg.server_args.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
+    shape = memory.Shape.of(hf, 1, 1)
+    weights = 2 * n_params // tp  # bf16, every tensor split over the server's TP (vocabulary included)
+    kv_per_token = hf.num_hidden_layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * 2
+    pool = int(fraction * budget) - weights
+    if pool <= 0:
+        raise PlanError(f"server GPU: the weights ({weights / GB:.1f} GB at TP{tp}) exceed mem_fraction_static="
+                        f"{fraction} of {budget / GB:.0f} GB: raise rollout.sglang.tp_size")
+    batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
+    in_flight = min(sg.max_in_flight_per_server, math.ceil(batch / servers))
+    row = Row("server GPU", f"{servers} x TP{tp}", budget)
+    row.parts.update({
+        "weights": weights, "KV pool": pool,
+        # the sync receives one bucket of full HF tensors on every server rank; the digest hook
+        # (launch/rlpo_sglang_hooks.py) gathers one tensor at a time: TP shards, their concatenation
+        "sync bucket": cfg.rollout.sync_bucket_mb << 20, "digest": 2 * largest_tensor,
+        "runtime": int(SGLANG_RUNTIME_GB * GB)})
+    need = in_flight * (prompt_tokens + cfg.rollout.max_new_tokens)
+    row.info.update({"KV tokens": pool // kv_per_token, "tokens in flight (worst)": need,
+                     "requests in flight": in_flight})
+    row.notes.append(f"mem_fraction_static={fraction}" + ("" if "mem_fraction_static" in sg.server_args else
+                                                            " (assumed; the launch's SGLANG_ARGS set it)"))
+    if need > pool // kv_per_token:
+        row.notes.append(f"the requests in flight need {need} KV tokens at their longest, the pool holds "
+                         f"{pool // kv_per_token}: SGLang queues or retracts the rest (slower, not an error)")
+    return [row]
+
+
+def dp_rank0_ranks(layout) -> tuple[set, set]:
+    """Global ranks that are rank 0 of their dense / expert data-parallel group (megatron's rank order
+    tp-cp-ep-dp-pp, parallel_state.RankGenerator): where a fully_reshardable save gathers the state."""
+    from megatron.core.parallel_state import RankGenerator
+
+    dense = RankGenerator(tp=layout.tensor, ep=1, dp=layout.data, pp=layout.pipeline, cp=1, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=layout.expert_tensor, ep=layout.expert, dp=layout.expert_data, pp=layout.pipeline,
+                           cp=1, order="tp-cp-ep-dp-pp")
+    return ({g[0] for g in dense.get_ranks("dp")}, {g[0] for g in expert.get_ranks("dp")})
+
+
+def _stage_of(rank: int, layout) -> int:
+    return rank // (layout.world_size // layout.pipeline)
+
+
+def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int) -> tuple[list[Row], dict]:
+    """Per learner node: the checkpoint's save and load transients (the distributed optimizer's gathers) and
+    the rollout driver's buffers (node 0); and the checkpoint's size and save time."""
+    c = cfg.cluster
+    nodes = max(1, layout.world_size // c.gpus_per_node)
+    by_stage = {r["stage"]: r for r in built}
+    dense0, expert0 = dp_rank0_ranks(layout)
+    # a fully_reshardable save gathers fp32 param + exp_avg + exp_avg_sq (12 B) of each DP group's shard on its
+    # DP rank 0's host, and writes it from there with the weights' main replica (replica 0: the same ranks);
+    # a load reads the rank's whole model-parallel shard (12 B per element) and keeps its DP slice
+    gather = [0] * nodes
+    load = [0] * nodes
+    written = [0] * nodes
+    per_weight = 2 if cfg.model.params_dtype == "bfloat16" else 4
+    distopt = cfg.optim.use_distributed_optimizer
+    for rank in range(layout.world_size):
+        node = rank // c.gpus_per_node
+        r = by_stage[_stage_of(rank, layout)]
+        dense, experts = r["params"] - r["expert_params"], r["expert_params"]
+        load[node] += 12 * (dense + experts) if distopt else 0
+        for count, first in ((dense, rank in dense0), (experts, rank in expert0)):
+            if first:
+                gather[node] += 12 * count if distopt else 0
+                written[node] += (12 + per_weight) * count
+    rows = []
+    for node in range(nodes):
+        row = Row("host", f"node {node}", budget)
+        # save and load never overlap: the larger of the two
+        row.parts["checkpoint"] = max(gather[node], load[node])
+        row.info.update({"save gather": gather[node], "load": load[node]})
+        if node == 0:
+            # the rollout driver (rank 0) holds every sample: ids and log-probs, int32 routes of every MoE layer,
+            # and validate_batch's int32 copy and its sort (moe/routing/trace.py)
+            moe_layers = sum(get_family(hf.model_type).moe_layer_pattern(hf))
+            topk = memory.Shape.of(hf, 1, 1).topk
+            per_token = 16 + (3 * 4 * moe_layers * topk if cfg.routing.mode != "off" else 0)
+            row.parts["rollout driver"] = steps.step_tokens * per_token
+        rows.append(row)
+    size = sum(written)
+    rate = c.storage_gb_per_s * GB
+    save_s = max(written) / rate
+    verify_s = size / (rate * nodes)  # every rank re-reads a disjoint share for the checksums
+    return rows, {"checkpoint_bytes": size, "largest_node_write_bytes": max(written), "save_s": save_s,
+                  "checksum_s": verify_s}
+
+
+def slurm_window(sbatch: str) -> tuple[int, int]:
+    """(the SIGTERM lead time of `sbatch`, torchrun's --shutdown-timeout from launch/torchrun.sh), seconds."""
+    with open(os.path.join(ROOT, "launch", "slurm", sbatch)) as f:
+        lead = re.search(r"^#SBATCH --signal=B:TERM@(\d+)", f.read(), re.M)
+    with open(os.path.join(ROOT, "launch", "torchrun.sh")) as f:
+        shutdown = re.search(r"SHUTDOWN_TIMEOUT:-(\d+)", f.read())
+    if not lead or not shutdown:
+        raise PlanError(f"launch/slurm/{sbatch} or launch/torchrun.sh no longer states the SIGTERM lead time")
+    return int(lead[1]), int(shutdown[1])
+
+
+# ---- the whole plan
+@dataclass
+class Plan:
+    config: str
+    world_size: int
+    layout: dict
+    steps: StepSummary
+    rows: list  # Row
+    checkpoint: dict
+    warnings: list
+
+    def first_exceeded(self) -> Optional[str]:
+        for row in self.rows:
+            if row.headroom < 0:
+                worst = max(row.parts, key=row.parts.get)
+                return (f"{row.role} {row.name}: {row.total / GB:.1f} GB needed, {row.budget / GB:.0f} GB budget "
+                        f"(largest part: {worst} {row.parts[worst] / GB:.1f} GB)")
+        ck = self.checkpoint
+        if ck.get("window_s") is not None and ck["sigterm_save_s"] > ck["window_s"]:
+            return (f"pre-emption: a SIGTERM save needs {ck['sigterm_save_s']:.0f} s ({ck['largest_node_write_bytes'] / GB:.0f}"
+                    f" GB from the busiest node at cluster.storage_gb_per_s={ck['storage_gb_per_s']}), the window "
+                    f"is {ck['window_s']} s ({ck['window_from']}): raise the lead time there")
+        return None
+
+    def to_json(self) -> dict:
+        return {
+            "config": self.config, "world_size": self.world_size, "layout": self.layout,
+            "steps": self.steps.__dict__, "checkpoint": self.checkpoint, "warnings": self.warnings,
+            "exceeded": self.first_exceeded(),
+            **{role: [{"name": r.name, "budget": r.budget, "total": r.total, "headroom": r.headroom, **r.parts,
+                       **{k.replace(" ", "_"): v for k, v in r.info.items()}, "notes": r.notes}
+                      for r in self.rows if r.role == name] for role, name in
+               (("learner_gpus", "learner GPU"), ("servers", "server GPU"), ("hosts", "host"))},
+        }
+
+
+def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: str = "uniform", steps: int = 20,
+              prompt_tokens: int = 512, seed: int = 0, imbalance: float = 2.0) -> Plan:
+    """Plan `cfg` at `world_size` (None: cluster.learner_nodes x cluster.gpus_per_node). Raises PlanError (or
+    ConfigError) for what cannot run at all; budgets exceeded are reported by Plan.first_exceeded."""
+    c = cfg.cluster
+    if world_size is None:
+        if not c.learner_nodes:
+            raise PlanError("no world size: pass --world-size (nodes x GPUs per node) or set cluster.learner_nodes")
+        world_size = c.learner_nodes * c.gpus_per_node
+    hf = load_hf_config(cfg.model.hf_config)
+    warnings = check_run_config(cfg, hf, world_size=world_size, log_warnings=False, files=False)
+    layout = resolve_layout(cfg.parallel, world_size, hf)
+    batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
+    drawn = response_lengths(lengths, cfg.rollout.max_new_tokens, batch, steps, seed)
+    summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens)
+    built = meta_run(_request(cfg, layout, cfg.model.hf_config, value_head=False))
+    critic = None
+    if cfg.algorithm.advantage.name == "gae":
+        critic_req = _request(cfg, layout, cfg.model.hf_config, value_head=True)
+        critic = meta_run(critic_req.__class__(**{**critic_req.__dict__, "use_distributed_optimizer":
+                                                  cfg.critic.optim.use_distributed_optimizer}))
+    gpu = int(c.gpu_memory_gb * GB)
+    rows = learner_rows(cfg, hf, layout, summary, built, critic, gpu, int(c.gpu_reserved_gb * GB), imbalance)
+    n_params = total_params(built, layout)
+    if cfg.rollout.engine == "sglang":
+        shape = memory.Shape.of(hf, 1, 1)
+        rows += server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
+    hosts, ck = host_rows(cfg, hf, layout, built, summary, int(c.host_memory_gb * GB))
+    rows += hosts
+    sbatch = "train_disaggregated.sbatch" if c.rollout_nodes else "train_colocated.sbatch"
+    lead, shutdown = slurm_window(sbatch)
+    # a SIGTERM save writes and records sizes; the checksums' re-read waits for the next regular save's files
+    ck.update(storage_gb_per_s=c.storage_gb_per_s, sigterm_save_s=ck["save_s"], window_s=min(lead, shutdown),
+              window_from=f"launch/slurm/{sbatch} --signal=B:TERM@{lead}, launch/torchrun.sh --shutdown-timeout "
+                          f"{shutdown}", params=n_params)
+    return Plan(config_name, world_size, {"tensor": layout.tensor, "pipeline": layout.pipeline, "expert": layout.expert,
+                                          "expert_tensor": layout.expert_tensor, "data": layout.data,
+                                          "expert_data": layout.expert_data}, summary, rows, ck, warnings)
+
+
+def _gb(x) -> str:
+    return f"{x / GB:.1f}"
+
+
+def render(plan: Plan) -> str:
+    lay = plan.layout
+    s = plan.steps
+    out = [f"{plan.config} at world size {plan.world_size}: TP{lay['tensor']} PP{lay['pipeline']} EP{lay['expert']} "
+           f"ETP{lay['expert_tensor']} DP{lay['data']} (expert DP {lay['expert_data']})",
+           f"step plan: {s.steps} drawn steps ok; largest micro-batch {s.largest_micro_tokens} tokens, up to "
+           f"{s.most_micro_batches} micro-batches per rank, packing efficiency >= {s.efficiency:.3f}"]
+    for role in ("learner GPU", "server GPU", "host"):
+        rows = [r for r in plan.rows if r.role == role]
+        if not rows:
+            continue
+        kinds = list(dict.fromkeys(k for r in rows for k in r.parts))
+        head = [role + " (GB)"] + kinds + ["total", "budget", "headroom"]
+        table = [[r.name] + [_gb(r.parts.get(k, 0)) for k in kinds] + [_gb(r.total), _gb(r.budget), _gb(r.headroom)]
+                 for r in rows]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
+        out.append("")
+        out.append("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths))))
+        for line in table:
+            out.append("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths))))
+        for r in rows:
+            extra = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in r.info.items())
+            out.append(f"  {r.name}: {extra}" + ("; " + "; ".join(r.notes) if r.notes else ""))
+    ck = plan.checkpoint
+    out += ["", f"checkpoint: {_gb(ck['checkpoint_bytes'])} GB ({ck['params']:,} parameters); a save needs "
+                f"{ck['save_s']:.0f} s ({_gb(ck['largest_node_write_bytes'])} GB from the busiest node at "
+                f"{ck['storage_gb_per_s']} GB/s) + {ck['checksum_s']:.0f} s of checksums (not on SIGTERM); "
+                f"pre-emption window {ck['window_s']} s ({ck['window_from']})"]
+    for w in plan.warnings:
+        out.append(f"warning: {w}")
+    return "\n".join(out)
