@@ -9,9 +9,10 @@ question. So the digests are computed here, where the weights live, and only the
   the learner calls update_weights_from_tensor(load_format="rlpo_sglang_hooks.report_digests") with one
   dummy tensor whose *name* is a JSON request {"store": [host, port], "key": ..., "algorithm": ...};
   every TP rank of the server runs this function: the TP shards are gathered to TP rank 0 over SGLang's own
-  TP group (on the GPU, over NVLink), unfused into HF names (moe/families/sglang_names.py), digested with the
-  learner's algorithm (moe/bridge/digest.py), and TP rank 0 writes {"digests": {...}} (or
-  {"error": ...}) under `key` into the learner's TCP store.
+  TP group (on the GPU, over NVLink) one parameter (or one expert) at a time, unfused into HF names
+  (moe/families/sglang_names.py) and digested with the learner's algorithm (moe/bridge/digest.py) before the
+  next gather, and TP rank 0 writes {"digests": {...}, "peak_extra_bytes": ...} (or {"error": ...}) under
+  `key` into the learner's TCP store.
 
 The TP layout read here is SGLang's (its linear-layer classes decide how each parameter is split); the
 model-family names are the family's. Imports torch, the two modules above and SGLang: nothing else.
@@ -110,30 +111,49 @@ def _unshard(module, name: str, shards: list, tp: int, config) -> torch.Tensor:
     return torch.cat(out, 0)
 
 
-def full_parameters(model, group=None):
-    """{sglang name: TP-1 tensor} on TP rank 0 (None on the others). Collective over the server's TP ranks."""
+def _gathered(group, t: torch.Tensor):
+    """[tp, *t.shape] on TP rank 0 (None elsewhere): SGLang's gather over its TP group."""
+    return group.gather(t.unsqueeze(0).contiguous(), dst=0, dim=0)
+
+
+def hf_tensors(model, group=None, experts_per_gather: int = 1):
+    """Yields (sglang name, SGLang's TP-1 tensor) on TP rank 0, one parameter at a time -- a fused expert
+    parameter `experts_per_gather` experts at a time, as (name, first expert, tensor of those experts) -- and
+    nothing on the other ranks, which take part in the same gathers. Collective over the server's TP ranks.
+    What is held at once is one parameter's (or expert slice's) shards and their concatenation: the largest
+    tensor bounds the extra memory, not the model (the whole TP-1 model would not fit next to the weights and
+    the KV pool of a GPU)."""
     group = group or _tp_group()
     tp, rank = group.world_size, group.rank_in_group
     modules = dict(model.named_modules())
-    out = {} if rank == 0 else None
     for name, p in model.named_parameters():
         owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
-        expert = name.endswith(("w13_weight", "w2_weight"))
-        if (tp == 1 or _split_dim(owner, name) is None) and not expert:
-            if rank == 0:
-                out[name] = p.detach()
+        dim = _split_dim(owner, name) if tp > 1 else None
+        t = p.detach()
+        if name.endswith(("w13_weight", "w2_weight")):
+            local = t.shape[0]
+            for e0 in range(0, local, experts_per_gather):
+                part = t[e0:e0 + experts_per_gather]
+                if dim is None:  # whole on every rank (maybe padded): no gather
+                    if rank == 0:
+                        yield name, e0, _unshard(owner, name, [part], tp, model.config)
+                    continue
+                stacked = _gathered(group, part)
+                if rank == 0:
+                    if dim == 0:  # whole experts per rank: rank r's slice holds experts r * local + e0 ...
+                        for r in range(tp):
+                            yield name, r * local + e0, _unshard(owner, name, [stacked[r]], 1, model.config)
+                    else:
+                        yield name, e0, _unshard(owner, name, list(stacked.unbind(0)), tp, model.config)
+                del stacked
             continue
-        if tp == 1 or _split_dim(owner, name) is None:  # whole on every rank (experts: maybe padded)
-            if rank == 0:
-                out[name] = _unshard(owner, name, [p.detach()], tp, model.config)
-            continue
-        stacked = group.gather(p.detach().unsqueeze(0).contiguous(), dst=0, dim=0)  # [tp, *shard]
+        stacked = None if dim is None else _gathered(group, t)
         if rank == 0:
-            out[name] = _unshard(owner, name, list(stacked.unbind(0)), tp, model.config)
-    if rank == 0:
-        for name in [n for n in out if ".shared_experts." in n]:
-            out[name] = _unpad_shared_expert(name, out[name], model.config)
-    return out
+            full = t if dim is None else _unshard(owner, name, list(stacked.unbind(0)), tp, model.config)
+            if ".shared_experts." in name:
+                full = _unpad_shared_expert(name, full, model.config)
+            yield name, None, full
+        del stacked
 
 
 def _unpad_shared_expert(name: str, t: torch.Tensor, config) -> torch.Tensor:
@@ -148,36 +168,70 @@ def _unpad_shared_expert(name: str, t: torch.Tensor, config) -> torch.Tensor:
     return t
 
 
+def _serving_dtype(model) -> torch.dtype:
+    """The dtype SGLang serves in (its --dtype): the embedding's. Some tensors are held wider (sigmoid routers'
+    gate weights in fp32); the learner sends them in this dtype and the upcast is exact, so they are digested
+    back in it. Tensors every side keeps in fp32 (the family's fp32_hf_tensor: the score-correction bias) are
+    sent and digested as such."""
+    return model.get_input_embeddings().weight.dtype
+
+
 def digests_of(model, algorithm: str, group=None):
-    """{HF name: digest} of what this server holds (TP rank 0; None on the others)."""
+    """{HF name: digest} of what this server holds (TP rank 0; None on the others), digested as gathered."""
     from moe.bridge.digest import tensor_digest
+    from moe.families import get_family
     from moe.families.sglang_names import sglang_to_hf
 
-    from collections import Counter
-
-    from moe.families import get_family
-
-    full = full_parameters(model, group)
-    if full is None:
-        return None
-    # SGLang holds some tensors wider than the model dtype (sigmoid routers' gate weights in fp32); the learner
-    # sends them in the model dtype and the upcast is exact, so they are digested back in it. Tensors every
-    # side keeps in fp32 (the family's fp32_hf_tensor: the score-correction bias) are sent and digested as such.
-    dtype = Counter(t.dtype for t in full.values() if t.is_floating_point()).most_common(1)[0][0]
+    group = group or _tp_group()
+    dtype = _serving_dtype(model)
     family = get_family(model.config.model_type)
-    out = {}
-    for n, t in sglang_to_hf(full, model.config).items():
-        if t.is_floating_point() and t.dtype != dtype and not family.fp32_hf_tensor(model.config, n):
-            t = t.to(dtype)
-        out[n] = tensor_digest(t, algorithm)
+    out = {} if group.rank_in_group == 0 else None
+    for name, first, t in hf_tensors(model, group):
+        if first is not None:  # experts [first, first + n) of a fused expert parameter: named one by one
+            views = sglang_to_hf({name: t}, model.config, first_expert=first)
+        else:
+            views = sglang_to_hf({name: t}, model.config, tie=False)
+        for n, v in views.items():
+            if v.is_floating_point() and v.dtype != dtype and not family.fp32_hf_tensor(model.config, n):
+                v = v.to(dtype)
+            out[n] = tensor_digest(v, algorithm)
+        del t, views
+    if out is not None:
+        names = family.hf_names(model.config)
+        if names["output"] not in out and getattr(model.config, "tie_word_embeddings", False):
+            out[names["output"]] = out[names["embedding"]]
     return out
+
+
+def _rss() -> tuple[int, int]:
+    """(resident bytes now, the peak since the last reset) of this process; (0, 0) where /proc cannot tell."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def _reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: resets VmHWM to the current RSS
+    except OSError:
+        pass
 
 
 def report_digests(model, named_tensors):
     req = json.loads(named_tensors[0][0])
     group = _tp_group()
     try:
+        _reset_peak()
+        before, _ = _rss()
         result = {"digests": digests_of(model, req["algorithm"], group)}
+        _, peak = _rss()
+        # host memory (this process's RSS) added at the peak: what the digests cost a CPU server; on GPUs the
+        # gathers live in device memory, bounded by the same largest tensor (tests/test_recipes.py)
+        result["peak_extra_bytes"] = max(0, peak - before)
     except Exception as e:  # reported to the learner, which stops with it; raised here for the server log
         result = {"error": f"{type(e).__name__}: {e}"}
         raise

@@ -16,8 +16,9 @@
 #   MASTER_PORT      rendezvous port; default 29500
 #   TORCHRUN_LOG_DIR per-rank stdout/stderr files go to $TORCHRUN_LOG_DIR/<node>/...; console lines are
 #                    prefixed [default<local rank>]: either way
-#   SHUTDOWN_TIMEOUT seconds torchrun gives ranks after forwarding SIGTERM before SIGKILL; default 100
-#                    (keep it below the --signal lead time of the sbatch script, 120 s)
+#   SHUTDOWN_TIMEOUT seconds torchrun gives ranks after forwarding SIGTERM before SIGKILL; default 540
+#                    (keep it below the --signal lead time of the sbatch script, 600 s: a recipe's save of
+#                    0.4-1.5 TB needs ~200 s at 2 GB/s per node; `rlpo-mega plan` checks it)
 #   PYTHON           interpreter; default: .venv/bin/python of this checkout, else python3
 #   DRY_RUN=1        print the torchrun command instead of running it
 # Pre-emption: SIGTERM to this process (torchrun, via exec) is forwarded to every rank (torchrun handles
@@ -55,7 +56,7 @@ cmd=("$PYTHON" -m torch.distributed.run
      --nnodes="$nnodes" --nproc-per-node="${NPROC_PER_NODE:-1}" --node-rank="$NODE_RANK"
      --master-addr="${MASTER_ADDR:-127.0.0.1}" --master-port="${MASTER_PORT:-29500}"
      --rdzv-id="${SLURM_JOB_ID:-local}" --max-restarts=0
-     --shutdown-timeout="${SHUTDOWN_TIMEOUT:-100}" --tee=3)
+     --shutdown-timeout="${SHUTDOWN_TIMEOUT:-540}" --tee=3)
 if [[ -n "${TORCHRUN_LOG_DIR:-}" ]]; then
     cmd+=(--log-dir="$TORCHRUN_LOG_DIR/$node")
 fi

@@ -207,13 +207,14 @@ def _what_failed(e: BaseException, path: str) -> str:
 
 
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
-                    files: dict[str, bytes] | None = None, reference_chunks=None, critic=None):
+                    files: dict[str, bytes] | None = None, reference_chunks=None, critic=None, checksums: bool = True):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
     the checkpoint before the swap (the trainer state), so they exist exactly when the weights do.
     reference_chunks: a frozen KL reference model of the same layout, saved in the same checkpoint.
     critic: (model_chunks, optimizer or None) of PPO's value model, saved in the same checkpoint.
     A failure on any rank (a full disk included) is agreed by all ranks, `path`.tmp is removed and one
-    CheckpointError says what happened; `path` and anything before it are untouched."""
+    CheckpointError says what happened; `path` and anything before it are untouched. checksums=False (the save
+    on SIGTERM): record each file's size, not its checksum (no second read of the whole checkpoint)."""
     from megatron.core import dist_checkpointing
 
     from rlpo_mega.processes import in_process_checkpoint_queue
@@ -273,7 +274,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     digests = {}
 
     def digest():  # every file's size and checksum, verified at load (rlpo_mega/checkpoint_files.py)
-        digests.update(digest_files(tmp, checkpoint_files(tmp, skip=(PARTIAL,))))
+        digests.update(digest_files(tmp, checkpoint_files(tmp, skip=(PARTIAL,)), checksums))
 
     def write_meta():
         with open(os.path.join(tmp, META), "w") as f:

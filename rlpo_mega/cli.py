@@ -166,7 +166,19 @@ def _check(args) -> int:
 
     try:
         cfg = load_config(args.config, tuple(args.overrides))
-        warns = check_run_config(cfg, None, world_size=args.world_size)
+        c = cfg.cluster
+        world = args.world_size or (c.learner_nodes * c.gpus_per_node if c.learner_nodes else None)
+        warns = check_run_config(cfg, None, world_size=world)
+        if world is not None:  # what depends on size, at the size: `rlpo-mega plan` (uniform lengths)
+            import warnings
+
+            from rlpo_mega.planning.plan import PlanError, make_plan
+
+            warnings.filterwarnings("ignore")
+            logging.getLogger("megatron").setLevel(logging.WARNING)
+            exceeded = make_plan(cfg, args.config, world).first_exceeded()
+            if exceeded:
+                raise PlanError(f"{exceeded} (rlpo-mega plan {args.config} prints the tables)")
         if cfg.checkpoint.save_dir or cfg.checkpoint.load_dir:  # what train would refuse about checkpoints
             from moe.families import get_family
             from moe.model import load_hf_config
@@ -178,7 +190,7 @@ def _check(args) -> int:
         if is_user_error(e):
             return report("check", e, args.debug)
         raise
-    layout = f" at world size {args.world_size}" if args.world_size else ""
+    layout = f" at world size {world} (planned)" if world else ""
     print(f"{args.config}: ok{layout} ({len(warns)} warning{'' if len(warns) == 1 else 's'})")
     return 0
 
@@ -192,6 +204,7 @@ def _plan(args) -> int:
     from rlpo_mega.planning.plan import make_plan, render
 
     warnings.filterwarnings("ignore")  # megatron's import-time notes about TE and Apex
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
         cfg = load_config(args.config, tuple(args.overrides))
         plan = make_plan(cfg, args.config, args.world_size, args.lengths, args.steps, args.prompt_tokens, args.seed)
@@ -264,8 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("config")
     check.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor=2")
     check.add_argument("--world-size", type=int, default=None,
-                       help="total processes (nodes x GPUs per node): also checks the parallel layout and the "
-                            "data-parallel split of the batch")
+                       help="total processes (nodes x GPUs per node; default cluster.learner_nodes x gpus_per_node): "
+                            "also checks the parallel layout, the data-parallel split of the batch and, through "
+                            "`rlpo-mega plan`, the memory budgets and the pre-emption window at that size")
     plan = sub.add_parser("plan", help="the config at its real size on this CPU, without GPUs or weights: memory per "
                                        "learner GPU, server GPU and host against their budgets, the step plan, "
                                        "the checkpoint's save time against the pre-emption window")

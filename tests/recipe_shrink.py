@@ -6,8 +6,10 @@ What a shrink may change, and nothing else (`CHANGEABLE`; tests/test_recipes.py 
                model.init_from_hf -> a tiny HF checkpoint of it (made by the test, tokenizer inside)
   world size   parallel.tensor / pipeline / expert: every dimension > 1 becomes 2 (the tiny models have 4
                heads, 2 layers, 4 experts); data parallel 2 where the world allows (4 processes at most)
-  batch        prompts.prompts_per_step, prompts.n_samples (<= 4), parallel.num_micro_batches (<= 2),
-               trainer.eval_size, trainer.warmup.steps (<= 2)
+  batch        prompts.prompts_per_step, prompts.n_samples (<= 4), trainer.eval_size, trainer.warmup.steps
+               (<= 2). Never the planner's knobs (parallel.num_micro_batches, trainer.max_tokens_per_micro_batch,
+               trainer.layout): a shrink may not turn a refusal into a pass, and the planner's behaviour at the
+               recipe's real size is tests/test_plan.py's (`rlpo-mega plan`)
   lengths      rollout.max_new_tokens
   run length   train_iters = 2 and checkpoint.save_every = 1 (a checkpoint at step 1, then a resume)
   host-only    paths (prompts, eval, save_dir, logging.dir), reward.num_workers, SGLang server URLs, and the
@@ -32,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHANGEABLE = {
     "model.hf_config", "model.init_from_hf",
     "parallel.tensor", "parallel.pipeline", "parallel.expert",
-    "prompts.prompts_per_step", "prompts.n_samples", "parallel.num_micro_batches",
+    "prompts.prompts_per_step", "prompts.n_samples",
     "trainer.eval_size", "trainer.warmup.steps",
     "rollout.max_new_tokens",
     "train_iters", "checkpoint.save_every",
@@ -113,14 +115,13 @@ def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: 
     if _get(cfg, "model.init_from_hf"):
         s.set("model.init_from_hf", hf_dirs[tiny], "model size")
 
-    # batch: n_samples <= 4, <= 2 micro-batches, the fewest prompts that divide evenly over the recipe's
-    # mini-batches x data-parallel ranks x micro-batches
+    # batch: n_samples <= 4, the fewest prompts that divide evenly over the recipe's mini-batches x data-parallel
+    # ranks (x micro-batches for the padded layout, which splits rows evenly)
     n = min(_get(cfg, "prompts.n_samples", 4), 4)
-    nmb = min(_get(cfg, "parallel.num_micro_batches", 1), 2)
+    nmb = _get(cfg, "parallel.num_micro_batches", 1) if _get(cfg, "trainer.layout", "packed") == "padded" else 1
     unit = _get(cfg, "trainer.mini_batches", 1) * dp * nmb
     per_step = next(p for p in range(2, 1 << 12) if p * n % unit == 0)
     for key, old, new in (("prompts.n_samples", _get(cfg, "prompts.n_samples", 4), n),
-                          ("parallel.num_micro_batches", _get(cfg, "parallel.num_micro_batches", 1), nmb),
                           ("prompts.prompts_per_step", _get(cfg, "prompts.prompts_per_step", 8), per_step)):
         if old != new:
             s.set(key, new, "batch size")

@@ -2,7 +2,7 @@
 
 - train_colocated.sbatch runs the real `rlpo-mega train` (1 node, 2 ranks) with `sbatch --wait`;
 - SIGTERM reaches every rank, both directly (`scancel --signal=TERM`) and through the batch shell's trap
-  (`scancel --batch --signal=TERM`, what `#SBATCH --signal=B:TERM@120` delivers before the time limit);
+  (`scancel --batch --signal=TERM`, what `#SBATCH --signal=B:TERM@600` delivers before the time limit);
 - train_disaggregated.sbatch: its server steps run concurrently, each with its own CPUs and fake GPUs
   (stand-in servers); and the real thing: one learner step (2 ranks) and two CPU SGLang server steps on
   the one node, 2 RL steps with sglang_distributed weight syncs (skipped without the SGLang venv);

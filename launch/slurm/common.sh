@@ -76,7 +76,7 @@ rlpo_init() {
     export LOG_DIR
     rlpo_dry || mkdir -p "$LOG_DIR"
     rlpo_log "job $RLPO_JOB_ID nodes ${RLPO_HOSTS[*]} root $RLPO_ROOT logs $LOG_DIR"
-    # Pre-emption / time limit: `#SBATCH --signal=B:TERM@120` sends TERM to this batch shell only; forward it
+    # Pre-emption / time limit: `#SBATCH --signal=B:TERM@600` sends TERM to this batch shell only; forward it
     # to every task of every step (plain `scancel --signal` skips the batch shell), so the trainers can save.
     trap rlpo_forward_term TERM
 }

@@ -20,8 +20,10 @@ from . import get_family
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def sglang_to_hf(params: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]:
-    """SGLang's fused TP-1 parameters -> HF-named tensors (views where possible)."""
+def sglang_to_hf(params: dict[str, torch.Tensor], hf, first_expert: int = 0, tie: bool = True) -> dict[str, torch.Tensor]:
+    """SGLang's fused TP-1 parameters -> HF-named tensors (views where possible). first_expert: a fused expert
+    tensor holds experts [first_expert, first_expert + its length) (the digest hook's slices). tie: a tied
+    lm_head is named from the embedding (off for one parameter at a time: the caller names it)."""
     names = get_family(hf.model_type).hf_names(hf)
     family = get_family(hf.model_type)
     heads, kv = int(hf.num_attention_heads), int(hf.num_key_value_heads)
@@ -42,18 +44,19 @@ def sglang_to_hf(params: dict[str, torch.Tensor], hf) -> dict[str, torch.Tensor]
             out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = g, u
         elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
             i = int(_LAYER.search(name).group(1))
-            for e in range(t.shape[0]):
+            for k in range(t.shape[0]):
+                e = first_expert + k
                 if name.endswith("w13_weight"):
-                    g, u = t[e].chunk(2, dim=0)
+                    g, u = t[k].chunk(2, dim=0)
                     out[names["expert_gate"].format(i=i, e=e)] = g
                     out[names["expert_up"].format(i=i, e=e)] = u
                 else:
-                    out[names["expert_down"].format(i=i, e=e)] = t[e]
+                    out[names["expert_down"].format(i=i, e=e)] = t[k]
         elif name in (names["embedding"], names["output"]):
             out[name] = t[:vocab]
         else:
             out[name] = t
-    if names["output"] not in out and getattr(hf, "tie_word_embeddings", False):
+    if tie and names["output"] not in out and getattr(hf, "tie_word_embeddings", False):
         out[names["output"]] = out[names["embedding"]]
     return out
 

@@ -12,6 +12,7 @@ fake world group must not share a process with a real one.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -137,6 +138,12 @@ def run(req: Request, timeout: float = 600.0) -> list[dict]:
         raise MetaBuildError(f"building {req.hf_config} on the meta device at TP{req.tensor}/PP{req.pipeline}/"
                              f"EP{req.expert} failed: {tail[0]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.lru_cache(maxsize=16)
+def run_cached(req: Request) -> list[dict]:
+    """`run`, once per request in this process (a plan at two length distributions builds once)."""
+    return run(req)
 
 
 def main() -> int:

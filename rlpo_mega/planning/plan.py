@@ -29,7 +29,7 @@ from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
 from rlpo_mega.planning import memory
-from rlpo_mega.planning.meta_build import Request, run as meta_run
+from rlpo_mega.planning.meta_build import Request, run_cached as meta_run
 
 GB = 1e9
 LENGTH_DISTS = ("uniform", "heavy-tail", "all-max")
@@ -139,6 +139,7 @@ class Row:
     parts: dict = field(default_factory=dict)  # kind -> bytes
     info: dict = field(default_factory=dict)  # counts, not bytes
     notes: list = field(default_factory=list)
+    problem: Optional[str] = None  # a failure that is not a sum over budget
 
     @property
     def total(self) -> int:
@@ -175,11 +176,11 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         moe_here = sum(shape.moe_layers[i] for i in layers)
         policy = memory.model_bytes(rank, cfg.optim.use_distributed_optimizer)
         row = Row("learner GPU", f"stage {stage}" if pp > 1 else "every rank", budget)
-        row.info["params"] = policy.params
+        row.info["parameters"] = policy.params
         row.parts.update(params=policy.param_bytes, grads=policy.grad_bytes, optimizer=policy.optimizer_bytes)
         if critic is not None:
             value = memory.model_bytes(critic[s], cfg.critic.optim.use_distributed_optimizer)
-            row.info["critic params"] = value.params
+            row.info["critic parameters"] = value.params
             row.parts["critic"] = value.total
         in_flight = pp - stage if pp > 1 else 1
         row.parts["activations"] = memory.activation_bytes(shape, tokens, tp, layers, cfg.model.recompute, in_flight,
@@ -223,10 +224,7 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
     shape = memory.Shape.of(hf, 1, 1)
     weights = 2 * n_params // tp  # bf16, every tensor split over the server's TP (vocabulary included)
     kv_per_token = hf.num_hidden_layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * 2
-    pool = int(fraction * budget) - weights
-    if pool <= 0:
-        raise PlanError(f"server GPU: the weights ({weights / GB:.1f} GB at TP{tp}) exceed mem_fraction_static="
-                        f"{fraction} of {budget / GB:.0f} GB: raise rollout.sglang.tp_size")
+    pool = max(0, int(fraction * budget) - weights)
     batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
     in_flight = min(sg.max_in_flight_per_server, math.ceil(batch / servers))
     row = Row("server GPU", f"{servers} x TP{tp}", budget)
@@ -239,11 +237,17 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
     need = in_flight * (prompt_tokens + cfg.rollout.max_new_tokens)
     row.info.update({"KV tokens": pool // kv_per_token, "tokens in flight (worst)": need,
                      "requests in flight": in_flight})
+    if pool == 0:
+        row.problem = (f"the weights ({weights / GB:.1f} GB at TP{tp}) leave no KV pool in mem_fraction_static="
+                       f"{fraction} of {budget / GB:.0f} GB: raise rollout.sglang.tp_size")
     row.notes.append(f"mem_fraction_static={fraction}" + ("" if "mem_fraction_static" in sg.server_args else
                                                             " (assumed; the launch's SGLANG_ARGS set it)"))
     if need > pool // kv_per_token:
         row.notes.append(f"the requests in flight need {need} KV tokens at their longest, the pool holds "
                          f"{pool // kv_per_token}: SGLang queues or retracts the rest (slower, not an error)")
+    if pool and not pool // kv_per_token >= prompt_tokens + cfg.rollout.max_new_tokens:
+        row.problem = (f"the KV pool ({pool // kv_per_token} tokens) cannot hold one request of "
+                       f"{prompt_tokens + cfg.rollout.max_new_tokens} tokens: raise rollout.sglang.tp_size")
     return [row]
 
 
@@ -332,6 +336,8 @@ class Plan:
 
     def first_exceeded(self) -> Optional[str]:
         for row in self.rows:
+            if row.problem:
+                return f"{row.role} {row.name}: {row.problem}"
             if row.headroom < 0:
                 worst = max(row.parts, key=row.parts.get)
                 return (f"{row.role} {row.name}: {row.total / GB:.1f} GB needed, {row.budget / GB:.0f} GB budget "

@@ -115,6 +115,7 @@ class SGLangEngine(RolloutEngine):
         self.weights_updated = False  # since the servers started: a restart would silently undo it
         self.should_stop: Optional[Callable[[], bool]] = None  # the trainer's stop flag, polled while waiting
         self._store = None  # TCP store hosted here: digest reports, the sglang_distributed rendezvous
+        self.digest_peak_bytes: dict[str, Optional[int]] = {}  # per server URL: the last digest report's peak
         self._closed = False
         self.servers: list[_Server] = []
         if cfg.urls:
@@ -461,6 +462,7 @@ class SGLangEngine(RolloutEngine):
         self.store().delete_key(key)
         if "error" in report:
             raise EngineError(f"SGLang server {server.url}: its digest hook failed: {report['error']}")
+        self.digest_peak_bytes[server.url] = report.get("peak_extra_bytes")  # the hook's own cost (host RSS)
         return report["digests"]
 
     def weight_digests(self, names, algorithm: str) -> dict[str, str]:

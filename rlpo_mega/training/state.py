@@ -164,11 +164,13 @@ def prune(save_dir: str, step: int, run_id: str, keep_last: int, stale=()) -> li
 
 
 def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
-         hf_files: dict[str, bytes] | None = None, reference=None, stale: tuple = (), critic=None) -> str:
+         hf_files: dict[str, bytes] | None = None, reference=None, stale: tuple = (), critic=None,
+         checksums: bool = True) -> str:
     """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
     hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, then prunes: this run's
     (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
-    the `stale` steps the run was told to replace (checkpoint.overwrite)."""
+    the `stale` steps the run was told to replace (checkpoint.overwrite). checksums=False: the save on SIGTERM
+    (rlpo_mega.checkpoint.save_checkpoint)."""
     from rlpo_mega.convert import HF_FILES
 
     every = [None] * dist.get_world_size()
@@ -181,7 +183,7 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
         os.makedirs(save_dir, exist_ok=True)
     path = step_dir(save_dir, step)
     save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files, reference_chunks=reference,
-                    critic=critic)
+                    critic=critic, checksums=checksums)
     problem = [None]
     if dist.get_rank() == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")

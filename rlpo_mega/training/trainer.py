@@ -351,7 +351,9 @@ class Trainer:
         return {"eval/reward_mean": sum(s.reward for s in scored) / len(scored),
                 "eval/accuracy": sum(s.correct for s in scored) / len(scored)}
 
-    def save(self):
+    def save(self, on_signal: bool = False):
+        """on_signal: the save on SIGTERM, inside the pre-emption window (launch/slurm's --signal lead): file sizes
+        are recorded, the checksums' full re-read is left out (`rlpo-mega plan` sizes the window for the save)."""
         c = self.cfg.checkpoint
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
                  "sampler": self.sampler.state_dict(), "lr_steps": self.lr_schedule.num_steps}
@@ -361,9 +363,10 @@ class Trainer:
                                meta={"model_type": self.hf.model_type, "model": self.identity,
                                      "run_id": self.run_id, "settings": self._settings()},
                                hf_files=self._hf_files(), reference=self.ref_chunks, stale=self.stale_steps,
-                               critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None)
+                               critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None,
+                               checksums=not on_signal)
         self.stale_steps = ()  # replaced (checkpoint.overwrite) once this run has a checkpoint of its own
-        if c.export_hf:
+        if c.export_hf and not on_signal:  # the HF copy is a convenience: `rlpo-mega export` makes it later
             from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
             from moe.bridge.megatron_io import ExportStream
 
@@ -407,7 +410,7 @@ class Trainer:
                         metrics.update(self.evaluate())
                 except rp.StopRequested:  # SIGTERM while ranks waited for a rollout: this step never happened
                     if c.checkpoint.save_dir:
-                        self.save()
+                        self.save(on_signal=True)
                     if self.rank == 0:
                         log.warning("stopped by signal during the rollout of step %d; saved step %d",
                                     self.step + 1, self.step)
@@ -425,7 +428,7 @@ class Trainer:
                 stopping = self.stop.any_rank(self.device)
                 if c.checkpoint.save_dir and (stopping or (c.checkpoint.save_every
                                                            and self.step % c.checkpoint.save_every == 0)):
-                    self.save()
+                    self.save(on_signal=stopping)
                 if stopping:
                     if self.rank == 0:
                         log.warning("stopped by signal after step %d", self.step)

@@ -1,0 +1,144 @@
+"""`rlpo-mega plan`: every shipped recipe at its real size (exit 0, the tables), the memory model equal to what
+megatron-core allocates, the planner at every recipe's full size over many draws, and the refusals."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rlpo_mega.config import load_config
+from rlpo_mega.distributed import resolve_layout
+from rlpo_mega.planning import plan as planning
+from rlpo_mega.planning.memory import model_bytes
+from rlpo_mega.planning.meta_build import Request, run as meta_run
+from tests.dist import ROOT
+from tests.layout_runs import LAYOUTS, PLAN_MEMORY_LAYOUTS, layout_run
+from tests.recipe_shrink import recipes
+
+RECIPES = [r for r in recipes() if r.startswith("configs/recipes/")]
+
+
+def _plan_cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "plan", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT, **(env or {})})
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[os.path.basename(r)[:-5] for r in RECIPES])
+def test_every_recipe_plans_at_its_real_size(recipe):
+    """The recipe as shipped (its /path/to placeholders included) at the world size it names
+    (cluster.learner_nodes x 8): exit 0 at uniform lengths and at all-max, every budget held."""
+    cfg = load_config(os.path.join(ROOT, recipe))
+    for lengths in ("uniform", "all-max"):  # one meta build for both (run_cached); the CLI path: the tests below
+        plan = planning.make_plan(cfg, recipe, lengths=lengths)
+        out = json.loads(json.dumps(plan.to_json()))
+        assert out["world_size"] == cfg.cluster.learner_nodes * 8 and out["exceeded"] is None
+        for role in ("learner_gpus", "servers", "hosts"):
+            assert out[role] and all(r["headroom"] >= 0 for r in out[role]), (role, out[role])
+        gpus = out["learner_gpus"]
+        assert len(gpus) == cfg.parallel.pipeline
+        for g in gpus:
+            assert g["parameters"] > 1e9 and g["params"] > 2e9 and g["optimizer"] > 0 and g["activations"] > 0
+            assert g["total"] == sum(g[k] for k in ("params", "grads", "optimizer", "activations", "exchange",
+                                                    "reserved", "logits", "logprob chunk", "routes") if k in g)
+        assert out["checkpoint"]["sigterm_save_s"] <= out["checkpoint"]["window_s"]
+        if lengths == "all-max":  # every micro-batch holds as many full-length samples as the budget allows
+            assert out["steps"]["largest_micro_tokens"] <= cfg.trainer.max_tokens_per_micro_batch
+
+
+def test_plan_tables_name_each_role():
+    proc = _plan_cli("configs/recipes/glm45_air_gspo_r3_8nodes.yaml")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = proc.stdout
+    for head in ("learner GPU (GB)", "server GPU (GB)", "host (GB)", "stage 0", "stage 1", "node 7", "4 x TP4",
+                 "checkpoint:", "pre-emption window"):
+        assert head in text, head
+
+
+def test_planner_at_every_recipe_full_size_over_many_draws():
+    """The real planner (data/packing.plan_step) at each recipe's batch, DP and micro-batch settings, on 50 steps
+    of each length distribution: no refusal, every micro-batch within the token budget."""
+    for recipe in RECIPES + ["configs/gpu_smoke.yaml"]:
+        cfg = load_config(os.path.join(ROOT, recipe))
+        world = (cfg.cluster.learner_nodes or 1) * cfg.cluster.gpus_per_node
+        from moe.model import load_hf_config
+
+        layout = resolve_layout(cfg.parallel, world, load_hf_config(os.path.join(ROOT, cfg.model.hf_config)))
+        n = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
+        for dist in planning.LENGTH_DISTS:
+            drawn = planning.response_lengths(dist, cfg.rollout.max_new_tokens, n, 50, seed=7)
+            s = planning.simulate_steps(cfg, layout.data, layout.tensor, drawn, 512)
+            assert s.steps == 50
+            if cfg.trainer.max_tokens_per_micro_batch:
+                assert s.largest_micro_tokens <= cfg.trainer.max_tokens_per_micro_batch, (recipe, dist)
+
+
+def test_the_fixed_count_refusal_is_gone():
+    """The issue's call: a fixed count of 16 with uneven samples per rank used to raise at step 1."""
+    cfg = load_config(os.path.join(ROOT, RECIPES[0]), ("parallel.num_micro_batches=16", "trainer.max_tokens_per_micro_batch=null"))
+    drawn = [[r - 511 for r in step] for step in planning.response_lengths("uniform", 8500 - 300, 512, 20, seed=1)]
+    drawn = [[300 + r + 511 - 1 for r in step] for step in drawn]  # spans uniform in 300..8500 with 512-token prompts
+    s = planning.simulate_steps(cfg, 8, 2, [[max(1, x - 511) for x in step] for step in drawn], 512)
+    assert s.steps == 20 and s.most_micro_batches == 16
+
+
+@pytest.mark.parametrize("layout", PLAN_MEMORY_LAYOUTS)
+def test_memory_model_equals_megatron_allocations(layout, tmp_path_factory):
+    """Per rank: parameter count and the bytes of parameters, gradients and optimizer state (Adam's moments and
+    fp32 main copies) that the plan computes from the meta-device build equal, byte for byte, the distinct
+    storages of the tensors megatron-core allocated in a real launch (tiny glm4_moe in bf16: 16-bit and fp32
+    buffers, a dense first layer, a shared expert), with and without the distributed optimizer."""
+    out = os.path.join(layout_run(layout, tmp_path_factory), "plan_memory")
+    nproc, overrides, _, _ = LAYOUTS[layout]
+    cfg = load_config(None, tuple(overrides))
+    from moe.model import load_hf_config
+
+    hf = load_hf_config(os.path.join(ROOT, "configs/models/tiny_glm4_moe.json"))
+    lay = resolve_layout(cfg.parallel, nproc, hf)
+    for kind in ("plain", "distopt"):
+        measured = [json.load(open(os.path.join(out, f"memory_{kind}_{r}.json"))) for r in range(nproc)]
+        built = meta_run(Request("configs/models/tiny_glm4_moe.json", nproc, lay.tensor, lay.pipeline, lay.expert,
+                                 lay.expert_tensor, lay.sequence_parallel, "bfloat16", 128, kind == "distopt",
+                                 ranks=tuple(range(nproc))))
+        for m, b in zip(measured, built):
+            predicted = model_bytes(b, kind == "distopt", m["dp_rank"], m["expert_dp_rank"])
+            got = (m["params"], m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"])
+            want = (predicted.params, predicted.param_bytes, predicted.grad_bytes, predicted.optimizer_bytes)
+            assert got == want, (layout, kind, m["rank"], got, want)
+            # the table's figure (the largest over DP ranks) bounds every rank's
+            assert model_bytes(b, kind == "distopt").optimizer_bytes >= predicted.optimizer_bytes
+
+
+def test_plan_refusals_are_one_line(tmp_path):
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml"
+    proc = _plan_cli(recipe, "cluster.gpu_memory_gb=40")
+    assert proc.returncode == 2
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("rlpo-mega plan: learner GPU") and "40 GB budget" in line, proc.stderr
+    bad = tmp_path / "lengths.json"
+    bad.write_text('{"not": "a list"}')
+    proc = _plan_cli(recipe, "--lengths", str(bad))
+    assert proc.returncode == 2 and "response/length_mean" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    proc = _plan_cli(recipe, "--lengths", "normal")
+    assert proc.returncode == 2 and "neither a distribution" in proc.stderr, proc.stderr
+    proc = _plan_cli("configs/demo_cpu.yaml")
+    assert proc.returncode == 2 and "--world-size" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    proc = _plan_cli(recipe, "--world-size", "24")
+    assert proc.returncode == 2 and "config error" in proc.stderr, proc.stderr
+    proc = _plan_cli("configs/recipes/glm45_air_gspo_r3_8nodes.yaml", "cluster.gpu_memory_gb=60",
+                     "cluster.gpu_reserved_gb=0", "parallel.pipeline=1", "parallel.expert=8", "--world-size", "64")
+    assert proc.returncode == 2, proc.stderr
+
+
+def test_lengths_from_a_file(tmp_path):
+    arr = tmp_path / "lengths.json"
+    arr.write_text(json.dumps([100, 200, 9000]))
+    drawn = planning.response_lengths(str(arr), 8192, 64, 3, seed=0)
+    assert len(drawn) == 3 and set(x for s in drawn for x in s) <= {100, 200, 8192}
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({"step": i, "response/length_mean": 3000.0, "response/length_max": 8192,
+                                             "response/truncated_frac": 0.25}) for i in range(1, 6)))
+    drawn = planning.response_lengths(str(metrics), 8192, 400, 4, seed=0)
+    for step in drawn:
+        assert sum(x == 8192 for x in step) >= 100 and max(step) <= 8192
+        assert 2000 < sum(step) / len(step) < 4000
