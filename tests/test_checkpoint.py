@@ -186,3 +186,23 @@ def test_optimizer_param_types_patch_is_needed(distopt):
         assert got is not None, f"{name} builds without the patch"
         assert re.match(r"Wrapped parameters must be one of .* Received torch\.\w+Tensor", got["error"]), got
         assert got["site"] in sites, (name, got["site"], patch.answers)
+
+
+def test_a_sigterm_save_records_sizes_without_reading_files_back(tmp_path, monkeypatch):
+    """checksums=False (the save on SIGTERM): no file is read back; the load still refuses a truncated file by its
+    recorded size. A regular save records checksums that catch a changed byte."""
+    from rlpo_mega import checkpoint_files as cf
+
+    (tmp_path / "a").write_bytes(b"x" * 1000)
+    (tmp_path / "b").write_bytes(b"y" * 10)
+    reads = []
+    real = cf.file_digest
+    monkeypatch.setattr(cf, "file_digest", lambda path: reads.append(path) or real(path))
+    sizes = cf.digest_files(str(tmp_path), ["a", "b"], checksums=False)
+    assert sizes == {"a": [1000, None], "b": [10, None]} and reads == []
+    assert cf.verify_files(str(tmp_path), sizes) is None
+    (tmp_path / "a").write_bytes(b"x" * 999)
+    assert "truncated or changed" in cf.verify_files(str(tmp_path), sizes)
+    full = cf.digest_files(str(tmp_path), ["a", "b"])
+    (tmp_path / "b").write_bytes(b"z" * 10)
+    assert "corrupted" in cf.verify_files(str(tmp_path), full)

@@ -136,7 +136,8 @@ def test_tp2_digest_hook_memory_is_bounded_by_the_largest_tensor(assets, servers
     """The in-server digest hook at TP2 (bf16) on a model with 50M expert parameters (100 MB): its measured peak
     extra memory (the server's TP-rank-0 RSS high-water mark during the hook, reset before it) stays within a
     few of its largest tensors, far below the model -- it gathers and digests one parameter or one expert at a
-    time. (The hook that kept every gathered tensor until the dict was complete: see the README's figure.)"""
+    time. (The hook that kept every gathered tensor until the dict was complete: 187.7 MiB here, 1.9x the model;
+    this one: 4.1 MiB.)"""
     import torch
     from safetensors.torch import load_file
 

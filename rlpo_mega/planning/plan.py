@@ -262,34 +262,52 @@ def dp_rank0_ranks(layout) -> tuple[set, set]:
     return ({g[0] for g in dense.get_ranks("dp")}, {g[0] for g in expert.get_ranks("dp")})
 
 
+def save_gather_bytes(buffers: list, dense_first: bool, expert_first: bool) -> int:
+    """Host bytes of one rank at a distributed-optimizer save, as megatron-core 0.16.1's fully_reshardable format
+    gathers (distrib_optimizer.py get_parameter_state_dp_zero, gloo): a DP group's rank 0 keeps fp32 param,
+    exp_avg and exp_avg_sq of the whole buffer (12 B per element) for the save; while one bucket is gathered
+    every rank also holds its contiguous shards of the bucket (12 B per element / DP) and rank 0 the received
+    list and its concatenation (4 + 4 B per element of the bucket, one state at a time). The buckets are DDP's:
+    one per buffer when overlap_grad_reduce is off."""
+    kept, transient = 0, 0
+    for b in buffers:
+        first = expert_first if b["expert"] else dense_first
+        if first:
+            kept += 12 * b["numel_unpadded"]
+        for start, end in b["buckets"]:
+            size = end - start
+            transient = max(transient, 12 * size // b["dp"] + (8 * size if first else 0))
+    return kept + transient
+
+
 def _stage_of(rank: int, layout) -> int:
     return rank // (layout.world_size // layout.pipeline)
 
 
 def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int) -> tuple[list[Row], dict]:
-    """Per learner node: the checkpoint's save and load transients (the distributed optimizer's gathers) and
-    the rollout driver's buffers (node 0); and the checkpoint's size and save time."""
+    """Per learner node: the checkpoint's save and load transients (the distributed optimizer's gathers,
+    save_gather_bytes; a load allocates the whole state of the rank's model-parallel shard, 12 B per element,
+    and keeps its DP slice) and the rollout driver's buffers (node 0); and the checkpoint's size and save
+    time (the main replica of every tensor is written by its DP group's rank 0)."""
     c = cfg.cluster
     nodes = max(1, layout.world_size // c.gpus_per_node)
     by_stage = {r["stage"]: r for r in built}
     dense0, expert0 = dp_rank0_ranks(layout)
-    # a fully_reshardable save gathers fp32 param + exp_avg + exp_avg_sq (12 B) of each DP group's shard on its
-    # DP rank 0's host, and writes it from there with the weights' main replica (replica 0: the same ranks);
-    # a load reads the rank's whole model-parallel shard (12 B per element) and keeps its DP slice
     gather = [0] * nodes
     load = [0] * nodes
     written = [0] * nodes
-    per_weight = 2 if cfg.model.params_dtype == "bfloat16" else 4
     distopt = cfg.optim.use_distributed_optimizer
     for rank in range(layout.world_size):
         node = rank // c.gpus_per_node
         r = by_stage[_stage_of(rank, layout)]
-        dense, experts = r["params"] - r["expert_params"], r["expert_params"]
-        load[node] += 12 * (dense + experts) if distopt else 0
-        for count, first in ((dense, rank in dense0), (experts, rank in expert0)):
-            if first:
-                gather[node] += 12 * count if distopt else 0
-                written[node] += (12 + per_weight) * count
+        for b in r["buffers"]:
+            first = rank in (expert0 if b["expert"] else dense0)
+            if first:  # this rank writes the buffer's main replica: weights, fp32 main copies (of 16-bit ones), Adam
+                weight = memory.ITEMSIZE[b["param_dtype"]]
+                written[node] += (weight + (0 if weight == 4 else 4) + 8) * b["numel_unpadded"]
+        if distopt:
+            gather[node] += save_gather_bytes(r["buffers"], rank in dense0, rank in expert0)
+            load[node] += sum(12 * b["numel_unpadded"] for b in r["buffers"])
     rows = []
     for node in range(nodes):
         row = Row("host", f"node {node}", budget)
