@@ -77,7 +77,8 @@ def test_value_model_equals_transformers_token_classification(layout, tmp_path_f
 
 def test_ppo_demo_learns(tmp_path):
     """`make demo-ppo` (configs/demo_ppo_cpu.yaml) through the real CLI at 2 processes: PPO + GAE with its critic
-    lifts the reward from the warm-up's ~0.1 to >= 0.9 (a 5-step mean) within its 80 steps."""
+    lifts the reward from the warm-up's ~0.1 to >= 0.75 (a 5-step mean, the README's claim) within its 80 steps.
+    Seed 3: the demo was tuned on seeds 1234, 1 and 2 (best 5-step means 0.904, 0.822, 0.920; seed 3: 0.916)."""
     import subprocess
     import sys
 
@@ -85,7 +86,7 @@ def test_ppo_demo_learns(tmp_path):
 
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_ppo_cpu.yaml", f"logging.dir={run}",
+        [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_ppo_cpu.yaml", "seed=3", f"logging.dir={run}",
          "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null", "trainer.eval_every=80",
          "--nproc-per-node", "2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
@@ -97,7 +98,7 @@ def test_ppo_demo_learns(tmp_path):
     assert len(reward) == 80 and sorted(evals) == [0, 80]
     assert reward[0] <= 0.15, reward[:5]  # the warm-up taught a+b+1
     windows = [sum(reward[i:i + 5]) / 5 for i in range(len(reward) - 4)]
-    assert max(windows) >= 0.9, [round(w, 3) for w in windows[::5]]
+    assert max(windows) >= 0.75, [round(w, 3) for w in windows[::5]]
     assert evals[80] >= evals[0] + 0.5, evals
     assert all("critic/value_loss" in r for r in rows if "reward/mean" in r)
     policy_steps = [r["step"] for r in rows if "loss/policy" in r]

@@ -97,8 +97,7 @@ def test_memory_model_equals_megatron_allocations(layout, tmp_path_factory):
     lay = resolve_layout(cfg.parallel, nproc, hf)
     for kind in ("plain", "distopt"):
         measured = [json.load(open(os.path.join(out, f"memory_{kind}_{r}.json"))) for r in range(nproc)]
-        built = meta_run(Request("configs/models/tiny_glm4_moe.json", nproc, lay.tensor, lay.pipeline, lay.expert,
-                                 lay.expert_tensor, lay.sequence_parallel, "bfloat16", 128, kind == "distopt",
+        built = meta_run(Request("configs/models/tiny_glm4_moe.json", lay, "bfloat16", 128, kind == "distopt",
                                  ranks=tuple(range(nproc))))
         for m, b in zip(measured, built):
             predicted = model_bytes(b, kind == "distopt", m["dp_rank"], m["expert_dp_rank"])

@@ -238,10 +238,11 @@ def test_dead_engine_restarted_or_run_stops_with_checkpoint(tmp_path):
 
 def test_demo_learns_on_a_short_schedule(tmp_path):
     """`make demo`'s config through the real CLI (--nproc-per-node 2), 20 RL steps instead of 80: the
-    warm-up's wrong rule gives ~0 greedy accuracy, RL alone lifts reward and accuracy by a clear margin."""
+    warm-up's wrong rule gives ~0 greedy accuracy, RL alone lifts reward and accuracy by a clear margin.
+    Seed 3: the demo was tuned on seeds 1234, 1 and 2 (here: greedy accuracy 0 -> 0.67 at step 20)."""
     run = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "train_iters=20",
+        [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "train_iters=20", "seed=3",
          f"logging.dir={run}", "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null",
          "--nproc-per-node", "2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},

@@ -20,18 +20,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moe.model import ParallelSizes, build_gpt_model, load_hf_config, transformer_config
+from moe.model import build_gpt_model, load_hf_config, transformer_config
+from rlpo_mega.distributed import Layout
 
 
 @dataclass(frozen=True)
 class Request:
     hf_config: str  # config.json path (or directory)
-    world_size: int
-    tensor: int
-    pipeline: int
-    expert: int
-    expert_tensor: int
-    sequence_parallel: bool
+    layout: Layout  # the world and its parallel sizes (rlpo_mega.distributed.resolve_layout)
     params_dtype: str  # float32 | bfloat16
     vocab_divisible_by: int
     use_distributed_optimizer: bool
@@ -76,18 +72,18 @@ def _build_rank(req: Request, rank: int) -> dict:
 
     from rlpo_mega.training.model_setup import PARAMS_DTYPES, ddp_config
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=req.world_size)
+    lay = req.layout
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
     try:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=req.tensor, pipeline_model_parallel_size=req.pipeline,
-            expert_model_parallel_size=req.expert, expert_tensor_parallel_size=req.expert_tensor,
+            tensor_model_parallel_size=lay.tensor, pipeline_model_parallel_size=lay.pipeline,
+            expert_model_parallel_size=lay.expert, expert_tensor_parallel_size=lay.expert_tensor,
             create_gloo_process_groups=False)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(0)
         hf = load_hf_config(req.hf_config)
-        sizes = ParallelSizes(req.tensor, req.pipeline, req.expert, req.expert_tensor, req.sequence_parallel)
-        config = transformer_config(hf, sizes, params_dtype=PARAMS_DTYPES[req.params_dtype],
+        config = transformer_config(hf, lay.sizes(), params_dtype=PARAMS_DTYPES[req.params_dtype],
                                     recompute=req.recompute, calculate_per_token_loss=True)
         # meta tensors hold no values: megatron's CPU initialisation (full weights, then split) would draw them
         config.use_cpu_initialization = False
@@ -116,7 +112,8 @@ def build(req: Request) -> list[dict]:
     real = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("meta")  # DDP's buffers: torch.zeros(device=current_device())
     try:
-        ranks = req.ranks or tuple(s * (req.world_size // req.pipeline) for s in range(req.pipeline))
+        lay = req.layout
+        ranks = req.ranks or tuple(s * (lay.world_size // lay.pipeline) for s in range(lay.pipeline))
         return [_build_rank(req, r) for r in ranks]
     finally:
         torch.cuda.current_device = real
@@ -135,8 +132,8 @@ def run(req: Request, timeout: float = 600.0) -> list[dict]:
                           capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
-        raise MetaBuildError(f"building {req.hf_config} on the meta device at TP{req.tensor}/PP{req.pipeline}/"
-                             f"EP{req.expert} failed: {tail[0]}")
+        raise MetaBuildError(f"building {req.hf_config} on the meta device at TP{req.layout.tensor}/PP"
+                             f"{req.layout.pipeline}/EP{req.layout.expert} failed: {tail[0]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -152,6 +149,7 @@ def main() -> int:
     logging.disable(logging.WARNING)  # megatron's per-buffer logs would reach stdout
     raw = json.loads(sys.stdin.read())
     raw["ranks"] = tuple(raw.get("ranks", ()))
+    raw["layout"] = Layout(**raw["layout"])
     result = build(Request(**raw))
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     return 0

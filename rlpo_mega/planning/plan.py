@@ -150,10 +150,10 @@ class Row:
         return self.budget - self.total
 
 
-def _request(cfg, layout, hf_config: str, value_head: bool) -> Request:
-    return Request(hf_config, layout.world_size, layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor,
-                   layout.sequence_parallel, cfg.model.params_dtype, cfg.model.vocab_divisible_by,
-                   cfg.optim.use_distributed_optimizer, value_head=value_head, recompute=cfg.model.recompute)
+def _request(cfg, layout, value_head: bool) -> Request:
+    optim = cfg.critic.optim if value_head else cfg.optim
+    return Request(cfg.model.hf_config, layout, cfg.model.params_dtype, cfg.model.vocab_divisible_by,
+                   optim.use_distributed_optimizer, value_head=value_head, recompute=cfg.model.recompute)
 
 
 def _stage_layers(hf, pp: int, stage: int) -> range:
@@ -394,26 +394,24 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
     drawn = response_lengths(lengths, cfg.rollout.max_new_tokens, batch, steps, seed)
     summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens)
-    built = meta_run(_request(cfg, layout, cfg.model.hf_config, value_head=False))
-    critic = None
-    if cfg.algorithm.advantage.name == "gae":
-        critic_req = _request(cfg, layout, cfg.model.hf_config, value_head=True)
-        critic = meta_run(critic_req.__class__(**{**critic_req.__dict__, "use_distributed_optimizer":
-                                                  cfg.critic.optim.use_distributed_optimizer}))
+    built = meta_run(_request(cfg, layout, value_head=False))
+    critic = meta_run(_request(cfg, layout, value_head=True)) if cfg.algorithm.advantage.name == "gae" else None
     gpu = int(c.gpu_memory_gb * GB)
     rows = learner_rows(cfg, hf, layout, summary, built, critic, gpu, int(c.gpu_reserved_gb * GB), imbalance)
     n_params = total_params(built, layout)
     if cfg.rollout.engine == "sglang":
         shape = memory.Shape.of(hf, 1, 1)
         rows += server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
-    hosts, ck = host_rows(cfg, hf, layout, built, summary, int(c.host_memory_gb * GB))
+    # the critic's weights and optimizer state are saved in the same checkpoints, by the same ranks
+    saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"]} for r, v in zip(built, critic)]
+    hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB))
     rows += hosts
     sbatch = "train_disaggregated.sbatch" if c.rollout_nodes else "train_colocated.sbatch"
     lead, shutdown = slurm_window(sbatch)
     # a SIGTERM save writes and records sizes; the checksums' re-read waits for the next regular save's files
     ck.update(storage_gb_per_s=c.storage_gb_per_s, sigterm_save_s=ck["save_s"], window_s=min(lead, shutdown),
               window_from=f"launch/slurm/{sbatch} --signal=B:TERM@{lead}, launch/torchrun.sh --shutdown-timeout "
-                          f"{shutdown}", params=n_params)
+                          f"{shutdown}", params=n_params + (total_params(critic, layout) if critic else 0))
     return Plan(config_name, world_size, {"tensor": layout.tensor, "pipeline": layout.pipeline, "expert": layout.expert,
                                           "expert_tensor": layout.expert_tensor, "data": layout.data,
                                           "expert_data": layout.expert_data}, summary, rows, ck, warnings)
