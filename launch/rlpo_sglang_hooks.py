@@ -173,7 +173,13 @@ def _serving_dtype(model) -> torch.dtype:
     gate weights in fp32); the learner sends them in this dtype and the upcast is exact, so they are digested
     back in it. Tensors every side keeps in fp32 (the family's fp32_hf_tensor: the score-correction bias) are
     sent and digested as such."""
-    return model.get_input_embeddings().weight.dtype
+    from moe.families import get_family
+
+    embedding = get_family(model.config.model_type).hf_names(model.config)["embedding"]
+    params = dict(model.named_parameters())
+    if embedding in params:
+        return params[embedding].dtype
+    return next(p.dtype for p in params.values() if p.is_floating_point())
 
 
 def digests_of(model, algorithm: str, group=None):
@@ -188,7 +194,7 @@ def digests_of(model, algorithm: str, group=None):
     out = {} if group.rank_in_group == 0 else None
     for name, first, t in hf_tensors(model, group):
         if first is not None:  # experts [first, first + n) of a fused expert parameter: named one by one
-            views = sglang_to_hf({name: t}, model.config, first_expert=first)
+            views = sglang_to_hf({name: t}, model.config, first_expert=first, tie=False)
         else:
             views = sglang_to_hf({name: t}, model.config, tie=False)
         for n, v in views.items():
