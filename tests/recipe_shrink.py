@@ -160,8 +160,10 @@ def recipes() -> list[str]:
     return extra + found
 
 
-# What two recipes that train identically may still differ in: where they write and what the run is called.
+# What two recipes that train identically may still differ in: where they write, what the run is called, and the
+# cluster they are sized for (cluster.*: read by `rlpo-mega plan` and `check`, never by the trainer).
 NAMES = ("checkpoint.save_dir", "logging.dir", "logging.run_name")
+SIZED_FOR = "cluster."
 
 
 def _flat(d: dict, prefix: str = ""):
@@ -180,7 +182,7 @@ def shrunk_config(recipe: str) -> dict:
     urls = {t: ["http://sglang-server"] for t in hf_dirs}
     s = shrink(recipe, work="shrunk", hf_dirs=hf_dirs, prompts="prompts.jsonl", sglang_urls=urls)
     cfg = dict(_flat(to_dict(load_config(os.path.join(ROOT, recipe), tuple(s.argv())))))
-    return {"nproc": s.nproc, **{k: v for k, v in cfg.items() if k not in NAMES}}
+    return {"nproc": s.nproc, **{k: v for k, v in cfg.items() if k not in NAMES and not k.startswith(SIZED_FOR)}}
 
 
 def distinct_runs() -> list[list[str]]:
