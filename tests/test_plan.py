@@ -74,11 +74,15 @@ def test_planner_at_every_recipe_full_size_over_many_draws():
 
 
 def test_the_fixed_count_refusal_is_gone():
-    """The issue's call: a fixed count of 16 with uneven samples per rank used to raise at step 1."""
-    cfg = load_config(os.path.join(ROOT, RECIPES[0]), ("parallel.num_micro_batches=16", "trainer.max_tokens_per_micro_batch=null"))
-    drawn = [[r - 511 for r in step] for step in planning.response_lengths("uniform", 8500 - 300, 512, 20, seed=1)]
-    drawn = [[300 + r + 511 - 1 for r in step] for step in drawn]  # spans uniform in 300..8500 with 512-token prompts
-    s = planning.simulate_steps(cfg, 8, 2, [[max(1, x - 511) for x in step] for step in drawn], 512)
+    """The issue's call through the plan: a fixed count of 16 micro-batches, 512 samples of 300..8500 tokens at DP8
+    (TP2), uneven samples per rank -- it used to raise at step 1."""
+    import random
+
+    cfg = load_config(os.path.join(ROOT, RECIPES[1]), ("parallel.num_micro_batches=16",
+                                                       "trainer.max_tokens_per_micro_batch=null"))
+    rng = random.Random(1)
+    drawn = [[rng.randint(300, 8500) for _ in range(512)] for _ in range(20)]
+    s = planning.simulate_steps(cfg, 8, 2, drawn, prompt_tokens=1)  # spans = the drawn lengths
     assert s.steps == 20 and s.most_micro_batches == 16
 
 
