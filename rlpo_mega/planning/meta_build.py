@@ -22,6 +22,7 @@ import torch
 
 from moe.model import build_gpt_model, load_hf_config, transformer_config
 from rlpo_mega.distributed import Layout
+from rlpo_mega.training.model_setup import PARAMS_DTYPES, ddp_config
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class Request:
 
 
 def _interval_lists(buffer) -> list:
-    """[start, end) of every parameter in the buffer (megatron's param_index_map), bucket boundaries."""
+    """[start, end) of every parameter in the buffer (megatron's param_index_map), in buffer order."""
     return sorted([s, e] for s, e, _ in buffer.param_index_map.values())
 
 
@@ -49,15 +50,15 @@ def _describe(ddp, model) -> dict:
                 "expert": expert, "param_dtype": str(b.param_dtype).removeprefix("torch."),
                 "grad_dtype": str(b.grad_dtype).removeprefix("torch."), "numel": int(b.numel),
                 "numel_unpadded": int(b.numel_unpadded), "dp": int(b.data_parallel_world_size),
-                "params": _interval_lists(b), "buckets": [list(map(int, x)) for x in b.bucket_indices],
-                "param_data": b.param_data is not None})
+                "params": _interval_lists(b), "buckets": [list(map(int, x)) for x in b.bucket_indices]})
     params = list(model.parameters())
     return {
         "params": int(sum(p.numel() for p in params)),
         "param_bytes": int(sum(p.numel() * p.element_size() for p in params)),
         "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
         "expert_params": int(sum(p.numel() for p in params if not getattr(p, "allreduce", True))),
-        # buffers of the modules (the routers' fp32 score-correction bias, RoPE tables) beside the parameters
+        # buffers of the modules (the routers' fp32 score-correction bias) beside the parameters; one built on the
+        # host (not the device) holds no GPU memory
         "module_buffer_bytes": int(sum(b.numel() * b.element_size() for b in model.buffers()
                                        if b.device.type == "meta")),
         "buffers": buffers,
@@ -67,10 +68,8 @@ def _describe(ddp, model) -> dict:
 def _build_rank(req: Request, rank: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from rlpo_mega.training.model_setup import PARAMS_DTYPES, ddp_config
 
     lay = req.layout
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=lay.world_size)
