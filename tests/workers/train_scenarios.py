@@ -290,9 +290,10 @@ def sglang_hang_sigterm(out):
 
     original_save = Trainer.save
 
-    def save(self):
+    def save(self, **kw):
         sent.setdefault("save", time.monotonic())
-        return original_save(self)
+        sent["on_signal"] = kw.get("on_signal", False)
+        return original_save(self, **kw)
 
     Trainer.save = save
     try:
@@ -306,7 +307,8 @@ def sglang_hang_sigterm(out):
         return {}
     return {"rc": 0, "stopped": trainer.stopped, "history": history(out, "hang"),
             "saved": sorted(n for n in os.listdir(save_dir) if n.startswith("step_")),
-            "sigterm_to_save_s": sent["save"] - sent["t"], "sigterm_to_exit_s": done - sent["t"]}
+            "sigterm_to_save_s": sent["save"] - sent["t"], "sigterm_to_exit_s": done - sent["t"],
+            "save_on_signal": sent["on_signal"]}
 
 
 if __name__ == "__main__":
