@@ -112,25 +112,26 @@ def test_memory_model_equals_megatron_allocations(layout, tmp_path_factory):
             assert model_bytes(b, kind == "distopt").optimizer_bytes >= predicted.optimizer_bytes
 
 
-def test_plan_refusals_are_one_line(tmp_path):
+def test_plan_refusals_are_one_line(tmp_path, capsys, monkeypatch):
+    """A budget exceeded (through the CLI process, as users run it), then the input errors in-process (they stop
+    before the meta build): exit 2 and one line naming the cause."""
+    from rlpo_mega import cli
+
     recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml"
     proc = _plan_cli(recipe, "cluster.gpu_memory_gb=40")
     assert proc.returncode == 2
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("rlpo-mega plan: learner GPU") and "40 GB budget" in line, proc.stderr
+    monkeypatch.chdir(ROOT)
     bad = tmp_path / "lengths.json"
     bad.write_text('{"not": "a list"}')
-    proc = _plan_cli(recipe, "--lengths", str(bad))
-    assert proc.returncode == 2 and "response/length_mean" in proc.stderr.strip().splitlines()[-1], proc.stderr
-    proc = _plan_cli(recipe, "--lengths", "normal")
-    assert proc.returncode == 2 and "neither a distribution" in proc.stderr, proc.stderr
-    proc = _plan_cli("configs/demo_cpu.yaml")
-    assert proc.returncode == 2 and "--world-size" in proc.stderr.strip().splitlines()[-1], proc.stderr
-    proc = _plan_cli(recipe, "--world-size", "24")
-    assert proc.returncode == 2 and "config error" in proc.stderr, proc.stderr
-    proc = _plan_cli("configs/recipes/glm45_air_gspo_r3_8nodes.yaml", "cluster.gpu_memory_gb=60",
-                     "cluster.gpu_reserved_gb=0", "parallel.pipeline=1", "parallel.expert=8", "--world-size", "64")
-    assert proc.returncode == 2, proc.stderr
+    for argv, needle in (([recipe, "--lengths", str(bad)], "response/length_mean"),
+                         ([recipe, "--lengths", "normal"], "neither a distribution"),
+                         (["configs/demo_cpu.yaml"], "--world-size"),
+                         ([recipe, "--world-size", "24"], "config error")):
+        assert cli.main(["plan", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("rlpo-mega plan: ") and needle in err[0], (argv, err)
 
 
 def test_lengths_from_a_file(tmp_path):
