@@ -116,9 +116,9 @@ def _gathered(group, t: torch.Tensor):
     return group.gather(t.unsqueeze(0).contiguous(), dst=0, dim=0)
 
 
-def hf_tensors(model, group=None, experts_per_gather: int = 1):
+def hf_tensors(model, group=None):
     """Yields (sglang name, SGLang's TP-1 tensor) on TP rank 0, one parameter at a time -- a fused expert
-    parameter `experts_per_gather` experts at a time, as (name, first expert, tensor of those experts) -- and
+    parameter one expert at a time, as (name, first expert, tensor of that expert [1, ...]) -- and
     nothing on the other ranks, which take part in the same gathers. Collective over the server's TP ranks.
     What is held at once is one parameter's (or expert slice's) shards and their concatenation: the largest
     tensor bounds the extra memory, not the model (the whole TP-1 model would not fit next to the weights and
@@ -132,8 +132,8 @@ def hf_tensors(model, group=None, experts_per_gather: int = 1):
         t = p.detach()
         if name.endswith(("w13_weight", "w2_weight")):
             local = t.shape[0]
-            for e0 in range(0, local, experts_per_gather):
-                part = t[e0:e0 + experts_per_gather]
+            for e0 in range(local):
+                part = t[e0:e0 + 1]
                 if dim is None:  # whole on every rank (maybe padded): no gather
                     if rank == 0:
                         yield name, e0, _unshard(owner, name, [part], tp, model.config)
@@ -223,7 +223,7 @@ def _reset_peak():
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux: resets VmHWM to the current RSS
-    except OSError:
+    except OSError:  # not Linux: the reported peak is then the process's lifetime peak, an over-estimate
         pass
 
 

@@ -170,12 +170,9 @@ def _check(args) -> int:
         world = args.world_size or (c.learner_nodes * c.gpus_per_node if c.learner_nodes else None)
         warns = check_run_config(cfg, None, world_size=world)
         if world is not None:  # what depends on size, at the size: `rlpo-mega plan` (uniform lengths)
-            import warnings
+            from rlpo_mega.planning.plan import PlanError, make_plan, quiet_megatron
 
-            from rlpo_mega.planning.plan import PlanError, make_plan
-
-            warnings.filterwarnings("ignore")
-            logging.getLogger("megatron").setLevel(logging.WARNING)
+            quiet_megatron()
             exceeded = make_plan(cfg, args.config, world).first_exceeded()
             if exceeded:
                 raise PlanError(f"{exceeded} (rlpo-mega plan {args.config} prints the tables)")
@@ -197,14 +194,12 @@ def _check(args) -> int:
 
 def _plan(args) -> int:
     import json
-    import warnings
 
     from rlpo_mega.config import load_config
     from rlpo_mega.errors import is_user_error, report
-    from rlpo_mega.planning.plan import make_plan, render
+    from rlpo_mega.planning.plan import make_plan, quiet_megatron, render
 
-    warnings.filterwarnings("ignore")  # megatron's import-time notes about TE and Apex
-    logging.getLogger("megatron").setLevel(logging.WARNING)
+    quiet_megatron()
     try:
         cfg = load_config(args.config, tuple(args.overrides))
         plan = make_plan(cfg, args.config, args.world_size, args.lengths, args.steps, args.prompt_tokens, args.seed)

@@ -25,6 +25,7 @@ from typing import Optional
 
 from moe.families import get_family
 from moe.model import load_hf_config
+from moe.routing.trace import compact_dtype
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
@@ -37,6 +38,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # the rollout engine's default share of a GPU for weights + KV pool when the recipe does not state it
 DEFAULT_MEM_FRACTION = 0.85
 SGLANG_RUNTIME_GB = 4.0  # a server's CUDA graphs, activations of a prefill chunk, NCCL (assumed)
+
+
+def quiet_megatron():
+    """Megatron's import-time notes about TE and Apex and its INFO logs are noise in a plan's output."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 class PlanError(ValueError):
@@ -168,7 +178,7 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
     tokens = steps.largest_micro_tokens
     family = get_family(hf.model_type)
     topk = shape.topk
-    route_item = 2 if family.num_experts(hf) > 256 else 1
+    route_item = compact_dtype(family.num_experts(hf)).itemsize  # the exchange's wire dtype of a route
     rows = []
     for s, rank in enumerate(built):
         stage = rank["stage"]
