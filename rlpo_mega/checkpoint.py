@@ -21,9 +21,9 @@ the DP-flattened gradient buckets (keys and offsets depend on TP/PP/EP and the b
 dist_checkpointing rejects (mapping.py:134). Its main params are renamed to the key the non-distributed
 mixed-precision optimizer uses (`optimizer.state.fp32_param.<param>`) and, where the model parameter
 is itself fp32 (it is then the main param), not stored twice: a checkpoint of either optimizer loads
-into the other at any layout. Its cost is host memory: a save gathers each DP group's state on its DP
-rank 0, a load reads the whole state of the rank's model-parallel shard and keeps its DP slice (12 B
-per parameter of the shard, e.g. 4.4B parameters = 53 GB per rank for the Qwen3-30B recipes).
+into the other at any layout. megatron-core writes that format by gathering each DP group's state on its DP
+rank 0 and reads it whole on every rank (hundreds of GB on one host at the recipes' size): the same tensors
+are written and read here with each rank holding its own share (rlpo_mega.checkpoint_distopt).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moe.bridge.outputs import swap_in
+from rlpo_mega.checkpoint_distopt import load_state, save_state
 from rlpo_mega.checkpoint_files import checkpoint_files, digest_files, verify_files
 from rlpo_mega.training.model_setup import unwrap
 
@@ -69,14 +70,6 @@ def _optim_root(sub_sd: dict) -> dict:
     return sub_sd["optimizer"] if "optimizer" in sub_sd else sub_sd  # Float16Optimizer nests it
 
 
-def _distributed_sharding(sub) -> dict:
-    # mem_efficient: each DP group gathers its state on DP rank 0 over the gloo group, on the host
-    # (without it, every DP rank all-gathers the whole buffer on the accelerator, and `.cuda()`s it:
-    # distrib_optimizer.py:1077-1089). Only DP rank 0's copy is a main replica, written by the save.
-    return {"distrib_optim_sharding_type": "fully_reshardable",
-            "distrib_optim_fully_reshardable_mem_efficient": sub.data_parallel_group_gloo is not None}
-
-
 def _zero_state(sub) -> bool:
     """Give a never-stepped distributed optimizer over torch's Adam the initial state (step 0, zero
     moments), which its state_dict needs (distrib_optimizer.py:638 reads every param's 'step'); torch's
@@ -95,23 +88,16 @@ def _zero_state(sub) -> bool:
 
 
 def _distributed_state(sub, model_sd, is_loading: bool):
-    """(sharded dict, step) of one DistributedOptimizer in the format described in the module doc."""
+    """(sharded dict, step) of one DistributedOptimizer in the format described in the module doc: megatron's
+    sharded_state_dict with its fully_reshardable param_state made without the gathers (rlpo_mega.checkpoint_distopt)."""
     fresh = _zero_state(sub)
-    sd = sub.sharded_state_dict(model_sd, is_loading=is_loading, metadata=_distributed_sharding(sub))
+    sd = sub.state_dict()
+    if is_loading:
+        sub.load_state_dict(sub.state_dict())  # allocates what a fresh Apex/TE optimizer lacks, as megatron's does
+    sd["param_state"] = (load_state if is_loading else save_state)(sub, model_sd)
+    sd["param_state_sharding_type"] = "fully_reshardable"
     if fresh and not is_loading:
-        sub.optimizer.state.clear()  # leave it as it was: the gather above copied what it needed
-    # param_state[i] belongs to the i-th param of the buffers' param_index_maps (the order of
-    # distrib_optimizer.py:1466); keys cannot tell, local experts share one key.
-    params = [p for buffer in sub.buffers for p in buffer.param_index_map]
-    assert sd["param_state"] is None or len(sd["param_state"]) == len(params)
-    for i, entry in (sd["param_state"] or {}).items():  # None on DP ranks > 0 when saving
-        if params[i].dtype == torch.float32:
-            # The main param is a view of this very model param (distrib_optimizer.py:420): restored
-            # with the weights, it is given back to the optimizer as the loaded weight itself.
-            entry["param"] = params[i]
-        else:
-            main = entry["param"]
-            main.key = "optimizer.state.fp32_param." + main.key[len("optimizer.state.param."):]
+        sub.optimizer.state.clear()  # leave it as it was: the save copied what it needed
     if not any(g["params"] for g in sub.optimizer.param_groups):
         return sd, None  # nothing here to step (a pipeline stage without MoE layers: its expert optimizer)
     steps = {float(g.get("step") or 0) for g in sd["optimizer"]["param_groups"]}  # FusedAdam: none yet

@@ -173,6 +173,35 @@ def test_bf16_fp32_main_params_are_saved_and_restored(distopt):
     same_steps(tp2, ref, tol=5e-4)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_distributed_optimizer_state_is_held_in_shares_not_gathered(distopt, dtype):
+    """Host memory of a distributed-optimizer save and load (float32 at TP1/DP2, bf16 at EP2 with dense DP2): each
+    rank holds the state of the parameters it owns (save) or its range touches (load), as rlpo-mega plan predicts
+    it, byte for byte; megatron-core's own fully_reshardable save gathers a DP group's whole state on its DP rank 0,
+    and its load reads the whole shard on every rank. The tensors written are megatron's: each checkpoint loads
+    through the other reader bit-exactly."""
+    m = distopt["memory"][dtype]
+    ours = [(save, load) for save, load, _ in m["ours"]]
+    assert ours == [tuple(p) for p in m["predicted"]]
+    theirs_save = [save for save, _, _ in m["megatron_to_ours"]]
+    theirs_load = [load for _, load, _ in m["ours_to_megatron"]]
+    # (the counts leave out the main copy of an fp32 parameter: it is the parameter, written with the weights)
+    for got, gathered in zip(theirs_save, m["dp0_bytes"]):  # everything on DP rank 0
+        assert got == gathered == 0 or 0.6 * gathered < got <= gathered
+    for got, shard in zip(theirs_load, m["shard_bytes"]):  # the whole shard, on every rank
+        assert 0.6 * shard < got <= shard
+    # ours: the state spread over the DP ranks, well under megatron's peak on either side
+    assert max(s for s, _ in ours) < 0.75 * max(theirs_save)
+    assert max(load for _, load in ours) < 0.8 * max(theirs_load)
+    assert sum(s for s, _ in ours) <= sum(theirs_save)  # each state once
+    for name in ("ours", "megatron_to_ours", "ours_to_megatron"):
+        assert all(exact for _, _, exact in m[name]), name
+    if dtype == "float32":
+        assert m["straddling"], "no parameter runs over a DP range: the exchange was not exercised"
+    print(dtype, "parameters over DP ranges", len(m["straddling"]), "; host bytes of optimizer state per rank: save",
+          [s for s, _ in ours], "megatron", theirs_save, "; load", [load for _, load in ours], "megatron", theirs_load)
+
+
 def test_optimizer_param_types_patch_is_needed(distopt):
     """CPU patch optimizer_param_types: without it neither the bf16 nor the distributed optimizer
     can be built, failing at a megatron-core line the patch names."""

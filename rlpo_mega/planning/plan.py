@@ -26,6 +26,7 @@ from typing import Optional
 from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import compact_dtype
+from rlpo_mega.checkpoint_distopt import dp_shares
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
@@ -261,33 +262,32 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
     return [row]
 
 
-def dp_rank0_ranks(layout) -> tuple[set, set]:
-    """Global ranks that are rank 0 of their dense / expert data-parallel group (megatron's rank order
-    tp-cp-ep-dp-pp, parallel_state.RankGenerator): where a fully_reshardable save gathers the state."""
+def dp_positions(layout) -> tuple[dict, dict]:
+    """Every global rank's position in its dense / expert data-parallel group (megatron's rank order tp-cp-ep-dp-pp,
+    parallel_state.RankGenerator)."""
     from megatron.core.parallel_state import RankGenerator
 
     dense = RankGenerator(tp=layout.tensor, ep=1, dp=layout.data, pp=layout.pipeline, cp=1, order="tp-cp-ep-dp-pp")
     expert = RankGenerator(tp=layout.expert_tensor, ep=layout.expert, dp=layout.expert_data, pp=layout.pipeline,
                            cp=1, order="tp-cp-ep-dp-pp")
-    return ({g[0] for g in dense.get_ranks("dp")}, {g[0] for g in expert.get_ranks("dp")})
+    return tuple({r: i for g in gen.get_ranks("dp") for i, r in enumerate(g)} for gen in (dense, expert))
 
 
-def save_gather_bytes(buffers: list, dense_first: bool, expert_first: bool) -> int:
-    """Host bytes of one rank at a distributed-optimizer save, as megatron-core 0.16.1's fully_reshardable format
-    gathers (distrib_optimizer.py get_parameter_state_dp_zero, gloo): a DP group's rank 0 keeps fp32 param,
-    exp_avg and exp_avg_sq of the whole buffer (12 B per element) for the save; while one bucket is gathered
-    every rank also holds its contiguous shards of the bucket (12 B per element / DP) and rank 0 the received
-    list and its concatenation (4 + 4 B per element of the bucket, one state at a time). The buckets are DDP's:
-    one per buffer when overlap_grad_reduce is off."""
-    kept, transient = 0, 0
+def _state_bytes_per_element(buffer: dict) -> int:
+    # exp_avg and exp_avg_sq, and the fp32 main copy of a 16-bit parameter (an fp32 parameter is its own)
+    return 8 if buffer["param_dtype"] == "float32" else 12
+
+
+def optimizer_state_bytes(buffers: list, dense_position: int, expert_position: int) -> tuple[int, int]:
+    """Host bytes of one rank's distributed-optimizer state at a checkpoint, as rlpo_mega.checkpoint_distopt holds
+    it: (save: the parameters the rank owns, load: the parameters its range touches)."""
+    save = load = 0
     for b in buffers:
-        first = expert_first if b["expert"] else dense_first
-        if first:
-            kept += 12 * b["numel_unpadded"]
-        for start, end in b["buckets"]:
-            size = end - start
-            transient = max(transient, 12 * size // b["dp"] + (8 * size if first else 0))
-    return kept + transient
+        owned, touched = dp_shares(b["params"], b["buckets"], b["dp"])
+        k = expert_position if b["expert"] else dense_position
+        save += _state_bytes_per_element(b) * owned[k]
+        load += _state_bytes_per_element(b) * touched[k]
+    return save, load
 
 
 def _stage_of(rank: int, layout) -> int:
@@ -295,15 +295,14 @@ def _stage_of(rank: int, layout) -> int:
 
 
 def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int) -> tuple[list[Row], dict]:
-    """Per learner node: the checkpoint's save and load transients (the distributed optimizer's gathers,
-    save_gather_bytes; a load allocates the whole state of the rank's model-parallel shard, 12 B per element,
-    and keeps its DP slice) and the rollout driver's buffers (node 0); and the checkpoint's size and save
-    time (the main replica of every tensor is written by its DP group's rank 0)."""
+    """Per learner node: the checkpoint's host memory (the distributed optimizer's state a save writes and a load
+    reads, optimizer_state_bytes) and the rollout driver's buffers (node 0); and the checkpoint's size and save time
+    (weights are written by their DP group's rank 0, the distributed optimizer's state by each parameter's owner)."""
     c = cfg.cluster
     nodes = max(1, layout.world_size // c.gpus_per_node)
     by_stage = {r["stage"]: r for r in built}
-    dense0, expert0 = dp_rank0_ranks(layout)
-    gather = [0] * nodes
+    dense, expert = dp_positions(layout)
+    save = [0] * nodes
     load = [0] * nodes
     written = [0] * nodes
     distopt = cfg.optim.use_distributed_optimizer
@@ -311,19 +310,21 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int) -> 
         node = rank // c.gpus_per_node
         r = by_stage[_stage_of(rank, layout)]
         for b in r["buffers"]:
-            first = rank in (expert0 if b["expert"] else dense0)
-            if first:  # this rank writes the buffer's main replica: weights, fp32 main copies (of 16-bit ones), Adam
-                weight = memory.ITEMSIZE[b["param_dtype"]]
-                written[node] += (weight + (0 if weight == 4 else 4) + 8) * b["numel_unpadded"]
+            if (expert if b["expert"] else dense)[rank] == 0:  # the weights' main replica
+                written[node] += memory.ITEMSIZE[b["param_dtype"]] * b["numel_unpadded"]
+                if not distopt:
+                    written[node] += _state_bytes_per_element(b) * b["numel_unpadded"]
         if distopt:
-            gather[node] += save_gather_bytes(r["buffers"], rank in dense0, rank in expert0)
-            load[node] += sum(12 * b["numel_unpadded"] for b in r["buffers"])
+            held = optimizer_state_bytes(r["buffers"], dense[rank], expert[rank])
+            save[node] += held[0]
+            load[node] += held[1]
+            written[node] += held[0]
     rows = []
     for node in range(nodes):
         row = Row("host", f"node {node}", budget)
         # save and load never overlap: the larger of the two
-        row.parts["checkpoint"] = max(gather[node], load[node])
-        row.info.update({"save gather": gather[node], "load": load[node]})
+        row.parts["checkpoint"] = max(save[node], load[node])
+        row.info.update({"save": save[node], "load": load[node]})
         if node == 0:
             # the rollout driver (rank 0) holds every sample: ids and log-probs, int32 routes of every MoE layer,
             # and validate_batch's int32 copy and its sort (moe/routing/trace.py)

@@ -60,8 +60,8 @@ def fixed_batches(hf) -> dict[str, torch.Tensor]:
 class Run:
     """One model + optimizer at one layout; `build` (re)initialises megatron's parallel state first."""
 
-    def __init__(self, family: str, layout_overrides, seed: int):
-        self.hf = load_hf_config(FAMILIES[family])
+    def __init__(self, family: str, layout_overrides, seed: int, hf=None):
+        self.hf = hf or load_hf_config(FAMILIES[family])
         self.cfg = load_config(None, COMMON + tuple(layout_overrides))
         if not torch.distributed.is_initialized():
             self.layout = distributed.init(self.cfg.parallel, self.hf, seed)

@@ -14,6 +14,10 @@ bfloat16 params (fp32 main params inside the optimizer, the recipes' precision),
   tp2      : TP2+SP (EP1, DP1): load `s1`, save `tp2_1`, steps 2, 3  (bf16 numerics differ by layout)
   back     : EP2: load `tp2_1`, steps 2, 3: the state went EP2/DP2 -> TP2/DP1 -> EP2/DP2 unchanged
 ablation : the bf16 plain and the distributed optimizer built without the optimizer_param_types patch.
+memory   : float32 at TP1 (DP2) and bf16 at EP2 (dense DP2): the host bytes of optimizer state a save hands to dist_checkpointing and a load
+           asks it for, per rank; what rlpo-mega plan predicts for the same buffers; what megatron-core's own
+           fully_reshardable gather holds (the format as megatron writes it); a checkpoint megatron writes loads
+           here exactly, and one written here loads through megatron's own reader.
 Layouts are switched by re-initialising megatron's parallel_state; the world size stays 2 (4 processes
 would double the CPU time of this launch on 2 cores).
 Usage: ckpt_distopt.py OUT_DIR FAMILY
@@ -22,6 +26,8 @@ import gc
 import os
 import sys
 import time
+
+import torch
 
 EP2 = ("parallel.expert=2",)
 TP2 = ("parallel.tensor=2",)
@@ -123,6 +129,135 @@ def bfloat16(family, d):
     return r
 
 
+def _optimizer_bytes(state: dict) -> int:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    return sum(v.data.numel() * v.data.element_size() for part in ("optimizer", "critic_optimizer")
+               for v in nested_values(state.get(part) or {}) if isinstance(v, ShardedBase))
+
+
+def _every_rank(value):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _megatron_distributed_state(sub, model_sd, is_loading):
+    """rlpo_mega.checkpoint._distributed_state as megatron-core 0.16.1 makes the same tensors: its fully_reshardable
+    sharded_state_dict (mem_efficient: a save gathers each DP group's state on its DP rank 0 over gloo; a load reads
+    the whole state of the rank's model-parallel shard on every rank)."""
+    from rlpo_mega.checkpoint import _zero_state
+
+    fresh = _zero_state(sub)
+    sd = sub.sharded_state_dict(model_sd, is_loading=is_loading, metadata={
+        "distrib_optim_sharding_type": "fully_reshardable", "distrib_optim_fully_reshardable_mem_efficient": True})
+    if fresh and not is_loading:
+        sub.optimizer.state.clear()
+    params = [p for buffer in sub.buffers for p in buffer.param_index_map]
+    for i, entry in (sd["param_state"] or {}).items():
+        if params[i].dtype == torch.float32:
+            entry["param"] = params[i]
+        else:
+            entry["param"].key = entry["param"].key.replace("optimizer.state.param.", "optimizer.state.fp32_param.")
+    return sd, float(sd["optimizer"]["param_groups"][0]["step"])
+
+
+def _state_of(opt) -> list:
+    """Every DistributedOptimizer's main params and Adam moments on this rank (its ranges), in order."""
+    from rlpo_mega.checkpoint import _sub_optimizers
+
+    out = []
+    for sub in _sub_optimizers(opt):
+        for b, buffer in enumerate(sub.buffers):
+            mine = {p for per in sub.gbuf_ranges[b].values() for m in per for p in m["param_map"]}
+            for p in buffer.param_index_map:
+                if p in mine:
+                    t = sub._get_main_param_and_optimizer_states(p)
+                    out += [t[k].detach().clone() for k in ("param", "exp_avg", "exp_avg_sq")]
+    return out
+
+
+def memory_at(family, d, overrides, hf=None):
+    import torch.distributed as dist
+    from ckpt_common import SEED, Run
+    from megatron.core import dist_checkpointing
+
+    import rlpo_mega.checkpoint as ck
+    from rlpo_mega.checkpoint_distopt import _ranks_holding
+    from rlpo_mega.planning.meta_build import _describe
+    from rlpo_mega.planning.plan import dp_positions, optimizer_state_bytes
+    from rlpo_mega.training.model_setup import unwrap
+
+    ours, theirs = os.path.join(d, "ours"), os.path.join(d, "megatron")
+    run = Run(family, overrides, SEED, hf)
+    run.step("train1")
+    run.step("train2")  # moments unlike each other and the main params unlike the bf16 weights
+    seen = {}
+    real_save, real_load, real_state = dist_checkpointing.save, dist_checkpointing.load, ck._distributed_state
+
+    def save(state, path, *a, **k):
+        seen["save"] = _optimizer_bytes(state)
+        return real_save(state, path, *a, **k)
+
+    def load(state, path, *a, **k):
+        seen["load"] = _optimizer_bytes(state)
+        return real_load(state, path, *a, **k)
+
+    def through(path, saving_with, loading_with):
+        """(host bytes saved, loaded) on this rank; whether the state came back bit-equal."""
+        before = _state_of(run.opt)
+        ck._distributed_state = saving_with
+        ck.save_checkpoint(path, run.chunks, run.opt, meta={"step": 2})
+        saved = seen["save"]
+        for sub in ck._sub_optimizers(run.opt):  # nothing left of it but what the load puts back
+            for group in sub.optimizer.param_groups:
+                for p in group["params"]:
+                    p.data.zero_()
+                    for v in sub.optimizer.state[p].values():
+                        if v.dim():
+                            v.zero_()
+        ck._distributed_state = loading_with
+        ck.load_checkpoint(path, run.chunks, run.opt)
+        return saved, seen["load"], all(torch.equal(a, b) for a, b in zip(before, _state_of(run.opt)))
+
+    dist_checkpointing.save, dist_checkpointing.load = save, load
+    try:
+        r = {"ours": _every_rank(through(ours, real_state, real_state)),
+             "megatron_to_ours": _every_rank(through(theirs, _megatron_distributed_state, real_state)),
+             "ours_to_megatron": _every_rank(through(ours, real_state, _megatron_distributed_state))}
+    finally:
+        dist_checkpointing.save, dist_checkpointing.load, ck._distributed_state = real_save, real_load, real_state
+    dense, expert = dp_positions(run.layout)
+    me = dist.get_rank()
+    r["predicted"] = _every_rank(optimizer_state_bytes(_describe(run.chunks[0], unwrap(run.chunks[0]))["buffers"],
+                                                       dense[me], expert[me]))
+    buffers = [b for sub in ck._sub_optimizers(run.opt) for b in sub.buffers]
+    r["straddling"] = [[start, end] for b in buffers for start, end, _ in b.param_index_map.values()
+                       if _ranks_holding(start, end, b.bucket_indices, b.data_parallel_group.size())[0]
+                       != _ranks_holding(start, end, b.bucket_indices, b.data_parallel_group.size())[1]]
+    r["shard_bytes"] = _every_rank(sum(12 * b.numel_unpadded for b in buffers))
+    # what megatron's save gathers here: the buffers whose DP group this rank is rank 0 of (expert DP is 1 at EP2)
+    r["dp0_bytes"] = _every_rank(sum(12 * b.numel_unpadded for b in buffers if b.data_parallel_group.rank() == 0))
+    done(run)
+    return r
+
+
+def memory(family, d):
+    # float32 at TP1 (DP2; parameters straddle the DP ranges: the exchange runs), bf16 at EP2
+    # (dense DP2, expert DP1; main params in the optimizer; here no parameter straddles)
+    from ckpt_common import FAMILIES
+
+    from moe.model import load_hf_config
+
+    # the tiny models' buffers are symmetric about their middle, where DP2 cuts them: one layer more is not
+    odd = load_hf_config(FAMILIES[family])
+    odd.num_hidden_layers += 1
+    return {"float32": memory_at(family, os.path.join(d, "float32"), TP1 + DIST, odd),
+            "bfloat16": memory_at(family, os.path.join(d, "bfloat16"), EP2 + DIST + BF16)}
+
 def ablation(family):
     """Each optimizer constructor the patch wraps, run without it: the error and megatron's frame."""
     import traceback
@@ -156,6 +291,7 @@ def main():
     out, family = sys.argv[1], sys.argv[2]
     report = {"float32": float32(family, os.path.join(out, "float32"))}
     report["bfloat16"] = bfloat16(family, os.path.join(out, "bfloat16"))
+    report["memory"] = memory(family, os.path.join(out, "memory"))
     report["ablation"] = ablation(family)
     report["seconds"] = time.time() - t0
     finish(report, manager)
