@@ -85,11 +85,15 @@ def _replica(meta, k: int) -> tuple:
     return (*meta.replica_id[:2], k)
 
 
-def _local_states(sub, param, names) -> dict:
-    """This rank's range of the parameter's main copy and Adam moments (flat). A never-stepped Apex/TE FusedAdam
-    has no moments yet: they are Adam's initial zeros."""
+def _local_states(sub, param, names, mine) -> dict:
+    """This rank's range `mine` of the parameter's main copy and Adam moments (flat). A never-stepped Apex/TE
+    FusedAdam has no moments yet: they are Adam's initial zeros."""
     states = sub._get_main_param_and_optimizer_states(param)
     main = states["param"]
+    if main.numel() != mine.size:  # what megatron's own gather would copy into the wrong place (or fail on)
+        raise RuntimeError(
+            f"the distributed optimizer's state for a range of {mine.size} elements has {main.numel()}: its "
+            "param-group index map points at another parameter (distrib_optimizer.py:894-908)")
     return {n: (states[n] if n in states else torch.zeros_like(main)).detach().reshape(-1) for n in names}
 
 
@@ -134,7 +138,7 @@ def save_state(sub, model_sd) -> dict:
         if mine is None:
             continue
         names = _names(param)
-        local = _local_states(sub, param, names)
+        local = _local_states(sub, param, names, mine)
         if ranks[first] != dist.get_rank():  # a later part of a parameter another rank owns: send it there
             for n in names:
                 piece = local[n].to(device)
@@ -148,15 +152,18 @@ def save_state(sub, model_sd) -> dict:
             lo = max(start, bucket.offset + k * shard) - start
             hi = min(end, bucket.offset + (k + 1) * shard) - start
             for n in names:  # on the host straight into place; from the accelerator through a part-sized buffer
-                into = full[n][lo:hi] if device.type == "cpu" else torch.empty(hi - lo, device=device)
-                recvs.append((dist.irecv(into, ranks[k], group=group), full[n][lo:hi], into))
+                if device.type == "cpu":
+                    recvs.append((dist.irecv(full[n][lo:hi], ranks[k], group=group), None, None))
+                else:
+                    into = torch.empty(hi - lo, dtype=torch.float32, device=device)
+                    recvs.append((dist.irecv(into, ranks[k], group=group), full[n][lo:hi], into))
         m = meta[param]
         out[index] = {n: _sharded(m, n, full[n].view(param.shape), _replica(m, 0)) for n in names}
     for op, _ in sends:
         op.wait()
     for op, dst, src in recvs:
         op.wait()
-        if src is not dst:
+        if dst is not None:
             dst.copy_(src)
     return out
 

@@ -96,13 +96,17 @@ ABLATIONS = {
     "optimizer_param_types": ("tp1_bf16", "Wrapped parameters must be one of"),
     # dist_checkpointing/optimizer.py:145 in the save after the steps (the local spec's fp32 norms)
     "float16_optimizer_fp32_param_ids": ("tp1_bf16", "does not match any model sharded param"),
-    # distrib_optimizer.py:1068 copying the wrong param's state into the checkpoint's shard (the first save)
-    "distributed_optimizer_group_order": ("pp2_glm_bf16_distopt", "must match the size of tensor b"),
+    # distrib_optimizer.py:894-908 handing the wrong param's state to the checkpoint (the first save), caught by
+    # rlpo_mega.checkpoint_distopt's size check (megatron's own gather failed at :1068 copying it)
+    "distributed_optimizer_group_order": ("pp2_glm_bf16_distopt", "param-group index map points at another parameter"),
     # distrib_optimizer.py:642 `assert len(steps) == 1` on the dense stage's expert optimizer (the first save)
     "distributed_optimizer_without_params": ("pp2_glm_bf16_distopt", "AssertionError"),
     # multi_latent_attention.py:185 isinstance(self.linear_proj, TELinear) with a MagicMock as TELinear
     "mla_have_te_flag": ("mla", "isinstance() arg 2 must be a type"),
 }
+
+# patch -> the megatron-core site whose wrong answer an rlpo_mega check catches first (the message names it)
+CAUGHT_BY_RLPO_MEGA = {"distributed_optimizer_group_order": ("optimizer/distrib_optimizer.py", 894)}
 
 PATCHES = {p.name: p for p in all_patches()}
 
@@ -215,7 +219,7 @@ def test_scenario_fails_without_patch(patch):
     tail = proc.stderr[-4000:]
     assert proc.returncode != 0, f"{scenario} trains without {patch}: the patch is not needed there"
     assert message in proc.stderr, f"{scenario} without {patch}: expected {message!r}\n{tail}"
-    site = failing_site(proc.stderr, message)
+    site = failing_site(proc.stderr, message) or CAUGHT_BY_RLPO_MEGA.get(patch)
     assert site is not None, f"no megatron-core frame above {message!r}\n{tail}"
     assert site in _answer_sites(PATCHES[patch]), (
         f"without {patch}, {scenario} fails at megatron/core/{site[0]}:{site[1]}, "
