@@ -5,6 +5,9 @@ by rlpo_mega.distributed before any model is built.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import json
 import math
 import os
@@ -16,11 +19,29 @@ from transformers import PretrainedConfig
 from .families import get_family
 
 
+class TransformerEngineError(RuntimeError):
+    """Transformer Engine is installed but its torch binding does not load."""
+
+
+@functools.cache
 def have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
+    """Whether Transformer Engine's torch binding works here (the TE layer spec is then used). TE's top-level
+    package imports without its binding (it swallows that failure), so the binding itself is probed: absent
+    TE is False; a TE whose `transformer_engine.pytorch` fails to load (built for another torch or CUDA) is one
+    TransformerEngineError naming the failure -- never a silent switch to megatron's MagicMock stand-ins, nor an
+    uncaught OSError from deep inside megatron."""
+    if importlib.util.find_spec("transformer_engine") is None:
         return False
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as e:  # ImportError, OSError (a missing libcudart/libtransformer_engine), RuntimeError
+        where = getattr(importlib.util.find_spec("transformer_engine"), "origin", None) or "?"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TransformerEngineError(
+            f"Transformer Engine is installed ({where}) but transformer_engine.pytorch does not load: "
+            f"{type(e).__name__}: {first}; install the TE build for torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda or 'none'}), or uninstall it (pip uninstall transformer-engine transformer-engine-torch) "
+            "to run megatron-core's local layer spec") from None
     return True
 
 

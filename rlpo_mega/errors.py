@@ -33,6 +33,7 @@ def user_error_types() -> tuple[type, ...]:
     from moe.bridge.hf_checkpoint import CheckpointFormatError
     from moe.bridge.outputs import OutputExistsError
     from moe.families import UnsupportedModelError
+    from moe.model import TransformerEngineError
     from moe.routing.trace import RoutingTraceError
     from rlpo_mega.checkpoint import CheckpointError
     from rlpo_mega.config import ConfigError
@@ -45,7 +46,7 @@ def user_error_types() -> tuple[type, ...]:
 
     return (ConfigError, CheckpointError, DataError, ParallelLayoutError, UnsupportedModelError,
             CheckpointFormatError, OutputExistsError, RoutingTraceError, EngineError, PlatformError,
-            DigestMismatchError, PlanError, MetaBuildError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+            DigestMismatchError, PlanError, MetaBuildError, TransformerEngineError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def disk_full(e: BaseException) -> OSError | None:

@@ -383,7 +383,7 @@ for name, s, size in (("input", layer.input_layernorm, config.hidden_size),
         norms[name] = ["AssertionError", str(e)]
 print(json.dumps({"applied": applied, "same": before == after, "before": before, "after": after,
                   "fixed_changed": {k: fixed_before[k] != fixed_after[k] for k in fixed_before},
-                  "backend": platform.backend(), "te": platform._have_transformer_engine(),
+                  "backend": platform.backend(), "te": have_transformer_engine(),
                   "te_general_gemm": repr(getattr(moe_utils, "te_general_gemm", "undefined")),
                   "norms": norms}))
 """

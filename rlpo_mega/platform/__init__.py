@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from moe.model import have_transformer_engine
+
 from . import cpu_megatron, megatron_fixes
 
 _APPLIED: list[str] | None = None
@@ -24,12 +26,6 @@ class PlatformError(RuntimeError):
     pass
 
 
-def _have_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_version():
@@ -64,10 +60,11 @@ def apply() -> list[str]:
     if unknown:  # a misspelt ablation would otherwise run with every patch and prove nothing
         raise PlatformError(f"{_SKIP_ENV} names unknown patches {sorted(unknown)}")
     cuda = torch.cuda.is_available()
+    te = have_transformer_engine()  # first: a broken TE would otherwise fail inside megatron's imports
     if not cuda:
         _check_version()
     applied = []
-    for patch in select(have_transformer_engine=_have_transformer_engine(), have_cuda=cuda):
+    for patch in select(have_transformer_engine=te, have_cuda=cuda):
         if patch.name in skip:
             continue
         patch.apply()
