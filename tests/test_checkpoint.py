@@ -121,8 +121,9 @@ TP2_DP1 = "TP2/EP1/PP1/DP1 on 2"
 
 
 @pytest.fixture(scope="module")
-def distopt(ckpt_dir):
-    return torchrun("ckpt_distopt.py", 2, os.path.join(str(ckpt_dir), "distopt"), FAMILIES[0])
+def distopt(distopt_launch):  # tests/conftest.py: one launch, test_gpu_path.py reads it too
+    assert FAMILIES[0] == "qwen3_moe"
+    return distopt_launch
 
 
 def same_steps(resumed, ref, tol=REL, prefix=""):

@@ -54,3 +54,16 @@ def test_transformer_engine_is_detected_by_its_working_binding(tmp_path):
     working = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_env(te), capture_output=True, text=True,
                              timeout=120)
     assert working.stdout.strip() == "True", working.stderr[-2000:]
+
+
+def test_a_distributed_optimizer_checkpoint_before_the_first_step_with_a_lazy_optimizer(distopt_launch):
+    """Apex's and TE's FusedAdam (what megatron-core picks on a GPU with TE) create exp_avg and exp_avg_sq at their
+    first step: a save before it (SIGTERM during step 1's rollout, a save during the critic's warm-up) failed with
+    KeyError 'exp_avg' in megatron's gather (distrib_optimizer.py:1068). Now it saves Adam's initial state without
+    creating any, and both that checkpoint and one after a step resume exactly (tests/workers/ckpt_distopt.py, the
+    launch tests/conftest.py shares with test_checkpoint.py)."""
+    r = distopt_launch["lazy"]
+    assert r["optimizer"] == ["LazyAdam"]
+    assert r["state_after_save"] == 0
+    assert r["resumed"]["loss1"] == r["ref"]["loss1"]
+    assert r["resumed"]["loss2"] == r["ref"]["loss2"]

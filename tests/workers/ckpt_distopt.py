@@ -13,6 +13,8 @@ bfloat16 params (fp32 main params inside the optimizer, the recipes' precision),
              bf16 weights (what a checkpoint without them would resume to), steps 2, 3   (control)
   tp2      : TP2+SP (EP1, DP1): load `s1`, save `tp2_1`, steps 2, 3  (bf16 numerics differ by layout)
   back     : EP2: load `tp2_1`, steps 2, 3: the state went EP2/DP2 -> TP2/DP1 -> EP2/DP2 unchanged
+lazy     : EP2, the distributed optimizer over a FusedAdam-like optimizer (state created at its first step, the
+           step count in its param groups): saved before the first step and after it, each resumed exactly.
 ablation : the bf16 plain and the distributed optimizer built without the optimizer_param_types patch.
 memory   : float32 at TP1 (DP2) and bf16 at EP2 (dense DP2): the host bytes of optimizer state a save hands to dist_checkpointing and a load
            asks it for, per rank; what rlpo-mega plan predicts for the same buffers; what megatron-core's own
@@ -258,6 +260,74 @@ def memory(family, d):
     return {"float32": memory_at(family, os.path.join(d, "float32"), TP1 + DIST, odd),
             "bfloat16": memory_at(family, os.path.join(d, "bfloat16"), EP2 + DIST + BF16)}
 
+
+class LazyAdam(torch.optim.Optimizer):
+    """Adam as Apex's and Transformer Engine's FusedAdam keep it: no state until the first step() creates exp_avg
+    and exp_avg_sq, and the step count in each param group rather than per parameter."""
+
+    def __init__(self, params, lr, weight_decay, betas, eps, adam_w_mode=True):
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay, "betas": betas, "eps": eps})
+        self.adam_w_mode = adam_w_mode
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = t = group.get("step", 0) + 1
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "exp_avg" not in state:
+                    state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+                g = p.grad
+                if self.adam_w_mode:
+                    p.mul_(1 - group["lr"] * group["weight_decay"])
+                else:
+                    g = g.add(p, alpha=group["weight_decay"])
+                state["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+                state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = (state["exp_avg_sq"] / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+                p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - b1 ** t))
+
+
+def lazy(family, d):
+    """The distributed optimizer over a FusedAdam-like optimizer (megatron-core's Apex/TE branch, taken as it is
+    with TE installed): saved before its first step, when it has no state at all."""
+    import megatron.core.optimizer as mopt
+    from ckpt_common import SEED, Run
+    from megatron.core.optimizer import distrib_optimizer
+
+    patched = {(mopt, "Adam"): LazyAdam, (mopt, "USING_PYTORCH_OPTIMIZER"): False,
+               (distrib_optimizer, "Adam"): LazyAdam, (distrib_optimizer, "HAVE_APEX_OR_TE"): True,
+               (distrib_optimizer, "USING_TE_OPTIMIZER"): True}
+    saved = {k: getattr(*k) for k in patched}
+    for (module, name), value in patched.items():
+        setattr(module, name, value)
+    s0, s1 = os.path.join(d, "s0"), os.path.join(d, "s1")
+    r = {"ref": {}, "resumed": {}}
+    try:
+        run = Run(family, EP2 + DIST, SEED)
+        inner = [sub.optimizer for sub in run.opt.chained_optimizers]
+        r["optimizer"] = sorted({type(o).__name__ for o in inner})
+        save(run, s0, 0)
+        r["state_after_save"] = sum(bool(s) for o in inner for s in o.state.values())  # the save created none
+        r["ref"]["loss1"] = run.step("train1")
+        save(run, s1, 1)
+        r["ref"]["loss2"] = run.step("train2")
+        done(run)
+        run = Run(family, EP2 + DIST, SEED + 1)
+        load(run, s0, r["resumed"])
+        r["resumed"]["loss1"] = run.step("train1")
+        load(run, s1, r["resumed"])
+        r["resumed"]["loss2"] = run.step("train2")
+        done(run)
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+    return r
+
+
 def ablation(family):
     """Each optimizer constructor the patch wraps, run without it: the error and megatron's frame."""
     import traceback
@@ -292,6 +362,7 @@ def main():
     report = {"float32": float32(family, os.path.join(out, "float32"))}
     report["bfloat16"] = bfloat16(family, os.path.join(out, "bfloat16"))
     report["memory"] = memory(family, os.path.join(out, "memory"))
+    report["lazy"] = lazy(family, os.path.join(out, "lazy"))
     report["ablation"] = ablation(family)
     report["seconds"] = time.time() - t0
     finish(report, manager)
