@@ -86,39 +86,12 @@ def test_sglang_layout_unfuses_to_hf_names(family):
     model code builds it (deepseek_v2.py: fused_qkv_a_proj_with_mqa = [q_a_proj; kv_a_proj_with_mqa];
     gate_up_proj = [gate; up]; experts.w13_weight [E, 2I, H], w2_weight [E, H, I]): every HF tensor back,
     exactly. deepseek_v3 does not run on SGLang's CPU path (README), so this is its SGLang coverage here."""
-    import re
-
     import torch
-    from transformers import AutoModelForCausalLM
 
     from moe.families.sglang_names import sglang_to_hf
-    from moe.model import load_hf_config
+    from tests.sglang_layout import sglang_layout
 
-    hf = load_hf_config(os.path.join(ROOT, MODELS[family]))
-    torch.manual_seed(0)
-    ref = {k: v.clone() for k, v in AutoModelForCausalLM.from_config(hf).state_dict().items()}
-    sgl, experts = {}, {}
-    for name, t in ref.items():
-        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
-        if m:
-            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
-        elif name.endswith("kv_a_proj_with_mqa.weight") and hf.q_lora_rank is not None:
-            sgl[name.replace("kv_a_proj_with_mqa", "fused_qkv_a_proj_with_mqa")] = torch.cat(
-                [ref[name.replace("kv_a_proj_with_mqa", "q_a_proj")], t])
-        elif re.search(r"\.(q|k|v)_proj\.(weight|bias)$", name) and "self_attn" in name:
-            if ".q_proj." in name and name.replace("q_proj", "k_proj") in ref:
-                sgl[name.replace("q_proj", "qkv_proj")] = torch.cat(
-                    [ref[name], ref[name.replace("q_proj", "k_proj")], ref[name.replace("q_proj", "v_proj")]])
-            elif ".q_proj." in name:
-                sgl[name] = t  # MLA without q_lora: q_proj alone
-        elif name.endswith("gate_proj.weight"):
-            sgl[name.replace("gate_proj", "gate_up_proj")] = torch.cat([t, ref[name.replace("gate_proj", "up_proj")]])
-        elif not name.endswith(("up_proj.weight", "q_a_proj.weight")):
-            sgl[name] = t
-    for prefix, parts in experts.items():
-        n = 1 + max(e for e, _ in parts)
-        sgl[prefix + ".w13_weight"] = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(n)])
-        sgl[prefix + ".w2_weight"] = torch.stack([parts[(e, "down")] for e in range(n)])
+    hf, ref, sgl = sglang_layout(MODELS[family])
     back = sglang_to_hf(sgl, hf)
     assert sorted(back) == sorted(ref)
     assert all(torch.equal(back[k], ref[k]) for k in ref)

@@ -45,13 +45,11 @@ def sglang_to_hf(params: dict[str, torch.Tensor], hf, first_expert: int = 0, tie
         elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
             i = int(_LAYER.search(name).group(1))
             for k in range(t.shape[0]):
-                e = first_expert + k
+                gate, up, down = _expert_names(names, family, hf, name, first_expert + k)
                 if name.endswith("w13_weight"):
-                    g, u = t[k].chunk(2, dim=0)
-                    out[names["expert_gate"].format(i=i, e=e)] = g
-                    out[names["expert_up"].format(i=i, e=e)] = u
+                    out[gate.format(i=i)], out[up.format(i=i)] = t[k].chunk(2, dim=0)
                 else:
-                    out[names["expert_down"].format(i=i, e=e)] = t[k]
+                    out[down.format(i=i)] = t[k]
         elif name in (names["embedding"], names["output"]):
             out[name] = t[:vocab]
         else:
@@ -59,6 +57,21 @@ def sglang_to_hf(params: dict[str, torch.Tensor], hf, first_expert: int = 0, tie
     if tie and names["output"] not in out and getattr(hf, "tie_word_embeddings", False):
         out[names["output"]] = out[names["embedding"]]
     return out
+
+
+def _expert_names(names: dict, family, hf, param: str, e: int) -> tuple[str, str, str]:
+    """HF name templates ({i}: the layer) of slot e of a fused expert parameter. Past the routed experts is the
+    shared expert: on CUDA (compute capability >= 8.0, no expert parallelism) SGLang folds a DeepSeek-V3-block
+    model's one shared expert into the routed ones as slot n_routed_experts (sglang/srt/models/glm4_moe.py
+    iter_weights_with_fused_shared_experts: `shared_experts.*` loaded as `experts.<n_routed_experts>.*`)."""
+    routed = family.num_experts(hf)
+    if e < routed:
+        return tuple(names[k].replace("{e}", str(e)) for k in ("expert_gate", "expert_up", "expert_down"))
+    if e == routed and "shared_gate" in names and int(getattr(hf, "n_shared_experts", 0) or 0) == 1:
+        return names["shared_gate"], names["shared_up"], names["shared_down"]
+    raise ValueError(f"{param}: expert slot {e} is past the model's {routed} routed experts and not one fused shared "
+                     f"expert (n_shared_experts={getattr(hf, 'n_shared_experts', None)}): a layout this code does not "
+                     "know; start SGLang with --disable-shared-experts-fusion")
 
 
 __all__ = ["sglang_to_hf"]
