@@ -227,10 +227,21 @@ def _reset_peak():
         pass
 
 
+def environment() -> dict:
+    """What the learner checks before it joins this server in a weight-update group (versions that must match)."""
+    nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": list(nccl) if nccl else None}
+
+
 def report_digests(model, named_tensors):
+    """The loader the learner calls: {"what": "environment"} reports environment(), anything else the weight
+    digests (digests_of) with their peak extra memory."""
     req = json.loads(named_tensors[0][0])
     group = _tp_group()
     try:
+        if req.get("what") == "environment":
+            result = {"environment": environment()}
+            return
         _reset_peak()
         before, _ = _rss()
         result = {"digests": digests_of(model, req["algorithm"], group)}

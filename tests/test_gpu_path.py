@@ -95,3 +95,41 @@ def test_sglang_fused_shared_expert_unfuses_to_its_hf_names(config):
     extra = {fused[0]: torch.cat([sgl[fused[0]], sgl[fused[0]][:1]])}
     with pytest.raises(ValueError, match="--disable-shared-experts-fusion"):
         sglang_to_hf(extra, hf)
+
+
+def test_nccl_versions_are_checked_before_the_weight_update_group(monkeypatch):
+    """sglang_distributed on GPUs: the learner's rank 0 and every server rank form one NCCL group, and NCCL refuses
+    peers of another version ("Mismatched NCCL version") -- the servers run from their own environment, SGLang
+    pins its own torch. Each server reports its versions from inside (launch/rlpo_sglang_hooks.py environment(),
+    run against a real server in test_sglang.py); the learner compares before it joins: one line naming both
+    versions and the way out, and no group is formed. The learner's NCCL is a stand-in here (no CUDA)."""
+    from rlpo_mega.rollout import EngineError
+    from rlpo_mega.rollout.sglang_engine import SGLangDistributedTransport, nccl_mismatch
+
+    same = {"http://s0:30000": {"torch": "2.9.1", "cuda": "12.8", "nccl": [2, 27, 3]}}
+    assert nccl_mismatch((2, 27, 3), "2.11.0", same) is None
+    other = {**same, "http://s1:30000": {"torch": "2.8.0", "cuda": "12.8", "nccl": [2, 26, 2]}}
+    line = nccl_mismatch((2, 27, 3), "2.11.0", other)
+    for needle in ("NCCL version mismatch", "NCCL 2.27.3 (torch 2.11.0)", "http://s1:30000 has NCCL 2.26.2 (torch 2.8.0)",
+                   "nvidia-nccl-cu12==2.27.3", "rollout.sync_transport=disk"):
+        assert needle in line, (needle, line)
+
+    class Engine:  # what the transport asks of the engine before it forms the group
+        servers = list(other)
+        formed = False
+
+        def _check_layout(self):
+            pass
+
+        def environments(self):
+            return other
+
+        def store(self):
+            Engine.formed = True  # the rendezvous: never reached
+            raise AssertionError("the group was being formed")
+
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 27, 3))
+    transport = SGLangDistributedTransport(Engine(), backend="nccl", timeout_s=5)
+    with pytest.raises(EngineError, match=r"http://s1:30000 has NCCL 2\.26\.2"):
+        transport._init_group()
+    assert not Engine.formed and transport.pg is None

@@ -232,6 +232,25 @@ def test_tied_lm_head_caught(family):
 
 
 @engine_path_once
+def test_server_tp_size_and_environment_are_read(family):
+    """rollout.sglang.tp_size sizes the weight-update group and the per-rank payloads: a server of another TP
+    size (the launch README's TP4 example without the config knob) is refused before the first transfer, with
+    one line naming both sizes -- it failed or hung at the first sync before. The server's own /server_info says."""
+    engine, hf, *_ = family
+    wrong = SGLangEngine(SGLangEngineConfig(urls=[engine.servers[0].url], tp_size=4, control_timeout=60), hf)
+    with pytest.raises(EngineError, match=r"runs at tensor parallel size 1 but rollout\.sglang\.tp_size=4: set "
+                                          r"rollout\.sglang\.tp_size=1"):
+        wrong.begin_weight_update()
+    wrong.shutdown()
+    engine._layout_checked = False
+    engine._check_layout()  # the launched one agrees
+    assert engine._layout_checked
+    # what the NCCL preflight of sglang_distributed reads, reported from inside the server (no CUDA here)
+    env = engine.environments()[engine.servers[0].url]
+    assert env["nccl"] is None and env["cuda"] is None and env["torch"].startswith("2."), env
+
+
+@engine_path_once
 def test_abort_by_rid(family):
     engine, *_ = family
     got = {}

@@ -139,6 +139,33 @@ class SGLangEngine(RolloutEngine):
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
         self._rr = itertools.cycle(range(len(self.servers)))
+        self._layout_checked = False
+
+    def _check_layout(self):
+        """Each server's own parallel layout (GET /server_info) against rollout.sglang.tp_size, which sizes the
+        weight-update group (one rank per TP rank of each server) and the per-rank payloads: a server of another
+        TP size would fail or hang at the first sync. Once, before the first weight transfer (generation does
+        not depend on it)."""
+        if self._layout_checked:
+            return
+        for s in self.servers:
+            status, body = self._http(s, "/server_info", method="GET")
+            try:
+                info = json.loads(body) if status == 200 else None
+            except ValueError:
+                info = None
+            if not isinstance(info, dict) or "tp_size" not in info:
+                raise EngineError(f"SGLang server {s.url}/server_info answered {status} without its tp_size: is it "
+                                  "SGLang 0.5.23 (launch/sglang_server.py)?")
+            if int(info["tp_size"]) != self.cfg.tp_size:
+                raise EngineError(f"SGLang server {s.url} runs at tensor parallel size {info['tp_size']} but "
+                                  f"rollout.sglang.tp_size={self.cfg.tp_size}: set rollout.sglang.tp_size="
+                                  f"{info['tp_size']} (launch/slurm/train_disaggregated.sbatch passes SGLANG_TP)")
+            for knob in ("pp_size", "dp_size"):
+                if int(info.get(knob) or 1) != 1:
+                    raise EngineError(f"SGLang server {s.url} runs with {knob}={info[knob]}: the weight sync knows "
+                                      f"TP ranks only; start one server per replica (--{knob.replace('_', '-')} 1)")
+        self._layout_checked = True
 
     # ---------------------------------------------------------------- HTTP
     def _http(self, server: _Server, path: str, payload=None, timeout: Optional[float] = None,
@@ -366,6 +393,7 @@ class SGLangEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- weights
     def begin_weight_update(self) -> None:
+        self._check_layout()
         for s in self.servers:
             self._post_ok(s, "/begin_weight_update")
 
@@ -437,10 +465,12 @@ class SGLangEngine(RolloutEngine):
                                         timeout=timedelta(seconds=self.cfg.control_timeout))
         return self._store
 
-    def _digest_request(self, server: _Server, index: int, algorithm: str) -> dict[str, str]:
-        key = f"rlpo_digests/{uuid.uuid4().hex}/{index}"
-        request = json.dumps({"store": [self.learner_address(), self.store().port], "key": key,
-                              "algorithm": algorithm, "timeout": self.cfg.control_timeout})
+    def _hook_request(self, server: _Server, request: dict, what: str) -> dict:
+        """Run launch/rlpo_sglang_hooks.py's loader in every TP rank of `server` with `request`; its TP rank 0's
+        report (a JSON object) comes back through this rank's TCP store. what: the report, for the errors."""
+        key = f"rlpo_reports/{uuid.uuid4().hex}"
+        request = json.dumps({**request, "store": [self.learner_address(), self.store().port], "key": key,
+                              "timeout": self.cfg.control_timeout})
         # a plain pickle (bytes inline), not shared memory: the server may be on another host
         payload = base64.b64encode(pickle.dumps([(request, torch.zeros(1))])).decode()
         self._post_ok(server, "/begin_weight_update")
@@ -449,27 +479,38 @@ class SGLangEngine(RolloutEngine):
             "flush_cache": False})
         self._post_ok(server, "/end_weight_update")
         if status != 200:
-            raise EngineError(f"SGLang server {server.url} could not report its weight digests ({status}: "
+            raise EngineError(f"SGLang server {server.url} could not report its {what} ({status}: "
                               f"{body[:300]!r}): start it with --custom-weight-loader {REPORT_LOADER} and the "
                               "repository root and launch/ on its PYTHONPATH (launch/sglang_server.py does both)")
         try:
             self.store().wait([key], timedelta(seconds=self.cfg.control_timeout))
         except Exception as e:
-            raise EngineError(f"SGLang server {server.url} ran the digest hook but its report never reached "
+            raise EngineError(f"SGLang server {server.url} ran the report hook but its {what} never reached "
                               f"{self.learner_address()}:{self.store().port} within control_timeout: can the "
                               f"server reach this host (rollout.sglang.learner_address)? ({e})") from e
         report = json.loads(self.store().get(key))
         self.store().delete_key(key)
         if "error" in report:
-            raise EngineError(f"SGLang server {server.url}: its digest hook failed: {report['error']}")
+            raise EngineError(f"SGLang server {server.url}: its report hook failed ({what}): {report['error']}")
+        return report
+
+    def _digest_request(self, server: _Server, algorithm: str) -> dict[str, str]:
+        self._check_layout()
+        report = self._hook_request(server, {"algorithm": algorithm}, "weight digests")
         self.digest_peak_bytes[server.url] = report.get("peak_extra_bytes")  # the hook's own cost (host RSS)
         return report["digests"]
+
+    def environments(self) -> dict[str, dict]:
+        """{server URL: its environment} (torch, CUDA and NCCL versions of its TP rank 0; NCCL None without
+        CUDA), as launch/rlpo_sglang_hooks.py reports it from inside the server."""
+        self._check_layout()
+        return {s.url: self._hook_request(s, {"what": "environment"}, "environment")["environment"]
+                for s in self.servers}
 
     def weight_digests(self, names, algorithm: str) -> dict[str, str]:
         """{HF name: digest} of what the servers hold, digested inside each server; servers must agree."""
         with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
-            per_server = list(pool.map(lambda a: self._digest_request(a[1], a[0], algorithm),
-                                       enumerate(self.servers)))
+            per_server = list(pool.map(lambda server: self._digest_request(server, algorithm), self.servers))
         if self.tied:
             for s, d in zip(self.servers, per_server):
                 if self._head in d and d[self._head] != d.get(self._embed):
@@ -491,6 +532,29 @@ class SGLangEngine(RolloutEngine):
             if s.launched is not None:
                 s.launched.stop()
         self._store = None
+
+
+def nccl_mismatch(learner_nccl, learner_torch: str, servers: dict) -> Optional[str]:
+    """The one line refusing a weight-update group across NCCL versions (NCCL's init fails on peers of another
+    version, "Mismatched NCCL version"), or None. learner_nccl: torch.cuda.nccl.version() of the sending rank;
+    servers: {URL: environment report} (SGLangEngine.environments)."""
+    mine = _version(learner_nccl)
+    for url, env in servers.items():
+        theirs = _version(env.get("nccl"))
+        if theirs != mine:
+            return (f"NCCL version mismatch: the learner has NCCL {mine} (torch {learner_torch}), SGLang server {url} "
+                    f"has NCCL {theirs} (torch {env.get('torch')}): rollout.sync_transport=sglang_distributed needs "
+                    "one NCCL on both sides; install the learner's NCCL in the servers' environment (pip install "
+                    f"nvidia-nccl-cu{str(env.get('cuda') or '12').split('.')[0]}=={mine}) or use "
+                    "rollout.sync_transport=disk (a filesystem both sides see)")
+    return None
+
+
+def _version(v) -> Optional[str]:
+    """'2.27.3' from torch's (2, 27, 3), a list from JSON, or a string; None stays None (no CUDA)."""
+    if v is None:
+        return None
+    return ".".join(str(x) for x in v) if isinstance(v, (tuple, list)) else str(v)
 
 
 @TRANSPORTS.register("sglang_distributed")
@@ -529,6 +593,11 @@ class SGLangDistributedTransport:
         from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
 
         e = self.engine
+        e._check_layout()
+        if self.backend == "nccl":  # NCCL refuses peers of another version: one line now, not a failed init
+            problem = nccl_mismatch(torch.cuda.nccl.version(), torch.__version__, e.environments())
+            if problem:
+                raise EngineError(problem)
         world = 1 + len(e.servers) * e.cfg.tp_size
         store = e.store()  # hosted by this rank: see SGLangEngine.store
         calls = [lambda s=s, i=i: e._post_ok(s, "/init_weights_update_group", {
