@@ -1,5 +1,11 @@
-"""Defects of the CUDA path that a CPU can show (issue 27 item 1): each depends on what only a GPU machine has --
-a Transformer Engine, a lazily-created optimizer state -- and is made visible here with a stand-in."""
+"""Defects of the CUDA path that a CPU can show: each depends on what only a GPU machine has and is made visible
+here with a stand-in for it --
+- a Transformer Engine whose torch binding does not load (a stand-in TE package);
+- Apex's/TE's FusedAdam, which creates its state at its first step (a lazy Adam in the distributed-optimizer launch);
+- SGLang's CUDA-only fusion of the shared expert into the routed ones (the fused layout, built without a server);
+- NCCL versions of learner and servers (stand-in versions; a real server reports its own in test_sglang.py);
+- the servers' TP size, which the SLURM launch never passed (a stand-in /server_info; a real one in test_sglang.py).
+Each test failed on the code before its fix."""
 from __future__ import annotations
 
 import os
@@ -133,3 +139,47 @@ def test_nccl_versions_are_checked_before_the_weight_update_group(monkeypatch):
     with pytest.raises(EngineError, match=r"http://s1:30000 has NCCL 2\.26\.2"):
         transport._init_group()
     assert not Engine.formed and transport.pg is None
+
+
+def test_a_server_of_another_tp_size_is_refused_before_the_first_transfer():
+    """rollout.sglang.tp_size sizes the weight-update group (1 + servers x TP ranks) and the per-rank payloads;
+    launch/slurm/train_disaggregated.sbatch never passed SGLANG_TP, so its own TP4 example failed or hung at the
+    first sync. The servers' /server_info says their TP size: a mismatch is one line, before any transfer (a stand-in
+    server answering SGLang 0.5.23's /server_info; test_sglang.py reads a real one)."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from moe.model import load_hf_config
+    from rlpo_mega.config import SGLangEngineConfig
+    from rlpo_mega.rollout import EngineError
+    from rlpo_mega.rollout.sglang_engine import SGLangEngine
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            body = json.dumps({"tp_size": 4, "pp_size": 1, "dp_size": 1} if self.path == "/server_info" else {}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            raise AssertionError(f"{self.path}: a transfer before the layout check")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        hf = load_hf_config(os.path.join(ROOT, "configs/models/tiny_qwen3_moe.json"))
+        engine = SGLangEngine(SGLangEngineConfig(urls=[url], tp_size=1, control_timeout=10), hf)
+        with pytest.raises(EngineError, match=r"runs at tensor parallel size 4 but rollout\.sglang\.tp_size=1: set "
+                                              r"rollout\.sglang\.tp_size=4"):
+            engine.begin_weight_update()
+        engine.shutdown()
+    finally:
+        server.shutdown()
+    with open(os.path.join(ROOT, "launch", "slurm", "train_disaggregated.sbatch")) as f:
+        assert '"rollout.sglang.tp_size=$SGLANG_TP"' in f.read()
