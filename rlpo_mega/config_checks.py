@@ -263,6 +263,13 @@ def _check_rollout(cfg, warns: list[str]):
             if cfg.routing.mode == "r3" and not sg.server_args.get("enable_return_routed_experts"):
                 raise ConfigError("routing.mode=r3 with launched SGLang servers needs their routes: add "
                                   "rollout.sglang.server_args.enable_return_routed_experts=true")
+            c = cfg.cluster
+            if c.learner_nodes:  # sized for full learner nodes (rlpo-mega plan): no GPU is left for the servers
+                raise ConfigError(
+                    f"rollout.sglang.launch=true starts the servers on the learner's node, on the GPUs its ranks leave "
+                    f"free, but cluster.learner_nodes={c.learner_nodes} x gpus_per_node={c.gpus_per_node} are all "
+                    f"learner ranks: {sg.num_servers} server(s) x TP{sg.tp_size} would share their GPUs; run the "
+                    "servers on their own nodes (launch/slurm/train_disaggregated.sbatch sets rollout.sglang.urls)")
         remote = [u for u in sg.urls if (u.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
                                          .strip("[]") not in LOCAL_HOSTS)]
         if ro.sync_transport == "in_process" and remote:

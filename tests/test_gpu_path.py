@@ -183,3 +183,95 @@ def test_a_server_of_another_tp_size_is_refused_before_the_first_transfer():
         server.shutdown()
     with open(os.path.join(ROOT, "launch", "slurm", "train_disaggregated.sbatch")) as f:
         assert '"rollout.sglang.tp_size=$SGLANG_TP"' in f.read()
+
+
+def _image_distributions() -> set[str]:
+    """What a lent GPU machine's image holds, modelled here: torch and transformers with their dependency closure
+    (this venv's metadata; extras left out)."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen, todo = set(), ["torch", "transformers"]
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = md.requires(name) or []
+        except md.PackageNotFoundError:
+            continue
+        for r in map(Requirement, requires):
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(r.name)
+    return seen
+
+
+def test_the_gpu_smoke_needs_exactly_its_listed_wheels(tmp_path):
+    """tools/gpu_smoke.py's NEEDS (what tools/gpu_wheels.sh downloads, and what the smoke checks first) is every
+    distribution a run of configs/gpu_smoke.yaml imports beyond the image's torch and transformers: measured by
+    running it here (shortened: 1 step, a checkpoint) with Python's import log on, in every process it starts."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.pop(0)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/gpu_smoke.yaml", "--nproc-per-node", "1",
+         "train_iters=1", "trainer.warmup.steps=1", "checkpoint.save_every=1", f"logging.dir={tmp_path / 'run'}",
+         f"checkpoint.save_dir={tmp_path / 'ckpt'}"],
+        cwd=ROOT, env={**_env(), "PYTHONPROFILEIMPORTTIME": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in proc.stderr.splitlines()
+               if line.startswith("import time:") and "|" in line}
+    owners = md.packages_distributions()
+    imported = {canonicalize_name(d) for m in modules - set(sys.stdlib_module_names) for d in owners.get(m, [])}
+    needed = imported - _image_distributions()
+    listed = {canonicalize_name(Requirement(r).name) for r in gpu_smoke.NEEDS.values()}
+    assert needed == listed, (sorted(needed - listed), sorted(listed - needed))
+    assert "torch" in imported and "transformers" in imported  # the log did cover the run
+
+
+def test_the_gpu_smoke_checks_its_imports_first(tmp_path):
+    """A bare GPU image: the smoke names each module it cannot import and how to carry it, before anything runs
+    (a stand-in for a missing module: a package that fails to import, first on the path)."""
+    (tmp_path / "omegaconf").mkdir()
+    (tmp_path / "omegaconf" / "__init__.py").write_text("raise ImportError('No module named omegaconf')\n")
+    proc = subprocess.run([sys.executable, "tools/gpu_smoke.py"], cwd=ROOT, env=_env(str(tmp_path)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "missing omegaconf: omegaconf==" in proc.stderr and "tools/gpu_wheels.sh" in proc.stderr, proc.stderr
+    here = subprocess.run([sys.executable, "tools/gpu_smoke.py", "--check-imports"], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert here.returncode == 0 and "all import" in here.stdout, here.stdout + here.stderr
+
+
+def test_launched_servers_get_their_own_gpus_or_are_refused():
+    """rollout.sglang.launch=true started every server with the same arguments: on a GPU node all of them on GPUs
+    0..tp-1, on top of the learner's ranks. Now server i gets base_gpu_id after the learner ranks' GPUs and the
+    servers before it, and servers that do not fit beside the learner are one line; a config sized for full learner
+    nodes (cluster.learner_nodes) that launches servers is refused by `rlpo-mega check`."""
+    from rlpo_mega.config import ConfigError, load_config
+    from rlpo_mega.config_checks import check_run_config
+    from rlpo_mega.rollout import EngineError
+    from rlpo_mega.rollout.sglang_engine import server_gpus
+
+    assert server_gpus(2, 2, learner_gpus=4, gpus=8) == [4, 6]
+    assert server_gpus(1, 4, learner_gpus=4, gpus=8) == [4]
+    with pytest.raises(EngineError, match=r"12 GPUs needed, 8 here, so they would share the learner's GPUs; run "
+                                          r"the learner on 4 GPU\(s\) of this node \(--nproc-per-node 4\)"):
+        server_gpus(2, 2, learner_gpus=8, gpus=8)
+    recipe = os.path.join(ROOT, "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml")
+    cfg = load_config(recipe, ["rollout.sglang.launch=true", "model.init_from_hf=/tmp/unused",
+                              "rollout.sglang.server_args.enable_return_routed_experts=true"])
+    with pytest.raises(ConfigError, match=r"cluster.learner_nodes=2 x gpus_per_node=8 are all learner ranks"):
+        check_run_config(cfg, files=False, log_warnings=False)
+    with open(recipe) as f:  # the recipe's comment no longer offers it
+        assert "launch: true, num_servers" not in f.read()

@@ -9,6 +9,7 @@ runs/gpu_smoke/<UTC time>/ only (nothing else is touched).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -18,6 +19,18 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpu_smoke.yaml"
+# What the smoke's run imports beyond a lent GPU machine's image (Python 3.12, a CUDA torch, transformers and what
+# those two depend on): {import name: the wheel's requirement}. tests/test_gpu_path.py checks it against what a run
+# of the smoke's config imports; tools/gpu_wheels.sh downloads these wheels (cp312, manylinux x86_64).
+NEEDS = {
+    "megatron.core": "megatron-core==0.16.1",
+    "omegaconf": "omegaconf==2.4.0",
+    "antlr4": "antlr4-python3-runtime==4.13.2",  # omegaconf's grammar runtime
+    "xxhash": "xxhash==4.1.0",
+    "psutil": "psutil==7.2.2",  # megatron-core's dist_checkpointing
+    "math_verify": "math-verify==0.9.0",  # rlpo_mega.rewards imports it at the top
+    "latex2sympy2_extended": "latex2sympy2_extended==1.11.0",
+}
 SHOWN = ("reward/mean", "loss/policy", "optim/grad_norm", "routing/agreement/mean", "mismatch/ratio_dev_max",
          "time/sync", "time/step")
 
@@ -36,6 +49,17 @@ def environment() -> dict:
     return env
 
 
+def missing() -> dict[str, str]:
+    """NEEDS entries this environment cannot import (absent, or present but failing)."""
+    out = {}
+    for module, requirement in NEEDS.items():
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            out[module] = f"{requirement} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+    return out
+
+
 def run(args: list[str], log: str) -> int:
     cmd = [sys.executable, "-m", "rlpo_mega.cli", "train", CONFIG, *args]
     print("$", " ".join(cmd), flush=True)
@@ -51,8 +75,24 @@ def history(logdir: str) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None, help="output directory (default runs/gpu_smoke/<UTC time>)")
+    p.add_argument("--check-imports", action="store_true", help="only check the imports the smoke needs and exit")
+    p.add_argument("--requirements", action="store_true", help="print the wheels it needs (tools/gpu_wheels.sh)")
     p.add_argument("overrides", nargs="*", help="extra key=value overrides for both runs")
     a = p.parse_args(argv)
+    if a.requirements:
+        print("\n".join(NEEDS.values()))
+        return 0
+    absent = missing()  # first: a bare GPU machine has none of them, and the runs would fail on the first
+    print(f"gpu-smoke: needs {len(NEEDS)} modules beyond torch and transformers: {', '.join(NEEDS)}; "
+          + ("all import" if not absent else f"{len(absent)} do not"), flush=True)
+    if absent:
+        for module, why in absent.items():
+            print(f"  missing {module}: {why}", file=sys.stderr)
+        print("gpu-smoke: on a machine with network run `bash tools/gpu_wheels.sh wheels/` (under 64 MiB), carry "
+              "wheels/ here, `pip install --no-index --no-deps wheels/*.whl`, then run it again", file=sys.stderr)
+        return 2
+    if a.check_imports:
+        return 0
     env = environment()
     print(json.dumps(env, indent=1))
     if env["gpu"] is None:

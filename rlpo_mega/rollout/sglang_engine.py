@@ -125,9 +125,16 @@ class SGLangEngine(RolloutEngine):
                 raise EngineError("rollout.sglang.launch needs the model's HF directory (model.init_from_hf) "
                                   "to start the servers from")
             launcher = _load_launcher()
+            placed = [{}] * cfg.num_servers
+            if torch.cuda.is_available():  # each server on its own GPUs, after those of this node's learner ranks
+                if "base_gpu_id" in cfg.server_args:
+                    raise EngineError("rollout.sglang.server_args.base_gpu_id: launched servers are placed by the "
+                                      "engine (each after the learner ranks' GPUs and the servers before it); remove it")
+                placed = [{"base_gpu_id": g} for g in server_gpus(
+                    cfg.num_servers, cfg.tp_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())]
             for i in range(cfg.num_servers):
                 srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + i, cfg.tp_size,
-                                            server_args=cfg.server_args, python=cfg.python or None,
+                                            server_args={**cfg.server_args, **placed[i]}, python=cfg.python or None,
                                             log_dir=cfg.log_dir or None, env=cfg.env)
                 self.servers.append(_Server(srv.url, srv))
             try:
@@ -534,6 +541,21 @@ class SGLangEngine(RolloutEngine):
         self._store = None
 
 
+def server_gpus(num_servers: int, tp_size: int, learner_gpus: int, gpus: int) -> list[int]:
+    """base_gpu_id of each server the engine launches on this node: the learner's local ranks hold GPUs
+    0..learner_gpus-1 (torchrun: local rank r on GPU r), server i the tp_size GPUs after those and the servers
+    before it. Servers that would not fit beside the learner are refused: they would share its GPUs."""
+    need = learner_gpus + num_servers * tp_size
+    if need > gpus:
+        spare = gpus - num_servers * tp_size
+        raise EngineError(
+            f"rollout.sglang.launch=true places {num_servers} server(s) x TP{tp_size} on this node after the GPUs of "
+            f"its {learner_gpus} learner rank(s): {need} GPUs needed, {gpus} here, so they would share the learner's GPUs; "
+            + (f"run the learner on {spare} GPU(s) of this node (--nproc-per-node {spare}), " if spare > 0 else "")
+            + "launch fewer or smaller servers, or run them on their own nodes (launch/slurm/train_disaggregated.sbatch)")
+    return [learner_gpus + i * tp_size for i in range(num_servers)]
+
+
 def nccl_mismatch(learner_nccl, learner_torch: str, servers: dict) -> Optional[str]:
     """The one line refusing a weight-update group across NCCL versions (NCCL's init fails on peers of another
     version, "Mismatched NCCL version"), or None. learner_nccl: torch.cuda.nccl.version() of the sending rank;
@@ -651,4 +673,4 @@ class SGLangDistributedTransport:
         self.pg = None
 
 
-__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine"]
+__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine", "nccl_mismatch", "server_gpus"]
