@@ -19,17 +19,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/gpu_smoke.yaml"
-# What the smoke's run imports beyond a lent GPU machine's image (Python 3.12, a CUDA torch, transformers and what
-# those two depend on): {import name: the wheel's requirement}. tests/test_gpu_path.py checks it against what a run
-# of the smoke's config imports; tools/gpu_wheels.sh downloads these wheels (cp312, manylinux x86_64).
+# What the smoke's run needs beyond a lent GPU machine's image (Python 3.12, a CUDA torch, transformers and what
+# those two depend on): {import name: the wheel's requirement}. tests/test_gpu_path.py runs the smoke's config with
+# nothing else importable; tools/gpu_wheels.sh downloads these wheels (cp312, manylinux x86_64).
 NEEDS = {
     "megatron.core": "megatron-core==0.16.1",
     "omegaconf": "omegaconf==2.4.0",
-    "antlr4": "antlr4-python3-runtime==4.13.2",  # omegaconf's grammar runtime
     "xxhash": "xxhash==4.1.0",
     "psutil": "psutil==7.2.2",  # megatron-core's dist_checkpointing
-    "math_verify": "math-verify==0.9.0",  # rlpo_mega.rewards imports it at the top
-    "latex2sympy2_extended": "latex2sympy2_extended==1.11.0",
 }
 SHOWN = ("reward/mean", "loss/policy", "optim/grad_norm", "routing/agreement/mean", "mismatch/ratio_dev_max",
          "time/sync", "time/step")
