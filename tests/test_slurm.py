@@ -240,7 +240,8 @@ def test_disaggregated_server_steps_own_resources(cluster, tmp_path):
     seen = json.loads((out / "learner.json").read_text())
     assert seen["health"] == [200, 200], seen  # both servers up together, while the learner ran
     assert seen["overrides"] == ["rollout.engine=sglang",
-                                 f"rollout.sglang.urls=[http://{cluster.host}:{port},http://{cluster.host}:{port + 1}]"]
+                                 f"rollout.sglang.urls=[http://{cluster.host}:{port},http://{cluster.host}:{port + 1}]",
+                                 "rollout.sglang.tp_size=2"]  # SGLANG_TP: the client checks it against the servers
     _wait_for(lambda: {f"stopped-{port}", f"stopped-{port + 1}"} <= set(os.listdir(out)), 10,
               "the servers' TERM handlers", lambda: diag)
     assert "learners exited with code 0; stopping the rollout servers" in _read(batch_out), diag
@@ -377,7 +378,8 @@ def test_disaggregated_dry_run_commands():
     assert "MASTER_ADDR=node-a" in learners and "NNODES=2" in learners and "NPROC_PER_NODE=8" in learners
     tail = learners[learners.index("-m"):-1]
     assert tail == ["-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "parallel.expert=8", "train_iters=5",
-                    "rollout.engine=sglang", "rollout.sglang.urls=[http://node-c:30000,http://node-c:30001]"]
+                    "rollout.engine=sglang", "rollout.sglang.urls=[http://node-c:30000,http://node-c:30001]",
+                    "rollout.sglang.tp_size=4"]
     for rank, (node, t) in enumerate(zip(["node-a", "node-b"], trs)):
         assert t[1:3] == ["-m", "torch.distributed.run"], t
         assert _flag(t, "--nnodes") == "2" and _flag(t, "--nproc-per-node") == "8"
@@ -401,7 +403,8 @@ def test_disaggregated_dry_run_shared_node_cpu():
                                       "0.0.0.0", "--port", str(30000 + k), "--tp-size", "1", "--device", "cpu"]
     learners = cmds[4]
     assert _flag(learners, "--nodelist") == "node-a" and "--overlap" in learners
-    assert learners[-3:-1] == ["rollout.engine=sglang", "rollout.sglang.urls=[http://node-a:30000,http://node-a:30001]"]
+    assert learners[-4:-1] == ["rollout.engine=sglang", "rollout.sglang.urls=[http://node-a:30000,http://node-a:30001]",
+                               "rollout.sglang.tp_size=1"]
 
 
 def test_disaggregated_rejects_bad_split():
