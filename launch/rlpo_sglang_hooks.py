@@ -184,7 +184,7 @@ def _serving_dtype(model) -> torch.dtype:
 
 def digests_of(model, algorithm: str, group=None):
     """{HF name: digest} of what this server holds (TP rank 0; None on the others), digested as gathered."""
-    from moe.bridge.digest import tensor_digest
+    from moe.bridge.digest import tensor_digests
     from moe.families import get_family
     from moe.families.sglang_names import sglang_to_hf
 
@@ -197,10 +197,10 @@ def digests_of(model, algorithm: str, group=None):
             views = sglang_to_hf({name: t}, model.config, first_expert=first, tie=False)
         else:
             views = sglang_to_hf({name: t}, model.config, tie=False)
-        for n, v in views.items():
-            if v.is_floating_point() and v.dtype != dtype and not family.fp32_hf_tensor(model.config, n):
-                v = v.to(dtype)
-            out[n] = tensor_digest(v, algorithm)
+        if out is not None:  # one host copy per gathered parameter (a fused expert weight: all its experts)
+            cast = [v.to(dtype) if v.is_floating_point() and v.dtype != dtype
+                    and not family.fp32_hf_tensor(model.config, n) else v for n, v in views.items()]
+            out.update(zip(views, tensor_digests(cast, algorithm)))
         del t, views
     if out is not None:
         names = family.hf_names(model.config)

@@ -3,18 +3,44 @@
 Packed micro-batches hold several samples back to back in one row ([t, b=1]); megatron describes them with
 PackedSeqParams (qkv_format="thd", cu_seqlens). With TE, TEDotProductAttention runs them with its varlen
 kernels. megatron's local DotProductAttention (the spec without TE: CPU, and GPUs without TE) refuses them,
-so without TE the layer spec's core attention is this subclass: it runs the parent's own attention math
-(scale, softmax, dropout, GQA expansion: identical numerics to the padded path) on the sequences laid
-out side by side, so a token never attends across a boundary. RoPE positions restart per sequence in megatron's attention itself
-(apply_rotary_pos_emb with cu_seqlens), before the core attention is called.
+so without TE the layer spec's core attention is this subclass: it lays the sequences out side by side as a
+padded batch and runs torch's scaled_dot_product_attention on it, causal, with the parent's scale (query-key
+layer scaling included), dropout probability, dropout RNG stream and GQA head grouping, so a token never
+attends across a boundary and the result is the parent's padded-path attention (tested equal on CPU, outputs
+and gradients, at TP1 and TP2: tests/test_packed_attention_sdpa.py). Where they differ: masked scores are
+-inf instead of the parent's -10000 (no real token's result changes), and in half precision the softmax runs
+in fp32 inside the kernel whatever attention_softmax_in_fp32 says (rounding only). Causal attention only, no
+sliding window, no softmax offset: the packed branch refuses the rest (no family here uses them). RoPE
+positions restart per sequence in megatron's attention itself (apply_rotary_pos_emb with cu_seqlens), before
+the core attention is called.
 
-Cost: n x longest^2 per head for the attention scores alone (varlen kernels: sum of len_i^2); the
-projections, MoE layers and logits, most of the compute, run on the packed tokens only.
+Cost: n x longest^2 per head of attention compute (varlen kernels: sum of len_i^2), but no [longest, longest]
+score matrix per head where torch runs a fused kernel (flash or memory-efficient on CUDA); the memory
+overhead is the padded copies of q, k, v and the output, n x longest x heads x dim each (k and v expanded to
+every query head under GQA unless the flash kernel takes them grouped: _native_gqa). The packed branch never
+stops the host: longest is PackedSeqParams.max_seqlen_q (a Python int), and the tokens go back to packed order
+by an index gather. The projections, MoE layers and logits, most of the compute, run on the packed tokens only.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+
+def _native_gqa(query: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether SDPA gets the grouped k/v heads as they are (enable_gqa) instead of expanded copies.
+
+    torch's flash kernel takes grouped heads (CUDA, half precision, one head dim <= 256 for q, k and v). Its
+    memory-efficient kernel (fp32, or MLA's smaller v head dim) admits them only in recent torch releases;
+    older ones (and ROCm) would fall back to the math kernel, which builds the [L, L] scores: there expanded
+    copies, as megatron makes, are the cheaper cost."""
+    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+            and query.shape[-1] == value.shape[-1] <= 256)
 
 
 class PackedDotProductAttention(DotProductAttention):
@@ -36,26 +62,57 @@ class PackedDotProductAttention(DotProductAttention):
             raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; only 'thd' is supported")
         if attention_mask is not None:
             raise ValueError("packed sequences take their boundaries from cu_seqlens, not an attention_mask")
-        # thd: query [t, heads, dim] (megatron squeezed the dummy batch dimension). The sequences are laid
-        # out as a padded batch [longest, n, heads, dim] for ONE call of the parent (a Python loop over
-        # hundreds of short sequences costs more than the padding), then gathered back: causal attention
-        # never lets a real position see the pads after it, so the outputs equal per-sequence attention.
+        if attention_bias is not None:
+            raise ValueError("packed sequences: attention_bias is not supported (nor by megatron's local attention)")
+        # the parent ignores the forward's attn_mask_type too: its softmax was built with the layer's
+        if self.attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"packed sequences need causal attention (the pads after each sequence are hidden "
+                             f"by causality alone), not {self.attn_mask_type}")
+        if self.scale_mask_softmax.window_size is not None or self.softmax_offset is not None:
+            raise ValueError("packed sequences without Transformer Engine: sliding-window attention and softmax "
+                             f"type {self.config.softmax_type!r} are not supported (plain causal softmax only)")
+        longest = packed_seq_params.max_seqlen_q
+        if longest is None or torch.is_tensor(longest):
+            raise ValueError("packed sequences without Transformer Engine: the caller must set "
+                             "PackedSeqParams.max_seqlen_q to a Python int (the longest sequence); reading it "
+                             f"from cu_seqlens would stop the host at every layer (got {type(longest).__name__})")
+        longest = int(longest)
+        # thd: query [t, heads, dim] (megatron squeezed the dummy batch dimension). The sequences are laid out
+        # as a padded batch [n, heads, longest, dim] for ONE kernel call (a Python loop over hundreds of short
+        # sequences costs more than the padding); causal attention never lets a real position see the pads
+        # after it, so the outputs equal per-sequence attention. No check that cu_seqlens cover the row (0 .. t):
+        # it would stop the host every layer, and megatron's THD RoPE as shipped already requires it (torch.split
+        # by the lengths); a row they do not cover, or a sequence longer than max_seqlen_q, puts an index of the
+        # gathers below out of range: an error, not a silent result.
         cu = packed_seq_params.cu_seqlens_q.to(device=query.device, dtype=torch.long)
-        t = query.shape[0]
-        if int(cu[0]) != 0 or int(cu[-1]) != t:
-            raise ValueError(f"cu_seqlens {int(cu[0])}..{int(cu[-1])} do not cover the packed row of {t} tokens")
-        lens = cu[1:] - cu[:-1]
-        longest = int(packed_seq_params.max_seqlen_q or int(lens.max()))
+        t, n = query.shape[0], cu.shape[0] - 1
         pos = torch.arange(longest, device=query.device)
-        valid = pos[None, :] < lens[:, None]  # [n, longest]
-        index = torch.where(valid, cu[:-1, None] + pos[None, :], torch.zeros((), dtype=torch.long,
-                                                                             device=query.device))
-        q, k, v = (x[index].transpose(0, 1) for x in (query, key, value))  # [longest, n, heads, dim]
-        # the parent views k and v as [s, b * heads, dim]: fine after its GQA expansion copies them, not for
-        # multi-latent attention (as many k/v heads as q heads, nothing expanded)
-        k, v = k.contiguous(), v.contiguous()
-        out = super().forward(q, k, v, None, attn_mask_type, attention_bias)  # [longest, n, heads * dim]
-        return out.transpose(0, 1)[valid].unsqueeze(1)  # [t, 1, heads * dim] in packed order
+        start = cu[:-1, None]
+        # pads read token 0: finite values, and their gradient is exactly zero
+        index = torch.where(pos[None, :] < cu[1:, None] - start, start + pos[None, :], 0)  # [n, longest]
+        q, k, v = (x[index].transpose(1, 2) for x in (query, key, value))  # [n, heads, longest, dim]
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        native_gqa = groups > 1 and _native_gqa(query, value)
+        if groups > 1 and not native_gqa:
+            # megatron's grouping: query head h reads k/v head h // groups (SDPA's enable_gqa does the same)
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # query-key layer scaling divides the parent's scale by the layer number for the raw scores and its
+        # softmax multiplies that back (in fp32): the net scale is the product
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        dropout_p = self.attention_dropout.p if self.attention_dropout.training else 0.0
+        # the parent draws its attention dropout from the TP rank's own stream unless sequence parallel
+        rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 and not self.config.sequence_parallel
+               else contextlib.nullcontext())
+        with rng:
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale,
+                                                 enable_gqa=native_gqa)  # [n, heads, longest, v dim]
+        out = out.transpose(1, 2).reshape(n * longest, -1)  # [n * longest, heads * v dim]
+        # back to packed order: token j of the row sits at (its sequence) * longest + (its position in it)
+        tok = torch.arange(t, device=query.device)
+        seq = torch.searchsorted(cu[1:], tok, right=True)
+        at = tok - cu[seq]
+        flat = torch.where(at < longest, seq * longest + at, -1)  # -1: index_select refuses it, no wrap-around
+        return out.index_select(0, flat).unsqueeze(1)  # [t, 1, heads * v dim]
 
 
 def use_packed_core_attention(block_spec):

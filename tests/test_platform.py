@@ -300,14 +300,16 @@ def test_thd_rope_vectorized_equals_megatron_loop():
 
 
 def test_selection():
-    """Local-spec fixes whenever TE is absent (CPU or GPU); CPU patches whenever CUDA is absent."""
+    """Local-spec fixes whenever TE is absent (CPU or GPU); CPU patches whenever CUDA is absent; the speed-ups
+    (megatron code both specs reach: the unfused packed RoPE runs with TE too) always."""
     from rlpo_mega.platform import select
 
-    local = megatron_fixes.FIXES + megatron_fixes.SPEEDUPS
+    fast = megatron_fixes.SPEEDUPS
+    local = megatron_fixes.FIXES + fast
     assert select(have_transformer_engine=False, have_cuda=False) == local + cpu_megatron.PATCHES
     assert select(have_transformer_engine=False, have_cuda=True) == local
-    assert select(have_transformer_engine=True, have_cuda=True) == ()
-    assert select(have_transformer_engine=True, have_cuda=False) == cpu_megatron.PATCHES
+    assert select(have_transformer_engine=True, have_cuda=True) == fast
+    assert select(have_transformer_engine=True, have_cuda=False) == fast + cpu_megatron.PATCHES
     assert set(all_patches()) == set(megatron_fixes.FIXES + cpu_megatron.PATCHES)
     # The two norm fixes act on the local spec, which a GPU without TE builds too: not CPU patches.
     fixes = {p.name for p in megatron_fixes.FIXES}
@@ -397,8 +399,8 @@ def _cuda_present(ablate: str = "") -> dict:
 
 def test_nothing_cpu_specific_runs_when_cuda_is_present():
     result = _cuda_present()
-    fixes = [] if result["te"] else [p.name for p in megatron_fixes.FIXES + megatron_fixes.SPEEDUPS]
-    # Only the device-independent megatron fixes (and only without Transformer Engine); no version check.
+    fixes = [p.name for p in ([] if result["te"] else megatron_fixes.FIXES) + megatron_fixes.SPEEDUPS]
+    # Only the device-independent megatron fixes (without Transformer Engine) and speed-ups; no version check.
     assert result["applied"] == fixes
     assert not set(result["applied"]) & {p.name for p in cpu_megatron.PATCHES}
     assert result["same"], {k: (result["before"][k], result["after"][k])

@@ -105,8 +105,17 @@ class HFModelWeights:
     def load_verified(self, named_tensors, algorithm: str) -> tuple[dict[str, str], dict[str, str]]:
         """Load and digest in one pass: ({name: digest of the streamed bytes}, {name: digest of the
         engine's memory after the copy}); see moe.bridge.digest.copy_with_digests."""
-        from moe.bridge.digest import copy_with_digests
+        from moe.bridge.digest import copy_with_digests, tensor_digests
 
+        named_tensors = list(named_tensors)
+        if algorithm == "sums" and not all(t.is_cpu for _, t in named_tensors):
+            # accelerator tensors: copy all, then digest each side with one host copy for the whole bucket
+            names = [n for n, _ in named_tensors]
+            views = [self._view(n, t) for n, t in named_tensors]
+            for view, (_, t) in zip(views, named_tensors):
+                view.copy_(t.to(view.dtype))
+            return (dict(zip(names, tensor_digests([t for _, t in named_tensors], algorithm))),
+                    dict(zip(names, tensor_digests(views, algorithm))))
         sent, loaded = {}, {}
         for name, tensor in named_tensors:
             sent[name], loaded[name] = copy_with_digests(self._view(name, tensor), tensor, algorithm)

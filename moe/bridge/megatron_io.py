@@ -243,9 +243,9 @@ class ExportStream:
     def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | None = 0,
                  vocab_divisible_by: int = 128, dtype: torch.dtype | None = None,
                  digest_algorithm: str | None = None):
-        from moe.bridge.digest import algorithm_for, tensor_digest
+        from moe.bridge.digest import algorithm_for, tensor_digests
 
-        self._digest = tensor_digest
+        self._digests = tensor_digests
         if digest_algorithm is None:
             first = next(_inner(model_chunks[0]).parameters(), None)
             digest_algorithm = algorithm_for(first.device if first is not None else "cpu")
@@ -295,6 +295,7 @@ class ExportStream:
             if receives and bucket and not pm.with_previous:
                 nbytes = numel * ((None if pm.fp32 else self.dtype) or full_meta[pm.megatron][1]).itemsize
                 if size + nbytes > self.bucket_bytes:  # yield before gathering: a bucket stays <= bucket_bytes
+                    self._digest_bucket(bucket)
                     yield bucket
                     bucket.clear()  # the consumer is done with it: free its tensors before the next gathers
                     bucket, size = [], 0
@@ -308,14 +309,20 @@ class ExportStream:
             for name, t in zip(pm.hf, full_to_hf(pm.kind, full, dims, self._empty)):
                 if self.dtype is not None and t.dtype != self.dtype and not pm.fp32:
                     t = self._empty(t.shape, self.dtype, t.device).copy_(t)
-                if self.compute_digests:
-                    self.digests[name] = self._digest(t, self.digest_algorithm)
                 bucket.append((name, t))
                 size += t.numel() * t.element_size()
                 self.bytes_sent += t.numel() * t.element_size()
             full = t = None
         if bucket or not self.receives:
+            self._digest_bucket(bucket)
             yield bucket
+
+    def _digest_bucket(self, bucket):
+        """The sender-side digests of a bucket about to be yielded, all at once (one host sync per bucket on
+        an accelerator: moe.bridge.digest.tensor_digests)."""
+        if self.compute_digests and bucket:
+            names, tensors = zip(*bucket)
+            self.digests.update(zip(names, self._digests(list(tensors), self.digest_algorithm)))
 
     def _gather(self, pm, lp, holders, meta, rank):
         """Full megatron tensor on the receiving rank(s) (None elsewhere)."""

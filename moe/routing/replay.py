@@ -98,13 +98,11 @@ class _LiveFallbackReplay(RouterReplay):
                                          "follow the forward order of the replayed micro-batches")
             target = self.replay_backward_list.pop(0)
         target = target.to(scores.device).long()
-        live = None
-        if action == RouterReplayAction.REPLAY_FORWARD or (target < 0).any():
-            with torch.no_grad():
-                live = default_compute_topk(scores.detach(), topk, num_groups, group_topk)[1]
-        idx = target
-        if (target < 0).any():
-            idx = torch.where((target < 0).any(dim=1, keepdim=True), live, target)
+        # Rows with an id < 0 (routes the rollout did not record) take the live top-k. Both are computed for
+        # every row: asking first whether any row needs it would stop the host once per MoE layer on a GPU.
+        with torch.no_grad():
+            live = default_compute_topk(scores.detach(), topk, num_groups, group_topk)[1]
+        idx = torch.where((target < 0).any(dim=1, keepdim=True), live, target)
         if action == RouterReplayAction.REPLAY_FORWARD:
             self.live_topk, self.used_topk = live, idx
         return scores.gather(1, idx), idx

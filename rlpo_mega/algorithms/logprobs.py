@@ -152,14 +152,16 @@ class _VocabParallelLogProbs(torch.autograd.Function):
 def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                             real_vocab: Optional[int] = None, group="default",
                             vocab_start: Optional[int] = None, with_entropy: bool = True,
-                            chunk_size: Optional[int] = None):
+                            chunk_size: Optional[int] = None, check_labels: bool = True):
     """(log pi(labels), entropy) of shape labels.shape, fp32, differentiable w.r.t. `logits`.
 
     logits: [..., V/tp] this rank's vocabulary shard (any float dtype); labels: [...] global token ids,
     valid everywhere (use any real id at padding positions and mask them later). real_vocab: the
     tokenizer's vocabulary (megatron pads beyond it). group: the TP process group ("default": megatron's
     TP group when initialised, else none). chunk_size: tokens per chunk (default: bounded temporaries).
-    Entropy is zeros when with_entropy=False.
+    Entropy is zeros when with_entropy=False. check_labels=False: the caller checks the label range itself
+    (reading it here stops the host on a GPU; the trainer's step counts bad labels on the device,
+    `bad_label_count`, and checks them once per step). An out-of-range label gets log-prob -lse, no error.
     """
     if not torch.is_floating_point(logits):
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
@@ -179,7 +181,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tempe
     real_vocab = total if real_vocab is None else real_vocab
     if not 0 < real_vocab <= total:
         raise ValueError(f"real_vocab={real_vocab} must be in (0, {total}] (vocab shard {v_local} x tp {tp})")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= real_vocab):
+    if check_labels and labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= real_vocab):
         raise ValueError(f"labels must be token ids in [0, {real_vocab}); got range "
                          f"[{int(labels.min())}, {int(labels.max())}] (put a real id at padding positions)")
     n_real = max(0, min(v_local, real_vocab - vocab_start))
@@ -188,3 +190,11 @@ def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, tempe
     logp, ent = _VocabParallelLogProbs.apply(flat, labels.reshape(-1).long(), float(temperature), n_real,
                                              vocab_start, group, rows, with_entropy)
     return logp.view(labels.shape), ent.view(labels.shape)
+
+
+def bad_label_count(labels: torch.Tensor, real_vocab: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Labels outside [0, real_vocab) (at mask's positions), as a device scalar: no host sync."""
+    bad = (labels < 0) | (labels >= real_vocab)
+    if mask is not None:
+        bad = bad & mask.bool()
+    return bad.sum()

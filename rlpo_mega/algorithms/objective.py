@@ -86,7 +86,13 @@ def validate(cfg) -> ResolvedLoss:
     return resolved
 
 
+FAULT = "bad:"  # report keys counting bad inputs (summed over micro-batches and ranks, see raise_input_faults)
+
+
 def _check_inputs(logp, batch, spec: LossSpec):
+    """Shapes and presence are checked here (host facts, free); the values' faults are counted on the device
+    -> (mask, advantages, {FAULT key: count}). Reading them here would stop the host once per check and
+    micro-batch on a GPU: the trainer reads them once per step (raise_input_faults)."""
     mask = batch["loss_mask"]
     if mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq], got {tuple(mask.shape)}")
@@ -101,6 +107,7 @@ def _check_inputs(logp, batch, spec: LossSpec):
         t = batch.get(key)
         if t is not None and t.shape != mask.shape:
             raise ValueError(f"{key} {tuple(t.shape)} and the new log-probs {tuple(logp.shape)} differ in shape")
+    faults = {}
     adv = batch["advantages"]
     if adv.shape == mask.shape[:1]:
         adv = adv[:, None].expand_as(logp)
@@ -109,22 +116,43 @@ def _check_inputs(logp, batch, spec: LossSpec):
     elif spec.per_sequence_advantage:
         a = torch.where(mask, adv, torch.zeros_like(adv))
         seq = a.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-        if (torch.where(mask, adv - seq, torch.zeros_like(adv)).abs() > 1e-6 * (1 + seq.abs())).any():
-            raise ValueError("gspo needs one advantage per sequence; got token-varying advantages "
-                             "(use loss.name=gspo_token for per-token advantages)")
+        varying = torch.where(mask, adv - seq, torch.zeros_like(adv)).abs() > 1e-6 * (1 + seq.abs())
+        faults[FAULT + "token_varying_advantages"] = varying.any(dim=1).sum()
     # Inputs only: non-finite NEW log-probs are a numerical failure of this forward; they make the loss
-    # non-finite and the trainer skips the step (raising here would hang the other pipeline stages).
+    # non-finite and the trainer skips the step.
     tensors = {"old_logp": batch["old_logp"], "advantages": adv}
     for key in ("ref_logp", "rollout_logp"):
         if batch.get(key) is not None:
             tensors[key] = batch[key]
     for name, t in tensors.items():
-        bad = mask & ~torch.isfinite(t.detach())
-        if bad.any():
-            i, j = (int(x) for x in bad.nonzero()[0])
-            raise ValueError(f"{name} has {int(bad.sum())} NaN/inf values at valid (unmasked) tokens, "
-                             f"first at [{i}, {j}]")
-    return mask, adv
+        faults[FAULT + "nonfinite/" + name] = (mask & ~torch.isfinite(t.detach())).sum()
+    return mask, adv, faults
+
+
+def raise_input_faults(counts: dict) -> dict:
+    """`counts`: a reduced report (floats) or one micro-batch's faults (device scalars). Raises the first bad
+    input's one-line error; returns the other entries (the metrics). Every rank holds the same reduced counts,
+    so every rank raises together (none is left waiting in a collective)."""
+    for key in sorted(k for k in counts if k.startswith(FAULT)):
+        n = int(counts[key])
+        if n == 0:
+            continue
+        what = key[len(FAULT):]
+        if what == "token_varying_advantages":
+            raise ValueError(f"gspo needs one advantage per sequence; got token-varying advantages in {n} "
+                             "sequence(s) (use loss.name=gspo_token for per-token advantages)")
+        if what == "labels":
+            raise ValueError(f"{n} label(s) outside the model's vocabulary: token ids the model has no row for "
+                             "(a rollout engine with another tokenizer or vocabulary than model.hf_config?)")
+        name = what.split("/", 1)[1]
+        raise ValueError(f"{name} has {n} NaN/inf values at valid (unmasked) tokens")
+    return {k: v for k, v in counts.items() if not k.startswith(FAULT)}
+
+
+def _fault_entry(count: torch.Tensor) -> torch.Tensor:
+    """A fault count as a report entry: [count, 0] is a [sum, count] pair whose reduction is the plain sum."""
+    count = count.double()
+    return torch.stack([count, torch.zeros_like(count)])
 
 
 def _clean(t, mask, dtype):
@@ -140,25 +168,31 @@ def drift_metrics(logp, old, mask) -> dict:
     k3 = torch.expm1(-lr) + lr  # r^-1 - 1 + log r with r = pi_new / pi_old: E_old[.] = KL(pi_old || pi_new)
     n = mask.sum(1)
     has = n > 0
-    seq = torch.exp(lr.sum(1)[has] / n[has])
+    # sequences without a valid token are left out by where(), not by indexing them away (a host sync)
+    seq = torch.exp(lr.sum(1) / n.clamp(min=1))
     out = {"kl_old_k3": metric(k3, mask),
-           "seq_ratio_mean": torch.stack([seq.sum(), torch.tensor(float(seq.numel()), dtype=torch.float64,
-                                                                 device=seq.device)])}
-    if seq.numel():
-        out["max:seq_ratio_max"] = seq.max().reshape(1)
-        out["min:seq_ratio_min"] = seq.min().reshape(1)
+           "seq_ratio_mean": torch.stack([torch.where(has, seq, 0.0).sum(), has.sum().double()])}
+    if seq.numel():  # +-inf where no sequence has a token: reduce_report reports NaN then
+        out["max:seq_ratio_max"] = torch.where(has, seq, -math.inf).max().reshape(1)
+        out["min:seq_ratio_min"] = torch.where(has, seq, math.inf).min().reshape(1)
     return out
 
 
-def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = None, entropy=None):
+def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = None, entropy=None,
+                     defer_checks: bool = False):
     """(numerator, count, report) of one micro-batch.
 
     logp: [b, s] new log-probs (with grad). batch: loss_mask [b, s], old_logp [b, s], advantages [b] or
     [b, s], optional ref_logp (KL, when kl.coef > 0), rollout_logp (mismatch metrics / correction).
     cfg: AlgorithmConfig. report: name -> [sum, count] (means) or, for "max:" keys, [max].
+    defer_checks: bad input values (non-finite log-probs or advantages, GSPO's token-varying advantages) are
+    counted into the report's FAULT keys for raise_input_faults after the step's one reduction, instead of
+    raised here (which reads them on the host, once per check and micro-batch).
     """
     resolved = resolved or validate(cfg)
-    mask, adv = _check_inputs(logp, batch, resolved.spec)
+    mask, adv, faults = _check_inputs(logp, batch, resolved.spec)
+    if not defer_checks:
+        raise_input_faults(faults)
     dt = logp.dtype
     logp, adv, old = _clean(logp, mask, dt), _clean(adv, mask, dt), _clean(batch["old_logp"], mask, dt)
     ref, rollout = _clean(batch.get("ref_logp"), mask, dt), _clean(batch.get("rollout_logp"), mask, dt)
@@ -180,4 +214,6 @@ def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = 
         loss = loss + cfg.kl.coef * kl
     numerator, count = aggregate(loss, mask, resolved.aggregation, resolved.norm_length)
     report["policy_loss"] = torch.stack([numerator.detach().double(), count.double()])
+    if defer_checks:
+        report.update({k: _fault_entry(v) for k, v in faults.items()})
     return numerator, count, report

@@ -74,9 +74,9 @@ def apply() -> list[str]:
 
 
 def select(have_transformer_engine: bool, have_cuda: bool):
-    """The patches a platform needs: the local-spec fixes (and speed-ups) without TE (any device), the CPU
-    patches without CUDA."""
-    return ((() if have_transformer_engine else megatron_fixes.FIXES + megatron_fixes.SPEEDUPS)
+    """The patches a platform needs: the local-spec fixes without TE (any device), the speed-ups always (they
+    replace megatron code that both specs reach), the CPU patches without CUDA."""
+    return ((() if have_transformer_engine else megatron_fixes.FIXES) + megatron_fixes.SPEEDUPS
             + (() if have_cuda else cpu_megatron.PATCHES))
 
 

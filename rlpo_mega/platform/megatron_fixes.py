@@ -43,12 +43,13 @@ device; they touch only code that the local spec reaches, so a run with TE gets 
 Each has an ablation test in tests/test_platform.py; tests/test_platform.py also builds the norms of a
 TP2+SP spec with CUDA simulated, apex stood in and TE absent (a GPU node without TE).
 
-SPEEDUPS change no result, only the cost of the same path (also only without TE; tested bitwise equal):
+SPEEDUPS change no result, only the cost of the same path (applied with and without TE; tested bitwise equal):
 - `thd_rope_vectorized`: megatron's unfused RoPE for packed (THD) sequences slices the frequencies sequence
-  by sequence in Python, one `.item()` per sequence (rope_utils.py:178-245): for an RL batch of 512 short
-  samples that loop cost more than the attention it feeds. Without context parallelism the slices are
-  `freqs[position within its sequence]` (or `freqs[:T]` when freqs already cover every packed position),
-  one gather; with context parallelism megatron's loop runs as shipped.
+  by sequence in Python, one `.item()` per sequence plus a `.tolist()` of the lengths (rope_utils.py:178-245):
+  host syncs twice per layer on a GPU, and for an RL batch of 512 short samples a loop that cost more than
+  the attention it feeds. Without context parallelism the slices are `freqs[position within its sequence]`
+  (or `freqs[:T]` when freqs already cover every packed position), one gather without a host sync; with
+  context parallelism megatron's loop runs as shipped. With TE it serves whenever TE's fused RoPE is off.
 """
 from __future__ import annotations
 
@@ -116,12 +117,16 @@ def _thd_rope_vectorized():
         if cp_group is None or cp_group.size() != 1:
             return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
+        # No host sync (this runs twice per layer): megatron's torch.split of t by the sequence lengths
+        # requires cu_seqlens[-1] == t.size(0), so its test `freqs.size(0) == cu_seqlens[-1]` is this one on
+        # host ints, and the per-token offsets are sized by n, not by reading the lengths.
         n = t.size(0)
-        if freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]:  # freqs of every packed position (case 1)
+        if freqs.dim() >= 1 and freqs.size(0) == n:  # freqs of every packed position (case 1)
             packed = freqs[:n]
         else:  # freqs of positions 0..max_s-1: each token's position within its own sequence (case 2)
             cu = cu_seqlens.to(device=t.device, dtype=torch.long)
-            pos = torch.arange(n, device=t.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+            pos = torch.arange(n, device=t.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1],
+                                                                             output_size=n)
             packed = freqs[pos.to(freqs.device)]
         return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
                                                      multi_latent_attention=multi_latent_attention,

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS, AdvantageResult, compute_advantages
-from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
-from rlpo_mega.algorithms.objective import policy_objective, validate
+from rlpo_mega.algorithms.logprobs import bad_label_count, vocab_parallel_logprobs
+from rlpo_mega.algorithms.objective import FAULT, policy_objective, raise_input_faults, validate
 from rlpo_mega.algorithms.shaping import overlong_filter, soft_overlong_punishment
 
 ROW_KEYS = ("tokens", "labels", "loss_mask", "advantages", "old_logp", "ref_logp", "rollout_logp")
@@ -154,11 +154,17 @@ def policy_forward_step(data_iterator, model, cfg, resolved, real_vocab, old_fro
     output = _model_out(model, batch)
 
     def loss_func(logits):
+        # input checks are counted on the device and raised once per step, after reduce_report (policy_step)
         logp, entropy = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
-                                                real_vocab=real_vocab, chunk_size=cfg.logprob_chunk_size)
+                                                real_vocab=real_vocab, chunk_size=cfg.logprob_chunk_size,
+                                                check_labels=False)
         logp = unpack(logp, batch)
         b = {**batch, "old_logp": logp.detach()} if old_from_update else batch
-        return policy_objective(logp, b, cfg, resolved, entropy=unpack(entropy.detach(), batch))
+        numerator, count, report = policy_objective(logp, b, cfg, resolved, entropy=unpack(entropy.detach(), batch),
+                                                    defer_checks=True)
+        report[FAULT + "labels"] = torch.stack([bad_label_count(batch["labels"], real_vocab).double(),
+                                                torch.zeros((), dtype=torch.float64, device=logp.device)])
+        return numerator, count, report
 
     return output, loss_func
 
@@ -168,9 +174,10 @@ def _logprob_forward_step(data_iterator, model, cfg, real_vocab):
     output = _model_out(model, batch)
 
     def loss_func(logits):
+        # the labels are checked by the update's step (policy_forward_step), which every batch goes through
         logp, _ = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
                                           real_vocab=real_vocab, with_entropy=False,
-                                          chunk_size=cfg.logprob_chunk_size)
+                                          chunk_size=cfg.logprob_chunk_size, check_labels=False)
         return logp.new_zeros(()), logp.new_zeros((), dtype=torch.int), {"logp": unpack(logp.detach(), batch)}
 
     return output, loss_func
@@ -227,7 +234,8 @@ def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=No
 
 def reduce_report(reports: list[dict]) -> dict:
     """Global metrics from per-micro-batch reports: [sum, count] pairs are summed over micro-batches and
-    DP ranks then divided; "max:"/"min:" keys take the max/min (NaN when no micro-batch had one). Every
+    DP ranks then divided (a count of 0: the plain sum, as the objective's fault counts use); "max:"/"min:"
+    keys take the max/min (NaN when no micro-batch had one). Every
     rank gets the values (sent from the last stage). The sums stay on platform.device() (the reports'
     device; NCCL reduces nothing else) and reach the host in one copy at the end."""
     from megatron.core import parallel_state
@@ -264,7 +272,9 @@ def reduce_report(reports: list[dict]) -> dict:
         group = parallel_state.get_pipeline_model_parallel_group()
         dist.broadcast(sums, src=src, group=group)
         dist.broadcast(extremes, src=src, group=group)
-    sums, extremes = sums.tolist(), extremes.tolist()  # the one device-to-host copy
+    host = torch.cat([sums.flatten(), extremes]).tolist()  # the one device-to-host copy
+    sums = [host[2 * i:2 * i + 2] for i in range(len(mean_keys))]
+    extremes = host[2 * len(mean_keys):]
     out = {k: sums[i][0] / max(sums[i][1], 1.0) for i, k in enumerate(mean_keys)}
     for i, k in enumerate(max_keys + min_keys):
         v = extremes[i]
@@ -309,7 +319,7 @@ def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_op
 
     step = make_policy_forward_step(cfg, model_chunks, old_from_update)
     reports = forward_backward(model_chunks, optimizer, micro_batches, routing.wrap_update(step) if routing else step)
-    out = reduce_report(reports)
+    out = raise_input_faults(reduce_report(reports))  # before the optimizer step: a bad batch moves nothing
     if routing is not None:
         out.update(routing.metrics())
     if step_optimizer:

@@ -149,8 +149,12 @@ def gather(scored: list[Scored], ranks: list[int]) -> list[Scored]:
             for rank in ranks for (p, r, lp, fr, rt, rw, f, c) in every[rank]]
 
 
-def all_ok(ok: bool, device) -> bool:
-    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+def all_ok(ok, device) -> bool:
+    """`ok` (a bool, or a bool device tensor: read on the host only after the all-reduce) on every rank."""
+    if torch.is_tensor(ok):
+        flag = (~ok.to(device=device, dtype=torch.bool)).float().reshape(1)
+    else:
+        flag = torch.tensor([0.0 if ok else 1.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return flag.item() == 0
 

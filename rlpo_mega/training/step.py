@@ -132,18 +132,22 @@ def optimizer_step(optimizer, lr_schedule=None, strict: bool = True) -> tuple[bo
 
 def grads_finite(model_chunks) -> bool:
     """Every gradient finite on every rank (a non-finite one skips the optimizer step). Megatron's DDP keeps
-    the gradients in a few flat buffers: one check per buffer, not per parameter."""
+    the gradients in a few flat buffers. A buffer's sum is finite exactly when its elements are (NaN and inf
+    propagate; a finite buffer overflows fp32 only where its norm, which megatron's clipping reads, already
+    has): one reduction per buffer with no buffer-sized temporary, one host read for all of them, with the
+    all-reduce over ranks."""
     from rlpo_mega.training.rollout_phase import all_ok
 
-    bad = False
+    sums = []
     for chunk in model_chunks:
         buffers = getattr(chunk, "buffers", None)
         grads = ([b.grad_data for b in buffers + chunk.expert_parallel_buffers] if buffers is not None else
                  [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in chunk.parameters()])
-        if not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
-            bad = True
-            break
-    return all_ok(not bad, platform.device())
+        # in the buffer's own dtype (fp32 or bf16: fp32's exponent range), so no cast copies the buffer
+        sums += [g.sum().float() for g in grads if g is not None and g.numel()]
+    device = platform.device()
+    finite = torch.isfinite(torch.stack(sums)).all() if sums else torch.ones((), dtype=torch.bool, device=device)
+    return all_ok(finite, device)
 
 
 def train_step(model_chunks, optimizer, micro_batches, forward_step=None):

@@ -21,9 +21,17 @@ in a collective), with where the host tensor was made:
 - "router": host routes handed to megatron's RouterReplay;
 - "collective": a host tensor handed to a torch.distributed collective on any group but a gloo one
   (megatron's *_GLOO groups, groups made with backend="gloo"); NCCL takes device tensors only.
+
+Host syncs (`with tracker.counting():` ... `tracker.syncs`): what makes a CUDA host wait for the device,
+counted per (what, site) on accelerator tensors only: a value read into Python (`item`, `tolist`,
+`__bool__`, `__int__`, `__float__`, `__index__`, `numpy`), a copy to the host (`.cpu()`, `.to("cpu")`), an
+op whose output size depends on the values (`nonzero`, `masked_select`, `unique`, `repeat_interleave`
+without `output_size`, `bincount`, one-argument `where`, indexing with a boolean tensor). A host
+tensor's reads cost nothing on CUDA and are not counted.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sys
@@ -54,6 +62,12 @@ _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor
                 "reduce_scatter_tensor", "reduce", "all_to_all", "all_to_all_single", "send", "recv", "gather",
                 "scatter", "_all_gather_base", "_reduce_scatter_base", "batch_isend_irecv")
 _OURS = ("rlpo_mega.", "moe.")
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+          torch.Tensor.__index__, torch.Tensor.numpy, torch.equal, torch.allclose, torch.Tensor.allclose,
+          torch.Tensor.equal, torch.is_nonzero}
+_SIZED_BY_VALUES = {torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere, torch.masked_select,
+                    torch.Tensor.masked_select, torch.unique, torch.Tensor.unique, torch.unique_consecutive,
+                    torch.Tensor.unique_consecutive, torch.bincount, torch.Tensor.bincount}
 # The CPU-platform shim; the rollout engines (CPU/HF by design); the weight export, whose buffer pool is
 # for CPU devices only (it branches on device.type, which cannot tell the emulated accelerator apart).
 _TRUSTED = ("rlpo_mega.platform", "rlpo_mega.rollout", "moe.bridge")
@@ -81,6 +95,13 @@ def _caller():
             return f
         f = f.f_back
     return None
+
+
+def _made_by_torch_optim() -> bool:
+    f = sys._getframe(1)
+    while f is not None and f.f_globals.get("__name__", "") == __name__:
+        f = f.f_back
+    return f is not None and f.f_globals.get("__name__", "").startswith("torch.optim")
 
 
 def _site(f) -> str:
@@ -121,6 +142,8 @@ class _Mode(TorchFunctionMode):
         if func in _MOVES:
             return self._move(func, args, kwargs)
         inputs = _tensors(args, kwargs)
+        if self.tracker.counting_syncs:
+            self._count_sync(func, args, kwargs)
         out = func(*args, **kwargs)
         hosts = [t for t in inputs if origin(t) is not None]
         accs = [t for t in inputs if origin(t) is None]
@@ -142,6 +165,30 @@ class _Mode(TorchFunctionMode):
             _mark(out, None if accs or not hosts else origin(hosts[0]), inputs)
         return out
 
+    def _count_sync(self, func, args, kwargs):
+        def acc(t):
+            return isinstance(t, torch.Tensor) and origin(t) is None
+
+        what = None
+        name = getattr(func, "__name__", str(func))
+        if func in _READS and any(acc(t) for t in _tensors(args)):
+            what = name
+        elif func in _SIZED_BY_VALUES and acc(args[0] if args else None):
+            what = name
+        elif func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+            if kwargs.get("output_size") is None and (acc(repeats) or (repeats is None and acc(args[0]))):
+                what = name
+        elif func is torch.where and len(args) + len(kwargs) == 1 and acc(args[0] if args else kwargs.get("condition")):
+            what = "where(condition)"
+        elif func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            index = args[1] if len(args) > 1 else None
+            items = index if isinstance(index, (tuple, list)) else (index,)
+            if any(acc(i) and i.dtype in (torch.bool, torch.uint8) for i in items):
+                what = name + "[bool mask]"
+        if what is not None:
+            self.tracker.syncs[(what, _site(_caller()))] += 1
+
     def _ours_caller(self) -> bool:
         f = _caller()
         return f is not None and _is_ours(f.f_globals.get("__name__", ""))
@@ -155,8 +202,9 @@ class _Mode(TorchFunctionMode):
             return out
         f = _caller()
         ours = f is not None and _is_ours(f.f_globals.get("__name__", ""))
-        # megatron's own factories (its "cuda" literals, current_device()) are on the device on CUDA
-        host = ours and (device is None or _on_host(device))
+        # megatron's own factories (its "cuda" literals, current_device()) are on the device on CUDA; torch's
+        # optimizers keep their step counters on the host unless capturable or fused (torch/optim/adam.py)
+        host = (ours or _made_by_torch_optim()) and (device is None or _on_host(device))
         _mark(out, _site(f) if host else None)
         return out
 
@@ -181,6 +229,8 @@ class _Mode(TorchFunctionMode):
                 _mark(out, origin(src))
             return out
         host = _on_host(target)
+        if host and origin(src) is None and self.tracker.counting_syncs:
+            self.tracker.syncs[(getattr(func, "__name__", "to") + "(host)", _site(_caller()))] += 1
         if host != (origin(src) is not None) and out is src:
             out = out.clone()  # a move across devices is a copy on CUDA: the source keeps its place
         _mark(out, (origin(src) or _site(_caller())) if host else None)
@@ -192,6 +242,8 @@ class DeviceTracker:
 
     def __init__(self):
         self.found = Counter()
+        self.syncs = Counter()
+        self.counting_syncs = False
         self.gloo_groups = []
         self._saved = []
         self._hooks = []
@@ -199,6 +251,15 @@ class DeviceTracker:
     # --- recording -----------------------------------------------------------------------------------
     def record(self, kind, what, site, made_at):
         self.found[(kind, what, site, made_at or "?")] += 1
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count host syncs inside (into self.syncs)."""
+        self.counting_syncs = True
+        try:
+            yield self.syncs
+        finally:
+            self.counting_syncs = False
 
     def violations(self) -> list[dict]:
         return [{"kind": k, "what": w, "site": s, "host_tensor_made_at": m, "count": n}
