@@ -72,6 +72,44 @@ class ParallelSizes:
     sequence_parallel: bool = False
 
 
+FAST_PATH_FIELDS = ("gradient_accumulation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
+                    "masked_softmax_fusion", "moe_permute_fusion")
+
+
+def fast_kernels() -> dict[str, bool]:
+    """Which fused kernels this process can run, as megatron-core 0.16.1 itself finds them: TE's fused RoPE
+    and MoE permutation (None in megatron's modules when TE is absent or too old), apex's weight-gradient
+    accumulation (tensor_parallel.layers; megatron's local output layer needs it even under the TE spec) and
+    apex's masked-softmax extensions."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import moe_utils
+
+    have = importlib.util.find_spec
+    return {
+        "rope": rope_utils.fused_apply_rotary_pos_emb is not None and rope_utils.fused_apply_rotary_pos_emb_thd is not None,
+        "permute": all(getattr(moe_utils, n, None) is not None for n in (
+            "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+            "fused_sort_chunks_by_index_with_probs", "fused_unpermute")),
+        "wgrad_accumulation": bool(layers._grad_accum_fusion_available),
+        "masked_softmax": all(have(n) is not None for n in ("scaled_upper_triang_masked_softmax_cuda",
+                                                            "scaled_masked_softmax_cuda")),
+    }
+
+
+def fast_path(on_gpu: bool, kernels: dict[str, bool], mla: bool = False) -> dict[str, bool]:
+    """The fusions of the GPU fast path as TransformerConfig fields: each on under CUDA where its kernel
+    exists (`fast_kernels`), all off on a CPU (the kernels are CUDA's). Bias-dropout-add needs only torch's
+    jit. MLA's fused RoPE is left off: megatron-core 0.16.1 supports it only for YaRN and calls it
+    experimental (transformer_config.py:1531-1534, 2068-2069); MLA takes the vectorised unfused THD RoPE
+    (rlpo_mega.platform.megatron_fixes)."""
+    if not on_gpu:
+        return dict.fromkeys(FAST_PATH_FIELDS, False)
+    return {"gradient_accumulation_fusion": kernels["wgrad_accumulation"], "bias_dropout_fusion": True,
+            "apply_rope_fusion": kernels["rope"] and not mla, "masked_softmax_fusion": kernels["masked_softmax"],
+            "moe_permute_fusion": kernels["permute"]}
+
+
 def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=torch.float32,
                        token_dispatcher: str = "alltoall", recompute: bool = False, **extra):
     family = get_family(hf.model_type)
@@ -91,16 +129,14 @@ def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=to
         # On CPU full weights are built then split, so TP layouts initialise identically from one
         # seed; EP and PP draw in another order (load a checkpoint for identical weights there).
         use_cpu_initialization=not on_gpu,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
+        # apex's persistent LayerNorm has no RMSNorm, which every family here uses
         persist_layer_norm=False,
         moe_router_dtype="fp32",
         # packed micro-batches differ in length: pipeline stages exchange each one's shape first (megatron
         # refuses that with the allgather dispatcher; config_checks refuses allgather with PP then)
         variable_seq_lengths=token_dispatcher != "allgather",
     )
+    fields.update(fast_path(on_gpu, fast_kernels() if on_gpu else {}, bool(fields.get("multi_latent_attention"))))
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     fields.update(extra)

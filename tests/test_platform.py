@@ -362,7 +362,8 @@ applied = platform.apply()
 after, fixed_after = snapshot(), fixed_sites()
 
 # The recipes' layout (TP2 + sequence parallel) through moe.model's spec call; every norm built.
-from moe.model import ParallelSizes, have_transformer_engine, load_hf_config, transformer_config
+from moe.model import FAST_PATH_FIELDS, ParallelSizes, have_transformer_engine, load_hf_config, transformer_config
+from rlpo_mega.training.model_setup import ddp_config
 hf = load_hf_config("configs/models/tiny_qwen3_moe.json")
 config = transformer_config(hf, ParallelSizes(tensor=2, sequence_parallel=True))
 spec = gpt_layer_specs.get_gpt_decoder_block_spec(
@@ -387,7 +388,8 @@ print(json.dumps({"applied": applied, "same": before == after, "before": before,
                   "fixed_changed": {k: fixed_before[k] != fixed_after[k] for k in fixed_before},
                   "backend": platform.backend(), "te": have_transformer_engine(),
                   "te_general_gemm": repr(getattr(moe_utils, "te_general_gemm", "undefined")),
-                  "norms": norms}))
+                  "norms": norms, "fast": {f: getattr(config, f) for f in FAST_PATH_FIELDS},
+                  "overlap_grad_reduce": ddp_config(True).overlap_grad_reduce}))
 """
 
 RMSNORM = "torch.nn.modules.normalization.RMSNorm"
@@ -408,6 +410,13 @@ def test_nothing_cpu_specific_runs_when_cuda_is_present():
     assert all(result["after"]["module_torch"])
     assert result["backend"] == "nccl"
     assert result["fixed_changed"] == {"norm_new": not result["te"], "block_spec": not result["te"]}
+    # The GPU fast path as megatron finds its kernels (no TE, apex without its CUDA extensions here):
+    # bias-dropout-add only (torch's jit); the gradient reduction overlaps the backward.
+    if not result["te"]:
+        assert result["fast"] == {"gradient_accumulation_fusion": False, "bias_dropout_fusion": True,
+                                  "apply_rope_fusion": False, "masked_softmax_fusion": False,
+                                  "moe_permute_fusion": False}, result["fast"]
+    assert result["overlap_grad_reduce"] is True
     if not result["te"]:
         assert result["te_general_gemm"] == "None"
         # GPU, apex, no TE, TP2 + sequence parallel: every norm is torch's RMSNorm, its params tagged
@@ -455,3 +464,24 @@ def test_other_megatron_version_is_refused_on_cpu():
     message = out.split("REFUSED", 1)[1]
     assert "0.15.3" in message and cpu_megatron.WRITTEN_FOR in message, message
     assert "UNTOUCHED True" in out, out
+
+
+def test_fast_path_follows_the_kernels_found():
+    """Each fusion on under CUDA exactly where its kernel exists; nothing on a CPU; MLA keeps the unfused
+    RoPE (megatron-core 0.16.1's fused MLA RoPE is YaRN-only and experimental)."""
+    from moe.model import FAST_PATH_FIELDS, fast_kernels, fast_path
+
+    every = dict.fromkeys(("rope", "permute", "wgrad_accumulation", "masked_softmax"), True)
+    none = dict.fromkeys(every, False)
+    assert fast_path(False, every) == dict.fromkeys(FAST_PATH_FIELDS, False)
+    assert fast_path(True, every) == dict.fromkeys(FAST_PATH_FIELDS, True)
+    assert fast_path(True, every, mla=True)["apply_rope_fusion"] is False
+    assert fast_path(True, none) == {**dict.fromkeys(FAST_PATH_FIELDS, False), "bias_dropout_fusion": True}
+    for kernel, field in (("rope", "apply_rope_fusion"), ("permute", "moe_permute_fusion"),
+                          ("wgrad_accumulation", "gradient_accumulation_fusion"),
+                          ("masked_softmax", "masked_softmax_fusion")):
+        on = fast_path(True, {**none, kernel: True})
+        assert [f for f in FAST_PATH_FIELDS if on[f]] == sorted({field, "bias_dropout_fusion"},
+                                                                key=FAST_PATH_FIELDS.index)
+    # this machine: no TE, no apex extensions
+    assert fast_kernels() == none

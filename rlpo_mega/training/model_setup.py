@@ -72,12 +72,19 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
 
 
 def ddp_config(use_distributed_optimizer: bool):
-    """The DDP settings of every model (rlpo_mega.planning sizes the buffers they give)."""
+    """The DDP settings of every model (rlpo_mega.planning sizes the buffers they give).
+
+    On CUDA the gradient reduction overlaps the backward: each bucket (megatron's default size under overlap,
+    max(40M, 1M x DP) elements) is reduced as soon as its last gradient is ready. Not on a CPU: gloo's
+    asynchronous collectives would compete for the few cores with the backward itself. overlap_param_gather
+    stays off: it defers the distributed optimizer's all-gather of the updated parameters to the next
+    forward's pre-hooks, but an RL step reads them right after the optimizer step (the weight sync to the
+    rollout engine, checkpoints), so it would hand the engine the previous step's weights."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=torch.cuda.is_available(),
         use_distributed_optimizer=use_distributed_optimizer,
         average_in_collective=False,
     )

@@ -95,6 +95,12 @@ class Trainer:
         why = old_pass_needed(cfg, self.hf)
         self.old_from_update = why is None
         if self.rank == 0:
+            from moe.model import FAST_PATH_FIELDS
+
+            inner = self.chunks[0].module if hasattr(self.chunks[0], "module") else self.chunks[0]
+            fast = {f: getattr(inner.config, f) for f in FAST_PATH_FIELDS}
+            log.info("fast path: %s; overlap_grad_reduce=%s", ", ".join(f"{k}={v}" for k, v in fast.items()),
+                     getattr(getattr(self.chunks[0], "ddp_config", None), "overlap_grad_reduce", None))
             log.info("old log-probs: %s", "the update's own forward (one optimizer step per rollout batch)"
                      if why is None else f"a separate pass ({why})")
         self.step, self.bad_steps, self.warmup_done, self.stopped = 0, 0, False, False
