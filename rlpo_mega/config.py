@@ -120,6 +120,9 @@ class LoggingConfig:
     console_every: int = 1  # a console line every N steps (0 = never)
     progress_bar: bool = True  # tqdm bars for rollouts and steps (rank 0, only on a terminal)
     plot: bool = True  # draw <dir>/curves.png when the run ends (rlpo-mega plot RUN draws it any time)
+    # CUDA: count the host syncs of the old-log-prob pass and the update each step (perf/host_syncs_*, torch's
+    # sync debug mode: a diagnostic, it slows each sync a little); ignored without CUDA
+    host_syncs: bool = False
 
 
 @dataclass
@@ -309,7 +312,7 @@ class ClusterConfig:
 @dataclass
 class RunConfig:
     seed: int = 1234
-    train_iters: int = 1  # RL steps (one rollout batch each)
+    train_iters: int = 1  # RL steps (one rollout batch each); 0: none (warm-up and the final checkpoint only)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -312,7 +312,10 @@ def _check_data(cfg, warns: list[str], files: bool = True):
 
 
 def _check_counts(cfg, warns: list[str]):
-    positive = {"train_iters": cfg.train_iters, "trainer.epochs": cfg.trainer.epochs,
+    if cfg.train_iters < 0:
+        raise ConfigError(f"train_iters={cfg.train_iters} must be >= 0 (0: no RL step; the warm-up, if any, runs "
+                          "and the run's checkpoint is saved: e.g. the starting point of later runs)")
+    positive = {"trainer.epochs": cfg.trainer.epochs,
                 "trainer.mini_batches": cfg.trainer.mini_batches, "checkpoint.keep_last": cfg.checkpoint.keep_last,
                 "prompts.prompts_per_step": cfg.prompts.prompts_per_step, "prompts.n_samples": cfg.prompts.n_samples,
                 "parallel.num_micro_batches": cfg.parallel.num_micro_batches,

@@ -271,6 +271,26 @@ def test_the_gpu_smoke_needs_exactly_its_listed_wheels(tmp_path):
     assert listed <= imported | required_by_imported, sorted(listed - imported - required_by_imported)
 
 
+def test_the_gpu_smoke_checkpoints_before_the_first_step_and_resumes(tmp_path):
+    """The smoke's runs C and D as it starts them (tools/gpu_smoke.plan), on the CPU: no warm-up and no RL step
+    (train_iters=0) writes the checkpoint of a never-stepped distributed optimizer, and a run resumed from it
+    takes step 1 and checkpoints after it."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "smoke"
+    for name in ("C", "D"):
+        proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "train", gpu_smoke.CONFIG, "--nproc-per-node",
+                               "1", *gpu_smoke.plan(str(out))[name]], cwd=ROOT, env=_env(), capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    assert (out / "C" / "ckpt" / "step_00000000").is_dir() and (out / "D" / "ckpt" / "step_00000001").is_dir()
+    assert [h["step"] for h in gpu_smoke.history(str(out / "D"))] == [1]
+    assert "resumed from" in proc.stderr
+
+
 def test_the_gpu_smoke_checks_its_imports_first(tmp_path):
     """A bare GPU image: the smoke names each module it cannot import and how to carry it, before anything runs
     (a stand-in for a missing module: a package that fails to import, first on the path)."""

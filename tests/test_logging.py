@@ -210,3 +210,32 @@ def test_plot_module_entry_point(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert _png_size(run / "curves.png") == (500, 320)  # a run with none of the trainer's names: its own
+
+
+def test_host_sync_count_reads_torchs_sync_warnings(monkeypatch):
+    """logging.host_syncs on CUDA: torch's sync debug mode warns once per synchronizing call (its message says
+    "called a synchronizing CUDA operation"); those are counted per phase and swallowed, every other warning
+    passes through, and the previous mode is restored. torch.cuda's mode calls are stood in (no CUDA here);
+    tools/gpu_smoke.py reads the real count on a GPU."""
+    import warnings
+
+    import torch
+
+    from rlpo_mega.logging.metrics import count_host_syncs
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    metrics = {}
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
+        for _ in range(2):  # a phase entered twice accumulates
+            with count_host_syncs(metrics, "update", True):
+                warnings.warn("called a synchronizing CUDA operation")
+                warnings.warn("something else", DeprecationWarning)
+        with count_host_syncs(metrics, "old_logprob", False):
+            warnings.warn("called a synchronizing CUDA operation")
+    assert metrics == {"perf/host_syncs_update": 2}
+    assert modes == ["warn", 0, "warn", 0]
+    assert [str(w.message) for w in outside] == ["something else", "something else",
+                                                 "called a synchronizing CUDA operation"]

@@ -1,10 +1,12 @@
 """`make gpu-smoke`: the real trainer path on one GPU (configs/gpu_smoke.yaml), then a resume, and a summary.
 
 Run A: 3 RL steps (CUDA, NCCL at world size 1, bf16 parameters + distributed optimizer, GSPO + R3, the embedded
-engine on the GPU, in-process digest-checked sync), checkpoints at steps 2 and 3. Run B: resume from step 2 and
-run step 3. Prints the environment, each step's figures, and how far B's step 3 is from A's. Exit 0 only if
-both runs finished and every sync verified (a digest mismatch stops a run). Writes under
-runs/gpu_smoke/<UTC time>/ only (nothing else is touched).
+engine on the GPU, in-process digest-checked sync), checkpoints at steps 2 and 3, the host syncs of each step
+counted (logging.host_syncs: torch's sync debug mode). Run B: resume from step 2 and run step 3. Run C: no
+warm-up, no step: the checkpoint of a never-stepped optimizer (FusedAdam creates its state lazily). Run D: resume
+from C's step 0 and run step 1, checkpoint after it. Prints the environment, each step's figures (host syncs
+included), and how far B's step 3 is from A's. Exit 0 only if every run finished and every sync verified (a
+digest mismatch stops a run). Writes under runs/gpu_smoke/<UTC time>/ only (nothing else is touched).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ NEEDS = {
     "psutil": "psutil==7.2.2",  # megatron-core's dist_checkpointing
 }
 SHOWN = ("reward/mean", "loss/policy", "optim/grad_norm", "routing/agreement/mean", "mismatch/ratio_dev_max",
-         "time/sync", "time/step")
+         "time/sync", "time/step", "perf/host_syncs_old_logprob", "perf/host_syncs_update")
 
 
 def environment() -> dict:
@@ -55,6 +57,18 @@ def missing() -> dict[str, str]:
         except Exception as e:
             out[module] = f"{requirement} ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})"
     return out
+
+
+def plan(out: str) -> dict[str, list[str]]:
+    """The runs (in order) and their overrides of configs/gpu_smoke.yaml (tests/test_gpu_path.py runs C and D)."""
+    return {"A": [f"logging.dir={out}/A", f"checkpoint.save_dir={out}/A/ckpt", "logging.host_syncs=true"],
+            "B": [f"logging.dir={out}/B", f"checkpoint.save_dir={out}/B/ckpt",
+                  f"checkpoint.load_dir={out}/A/ckpt/step_00000002"],
+            "C": [f"logging.dir={out}/C", f"checkpoint.save_dir={out}/C/ckpt", "train_iters=0",
+                  "trainer.warmup.steps=0", "checkpoint.save_every=0"],
+            "D": [f"logging.dir={out}/D", f"checkpoint.save_dir={out}/D/ckpt", "train_iters=1",
+                  "trainer.warmup.steps=0", "checkpoint.save_every=0", f"checkpoint.load_dir={out}/C/ckpt/step_00000000",
+                  "logging.host_syncs=true"]}
 
 
 def run(args: list[str], log: str) -> int:
@@ -101,27 +115,30 @@ def main(argv=None) -> int:
         print(f"gpu-smoke: {out} is not empty; give another --out", file=sys.stderr)
         return 2
     os.makedirs(out, exist_ok=True)
-    runs = {"A": [f"logging.dir={out}/A", f"checkpoint.save_dir={out}/A/ckpt"],
-            "B": [f"logging.dir={out}/B", f"checkpoint.save_dir={out}/B/ckpt",
-                  f"checkpoint.load_dir={out}/A/ckpt/step_00000002"]}
     t0, rcs = time.monotonic(), {}
-    for name, extra in runs.items():
+    for name, extra in plan(out).items():
         rcs[name] = run([*extra, *a.overrides], os.path.join(out, f"{name}.log"))
         print(f"run {name}: exit {rcs[name]} ({out}/{name}.log)", flush=True)
         if rcs[name]:
             print(open(os.path.join(out, f"{name}.log")).read()[-4000:])
             return 1
-    full, resumed = history(f"{out}/A"), history(f"{out}/B")
-    print(f"\n{'run':<4}{'step':>5} " + " ".join(f"{k:>24}" for k in SHOWN))
-    for name, hist in (("A", full), ("B", resumed)):
+    full, resumed, first = history(f"{out}/A"), history(f"{out}/B"), history(f"{out}/D")
+    print(f"\n{'run':<4}{'step':>5} " + " ".join(f"{k:>28}" for k in SHOWN))
+    for name, hist in (("A", full), ("B", resumed), ("D", first)):
         for h in hist:
-            print(f"{name:<4}{h['step']:>5} " + " ".join(f"{h.get(k, float('nan')):>24.6g}" for k in SHOWN))
+            print(f"{name:<4}{h['step']:>5} " + " ".join(f"{h.get(k, float('nan')):>28.6g}" for k in SHOWN))
     a3, b3 = full[-1], resumed[-1]
     keys = [k for k in a3 if isinstance(a3[k], (int, float)) and not k.startswith(("time/", "perf/"))]
     diff = max((abs(a3[k] - b3.get(k, math.nan)) for k in keys), default=math.nan)
     print(f"\nsteps A {[h['step'] for h in full]}, B {[h['step'] for h in resumed]}; step 3 resumed vs "
           f"uninterrupted: max |diff| over {len(keys)} metrics = {diff:.3g}; wall {time.monotonic() - t0:.0f} s")
-    ok = [h["step"] for h in full] == [1, 2, 3] and [h["step"] for h in resumed] == [3]
+    before_first = os.path.isdir(f"{out}/C/ckpt/step_00000000")
+    after_first = os.path.isdir(f"{out}/D/ckpt/step_00000001")
+    syncs = [h.get("perf/host_syncs_update") for h in full]
+    print(f"checkpoint before the first step (C, step 0): {'written' if before_first else 'MISSING'}; resumed from it and "
+          f"saved after step 1 (D): {'written' if after_first else 'MISSING'}; host syncs per update step (A): {syncs}")
+    ok = ([h["step"] for h in full] == [1, 2, 3] and [h["step"] for h in resumed] == [3]
+          and [h["step"] for h in first] == [1] and before_first and after_first)
     print("gpu-smoke:", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -207,6 +207,33 @@ class PhaseTimer:
         return out
 
 
+@contextmanager
+def count_host_syncs(into: dict, phase: str, enabled: bool):
+    """CUDA (logging.host_syncs): the host syncs of the block as perf/host_syncs_<phase>, counted by torch's own
+    sync debug mode (torch.cuda.set_sync_debug_mode, one warning per synchronizing CUDA call: copies to the
+    host, item(), ops sized by values). Off: nothing is counted or logged. Other warnings pass through."""
+    if not enabled:
+        yield
+        return
+    import warnings
+
+    import torch
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = [w for w in seen if "synchronizing" in str(w.message)]
+    into[f"perf/host_syncs_{phase}"] = into.get(f"perf/host_syncs_{phase}", 0) + len(syncs)
+    for w in seen:
+        if w not in syncs:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 def progress_bar(iterable=None, *, total: Optional[int] = None, desc: Optional[str] = None,
                  enabled: bool = True, rank: int = 0, **kwargs):
     """A tqdm bar on rank 0 when `enabled` and stderr is a terminal (no bar spam in log files); a disabled

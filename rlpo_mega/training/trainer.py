@@ -284,6 +284,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         from rlpo_mega.logging import PhaseTimer
+        from rlpo_mega.logging.metrics import count_host_syncs
 
         timer = PhaseTimer(cuda_sync=torch.cuda.is_available())
         t0 = time.perf_counter()
@@ -314,7 +315,8 @@ class Trainer:
         if self.critic is None:  # with a critic these are the sequence rewards; GAE's stats come with the values
             metrics.update({"advantages/mean": float(adv.mean()), "advantages/std": float(adv.std(unbiased=False)),
                             "advantages/min": float(adv.min()), "advantages/max": float(adv.max())})
-        with timer("old_logprob"):
+        syncs = self.cfg.logging.host_syncs and torch.cuda.is_available()
+        with timer("old_logprob"), count_host_syncs(metrics, "old_logprob", syncs):
             prepared, mismatch = self._old_logprobs(minis)
         metrics.update(mismatch)
         critic_batches = None
@@ -322,7 +324,7 @@ class Trainer:
             with timer("values"):
                 critic_batches, critic_stats = self.critic.prepare(prepared)
             metrics.update(critic_stats)
-        with timer("update"):
+        with timer("update"), count_host_syncs(metrics, "update", syncs):
             out, skipped, critic_metrics = self._update(prepared, critic_batches)
         metrics.update(critic_metrics)
         self.bad_steps = self.bad_steps + 1 if skipped else 0
