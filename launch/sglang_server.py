@@ -69,8 +69,9 @@ def _pdeathsig():
 class SGLangServer:
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
                  server_args: dict | None = None, python: str | None = None, log_dir: str | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, advertise: str | None = None):
         self.model_path, self.host, self.port, self.tp_size = model_path, host, port, tp_size
+        self.advertise = advertise  # the host its URL names (bound to 0.0.0.0: this node's hostname)
         self.server_args = dict(server_args or {})
         self.python = python or sys.executable
         self.log_dir = log_dir or os.path.join(os.getcwd(), "logs", "sglang")
@@ -80,7 +81,7 @@ class SGLangServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://{self.advertise or self.host}:{self.port}"
 
     def command(self) -> list[str]:
         args = {"model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": self.tp_size,

@@ -246,8 +246,10 @@ class EmbeddedEngineConfig:
 @dataclass
 class SGLangEngineConfig:
     urls: list[str] = field(default_factory=list)  # attach to running servers (one per engine-TP group)
-    launch: bool = False  # start servers from this process (launch/sglang_server.py) when urls is empty
-    num_servers: int = 1
+    # start servers (launch/sglang_server.py) when urls is empty: one launcher per node (its local rank 0), each
+    # server on its own GPUs after the node's learner ranks'; several nodes need host 0.0.0.0 (URLs name the node)
+    launch: bool = False
+    num_servers: int = 1  # launch: servers per node
     tp_size: int = 1
     host: str = "127.0.0.1"
     base_port: int = 30000

@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import pickle
+import socket
 import threading
 import time
 import urllib.error
@@ -71,10 +72,52 @@ def _load_launcher():
 
 
 class _Server:
-    def __init__(self, url: str, launched=None):
+    def __init__(self, url: str, launched=None, node: Optional[int] = None):
         self.url = url.rstrip("/")
-        self.launched = launched  # launch/sglang_server.SGLangServer when we started it
+        self.launched = launched  # launch/sglang_server.SGLangServer when this process started it
+        self.node = node  # launched by this run on another node (EngineSlot): that node's launcher restarts it
         self.restarts = 0
+
+
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1) -> list:
+    """Start this node's servers (rollout.sglang.launch=true: num_servers per node), healthy on return, as
+    launch/sglang_server.SGLangServer handles. Each goes on its own GPUs, after those of this node's learner
+    ranks (torchrun's LOCAL_WORLD_SIZE) and of the servers before it (`server_gpus`). Ports base_port +
+    node * num_servers + i: distinct across nodes, so URLs stay unique where several nodes share a host. Servers
+    bound to a wildcard host are addressed by this node's hostname (the other nodes' learners reach them)."""
+    if not model_path:
+        raise EngineError("rollout.sglang.launch needs the model's HF directory (model.init_from_hf) "
+                          "to start the servers from")
+    if nodes > 1 and cfg.host in _LOOPBACK_HOSTS:
+        raise EngineError(f"rollout.sglang.launch=true on {nodes} nodes: servers bound to {cfg.host} cannot be reached "
+                          "from learner rank 0's node; set rollout.sglang.host=0.0.0.0 (each node's servers are then "
+                          "addressed by its hostname)")
+    launcher = _load_launcher()
+    placed = [{}] * cfg.num_servers
+    if torch.cuda.is_available():  # each server on its own GPUs, after those of this node's learner ranks
+        if "base_gpu_id" in cfg.server_args:
+            raise EngineError("rollout.sglang.server_args.base_gpu_id: launched servers are placed by the "
+                              "engine (each after the learner ranks' GPUs and the servers before it); remove it")
+        placed = [{"base_gpu_id": g} for g in server_gpus(
+            cfg.num_servers, cfg.tp_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())]
+    advertise = socket.gethostname() if cfg.host in _WILDCARD_HOSTS else None
+    servers = []
+    try:
+        for i in range(cfg.num_servers):
+            srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + node * cfg.num_servers + i, cfg.tp_size,
+                                        server_args={**cfg.server_args, **placed[i]}, python=cfg.python or None,
+                                        log_dir=cfg.log_dir or None, env=cfg.env, advertise=advertise)
+            servers.append(srv)
+            srv.start(cfg.startup_timeout)
+    except Exception as e:
+        for srv in servers:
+            srv.stop()
+        raise EngineError(f"SGLang engine: could not start a server{f' on node {node}' if nodes > 1 else ''}: {e}") from e
+    return servers
 
 
 @ENGINES.register("sglang")
@@ -120,29 +163,8 @@ class SGLangEngine(RolloutEngine):
         self.servers: list[_Server] = []
         if cfg.urls:
             self.servers = [_Server(u) for u in cfg.urls]
-        elif cfg.launch:
-            if not model_path:
-                raise EngineError("rollout.sglang.launch needs the model's HF directory (model.init_from_hf) "
-                                  "to start the servers from")
-            launcher = _load_launcher()
-            placed = [{}] * cfg.num_servers
-            if torch.cuda.is_available():  # each server on its own GPUs, after those of this node's learner ranks
-                if "base_gpu_id" in cfg.server_args:
-                    raise EngineError("rollout.sglang.server_args.base_gpu_id: launched servers are placed by the "
-                                      "engine (each after the learner ranks' GPUs and the servers before it); remove it")
-                placed = [{"base_gpu_id": g} for g in server_gpus(
-                    cfg.num_servers, cfg.tp_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())]
-            for i in range(cfg.num_servers):
-                srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + i, cfg.tp_size,
-                                            server_args={**cfg.server_args, **placed[i]}, python=cfg.python or None,
-                                            log_dir=cfg.log_dir or None, env=cfg.env)
-                self.servers.append(_Server(srv.url, srv))
-            try:
-                for s in self.servers:
-                    s.launched.start(cfg.startup_timeout)
-            except Exception as e:
-                self.shutdown()
-                raise EngineError(f"SGLang engine: could not start a server: {e}") from e
+        elif cfg.launch:  # this process alone (a trainer launches per node: rollout_phase.EngineSlot)
+            self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
         self._rr = itertools.cycle(range(len(self.servers)))
@@ -207,6 +229,10 @@ class SGLangEngine(RolloutEngine):
                                "rollout.sglang.request_timeout for generation, control_timeout for other calls)")
         if self._closed:  # a request thread abandoned by a hang or a stop: never restart after shutdown
             return EngineError(f"SGLang server {server.url}: {what} (engine already shut down)")
+        if server.node is not None:
+            return EngineError(f"SGLang server {server.url}, launched on node {server.node}, is dead or unreachable "
+                               f"({what}): the engine is rebuilt and every node restarts its servers "
+                               "(trainer.engine_restarts)")
         if server.launched is None:
             return EngineError(f"SGLang server {server.url} is dead or unreachable ({what}); it was not "
                                "started by this run: restart it (same model and flags) and resume from the last "
@@ -532,6 +558,15 @@ class SGLangEngine(RolloutEngine):
             except DigestMismatchError as e:
                 raise DigestMismatchError(f"SGLang servers disagree: {e}") from e
         return {n: per_server[0][n] for n in names if n in per_server[0]}
+
+    def adopt(self, launched: dict) -> None:
+        """Servers started by this run's node launchers (rollout_phase.EngineSlot), as {url: node}, with this
+        process's own as {url: (node, SGLangServer)}: this engine restarts its own node's servers itself; a
+        dead server of another node fails the rollout, and the rebuilt engine's launchers restart them."""
+        for s in self.servers:
+            if s.url in launched:
+                node, handle = launched[s.url]
+                s.launched, s.node = handle, (None if handle is not None else node)
 
     def shutdown(self) -> None:
         self._closed = True

@@ -69,17 +69,69 @@ def make_transport(cfg, engine, hf):
 class EngineSlot:
     """This rank's engine and its weight transport: built together once (a transport's group lives as long
     as its engine), closed together (transport first), rebuilt together by EngineGuard. Ranks without an
-    engine hold None for both. `should_stop` (the trainer's stop flag) is handed to every engine built."""
+    engine hold None for both. `should_stop` (the trainer's stop flag) is handed to every engine built.
 
-    def __init__(self, cfg, hf, should_stop=None):
-        self.cfg, self.hf, self.should_stop = cfg, hf, should_stop
+    Launched SGLang servers (rollout.sglang.launch=true) are started by one launcher per node: each node's
+    local rank 0 starts that node's servers on the GPUs its learner ranks leave free; every rank learns every
+    URL (one all_gather_object over `group`) and the engine rank attaches to all of them. Building is
+    therefore collective when servers are launched (every rank calls build, as EngineGuard's rebuild does)."""
+
+    def __init__(self, cfg, hf, should_stop=None, group=None):
+        self.cfg, self.hf, self.should_stop, self.group = cfg, hf, should_stop, group
         self.engine = self.transport = None
+        self.node_servers: list = []  # this node's launched servers (its local rank 0 only)
         self.build()
 
+    def _launches(self) -> bool:
+        sg = self.cfg.rollout.sglang
+        return self.cfg.rollout.engine == "sglang" and sg.launch and not sg.urls
+
+    def _launch_per_node(self):
+        """Every node's servers started by its local rank 0 -> (the run config attached to their URLs in node
+        order, {url: (node, this process's SGLangServer handle or None)})."""
+        import dataclasses
+        import os
+
+        from rlpo_mega.rollout.sglang_engine import launch_node_servers
+
+        sg = self.cfg.rollout.sglang
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        node = int(os.environ.get("GROUP_RANK", "0"))
+        nodes = max(1, dist.get_world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        err = None
+        if local_rank == 0:
+            try:
+                self.node_servers = launch_node_servers(sg, self.cfg.model.init_from_hf, node, nodes)
+            except EngineError as e:
+                err = str(e)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (node, [s.url for s in self.node_servers], err), group=self.group)
+        errors = sorted({e for _, _, e in every if e})
+        if errors:  # every rank stops here with the same line; the nodes that did start stop their servers
+            self._stop_node_servers()
+            raise EngineError("; ".join(errors))
+        mine = {s.url: s for s in self.node_servers}
+        launched = {url: (n, mine.get(url)) for n, urls, _ in sorted(every, key=lambda x: x[0]) for url in urls}
+        cfg = dataclasses.replace(self.cfg, rollout=dataclasses.replace(
+            self.cfg.rollout, sglang=dataclasses.replace(sg, urls=list(launched), launch=False)))
+        return cfg, launched
+
+    def _stop_node_servers(self):
+        servers, self.node_servers = self.node_servers, []
+        for s in servers:
+            s.stop()
+
     def build(self):
-        self.engine = build_engine(self.cfg, self.hf)
+        cfg, launched = (self._launch_per_node() if self._launches() else (self.cfg, {}))
+        try:
+            self.engine = build_engine(cfg, self.hf)
+        except BaseException:
+            self._stop_node_servers()
+            raise
         if self.engine is None:
             return
+        if launched:
+            self.engine.adopt(launched)
         if hasattr(self.engine, "should_stop"):
             self.engine.should_stop = self.should_stop
         try:
@@ -98,8 +150,11 @@ class EngineSlot:
         except Exception as e:  # a failed engine may refuse; its servers are stopped next anyway
             log.warning("closing the weight transport raised %s", e)
         finally:
-            if engine is not None:
-                engine.shutdown()
+            try:
+                if engine is not None:
+                    engine.shutdown()
+            finally:
+                self._stop_node_servers()
 
 
 def share(items: list, ranks: list[int]) -> list:

@@ -112,9 +112,9 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.ranks = rp.engine_ranks(cfg)
         self.stop = ckpt_state.StopSignal()
-        self.slot = rp.EngineSlot(cfg, self.hf, should_stop=lambda: self.stop.received is not None)
-        self.guard = rp.EngineGuard(self.slot, self.sync, cfg.trainer.engine_restarts,
-                                    distributed.control_group(cfg.rollout.wait_timeout))
+        control = distributed.control_group(cfg.rollout.wait_timeout)
+        self.slot = rp.EngineSlot(cfg, self.hf, should_stop=lambda: self.stop.received is not None, group=control)
+        self.guard = rp.EngineGuard(self.slot, self.sync, cfg.trainer.engine_restarts, control)
         if not self.warmup_done and cfg.trainer.warmup.steps > 0:
             from rlpo_mega.training.warmup import supervised_warmup
 

@@ -1,0 +1,30 @@
+"""Test-only stand-in for `python -m sglang.launch_server` (tests/test_node_launch.py): answers GET /health and
+records how it was started (argv, pid, parent pid) in $STANDIN_OUT/server_<port>.json. A port listed in
+$STANDIN_FAIL_PORTS exits 1 at once (a server that cannot start). It serves nothing else: the launch wiring
+is what is tested, the real SGLang launch is tests/test_sglang*.py's."""
+import json
+import os
+import sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+
+def flag(name):
+    return sys.argv[sys.argv.index(name) + 1]
+
+
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+if __name__ == "__main__":
+    host, port = flag("--host"), int(flag("--port"))
+    if str(port) in os.environ.get("STANDIN_FAIL_PORTS", "").split(","):
+        sys.exit(1)
+    with open(os.path.join(os.environ["STANDIN_OUT"], f"server_{port}.json"), "w") as f:
+        json.dump({"argv": sys.argv[1:], "pid": os.getpid(), "ppid": os.getppid()}, f)
+    HTTPServer((host, port), Health).serve_forever()
