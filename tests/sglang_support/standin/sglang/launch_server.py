@@ -1,24 +1,18 @@
-"""Test-only stand-in for `python -m sglang.launch_server` (tests/test_node_launch.py): answers GET /health and
-records how it was started (argv, pid, parent pid) in $STANDIN_OUT/server_<port>.json. A port listed in
-$STANDIN_FAIL_PORTS exits 1 at once (a server that cannot start). It serves nothing else: the launch wiring
-is what is tested, the real SGLang launch is tests/test_sglang*.py's."""
+"""Test-only stand-in for `python -m sglang.launch_server` (tests/test_node_launch.py): answers GET /health
+(tests/workers/stub_server.py's handler; the repository root is on a launched server's PYTHONPATH) and records how
+it was started (argv, pid, parent pid) in $STANDIN_OUT/server_<port>.json. A port listed in $STANDIN_FAIL_PORTS
+exits 1 at once (a server that cannot start). The launch wiring is what is tested; the real SGLang launch is
+tests/test_sglang*.py's."""
 import json
 import os
 import sys
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
+
+from tests.workers.stub_server import Health
 
 
 def flag(name):
     return sys.argv[sys.argv.index(name) + 1]
-
-
-class Health(BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
 
 
 if __name__ == "__main__":
