@@ -18,7 +18,7 @@ from moe.routing.decoders import decode_sglang, encode_sglang, select_moe_layers
 from moe.routing.trace import RoutingTraceError, TraceSpec, validate_trace
 from rlpo_mega.config import ConfigError, load_config
 from rlpo_mega.config_checks import check_run_config
-from rlpo_mega.rollout import RolloutInterrupted, SamplingParams
+from rlpo_mega.rollout import EngineError, RolloutInterrupted, SamplingParams
 from rlpo_mega.rollout.sglang_client import ServerSlots, SlotsClosed, decode_routes, parse_logprobs
 from tests.dist import ROOT
 from tests.test_engine_timeouts import engine_for, silent_server
@@ -41,7 +41,7 @@ class Gauge:
 
 
 @contextlib.contextmanager
-def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, experts=4):
+def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, experts=4, first_id=10):
     """A /generate server answering after `delay` s with `new_tokens` tokens, their log-probs and routes over
     all `layers` hidden layers (SGLang's format); yields (url, its Gauge, {rid: routes sent})."""
     mine, sent = Gauge(), {}
@@ -77,7 +77,7 @@ def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, expert
             finally:  # before the answer goes out: the client may send its next request as soon as it reads it
                 mine.leave()
                 total.leave()
-            self._send({"output_ids": list(range(10, 10 + new_tokens)), "meta_info": {
+            self._send({"output_ids": list(range(first_id, first_id + new_tokens)), "meta_info": {
                 "finish_reason": {"type": "length"}, "weight_version": "w0",
                 "output_token_logprobs": [[-0.5 - t / 8, 10 + t, None] for t in range(new_tokens)],
                 "routed_experts": encode_sglang(routes)}})
@@ -116,6 +116,17 @@ def test_per_server_in_flight_limit():
         assert s.logprobs.dtype == torch.float32
         assert torch.equal(s.logprobs, torch.tensor([-0.5, -0.625, -0.75], dtype=torch.float32))
         assert s.routes.dtype == torch.uint8 and torch.equal(s.routes.long(), sent[s.meta["rid"]].long())
+
+
+def test_token_ids_outside_the_vocabulary_are_one_engine_error():
+    """A server of another model answers token ids the learner's embedding has no row for (on a GPU: a
+    device-side assert in the next forward): one EngineError naming the id and the vocabulary, on the host."""
+    with fake_sglang(Gauge(), delay=0.0, first_id=254) as (url, _, _):
+        engine = engine_for(url)
+        with pytest.raises(EngineError, match=r"returned token id 256 outside the model's vocabulary \[0, 256\): "
+                                              r"does it serve another model"):
+            engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=3), n=1)
+        engine.shutdown()
 
 
 def test_stop_sends_nothing_more():

@@ -99,11 +99,14 @@ class RoutingStats:
             dist.all_gather_object(every, phases, group=group)  # a stage may have seen no MoE layer
             phases = sorted({p for ps in every for p in ps})
         out = {}
-        for phase in phases:
-            t = self._table(phase).clone()
-            if dist.is_initialized() and dist.get_world_size(group) > 1:
-                dist.all_reduce(t, group=group)
-            out.update(self._metrics(phase, t.cpu()))  # the metrics read it entry by entry: on the host
+        if not phases:
+            return out
+        tables = torch.stack([self._table(phase) for phase in phases])  # one reduction and one copy for all
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(tables, group=group)
+        tables = tables.cpu()  # the metrics read it entry by entry: on the host
+        for phase, t in zip(phases, tables):
+            out.update(self._metrics(phase, t))
             self._acc.pop(phase, None)
         return out
 

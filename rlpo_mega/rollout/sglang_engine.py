@@ -145,6 +145,7 @@ class SGLangEngine(RolloutEngine):
         self.cfg, self.hf, self.model_path = cfg, hf_config, model_path
         self.spec = TraceSpec.from_hf(hf_config)
         self.num_hidden_layers = int(hf_config.num_hidden_layers)
+        self.vocab_size = int(hf_config.vocab_size)
         self.return_routes = return_routes
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         from moe.families import get_family
@@ -362,6 +363,11 @@ class SGLangEngine(RolloutEngine):
         if reason != "abort" and len(lps) != len(ids):
             raise EngineError(f"SGLang server {server.url} (rid {rid}): {len(lps)} log-probs for {len(ids)} tokens")
         ids = ids[:len(lps)]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:  # checked here, on the host: on a GPU the learner's embedding would die on a device-side assert
+            raise EngineError(f"SGLang server {server.url} (rid {rid}) returned token id {bad[0]} outside the model's "
+                              f"vocabulary [0, {self.vocab_size}): does it serve another model or tokenizer than "
+                              "model.hf_config?")
         routes = None
         if self.return_routes and meta.get("routed_experts") is not None:
             # decoded here, on this request's worker thread, while the rest of the batch still generates
