@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from moe.bridge.outputs import swap_in
 from rlpo_mega.checkpoint_distopt import load_state, save_state
-from rlpo_mega.checkpoint_files import checkpoint_files, digest_files, verify_files
-from rlpo_mega.training.model_setup import unwrap
+from rlpo_mega.checkpoint_files import checkpoint_files, digest_files, disk_full, verify_files
+from rlpo_mega.model_setup import unwrap
 
 META = "rlpo_meta.json"
 FORMAT = 1
@@ -183,8 +183,6 @@ def _agree(problem: str | None) -> str | None:
 
 
 def _what_failed(e: BaseException, path: str) -> str:
-    from rlpo_mega.errors import disk_full
-
     full = disk_full(e)
     if full is not None:
         return (f"no space left on device while saving checkpoint {path} ({full.filename or 'a shard'}); "

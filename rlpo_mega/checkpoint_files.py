@@ -11,10 +11,13 @@ resuming with another model is one error naming the first difference, before any
 """
 from __future__ import annotations
 
+import errno
 import os
 
 import torch.distributed as dist
 import xxhash
+
+HF_FILES = "hf"  # sub-directory of a dist checkpoint holding config.json + tokenizer files
 
 _CHUNK = 8 << 20
 
@@ -93,4 +96,25 @@ def identity_difference(recorded: dict | None, model_type: str | None, current: 
     for key, value in recorded.items():
         if key in current and current[key] != value:
             return f"{key} is {value!r} in the checkpoint, {current[key]!r} in model.hf_config"
+    return None
+
+
+_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def disk_full(e: BaseException) -> OSError | None:
+    """The ENOSPC/EDQUOT error behind e (its cause chain, or torch's CheckpointException per-rank failures)."""
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in _FULL:
+            return x
+        stack += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return None

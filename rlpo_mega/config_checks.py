@@ -343,7 +343,7 @@ def _check_counts(cfg, warns: list[str]):
 def _check_lr_schedule(cfg, o=None, key: str = "optim"):
     """What megatron's OptimizerParamScheduler would otherwise stop with a bare assert (the policy's optim, or
     the critic's critic.optim: both step once per mini-batch and epoch)."""
-    from rlpo_mega.training.model_setup import LR_DECAY_STYLES, optimizer_steps
+    from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
 
     o = cfg.optim if o is None else o
     _choice(f"{key}.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)

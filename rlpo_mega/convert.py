@@ -15,11 +15,12 @@ from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWrit
 from moe.families import get_family
 from moe.model import load_hf_config
 from rlpo_mega import distributed
-from rlpo_mega.checkpoint import load_checkpoint, read_meta, save_checkpoint
+from rlpo_mega.checkpoint import META, CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from rlpo_mega.checkpoint_files import HF_FILES
 from rlpo_mega.config import ModelConfig, ParallelConfig
-from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.model_setup import build_policy
+from rlpo_mega.run_checkpoints import latest_checkpoint
 
-HF_FILES = "hf"  # sub-directory of a dist checkpoint holding config.json + tokenizer files
 CONVERTED = "dist_checkpoint"  # the output kind of `convert` (moe/bridge/outputs.py)
 
 
@@ -49,8 +50,6 @@ def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bu
     from moe.bridge.megatron_io import ExportStream
 
     outputs.check_target(hf_out, HFCheckpointWriter.KIND, overwrite)  # on every rank, before any collective
-    from rlpo_mega.checkpoint import META, CheckpointError
-    from rlpo_mega.training.state import latest_checkpoint
 
     if os.path.isdir(ckpt_dir) and not os.path.isfile(os.path.join(ckpt_dir, META)):
         ckpt_dir = latest_checkpoint(ckpt_dir) or ckpt_dir  # a trainer's save_dir: its latest step

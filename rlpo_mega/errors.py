@@ -15,17 +15,17 @@ Exit codes (README "Exit codes"):
 """
 from __future__ import annotations
 
-import errno
 import os
 import sys
 import time
 import traceback
 
+from rlpo_mega.checkpoint_files import disk_full
+
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
 ERROR_FILE_ENV = "RLPO_ERROR_FILE"
 _OTHER_RANKS_WAIT_S = 3.0
-_FULL = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
 
 
 def user_error_types() -> tuple[type, ...]:
@@ -47,24 +47,6 @@ def user_error_types() -> tuple[type, ...]:
     return (ConfigError, CheckpointError, DataError, ParallelLayoutError, UnsupportedModelError,
             CheckpointFormatError, OutputExistsError, RoutingTraceError, EngineError, PlatformError,
             DigestMismatchError, PlanError, MetaBuildError, TransformerEngineError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
-
-
-def disk_full(e: BaseException) -> OSError | None:
-    """The ENOSPC/EDQUOT error behind e (its cause chain, or torch's CheckpointException per-rank failures)."""
-    seen = set()
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError) and x.errno in _FULL:
-            return x
-        stack += [x.__cause__, x.__context__]
-        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            stack += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return None
 
 
 def is_user_error(e: BaseException) -> bool:

@@ -380,7 +380,7 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path):
     assert proc.returncode == 75, output[-3000:]
     assert "stopped by signal after step" in output and "stopped by SIGTERM" in output, output[-3000:]
     _no_orphans(tag)
-    from rlpo_mega.training.state import complete_steps
+    from rlpo_mega.run_checkpoints import complete_steps
 
     saved = complete_steps(str(ck))
     assert len(saved) == 1 and saved[0] >= 2, saved
@@ -430,7 +430,7 @@ def test_killed_rank_ends_the_run_and_leaves_nothing(tmp_path):
     assert proc.returncode == 1
     assert "rank 1 failed (signal SIGKILL)" in output, output[-3000:]
     _no_orphans(tag)
-    from rlpo_mega.training.state import latest_checkpoint
+    from rlpo_mega.run_checkpoints import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path / "ck"))  # `latest` names a complete step
 

@@ -41,3 +41,86 @@ def test_engines_and_transports_come_from_their_registries():
         cls = ENGINES.get(name)
         assert callable(getattr(cls, "from_config", None)) and callable(getattr(cls, "ranks", None)), name
     assert TRANSPORTS.get("sglang_distributed").from_config
+
+
+def test_training_sits_above_everything_but_the_cli():
+    """rlpo_mega/training/ (the RL step) is the top floor of the package under the CLI: nothing else imports it,
+    in-function imports included (checkpointing, conversion, config checks, the engines, the planner build the
+    model through rlpo_mega.model_setup and read checkpoints through rlpo_mega.run_checkpoints)."""
+    bad = [(f, m) for f, m in _imports("rlpo_mega") if (m == "rlpo_mega.training" or m.startswith("rlpo_mega.training."))
+           and not f.startswith(os.path.join("rlpo_mega", "training")) and f != os.path.join("rlpo_mega", "cli.py")]
+    assert bad == []
+
+
+def _module_graph():
+    """{module: modules it imports} over moe/ and rlpo_mega/ (every import statement, in functions too; relative
+    imports resolved; `from pkg import name` counts as pkg.name when that is a module)."""
+    paths = {}
+    for top in ("moe", "rlpo_mega"):
+        for base, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(base, name), ROOT)[:-3].replace(os.sep, ".")
+                    paths[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(base, name)
+
+    def known(name):
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for mod, path in paths.items():
+        package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        deps = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = up + ("." + node.module if node.module else "")
+                names = [base] + [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            deps |= {known(n) for n in names} - {None, mod}
+        graph[mod] = deps
+    return graph
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a loop (in-function imports included: they hid
+    errors <-> checkpoint and convert <-> the trainer's checkpoint state). A package's __init__ re-exporting
+    its own submodules, which register into it, is the registry pattern, not a circle."""
+    graph = _module_graph()
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    index, low, stack, on, circles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert circles == []

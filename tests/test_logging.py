@@ -10,10 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from rlpo_mega.logging import (METRICS_FILE, LoggingConfig, MetricsLogger, PhaseTimer, format_console_line,
-                               missing_metrics, progress_bar, read_wandb_offline_run, reduce_metrics,
-                               required_metrics)
+                               progress_bar, reduce_metrics)
 from rlpo_mega.logging import plot as plot_mod
 from tests.dist import ROOT, torchrun
+from tests.metric_catalogue import missing_metrics, required_metrics
+from tests.wandb_reader import read_wandb_offline_run
 
 LAYERS = 3
 

@@ -177,7 +177,7 @@ def _step(save_dir, step, run):
     import json
 
     from rlpo_mega.checkpoint import META
-    from rlpo_mega.training.state import STATE_FILE, step_dir
+    from rlpo_mega.run_checkpoints import STATE_FILE, step_dir
 
     d = step_dir(str(save_dir), step)
     os.makedirs(d)
@@ -202,7 +202,7 @@ def _earlier_run(tmp_path, steps=(40, 60, 80), run="A"):
 
 def test_fresh_run_into_another_runs_save_dir_is_refused(tmp_path):
     from rlpo_mega.checkpoint import CheckpointError
-    from rlpo_mega.training.state import plan_checkpoints
+    from rlpo_mega.run_checkpoints import plan_checkpoints
 
     save = _earlier_run(tmp_path)
     with pytest.raises(CheckpointError) as e:
@@ -225,7 +225,7 @@ def test_fresh_run_into_another_runs_save_dir_is_refused(tmp_path):
 
 def test_latest_naming_a_missing_step_is_an_error(tmp_path):
     from rlpo_mega.checkpoint import CheckpointError
-    from rlpo_mega.training.state import plan_checkpoints
+    from rlpo_mega.run_checkpoints import plan_checkpoints
 
     save = _earlier_run(tmp_path, steps=(40,))
     (save / "latest").write_text("step_00000080")
@@ -240,7 +240,7 @@ def test_latest_naming_a_missing_step_is_an_error(tmp_path):
 
 
 def test_keep_last_prunes_only_this_runs_older_steps(tmp_path):
-    from rlpo_mega.training.state import complete_steps, prune
+    from rlpo_mega.run_checkpoints import complete_steps, prune
 
     save = _earlier_run(tmp_path, steps=(10, 20), run="A")
     _step(save, 5, "B")

@@ -363,7 +363,7 @@ after, fixed_after = snapshot(), fixed_sites()
 
 # The recipes' layout (TP2 + sequence parallel) through moe.model's spec call; every norm built.
 from moe.model import FAST_PATH_FIELDS, ParallelSizes, have_transformer_engine, load_hf_config, transformer_config
-from rlpo_mega.training.model_setup import ddp_config
+from rlpo_mega.model_setup import ddp_config
 hf = load_hf_config("configs/models/tiny_qwen3_moe.json")
 config = transformer_config(hf, ParallelSizes(tensor=2, sequence_parallel=True))
 spec = gpt_layer_specs.get_gpt_decoder_block_spec(

@@ -13,8 +13,9 @@ import time
 
 import pytest
 
-from rlpo_mega.logging import missing_metrics, read_wandb_offline_run
 from tests.dist import ROOT, torchrun
+from tests.metric_catalogue import missing_metrics
+from tests.wandb_reader import read_wandb_offline_run
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -99,7 +100,7 @@ def test_lr_schedule_matches_the_formula(style):
     import torch
 
     from rlpo_mega.config import OptimConfig
-    from rlpo_mega.training.model_setup import build_lr_scheduler
+    from rlpo_mega.model_setup import build_lr_scheduler
 
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
     cfg = OptimConfig(lr=1e-3, min_lr=1e-5, lr_warmup_steps=5, lr_warmup_init=1e-4, lr_decay_style=style,
@@ -192,7 +193,7 @@ def test_export_at_save_equals_cli_export(resumed, tmp_path):
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     """A crash mid-save leaves step_<N>.tmp (no trainer state) and `latest` on the previous step."""
-    from rlpo_mega.training import state
+    from rlpo_mega import run_checkpoints as state
 
     (tmp_path / "step_00000004").mkdir()
     (tmp_path / "step_00000004" / state.STATE_FILE).write_bytes(b"x")

@@ -32,7 +32,7 @@ def worker(out_dir: str, reps: int):
     from rlpo_mega.checkpoint import load_checkpoint, read_meta, save_checkpoint
     from rlpo_mega.checkpoint_files import checkpoint_files, digest_files, verify_files
     from rlpo_mega.config import load_config
-    from rlpo_mega.training.model_setup import build_policy
+    from rlpo_mega.model_setup import build_policy
 
     hf = load_hf_config(os.path.join(ROOT, MODEL))
     hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim = 512, 8, 4, 64

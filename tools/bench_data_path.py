@@ -79,7 +79,7 @@ def worker(args):
     from rlpo_mega.config import load_config
     from rlpo_mega.training.batches import prepare_step
     from rlpo_mega.training.exchange import gather_scalars, own_share_bytes
-    from rlpo_mega.training.model_setup import build_policy
+    from rlpo_mega.model_setup import build_policy
     from rlpo_mega.training.rollout_phase import share
     from rlpo_mega.training.step import to_device
 

@@ -67,7 +67,7 @@ def step_overhead(args):
     from rlpo_mega import distributed
     from rlpo_mega.training.policy_step import assemble_batch, policy_step, prepare_micro_batches
     from rlpo_mega.config import load_config
-    from rlpo_mega.training.model_setup import build_policy
+    from rlpo_mega.model_setup import build_policy
 
     with open("configs/models/tiny_qwen3_moe.json") as f:
         raw = json.load(f)

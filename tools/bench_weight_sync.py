@@ -126,7 +126,7 @@ def worker(args):
     from moe.model import load_hf_config
     from rlpo_mega import distributed
     from rlpo_mega.config import load_config
-    from rlpo_mega.training.model_setup import build_policy
+    from rlpo_mega.model_setup import build_policy
     from moe.bridge.digest import tensor_digest
     from rlpo_mega.weight_sync.transports import HFModelReceiver, InProcessTransport
 

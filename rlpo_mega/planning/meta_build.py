@@ -22,7 +22,7 @@ import torch
 
 from moe.model import build_gpt_model, load_hf_config, transformer_config
 from rlpo_mega.distributed import Layout
-from rlpo_mega.training.model_setup import PARAMS_DTYPES, ddp_config
+from rlpo_mega.model_setup import PARAMS_DTYPES, ddp_config
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ class EmbeddedEngine(RolloutEngine):
 
             hf_config = load_hf_config(hf_config or run_cfg.model.hf_config)
         ecfg = run_cfg.rollout.embedded
-        from rlpo_mega.training.model_setup import PARAMS_DTYPES
+        from rlpo_mega.model_setup import PARAMS_DTYPES
 
         dtype = PARAMS_DTYPES[run_cfg.model.params_dtype]
         return cls(hf_config, ecfg, TraceSpec.from_hf(hf_config) if ecfg.capture_routes else None, dtype=dtype)

@@ -23,7 +23,8 @@ from functools import partial
 import torch
 
 from rlpo_mega.algorithms.gae import gae, token_rewards, value_loss
-from rlpo_mega.training.policy_step import _model_out, reduce_report, unpack
+from rlpo_mega.training.policy_step import _model_out, unpack
+from rlpo_mega.training.step import reduce_report
 
 
 def _values(values: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -67,7 +68,7 @@ def critic_forward_step(data_iterator, model, clip, coef):
 class Critic:
     def __init__(self, cfg, hf, layout, spec):
         from moe.routing.replay import RoutingReplay
-        from rlpo_mega.training.model_setup import build_lr_scheduler, build_policy, optimizer_steps
+        from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps
 
         self.cfg = cfg
         c = cfg.critic
@@ -80,7 +81,7 @@ class Critic:
     def copy_trunk_from(self, policy_chunks):
         """Initialise the critic from the policy: every parameter but the output layer (the value head keeps
         its own initialisation); the optimizer's main copies follow (mixed precision)."""
-        from rlpo_mega.training.model_setup import unwrap
+        from rlpo_mega.model_setup import unwrap
 
         from moe.bridge.megatron_io import weight_tensors
 
@@ -153,18 +154,12 @@ class Critic:
 
     def update(self, micro: list[dict]) -> dict:
         """One critic optimizer step over a mini-batch's micro-batches -> its metrics (global)."""
-        from rlpo_mega.training.step import forward_backward, grads_finite, optimizer_step
+        from rlpo_mega.training.step import update
 
         c = self.cfg.critic
         step = partial(critic_forward_step, clip=c.vf_clip, coef=c.vf_coef)
-        reports = forward_backward(self.chunks, self.optimizer, micro, self.routing.wrap_update(step))
-        out = reduce_report(reports)
-        if math.isfinite(out["value_loss"]) and grads_finite(self.chunks):
-            applied, out["grad_norm"] = optimizer_step(self.optimizer, self.lr_schedule, strict=False)
-            out["skipped"] = float(not applied)
-        else:
-            out["grad_norm"], out["skipped"] = math.nan, 1.0
-        return out
+        return update(self.chunks, self.optimizer, micro, self.routing.wrap_update(step), "value_loss",
+                      self.lr_schedule)
 
     def metrics(self, outs: list[dict]) -> dict:
         """The step's critic metrics from its updates (means over mini-batches and epochs) and routing."""

@@ -4,7 +4,7 @@ assemble_batch (rollout samples -> shaped rewards, advantages, padded tensors) -
 (DP share, micro-batches, old/reference log-prob passes) -> policy_step (one optimizer step; call it per
 mini-batch). The global batch is built on the host; shard_and_split moves this DP rank's share to
 platform.device() once, and everything after it (model, log-prob kernel, objective, routing metrics)
-follows the batch's device. Metrics are reduced as device tensors (reduce_report).
+follows the batch's device. Metrics are reduced as device tensors (training.step.reduce_report).
 
 Plugs into rlpo_mega.training.step (run_schedule / forward_backward) through its `forward_step`
 argument. The loss function returns (numerator, integer count, report) and the model is built with
@@ -184,7 +184,7 @@ def _logprob_forward_step(data_iterator, model, cfg, real_vocab):
 
 
 def _real_vocab(model_chunks):
-    from rlpo_mega.training.model_setup import unwrap
+    from rlpo_mega.model_setup import unwrap
 
     return unwrap(model_chunks[0]).real_vocab_size
 
@@ -232,56 +232,6 @@ def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=No
     return [r["logp"] for r in reports]
 
 
-def reduce_report(reports: list[dict]) -> dict:
-    """Global metrics from per-micro-batch reports: [sum, count] pairs are summed over micro-batches and
-    DP ranks then divided (a count of 0: the plain sum, as the objective's fault counts use); "max:"/"min:"
-    keys take the max/min (NaN when no micro-batch had one). Every
-    rank gets the values (sent from the last stage). The sums stay on platform.device() (the reports'
-    device; NCCL reduces nothing else) and reach the host in one copy at the end."""
-    from megatron.core import parallel_state
-
-    from rlpo_mega import platform
-
-    last = parallel_state.is_pipeline_last_stage()
-    keys = sorted(reports[0]) if reports else []
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        box = [keys]
-        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
-        keys = box[0]
-    mean_keys = [k for k in keys if not k.startswith(("max:", "min:"))]
-    max_keys = [k for k in keys if k.startswith("max:")]
-    min_keys = [k for k in keys if k.startswith("min:")]
-    device = platform.device()
-    sums = torch.zeros(len(mean_keys), 2, dtype=torch.float64, device=device)
-    # max over ranks of (max, -min): a micro-batch without the key (no valid sequence) contributes -inf
-    extremes = torch.full((len(max_keys) + len(min_keys),), -math.inf, dtype=torch.float64, device=device)
-    for r in reports:
-        if mean_keys:
-            sums += torch.stack([r[k].detach().double() for k in mean_keys])
-        for i, k in enumerate(max_keys + min_keys):
-            if k in r:
-                v = r[k].detach().double()
-                extremes[i] = torch.maximum(extremes[i], v.max() if i < len(max_keys) else -v.min())
-    if last:
-        dp = parallel_state.get_data_parallel_group()
-        dist.all_reduce(sums, group=dp)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=dp)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        src = parallel_state.get_pipeline_model_parallel_last_rank()
-        group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(sums, src=src, group=group)
-        dist.broadcast(extremes, src=src, group=group)
-    host = torch.cat([sums.flatten(), extremes]).tolist()  # the one device-to-host copy
-    sums = [host[2 * i:2 * i + 2] for i in range(len(mean_keys))]
-    extremes = host[2 * len(mean_keys):]
-    out = {k: sums[i][0] / max(sums[i][1], 1.0) for i, k in enumerate(mean_keys)}
-    for i, k in enumerate(max_keys + min_keys):
-        v = extremes[i]
-        out[k[4:]] = (v if i < len(max_keys) else -v) if math.isfinite(v) else math.nan
-    return out
-
-
 def prepare_micro_batches(model_chunks, batch: dict, cfg, num_micro_batches: int, ref_chunks=None,
                           routing=None) -> list[dict]:
     """This DP rank's share of the global `batch` (same on every rank, on the host) as micro-batches on
@@ -310,20 +260,23 @@ def attach_old_logprobs(model_chunks, micro: list[dict], cfg, ref_chunks=None, r
 
 
 def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_optimizer: bool = True,
-                routing=None, old_from_update: bool = False) -> dict:
-    """One policy update: loss/backward over the micro-batches (megatron schedule, global normalisation)
-    -> optimizer step. Returns the global metrics (and grad_norm). routing: replays the micro-batches'
-    routes (moe.routing.replay.RoutingReplay); its metrics are added. old_from_update: the micro-batches
-    carry no old_logp; the update's own detached log-probs are pi_old (`old_pass_needed`)."""
-    from rlpo_mega.training.step import forward_backward, optimizer_step
+                routing=None, old_from_update: bool = False, lr_schedule=None) -> dict:
+    """One policy update through the one update path (training.step.update): loss/backward over the
+    micro-batches (megatron schedule, global normalisation) -> the finite check -> optimizer step. Returns the
+    global metrics (grad_norm, skipped). routing: replays the micro-batches' routes (moe.routing.replay.
+    RoutingReplay); its metrics are added. old_from_update: the micro-batches carry no old_logp; the update's
+    own detached log-probs are pi_old (`old_pass_needed`). step_optimizer=False: the loss and gradients only
+    (tests read the metrics of a step without taking it)."""
+    from rlpo_mega.training.step import forward_backward, reduce_report, update
 
     step = make_policy_forward_step(cfg, model_chunks, old_from_update)
-    reports = forward_backward(model_chunks, optimizer, micro_batches, routing.wrap_update(step) if routing else step)
-    out = raise_input_faults(reduce_report(reports))  # before the optimizer step: a bad batch moves nothing
+    step = routing.wrap_update(step) if routing else step
+    if step_optimizer:
+        out = update(model_chunks, optimizer, micro_batches, step, "policy_loss", lr_schedule)
+    else:
+        out = raise_input_faults(reduce_report(forward_backward(model_chunks, optimizer, micro_batches, step)))
     if routing is not None:
         out.update(routing.metrics())
-    if step_optimizer:
-        out["grad_norm"] = optimizer_step(optimizer)[1]
     return out
 
 

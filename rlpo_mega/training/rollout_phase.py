@@ -2,8 +2,8 @@
 
 SPMD: every learner rank calls everything here. Engine ranks (every rank for the embedded engine, global
 rank 0 for an SGLang client, whose servers batch on their own) each generate a contiguous share of the
-prompts and score it; one all_gather_object gives every rank the same list of samples, so advantages,
-batch assembly and the DP split are computed identically everywhere.
+prompts and score it; the step's exchange (training/exchange.py) then gives every rank every sample's
+scalars, so advantages and the DP split are computed identically everywhere.
 """
 from __future__ import annotations
 
@@ -191,17 +191,6 @@ def generate_local(engine, mine, n: int, params: SamplingParams, scorer, tokeniz
         result = scorer.score(inputs)
     return [Scored(s.prompt_ids, s.response_ids, s.logprobs, s.finish_reason, s.routes, float(r), bool(f),
                    float(r) >= correct_at) for s, r, f in zip(samples, result.rewards, result.failed)]
-
-
-def gather(scored: list[Scored], ranks: list[int]) -> list[Scored]:
-    """Every rank: all engine ranks' samples in rank order (= prompt order of `share`). Tensors travel as
-    numpy arrays: pickling torch tensors one by one made this the slowest phase of a demo step."""
-    wire = [(s.prompt_ids, s.response_ids, s.logprobs.numpy(), s.finish_reason,
-             None if s.routes is None else s.routes.numpy(), s.reward, s.failed, s.correct) for s in scored]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, wire)
-    return [Scored(p, r, torch.from_numpy(lp), fr, None if rt is None else torch.from_numpy(rt), rw, f, c)
-            for rank in ranks for (p, r, lp, fr, rt, rw, f, c) in every[rank]]
 
 
 def all_ok(ok, device) -> bool:

@@ -10,6 +10,7 @@ over megatron's groups (NCCL on GPUs takes nothing else) and copied to the host 
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -73,7 +74,7 @@ def make_lm_batch(tokens: torch.Tensor) -> dict:
 def run_schedule(model_chunks, micro_batches, forward_only, forward_step=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from .model_setup import unwrap
+    from rlpo_mega.model_setup import unwrap
 
     inner = unwrap(model_chunks[0])
     if forward_step is None:
@@ -90,20 +91,52 @@ def run_schedule(model_chunks, micro_batches, forward_only, forward_step=None):
     )
 
 
-def reduce_loss(reports, key="lm_loss") -> float:
-    """Global token-mean from per-micro-batch (sum, count): summed over DP, sent from the last stage."""
+def reduce_report(reports: list[dict]) -> dict:
+    """Global metrics from per-micro-batch reports: [sum, count] pairs are summed over micro-batches and
+    DP ranks then divided (a count of 0: the plain sum, as the objective's fault counts use); "max:"/"min:"
+    keys take the max/min (NaN when no micro-batch had one). Every
+    rank gets the values (sent from the last stage). The sums stay on platform.device() (the reports'
+    device; NCCL reduces nothing else) and reach the host in one copy at the end."""
     from megatron.core import parallel_state
 
-    stats = torch.zeros(2, dtype=torch.float64, device=platform.device())
-    for report in reports:
-        stats += report[key].double()
-    if parallel_state.is_pipeline_last_stage():
-        dist.all_reduce(stats, group=parallel_state.get_data_parallel_group())
+    last = parallel_state.is_pipeline_last_stage()
+    keys = sorted(reports[0]) if reports else []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(stats, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                       group=parallel_state.get_pipeline_model_parallel_group())
-    total, count = stats.tolist()  # the one device-to-host copy
-    return total / max(count, 1.0)
+        box = [keys]
+        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+        keys = box[0]
+    mean_keys = [k for k in keys if not k.startswith(("max:", "min:"))]
+    max_keys = [k for k in keys if k.startswith("max:")]
+    min_keys = [k for k in keys if k.startswith("min:")]
+    device = platform.device()
+    sums = torch.zeros(len(mean_keys), 2, dtype=torch.float64, device=device)
+    # max over ranks of (max, -min): a micro-batch without the key (no valid sequence) contributes -inf
+    extremes = torch.full((len(max_keys) + len(min_keys),), -math.inf, dtype=torch.float64, device=device)
+    for r in reports:
+        if mean_keys:
+            sums += torch.stack([r[k].detach().double() for k in mean_keys])
+        for i, k in enumerate(max_keys + min_keys):
+            if k in r:
+                v = r[k].detach().double()
+                extremes[i] = torch.maximum(extremes[i], v.max() if i < len(max_keys) else -v.min())
+    if last:
+        dp = parallel_state.get_data_parallel_group()
+        dist.all_reduce(sums, group=dp)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=dp)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        group = parallel_state.get_pipeline_model_parallel_group()
+        dist.broadcast(sums, src=src, group=group)
+        dist.broadcast(extremes, src=src, group=group)
+    host = torch.cat([sums.flatten(), extremes]).tolist()  # the one device-to-host copy
+    sums = [host[2 * i:2 * i + 2] for i in range(len(mean_keys))]
+    extremes = host[2 * len(mean_keys):]
+    out = {k: sums[i][0] / max(sums[i][1], 1.0) for i, k in enumerate(mean_keys)}
+    for i, k in enumerate(max_keys + min_keys):
+        v = extremes[i]
+        out[k[4:]] = (v if i < len(max_keys) else -v) if math.isfinite(v) else math.nan
+    return out
 
 
 def forward_backward(model_chunks, optimizer, micro_batches, forward_step=None):
@@ -118,8 +151,6 @@ def optimizer_step(optimizer, lr_schedule=None, strict: bool = True) -> tuple[bo
     """The one optimizer step of every path (warm-up, RL update, tests): megatron's step (clipping, the
     mixed-precision found-inf check) -> (applied, grad_norm). The schedule advances only on applied updates,
     as megatron's does. strict: a skipped step (non-finite gradients) raises instead of returning False."""
-    import math
-
     ok, grad_norm, _ = optimizer.step()
     grad_norm = float(grad_norm or 0.0)
     applied = bool(ok) and math.isfinite(grad_norm)
@@ -150,11 +181,34 @@ def grads_finite(model_chunks) -> bool:
     return all_ok(finite, device)
 
 
+def update(model_chunks, optimizer, micro_batches, forward_step, loss_key: str, lr_schedule=None,
+           strict: bool = False) -> dict:
+    """The one optimizer-step path (the policy, the critic, the warm-up): the schedule's forward/backward over
+    the micro-batches -> the global metrics (reduce_report, one host copy) -> bad inputs raised on every rank
+    (the objective's fault counts) -> the step when the loss and every gradient are finite -> megatron's
+    optimizer step (clipping) and the LR schedule. Returns the metrics with grad_norm and skipped (1.0: not
+    applied). strict: a skipped step raises FloatingPointError instead."""
+    from rlpo_mega.algorithms.objective import raise_input_faults
+
+    out = raise_input_faults(reduce_report(forward_backward(model_chunks, optimizer, micro_batches, forward_step)))
+    if math.isfinite(out[loss_key]) and grads_finite(model_chunks):
+        applied, out["grad_norm"] = optimizer_step(optimizer, lr_schedule, strict=False)
+    else:
+        applied, out["grad_norm"] = False, math.nan
+    out["skipped"] = float(not applied)
+    if strict and not applied:
+        raise FloatingPointError(f"optimizer step skipped: non-finite {loss_key if not math.isfinite(out[loss_key]) else 'gradients'}")
+    return out
+
+
 def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
-    """One optimizer step over the given micro-batches (this rank's share of the global batch)."""
-    reports = forward_backward(model_chunks, optimizer, micro_batches, forward_step)
-    _, grad_norm = optimizer_step(optimizer)
-    return {"loss": reduce_loss(reports), "grad_norm": grad_norm}
+    """One next-token optimizer step over the given micro-batches (this rank's share of the global batch)."""
+    if forward_step is None:
+        from rlpo_mega.model_setup import unwrap
+
+        forward_step = partial(_lm_forward_step, real_vocab=unwrap(model_chunks[0]).real_vocab_size)
+    out = update(model_chunks, optimizer, micro_batches, forward_step, "lm_loss", strict=True)
+    return {"loss": out["lm_loss"], "grad_norm": out["grad_norm"]}
 
 
 @torch.no_grad()
@@ -171,7 +225,7 @@ def forward_only(model_chunks, micro_batches, forward_step=None) -> list:
 
 
 def eval_loss(model_chunks, micro_batches, forward_step=None) -> float:
-    return reduce_loss(forward_only(model_chunks, micro_batches, forward_step))
+    return reduce_report(forward_only(model_chunks, micro_batches, forward_step))["lm_loss"]
 
 
 def split_micro_batches(tokens: torch.Tensor, num_micro_batches: int) -> list[dict]:

@@ -25,7 +25,8 @@ from moe.routing.trace import TraceSpec
 from rlpo_mega import distributed, platform
 from rlpo_mega.config import ConfigError, to_dict
 from rlpo_mega.training import rollout_phase as rp
-from rlpo_mega.training import state as ckpt_state
+from rlpo_mega import run_checkpoints as ckpt_state
+from rlpo_mega.checkpoint_files import HF_FILES
 from rlpo_mega.training.step_report import mean_dicts as _mean_dicts
 from rlpo_mega.training.step_report import policy_metrics as _policy_metrics
 from rlpo_mega.training.step_report import rollout_metrics as _rollout_metrics
@@ -48,7 +49,7 @@ class Trainer:
         from rlpo_mega.data import PromptSampler, load_prompts
         from rlpo_mega.logging import MetricsLogger
         from rlpo_mega.rewards.scorer import RewardScorer
-        from rlpo_mega.training.model_setup import build_lr_scheduler, build_policy, optimizer_steps
+        from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps
 
         self.cfg = cfg
         self.hf = load_hf_config(cfg.model.hf_config)
@@ -172,7 +173,7 @@ class Trainer:
 
     def _build_reference(self):
         """A frozen model of the policy's layout for the KL reference (filled by a checkpoint or a copy)."""
-        from rlpo_mega.training.model_setup import build_policy
+        from rlpo_mega.model_setup import build_policy
 
         ref, _ = build_policy(self.hf, self.layout, self.cfg.model, None, with_ddp=False)
         ref[0].requires_grad_(False)
@@ -180,7 +181,7 @@ class Trainer:
 
     def _copy_policy_to_reference(self):
         from moe.bridge.megatron_io import weight_tensors
-        from rlpo_mega.training.model_setup import unwrap
+        from rlpo_mega.model_setup import unwrap
 
         with torch.no_grad():
             for (n, p), (n2, q) in zip(weight_tensors(unwrap(self.chunks[0])), weight_tensors(self.ref_chunks[0])):
@@ -191,7 +192,7 @@ class Trainer:
         """Learner -> engine(s): the export stream through the configured transport, digest-verified."""
         from moe.bridge.megatron_io import ExportStream
 
-        from rlpo_mega.training.model_setup import PARAMS_DTYPES
+        from rlpo_mega.model_setup import PARAMS_DTYPES
 
         dst = None if self.cfg.rollout.engine != "sglang" else 0
         # every tensor in the engine's dtype (= model.params_dtype): megatron's local spec keeps some
@@ -244,8 +245,8 @@ class Trainer:
 
     def _old_logprobs(self, minis):
         from rlpo_mega.algorithms.mismatch import mismatch_metrics
-        from rlpo_mega.training.policy_step import attach_old_logprobs, reduce_report
-        from rlpo_mega.training.step import to_device
+        from rlpo_mega.training.policy_step import attach_old_logprobs
+        from rlpo_mega.training.step import reduce_report, to_device
 
         prepared, reports = [], []
         for mini in minis:
@@ -261,21 +262,15 @@ class Trainer:
     def _update(self, prepared, critic_batches=None) -> tuple[dict, int, dict]:
         """epochs x mini-batches: a policy step (not during the critic's warm-up), then a critic step."""
         from rlpo_mega.training.policy_step import policy_step
-        from rlpo_mega.training.step import grads_finite, optimizer_step
 
         outs, skipped, critic_outs = [], 0, []
         policy_moves = self.critic is None or self.step >= self.cfg.critic.warmup_steps
         for _ in range(self.cfg.trainer.epochs):
             for i, micro in enumerate(prepared):
                 if policy_moves:
-                    out = policy_step(self.chunks, self.optimizer, micro, self.cfg.algorithm, step_optimizer=False,
-                                      routing=self.routing, old_from_update=self.old_from_update)
-                    if math.isfinite(out["policy_loss"]) and grads_finite(self.chunks):
-                        applied, out["grad_norm"] = optimizer_step(self.optimizer, self.lr_schedule, strict=False)
-                        skipped += not applied
-                    else:
-                        skipped += 1
-                        out["grad_norm"] = math.nan
+                    out = policy_step(self.chunks, self.optimizer, micro, self.cfg.algorithm, routing=self.routing,
+                                      old_from_update=self.old_from_update, lr_schedule=self.lr_schedule)
+                    skipped += int(out.pop("skipped"))
                     outs.append(out)
                 if critic_batches is not None:
                     critic_outs.append(self.critic.update(critic_batches[i]))
@@ -380,7 +375,6 @@ class Trainer:
 
             stream = ExportStream(self.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=0,
                                   vocab_divisible_by=self.cfg.model.vocab_divisible_by)
-            from rlpo_mega.convert import HF_FILES
 
             write_stream(stream, HFCheckpointWriter(os.path.join(path, "hf_model"), self.hf,
                                                     source_dir=os.path.join(path, HF_FILES))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.model_setup import build_policy
 from tests.dist import write_report
 from tests.workers.bridge import megatron_logits
 from tests.workers.routing_common import RouteHooks

@@ -65,7 +65,7 @@ def dp2_invariance():
     from rlpo_mega.training.policy_step import (make_policy_forward_step, policy_step, prepare_micro_batches,
                                                   shard_and_split)
     from rlpo_mega.config import load_config
-    from rlpo_mega.training.model_setup import build_policy, unwrap
+    from rlpo_mega.model_setup import build_policy, unwrap
     from rlpo_mega.training.step import forward_backward
 
     cfg = load_config(None, ())

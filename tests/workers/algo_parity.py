@@ -22,7 +22,7 @@ from rlpo_mega.training.policy_step import (assemble_batch, policy_step, prepare
                                               shard_and_split)
 from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
-from rlpo_mega.training.model_setup import build_policy  # noqa: E402
+from rlpo_mega.model_setup import build_policy  # noqa: E402
 from tests.workers.parity import full_grads_at_tp1, grad_tensors, save_sharded_grads  # noqa: E402
 
 LOSSES = ("gspo", "sapo")

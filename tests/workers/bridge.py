@@ -14,7 +14,7 @@ from moe.bridge.megatron_io import export_hf_state
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.model_setup import build_policy
 from rlpo_mega.training.step import run_schedule, split_micro_batches, train_step
 from tests.dist import write_report
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from moe.bridge.megatron_io import _inner, export_hf_state, load_hf_weights, local_params
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.model_setup import build_policy
 from tests.workers.bridge import make_hf_checkpoint, per_family_main
 
 

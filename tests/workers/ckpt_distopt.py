@@ -191,7 +191,7 @@ def memory_at(family, d, overrides, hf=None):
     from rlpo_mega.checkpoint_distopt import _ranks_holding
     from rlpo_mega.planning.meta_build import _describe
     from rlpo_mega.planning.plan import dp_positions, optimizer_state_bytes
-    from rlpo_mega.training.model_setup import unwrap
+    from rlpo_mega.model_setup import unwrap
 
     ours, theirs = os.path.join(d, "ours"), os.path.join(d, "megatron")
     run = Run(family, overrides, SEED, hf)

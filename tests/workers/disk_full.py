@@ -14,8 +14,8 @@ from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.checkpoint import CheckpointError, read_meta  # noqa: E402
 from rlpo_mega.checkpoint_files import verify_files  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
-from rlpo_mega.training import state  # noqa: E402
-from rlpo_mega.training.model_setup import build_policy  # noqa: E402
+from rlpo_mega import run_checkpoints as state  # noqa: E402
+from rlpo_mega.model_setup import build_policy  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 
 MODEL = "configs/models/tiny_qwen3_moe.json"

@@ -25,7 +25,7 @@ from rlpo_mega.training.policy_step import attach_old_logprobs, policy_step  # n
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.training.batches import prepare_step  # noqa: E402
 from rlpo_mega.training.exchange import gather_scalars  # noqa: E402
-from rlpo_mega.training.model_setup import build_policy, unwrap  # noqa: E402
+from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
 from rlpo_mega.training.rollout_phase import Scored, share  # noqa: E402
 from rlpo_mega.training.step import to_device  # noqa: E402
 from tests.dist import write_report  # noqa: E402

@@ -15,8 +15,8 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy, unwrap
-from rlpo_mega.training.step import (data_parallel_shard, forward_backward, reduce_loss,
+from rlpo_mega.model_setup import build_policy, unwrap
+from rlpo_mega.training.step import (data_parallel_shard, forward_backward, reduce_report,
                                      split_micro_batches, train_step)
 
 STEPS = 3
@@ -112,7 +112,7 @@ def run_family(phase, ref_root, out_dir, model_cfg, overrides):
     tokens = global_batch(hf.vocab_size)
     micro = split_micro_batches(data_parallel_shard(tokens), cfg.parallel.num_micro_batches)
     reports = forward_backward(chunks, opt, micro)
-    losses = [reduce_loss(reports)]
+    losses = [reduce_report(reports)["lm_loss"]]
     if phase == "reference":
         torch.save(grad_tensors(chunks[0]), os.path.join(ref_dir, "grads.pt"))
     else:

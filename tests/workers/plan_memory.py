@@ -14,7 +14,7 @@ import torch
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy, unwrap
+from rlpo_mega.model_setup import build_policy, unwrap
 
 MODEL = "configs/models/tiny_glm4_moe.json"  # dense first layer, shared expert, fp32 router bias, q/k/v biases
 

@@ -18,7 +18,7 @@ from moe.routing.transport import gather_recipients, local_recipient, padded_pla
 from rlpo_mega import distributed
 from rlpo_mega.training.policy_step import assemble_batch, policy_step, prepare_micro_batches
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.model_setup import build_policy
 from tests.dist import write_report
 from tests.workers.routing_common import (MODEL, SEQ, RouteHooks, assemble_logp, assemble_routes, compare_to_traces,
                                           gather_to_rank0, local_forward_routes, perturb_routers)

@@ -20,7 +20,7 @@ from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
 from rlpo_mega.algorithms.objective import policy_objective
 from rlpo_mega.training.policy_step import _model_out, assemble_batch, policy_step, prepare_micro_batches
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.model_setup import build_policy
 from rlpo_mega.training.step import forward_backward
 from tests.dist import write_report
 from tests.workers.bridge import make_hf_checkpoint
@@ -76,7 +76,8 @@ def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
     extra forward-only pass routing live; also gives `routing/no_replay/agreement`). Needs rollout_logp.
     Collective; every rank gets the global values."""
     from rlpo_mega.algorithms.mismatch import mismatch_metrics
-    from rlpo_mega.training.policy_step import compute_log_probs, reduce_report
+    from rlpo_mega.training.policy_step import compute_log_probs
+    from rlpo_mega.training.step import reduce_report
 
     live = compute_log_probs(model_chunks, micro, algo_cfg, wrap_step=lambda s: self.wrap(s, "observe", "no_replay"))
     reports = []

@@ -11,7 +11,7 @@ from moe.bridge.megatron_io import ExportStream, _inner, export_hf_state
 from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
-from rlpo_mega.training.model_setup import build_policy
+from rlpo_mega.model_setup import build_policy
 from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
 from moe.bridge import digest
 from moe.bridge.digest import DigestMismatchError

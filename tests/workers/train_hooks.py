@@ -35,7 +35,7 @@ class FlakyEngine(EmbeddedEngine):
 def inject_nan(trainer, steps):
     """Non-finite logits in the training forwards (not the eval-mode old-log-prob pass, whose NaN would
     be rejected as bad input) while trainer.step is in `steps`."""
-    from rlpo_mega.training.model_setup import unwrap
+    from rlpo_mega.model_setup import unwrap
 
     def hook(module, args, output):
         if trainer.step in steps and module.training:
@@ -50,7 +50,7 @@ def inject_nan(trainer, steps):
 def inject_nan_grad(trainer, steps):
     """A NaN in one parameter's gradient (the loss stays finite) while trainer.step is in `steps`: the
     gradient check, not the loss check, must skip the update."""
-    from rlpo_mega.training.model_setup import unwrap
+    from rlpo_mega.model_setup import unwrap
 
     param = next(unwrap(trainer.chunks[0]).parameters())
     return param.register_hook(lambda g: g * float("nan") if trainer.step in steps else g)

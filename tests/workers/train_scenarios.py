@@ -158,7 +158,7 @@ def engine(out):
     """A crash of rank 1's engine in step 2: rebuilt and re-synced with a restart left; without one the run
     stops with EngineError and the step-1 checkpoint intact."""
     from rlpo_mega.rollout import EngineError
-    from rlpo_mega.training import state
+    from rlpo_mega import run_checkpoints as state
 
     os.environ["RLPO_FAIL_RANK"] = "1"
     os.environ["RLPO_FAIL_CALL"] = "2"
@@ -181,7 +181,7 @@ def engine(out):
 def warmup_reference(out):
     """With a supervised warm-up and KL on, the reference is the policy after the warm-up (RL's start)."""
     import rlpo_mega.training.warmup as warmup
-    from rlpo_mega.training.model_setup import unwrap
+    from rlpo_mega.model_setup import unwrap
 
     before, run_warmup = {}, warmup.supervised_warmup
 

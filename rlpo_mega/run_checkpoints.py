@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
-from rlpo_mega.checkpoint_files import identity_difference
+from rlpo_mega.checkpoint_files import HF_FILES, identity_difference
 
 log = logging.getLogger("rlpo_mega")
 
@@ -171,7 +171,6 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
     (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
     the `stale` steps the run was told to replace (checkpoint.overwrite). checksums=False: the save on SIGTERM
     (rlpo_mega.checkpoint.save_checkpoint)."""
-    from rlpo_mega.convert import HF_FILES
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rng_state())

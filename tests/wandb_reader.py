@@ -1,4 +1,4 @@
-"""Read back what an offline W&B run recorded (its `run-<id>.wandb` transaction log).
+"""Test-only: read back what an offline W&B run recorded (its `run-<id>.wandb` transaction log).
 
 Tests use this to check that metrics really reached W&B, not just metrics.jsonl. wandb >= 0.20 has no
 Python reader any more (the old `wandb.sdk.internal.datastore` was removed when wandb-core, written in
