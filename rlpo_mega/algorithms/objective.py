@@ -149,7 +149,7 @@ def raise_input_faults(counts: dict) -> dict:
     return {k: v for k, v in counts.items() if not k.startswith(FAULT)}
 
 
-def _fault_entry(count: torch.Tensor) -> torch.Tensor:
+def fault_entry(count: torch.Tensor) -> torch.Tensor:
     """A fault count as a report entry: [count, 0] is a [sum, count] pair whose reduction is the plain sum."""
     count = count.double()
     return torch.stack([count, torch.zeros_like(count)])
@@ -215,5 +215,5 @@ def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = 
     numerator, count = aggregate(loss, mask, resolved.aggregation, resolved.norm_length)
     report["policy_loss"] = torch.stack([numerator.detach().double(), count.double()])
     if defer_checks:
-        report.update({k: _fault_entry(v) for k, v in faults.items()})
+        report.update({k: fault_entry(v) for k, v in faults.items()})
     return numerator, count, report

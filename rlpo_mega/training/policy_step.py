@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS, AdvantageResult, compute_advantages
 from rlpo_mega.algorithms.logprobs import bad_label_count, vocab_parallel_logprobs
-from rlpo_mega.algorithms.objective import FAULT, policy_objective, raise_input_faults, validate
+from rlpo_mega.algorithms.objective import FAULT, fault_entry, policy_objective, raise_input_faults, validate
 from rlpo_mega.algorithms.shaping import overlong_filter, soft_overlong_punishment
 
 ROW_KEYS = ("tokens", "labels", "loss_mask", "advantages", "old_logp", "ref_logp", "rollout_logp")
@@ -162,8 +162,7 @@ def policy_forward_step(data_iterator, model, cfg, resolved, real_vocab, old_fro
         b = {**batch, "old_logp": logp.detach()} if old_from_update else batch
         numerator, count, report = policy_objective(logp, b, cfg, resolved, entropy=unpack(entropy.detach(), batch),
                                                     defer_checks=True)
-        report[FAULT + "labels"] = torch.stack([bad_label_count(batch["labels"], real_vocab).double(),
-                                                torch.zeros((), dtype=torch.float64, device=logp.device)])
+        report[FAULT + "labels"] = fault_entry(bad_label_count(batch["labels"], real_vocab))
         return numerator, count, report
 
     return output, loss_func

@@ -197,7 +197,8 @@ def update(model_chunks, optimizer, micro_batches, forward_step, loss_key: str, 
         applied, out["grad_norm"] = False, math.nan
     out["skipped"] = float(not applied)
     if strict and not applied:
-        raise FloatingPointError(f"optimizer step skipped: non-finite {loss_key if not math.isfinite(out[loss_key]) else 'gradients'}")
+        what = loss_key if not math.isfinite(out[loss_key]) else "gradients"
+        raise FloatingPointError(f"optimizer step skipped: non-finite {what}")
     return out
 
 
