@@ -44,7 +44,7 @@ def _train(args) -> int:
 def _check_before_launch(cfg, args):
     from moe.families import get_family
     from rlpo_mega.config_checks import check_run_config
-    from rlpo_mega.run_checkpoints import plan_checkpoints
+    from rlpo_mega.checkpoint.run import plan_checkpoints
 
     from moe.model import load_hf_config
 
@@ -179,7 +179,7 @@ def _check(args) -> int:
         if cfg.checkpoint.save_dir or cfg.checkpoint.load_dir:  # what train would refuse about checkpoints
             from moe.families import get_family
             from moe.model import load_hf_config
-            from rlpo_mega.run_checkpoints import plan_checkpoints
+            from rlpo_mega.checkpoint.run import plan_checkpoints
 
             hf = load_hf_config(cfg.model.hf_config)
             plan_checkpoints(cfg.checkpoint, get_family(hf.model_type).identity(hf))

@@ -15,11 +15,11 @@ from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWrit
 from moe.families import get_family
 from moe.model import load_hf_config
 from rlpo_mega import distributed
-from rlpo_mega.checkpoint import META, CheckpointError, load_checkpoint, read_meta, save_checkpoint
-from rlpo_mega.checkpoint_files import HF_FILES
+from rlpo_mega.checkpoint.dist import META, CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from rlpo_mega.checkpoint.files import HF_FILES
 from rlpo_mega.config import ModelConfig, ParallelConfig
 from rlpo_mega.model_setup import build_policy
-from rlpo_mega.run_checkpoints import latest_checkpoint
+from rlpo_mega.checkpoint.run import latest_checkpoint
 
 CONVERTED = "dist_checkpoint"  # the output kind of `convert` (moe/bridge/outputs.py)
 

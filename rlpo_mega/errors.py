@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 
-from rlpo_mega.checkpoint_files import disk_full
+from rlpo_mega.checkpoint.files import disk_full
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
@@ -35,7 +35,7 @@ def user_error_types() -> tuple[type, ...]:
     from moe.families import UnsupportedModelError
     from moe.model import TransformerEngineError
     from moe.routing.trace import RoutingTraceError
-    from rlpo_mega.checkpoint import CheckpointError
+    from rlpo_mega.checkpoint.dist import CheckpointError
     from rlpo_mega.config import ConfigError
     from rlpo_mega.data.dataset import DataError
     from rlpo_mega.distributed import ParallelLayoutError

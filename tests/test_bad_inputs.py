@@ -175,15 +175,15 @@ def _shard(path):
 
 
 def _verify(path):
-    from rlpo_mega.checkpoint import read_meta
-    from rlpo_mega.checkpoint_files import verify_files
+    from rlpo_mega.checkpoint.dist import read_meta
+    from rlpo_mega.checkpoint.files import verify_files
 
     return verify_files(str(path), read_meta(str(path))["files"])
 
 
 def test_checkpoint_records_every_file_and_the_model(ckpt):
-    from rlpo_mega.checkpoint import read_meta
-    from rlpo_mega.checkpoint_files import checkpoint_files
+    from rlpo_mega.checkpoint.dist import read_meta
+    from rlpo_mega.checkpoint.files import checkpoint_files
 
     meta = read_meta(str(ckpt / "dist"))
     assert set(meta["files"]) == set(checkpoint_files(str(ckpt / "dist"), skip=("rlpo_meta.json",)))
@@ -212,7 +212,7 @@ def test_damaged_checkpoint_file_is_named(damage, needle, ckpt, tmp_path):
 
 
 def test_unreadable_meta_is_one_error(ckpt, tmp_path):
-    from rlpo_mega.checkpoint import CheckpointError, read_meta
+    from rlpo_mega.checkpoint.dist import CheckpointError, read_meta
 
     path = _copy(ckpt, tmp_path)
     (path / "rlpo_meta.json").write_text('{"format": 1, "has_opt')
@@ -380,11 +380,11 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path):
     assert proc.returncode == 75, output[-3000:]
     assert "stopped by signal after step" in output and "stopped by SIGTERM" in output, output[-3000:]
     _no_orphans(tag)
-    from rlpo_mega.run_checkpoints import complete_steps
+    from rlpo_mega.checkpoint.run import complete_steps
 
     saved = complete_steps(str(ck))
     assert len(saved) == 1 and saved[0] >= 2, saved
-    from rlpo_mega.checkpoint import read_meta
+    from rlpo_mega.checkpoint.dist import read_meta
 
     meta = read_meta(str(ck / f"step_{saved[0]:08d}"))  # the model and the run's key settings are recorded
     assert meta["model"]["model_type"] == "qwen3_moe" and meta["settings"]["algorithm.loss.name"] == "gspo"
@@ -430,7 +430,7 @@ def test_killed_rank_ends_the_run_and_leaves_nothing(tmp_path):
     assert proc.returncode == 1
     assert "rank 1 failed (signal SIGKILL)" in output, output[-3000:]
     _no_orphans(tag)
-    from rlpo_mega.run_checkpoints import latest_checkpoint
+    from rlpo_mega.checkpoint.run import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path / "ck"))  # `latest` names a complete step
 

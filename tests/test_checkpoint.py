@@ -221,7 +221,7 @@ def test_optimizer_param_types_patch_is_needed(distopt):
 def test_a_sigterm_save_records_sizes_without_reading_files_back(tmp_path, monkeypatch):
     """checksums=False (the save on SIGTERM): no file is read back; the load still refuses a truncated file by its
     recorded size. A regular save records checksums that catch a changed byte."""
-    from rlpo_mega import checkpoint_files as cf
+    from rlpo_mega.checkpoint import files as cf
 
     (tmp_path / "a").write_bytes(b"x" * 1000)
     (tmp_path / "b").write_bytes(b"y" * 10)

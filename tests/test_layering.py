@@ -46,7 +46,7 @@ def test_engines_and_transports_come_from_their_registries():
 def test_training_sits_above_everything_but_the_cli():
     """rlpo_mega/training/ (the RL step) is the top floor of the package under the CLI: nothing else imports it,
     in-function imports included (checkpointing, conversion, config checks, the engines, the planner build the
-    model through rlpo_mega.model_setup and read checkpoints through rlpo_mega.run_checkpoints)."""
+    model through rlpo_mega.model_setup and read checkpoints through rlpo_mega.checkpoint.run)."""
     bad = [(f, m) for f, m in _imports("rlpo_mega") if (m == "rlpo_mega.training" or m.startswith("rlpo_mega.training."))
            and not f.startswith(os.path.join("rlpo_mega", "training")) and f != os.path.join("rlpo_mega", "cli.py")]
     assert bad == []

@@ -82,7 +82,7 @@ def test_temp_sibling_and_swap_leave_other_names_alone(tmp_path):
 
 
 def test_interrupted_save_leftover_is_cleared_only_if_ours(tmp_path):
-    from rlpo_mega.checkpoint import PARTIAL, _clear_leftover
+    from rlpo_mega.checkpoint.dist import PARTIAL, _clear_leftover
 
     ours = tmp_path / "ckpt.tmp"
     ours.mkdir()
@@ -176,8 +176,8 @@ def test_convert_never_replaces_what_it_did_not_write(converted, tmp_path, refus
 def _step(save_dir, step, run):
     import json
 
-    from rlpo_mega.checkpoint import META
-    from rlpo_mega.run_checkpoints import STATE_FILE, step_dir
+    from rlpo_mega.checkpoint.dist import META
+    from rlpo_mega.checkpoint.run import STATE_FILE, step_dir
 
     d = step_dir(str(save_dir), step)
     os.makedirs(d)
@@ -201,8 +201,8 @@ def _earlier_run(tmp_path, steps=(40, 60, 80), run="A"):
 
 
 def test_fresh_run_into_another_runs_save_dir_is_refused(tmp_path):
-    from rlpo_mega.checkpoint import CheckpointError
-    from rlpo_mega.run_checkpoints import plan_checkpoints
+    from rlpo_mega.checkpoint.dist import CheckpointError
+    from rlpo_mega.checkpoint.run import plan_checkpoints
 
     save = _earlier_run(tmp_path)
     with pytest.raises(CheckpointError) as e:
@@ -224,8 +224,8 @@ def test_fresh_run_into_another_runs_save_dir_is_refused(tmp_path):
 
 
 def test_latest_naming_a_missing_step_is_an_error(tmp_path):
-    from rlpo_mega.checkpoint import CheckpointError
-    from rlpo_mega.run_checkpoints import plan_checkpoints
+    from rlpo_mega.checkpoint.dist import CheckpointError
+    from rlpo_mega.checkpoint.run import plan_checkpoints
 
     save = _earlier_run(tmp_path, steps=(40,))
     (save / "latest").write_text("step_00000080")
@@ -240,7 +240,7 @@ def test_latest_naming_a_missing_step_is_an_error(tmp_path):
 
 
 def test_keep_last_prunes_only_this_runs_older_steps(tmp_path):
-    from rlpo_mega.run_checkpoints import complete_steps, prune
+    from rlpo_mega.checkpoint.run import complete_steps, prune
 
     save = _earlier_run(tmp_path, steps=(10, 20), run="A")
     _step(save, 5, "B")

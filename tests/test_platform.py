@@ -97,7 +97,7 @@ ABLATIONS = {
     # dist_checkpointing/optimizer.py:145 in the save after the steps (the local spec's fp32 norms)
     "float16_optimizer_fp32_param_ids": ("tp1_bf16", "does not match any model sharded param"),
     # distrib_optimizer.py:894-908 handing the wrong param's state to the checkpoint (the first save), caught by
-    # rlpo_mega.checkpoint_distopt's size check (megatron's own gather failed at :1068 copying it)
+    # rlpo_mega.checkpoint.distopt's size check (megatron's own gather failed at :1068 copying it)
     "distributed_optimizer_group_order": ("pp2_glm_bf16_distopt", "param-group index map points at another parameter"),
     # distrib_optimizer.py:642 `assert len(steps) == 1` on the dense stage's expert optimizer (the first save)
     "distributed_optimizer_without_params": ("pp2_glm_bf16_distopt", "AssertionError"),

@@ -193,7 +193,7 @@ def test_export_at_save_equals_cli_export(resumed, tmp_path):
 
 def test_interrupted_save_leaves_the_previous_checkpoint(tmp_path):
     """A crash mid-save leaves step_<N>.tmp (no trainer state) and `latest` on the previous step."""
-    from rlpo_mega import run_checkpoints as state
+    from rlpo_mega.checkpoint import run as state
 
     (tmp_path / "step_00000004").mkdir()
     (tmp_path / "step_00000004" / state.STATE_FILE).write_bytes(b"x")

@@ -1,7 +1,7 @@
 """Benchmark the cost of checkpoint integrity: the checksums at save and their verification at load.
 
 A Qwen3-MoE model widened to ~30M parameters (fp32 weights, ~0.1 GB of checkpoint) is saved through
-the trainer's path (rlpo_mega.checkpoint.save_checkpoint, which hashes every file), verified (what
+the trainer's path (rlpo_mega.checkpoint.dist.save_checkpoint, which hashes every file), verified (what
 load_checkpoint runs first unless checkpoint.verify=false) and loaded without it, over --reps, in one process (the files are in the page cache, so the
 verification cost is hashing, not disk; on a cold parallel filesystem reading dominates and the share is
 smaller). Prints one line:
@@ -29,8 +29,8 @@ MODEL = "configs/models/tiny_qwen3_moe.json"
 def worker(out_dir: str, reps: int):
     from moe.model import load_hf_config
     from rlpo_mega import distributed
-    from rlpo_mega.checkpoint import load_checkpoint, read_meta, save_checkpoint
-    from rlpo_mega.checkpoint_files import checkpoint_files, digest_files, verify_files
+    from rlpo_mega.checkpoint.dist import load_checkpoint, read_meta, save_checkpoint
+    from rlpo_mega.checkpoint.files import checkpoint_files, digest_files, verify_files
     from rlpo_mega.config import load_config
     from rlpo_mega.model_setup import build_policy
 

@@ -16,7 +16,7 @@ import tempfile
 import uuid
 
 MARKER = ".rlpo_mega_output"  # {"kind": ...} in every directory a command wrote as a whole
-_STEP = re.compile(r"^step_\d{8}$")  # the trainer's checkpoint directories (rlpo_mega/run_checkpoints.py)
+_STEP = re.compile(r"^step_\d{8}$")  # the trainer's checkpoint directories (rlpo_mega/checkpoint/run.py)
 
 
 class OutputExistsError(FileExistsError):

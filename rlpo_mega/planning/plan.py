@@ -26,7 +26,7 @@ from typing import Optional
 from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import compact_dtype
-from rlpo_mega.checkpoint_distopt import dp_shares
+from rlpo_mega.checkpoint.distopt import dp_shares
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
@@ -279,7 +279,7 @@ def _state_bytes_per_element(buffer: dict) -> int:
 
 
 def optimizer_state_bytes(buffers: list, dense_position: int, expert_position: int) -> tuple[int, int]:
-    """Host bytes of one rank's distributed-optimizer state at a checkpoint, as rlpo_mega.checkpoint_distopt holds
+    """Host bytes of one rank's distributed-optimizer state at a checkpoint, as rlpo_mega.checkpoint.distopt holds
     it: (save: the parameters the rank owns, load: the parameters its range touches)."""
     save = load = 0
     for b in buffers:

@@ -25,8 +25,8 @@ from moe.routing.trace import TraceSpec
 from rlpo_mega import distributed, platform
 from rlpo_mega.config import ConfigError, to_dict
 from rlpo_mega.training import rollout_phase as rp
-from rlpo_mega import run_checkpoints as ckpt_state
-from rlpo_mega.checkpoint_files import HF_FILES
+from rlpo_mega.checkpoint import run as ckpt_state
+from rlpo_mega.checkpoint.files import HF_FILES
 from rlpo_mega.training.step_report import mean_dicts as _mean_dicts
 from rlpo_mega.training.step_report import policy_metrics as _policy_metrics
 from rlpo_mega.training.step_report import rollout_metrics as _rollout_metrics

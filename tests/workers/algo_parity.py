@@ -20,7 +20,7 @@ from moe.model import load_hf_config  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.training.policy_step import (assemble_batch, policy_step, prepare_micro_batches,  # noqa: E402
                                               shard_and_split)
-from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.model_setup import build_policy  # noqa: E402
 from tests.workers.parity import full_grads_at_tp1, grad_tensors, save_sharded_grads  # noqa: E402

@@ -46,14 +46,14 @@ def steps23(run, r, prefix=""):
 
 
 def load(run, path, r):
-    from rlpo_mega.checkpoint import load_checkpoint
+    from rlpo_mega.checkpoint.dist import load_checkpoint
 
     r.setdefault("layout", run.describe())
     r["meta"] = load_checkpoint(path, run.chunks, run.opt)
 
 
 def save(run, path, step):
-    from rlpo_mega.checkpoint import save_checkpoint
+    from rlpo_mega.checkpoint.dist import save_checkpoint
 
     save_checkpoint(path, run.chunks, run.opt, meta={"step": step, "layout": run.describe()})
 
@@ -148,10 +148,10 @@ def _every_rank(value):
 
 
 def _megatron_distributed_state(sub, model_sd, is_loading):
-    """rlpo_mega.checkpoint._distributed_state as megatron-core 0.16.1 makes the same tensors: its fully_reshardable
+    """rlpo_mega.checkpoint.dist._distributed_state as megatron-core 0.16.1 makes the same tensors: its fully_reshardable
     sharded_state_dict (mem_efficient: a save gathers each DP group's state on its DP rank 0 over gloo; a load reads
     the whole state of the rank's model-parallel shard on every rank)."""
-    from rlpo_mega.checkpoint import _zero_state
+    from rlpo_mega.checkpoint.dist import _zero_state
 
     fresh = _zero_state(sub)
     sd = sub.sharded_state_dict(model_sd, is_loading=is_loading, metadata={
@@ -169,7 +169,7 @@ def _megatron_distributed_state(sub, model_sd, is_loading):
 
 def _state_of(opt) -> list:
     """Every DistributedOptimizer's main params and Adam moments on this rank (its ranges), in order."""
-    from rlpo_mega.checkpoint import _sub_optimizers
+    from rlpo_mega.checkpoint.dist import _sub_optimizers
 
     out = []
     for sub in _sub_optimizers(opt):
@@ -187,8 +187,8 @@ def memory_at(family, d, overrides, hf=None):
     from ckpt_common import SEED, Run
     from megatron.core import dist_checkpointing
 
-    import rlpo_mega.checkpoint as ck
-    from rlpo_mega.checkpoint_distopt import _ranks_holding
+    import rlpo_mega.checkpoint.dist as ck
+    from rlpo_mega.checkpoint.distopt import _ranks_holding
     from rlpo_mega.planning.meta_build import _describe
     from rlpo_mega.planning.plan import dp_positions, optimizer_state_bytes
     from rlpo_mega.model_setup import unwrap

@@ -20,7 +20,7 @@ import time
 def family_run(family, out):
     from ckpt_common import LAYOUT_BIG, LAYOUT_TP1, SEED, Run
 
-    from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint
+    from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint
 
     r = {}
     d = os.path.join(out, family)

@@ -11,7 +11,7 @@ import time
 def family_run(family, out, with_failures):
     from ckpt_common import LAYOUT_TP1, SEED, Run
 
-    from rlpo_mega.checkpoint import load_checkpoint
+    from rlpo_mega.checkpoint.dist import load_checkpoint
 
     r = {}
     big1 = os.path.join(out, family, "big1")
@@ -43,7 +43,7 @@ def family_run(family, out, with_failures):
 def failures(run, d):
     from megatron.core import dist_checkpointing
 
-    from rlpo_mega.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from rlpo_mega.checkpoint.dist import CheckpointError, load_checkpoint, save_checkpoint
 
     f = {}
     ckpt = os.path.join(d, "ckpt")

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from moe.model import load_hf_config  # noqa: E402
 from moe.routing.trace import TraceSpec  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
-from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.training.critic import Critic  # noqa: E402
 from rlpo_mega.training.policy_step import assemble_batch, shard_and_split  # noqa: E402

@@ -11,10 +11,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from moe.model import load_hf_config  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
-from rlpo_mega.checkpoint import CheckpointError, read_meta  # noqa: E402
-from rlpo_mega.checkpoint_files import verify_files  # noqa: E402
+from rlpo_mega.checkpoint.dist import CheckpointError, read_meta  # noqa: E402
+from rlpo_mega.checkpoint.files import verify_files  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
-from rlpo_mega import run_checkpoints as state  # noqa: E402
+from rlpo_mega.checkpoint import run as state  # noqa: E402
 from rlpo_mega.model_setup import build_policy  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 
 from moe.model import load_hf_config
 from rlpo_mega import distributed
-from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint
+from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy, unwrap
 from rlpo_mega.training.step import (data_parallel_shard, forward_backward, reduce_report,

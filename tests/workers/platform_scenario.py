@@ -98,7 +98,7 @@ def main():
     if save_optimizer:  # a checkpoint with the optimizer after the steps, loaded into a fresh one: the next step equal
         import tempfile
 
-        from rlpo_mega.checkpoint import load_checkpoint, save_checkpoint
+        from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             box = [tmp]

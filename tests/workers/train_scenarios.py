@@ -158,7 +158,7 @@ def engine(out):
     """A crash of rank 1's engine in step 2: rebuilt and re-synced with a restart left; without one the run
     stops with EngineError and the step-1 checkpoint intact."""
     from rlpo_mega.rollout import EngineError
-    from rlpo_mega import run_checkpoints as state
+    from rlpo_mega.checkpoint import run as state
 
     os.environ["RLPO_FAIL_RANK"] = "1"
     os.environ["RLPO_FAIL_CALL"] = "2"

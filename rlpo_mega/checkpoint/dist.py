@@ -23,7 +23,7 @@ mixed-precision optimizer uses (`optimizer.state.fp32_param.<param>`) and, where
 is itself fp32 (it is then the main param), not stored twice: a checkpoint of either optimizer loads
 into the other at any layout. megatron-core writes that format by gathering each DP group's state on its DP
 rank 0 and reads it whole on every rank (hundreds of GB on one host at the recipes' size): the same tensors
-are written and read here with each rank holding its own share (rlpo_mega.checkpoint_distopt).
+are written and read here with each rank holding its own share (rlpo_mega.checkpoint.distopt).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from moe.bridge.outputs import swap_in
-from rlpo_mega.checkpoint_distopt import load_state, save_state
-from rlpo_mega.checkpoint_files import checkpoint_files, digest_files, disk_full, verify_files
+from rlpo_mega.checkpoint.distopt import load_state, save_state
+from rlpo_mega.checkpoint.files import checkpoint_files, digest_files, disk_full, verify_files
 from rlpo_mega.model_setup import unwrap
 
 META = "rlpo_meta.json"
@@ -89,7 +89,7 @@ def _zero_state(sub) -> bool:
 
 def _distributed_state(sub, model_sd, is_loading: bool):
     """(sharded dict, step) of one DistributedOptimizer in the format described in the module doc: megatron's
-    sharded_state_dict with its fully_reshardable param_state made without the gathers (rlpo_mega.checkpoint_distopt)."""
+    sharded_state_dict with its fully_reshardable param_state made without the gathers (rlpo_mega.checkpoint.distopt)."""
     fresh = _zero_state(sub)
     sd = sub.state_dict()
     if is_loading:
@@ -257,7 +257,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
 
     digests = {}
 
-    def digest():  # every file's size and checksum, verified at load (rlpo_mega/checkpoint_files.py)
+    def digest():  # every file's size and checksum, verified at load (rlpo_mega/checkpoint/files.py)
         digests.update(digest_files(tmp, checkpoint_files(tmp, skip=(PARTIAL,)), checksums))
 
     def write_meta():

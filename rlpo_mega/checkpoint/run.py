@@ -26,8 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlpo_mega.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
-from rlpo_mega.checkpoint_files import HF_FILES, identity_difference
+from rlpo_mega.checkpoint.dist import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from rlpo_mega.checkpoint.files import HF_FILES, identity_difference
 
 log = logging.getLogger("rlpo_mega")
 
@@ -170,7 +170,7 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
     hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, then prunes: this run's
     (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
     the `stale` steps the run was told to replace (checkpoint.overwrite). checksums=False: the save on SIGTERM
-    (rlpo_mega.checkpoint.save_checkpoint)."""
+    (rlpo_mega.checkpoint.dist.save_checkpoint)."""
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rng_state())

@@ -1,0 +1,9 @@
+"""Checkpointing, in one place: what a save writes and what a load trusts.
+
+dist.py      megatron distributed checkpoints: model (+ optimizer) at one layout, loadable at any other; written
+             to `<dir>.tmp` and swapped in, the meta file last
+distopt.py   the distributed optimizer's state, each rank its own share (no gathers on one host)
+files.py     what a checkpoint promises about itself: every file's checksum, the model it was written for
+run.py       a run's timeline under checkpoint.save_dir: step directories, `latest`, keep-last-K, RNG states,
+             the trainer state, SIGTERM
+"""
