@@ -7,15 +7,21 @@ import logging
 import os
 import sys
 
+from moe.bridge.outputs import check_target
+from rlpo_mega.config import ConfigError, load_config
+from rlpo_mega.logging import plot as plot_mod
+from rlpo_mega.processes import die_with_parent
+
+# Imported inside the commands that use them: rlpo_mega.errors, config_checks, checkpoint, planning, convert,
+# the trainer, moe.families and moe.model import torch and transformers (seconds), which `--help` and `plot`
+# never need.
+
 
 def _train(args) -> int:
-    from rlpo_mega.config import load_config
     from rlpo_mega.errors import is_user_error, report
 
     try:
         if args.nproc_per_node < 1 or args.nnodes < 1:
-            from rlpo_mega.config import ConfigError
-
             raise ConfigError(f"--nnodes={args.nnodes} and --nproc-per-node={args.nproc_per_node} must be >= 1")
         cfg = load_config(args.config, tuple(args.overrides))
         if (args.nproc_per_node > 1 or args.nnodes > 1) and "LOCAL_RANK" not in os.environ:
@@ -28,8 +34,6 @@ def _train(args) -> int:
             return report("train", e, args.debug)
         raise
     if "LOCAL_RANK" in os.environ:
-        from rlpo_mega.processes import die_with_parent
-
         die_with_parent()  # a killed launcher or torchrun takes its workers with it
     try:
         from rlpo_mega.training.trainer import train
@@ -160,7 +164,6 @@ def _agent(argv: list[str], command: str, debug: bool, stop_timeout: int) -> int
 
 
 def _check(args) -> int:
-    from rlpo_mega.config import load_config
     from rlpo_mega.config_checks import check_run_config
     from rlpo_mega.errors import is_user_error, report
 
@@ -195,7 +198,6 @@ def _check(args) -> int:
 def _plan(args) -> int:
     import json
 
-    from rlpo_mega.config import load_config
     from rlpo_mega.errors import is_user_error, report
     from rlpo_mega.planning.plan import make_plan, quiet_megatron, render
 
@@ -216,8 +218,6 @@ def _plan(args) -> int:
 
 
 def _plot(args) -> int:
-    from rlpo_mega.logging import plot as plot_mod
-
     return plot_mod.run_args(args)
 
 
@@ -225,8 +225,6 @@ def _convert(args) -> int:
     from rlpo_mega import convert
 
     if (args.nproc_per_node > 1) and "LOCAL_RANK" not in os.environ:
-        from moe.bridge.outputs import check_target
-
         check_target(args.out, convert.CONVERTED, args.overwrite)  # once, here, before torchrun starts
         return _reexec(args.nproc_per_node, ["convert", "--hf", args.hf, "--out", args.out, "--tp", str(args.tp),
                                               "--pp", str(args.pp), "--ep", str(args.ep)]
@@ -289,8 +287,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--prompt-tokens", type=int, default=512, help="tokens of every prompt (default 512)")
     plan.add_argument("--seed", type=int, default=0, help="seed of the drawn lengths")
     plan.add_argument("--json", action="store_true", help="one JSON object instead of the tables")
-    from rlpo_mega.logging import plot as plot_mod
-
     plot_mod.build_parser(sub.add_parser("plot", help="plot a run's metrics.jsonl curves to a PNG"))
     conv = sub.add_parser("convert", help="HF checkpoint directory -> megatron dist checkpoint")
     conv.add_argument("--hf", required=True)
@@ -329,8 +325,6 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     args = parse(argv)
     if "LOCAL_RANK" in os.environ and args.command in ("convert", "export"):
-        from rlpo_mega.processes import die_with_parent
-
         die_with_parent()
     if args.command == "convert":
         # One process per shard of the requested layout (expert-tensor parallel 1).

@@ -2,13 +2,18 @@
 
 Unknown keys, wrong types and missing values are rejected by OmegaConf's structured-config schema;
 `load_config` turns its exceptions into one message that names the key and, for a typo, a suggestion.
+A closed choice is a `Literal` (validated here, with the message config_checks gives an unknown registry name);
+a name looked up in an open registry (loss, advantage and KL estimators, reward, engine, transport) is a `str`
+that config_checks checks against its registry.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
+import typing
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Iterable, Literal, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -33,9 +38,9 @@ class ParallelConfig:
 class ModelConfig:
     hf_config: str = "configs/models/tiny_qwen3_moe.json"  # config.json (or a directory holding it)
     init_from_hf: Optional[str] = None  # HF checkpoint directory to load weights from (weight bridge)
-    params_dtype: str = "float32"  # float32 | bfloat16
+    params_dtype: Literal["float32", "bfloat16"] = "float32"
     vocab_divisible_by: int = 128  # megatron pads the vocabulary; independent of TP so checkpoints reshard
-    token_dispatcher: str = "alltoall"  # alltoall | allgather
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     recompute: bool = False
     # Sigmoid routers with a score-correction bias (glm4_moe, deepseek_v3): megatron's aux-loss-free update,
     # bias += rate * sign(mean load - expert load) per step. 0 (as slime's GLM script runs RL) keeps the
@@ -51,7 +56,7 @@ class OptimConfig:
     # OptimizerParamScheduler: linear warm-up from lr_warmup_init to lr, then the decay style down to min_lr.
     lr_warmup_steps: int = 0
     lr_warmup_init: float = 0.0
-    lr_decay_style: str = "constant"  # constant | linear | cosine | inverse-square-root
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "constant"
     lr_decay_steps: int = 0  # 0 = every optimizer step of the run
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -115,7 +120,7 @@ class LoggingConfig:
     project: str = "rlpo-mega"
     run_name: Optional[str] = None  # None = "run-<UTC date-time>"
     entity: Optional[str] = None
-    mode: str = "offline"  # offline | online | disabled; the WANDB_MODE environment variable wins
+    mode: Literal["offline", "online", "disabled"] = "offline"  # the WANDB_MODE environment variable wins
     dir: Optional[str] = None  # run directory (metrics.jsonl, config.json, wandb/); None = runs/<run_name>
     console_every: int = 1  # a console line every N steps (0 = never)
     progress_bar: bool = True  # tqdm bars for rollouts and steps (rank 0, only on a terminal)
@@ -128,7 +133,8 @@ class LoggingConfig:
 @dataclass
 class PolicyLossConfig:
     name: str = "grpo"  # ppo_clip | grpo | dapo | gspo | gspo_token | sapo (rlpo_mega.algorithms.losses)
-    aggregation: Optional[str] = None  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm; None = paper's
+    # None = the paper's aggregation for the loss
+    aggregation: Optional[Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]] = None
     strict: bool = False  # an aggregation that is a known pitfall for this loss: error instead of warning
     eps_low: Optional[float] = None  # clip range; None = the paper's (grpo 0.2/0.2, dapo 0.2/0.28, gspo 3e-4/4e-4)
     eps_high: Optional[float] = None
@@ -143,7 +149,7 @@ class PolicyLossConfig:
 class AdvantageConfig:
     name: str = "grpo"  # grpo | dr_grpo | rloo | gae (PPO with a critic: turns the value model on, see `critic`)
     eps: float = 1.0e-6  # grpo: (R - mean) / (std + eps)
-    std: str = "unbiased"  # unbiased | biased
+    std: Literal["unbiased", "biased"] = "unbiased"
     gamma: float = 1.0  # gae: discount over response tokens
     lam: float = 0.95  # gae: lambda (1: Monte-Carlo return minus V; 0: TD(0))
     whiten: bool = True  # gae: advantages -> (A - mean) / std over the rollout batch's tokens
@@ -160,8 +166,8 @@ class KLConfig:
 
 @dataclass
 class MismatchConfig:
-    mode: str = "none"  # none | tis | mis  (w = pi_old_train / pi_rollout)
-    level: str = "token"  # token | sequence | geometric
+    mode: Literal["none", "tis", "mis"] = "none"  # w = pi_old_train / pi_rollout
+    level: Literal["token", "sequence", "geometric"] = "token"
     tis_cap: float = 2.0  # TIS: loss * min(w, C)
     mis_low: float = 0.5  # MIS: tokens with w outside [mis_low, mis_high] are masked
     mis_high: float = 2.0
@@ -195,8 +201,9 @@ class AlgorithmConfig:
 
 @dataclass
 class RoutingConfig:
-    mode: str = "off"  # off | r2 (replay the old-log-prob pass's routes) | r3 (replay the rollout's routes)
-    on_bad_trace: str = "error"  # error | fallback (bad (token, layer) entries use the live router, counted)
+    mode: Literal["off", "r2", "r3"] = "off"  # r2: replay the old-log-prob pass's routes; r3: the rollout's
+    # fallback: bad (token, layer) entries of a route trace use the live router (counted)
+    on_bad_trace: Literal["error", "fallback"] = "error"
 
 
 @dataclass
@@ -221,11 +228,11 @@ class RewardConfig:
 @dataclass
 class PromptDataConfig:
     path: Optional[str] = None  # .jsonl or .parquet file of prompts
-    format: str = "auto"  # auto (by extension) | jsonl | parquet
+    format: Literal["auto", "jsonl", "parquet"] = "auto"  # auto: by the file's extension
     prompt_key: str = "prompt"  # a string, or a list of {"role", "content"} chat messages
     answer_key: str = "answer"  # reference answer (string or number) given to the reward function
     tokenizer: Optional[str] = None  # tokenizer directory; None = the model's
-    chat_template: str = "auto"  # auto (when the tokenizer has one) | on | off
+    chat_template: Literal["auto", "on", "off"] = "auto"  # auto: when the tokenizer has one
     system_prompt: Optional[str] = None
     shuffle: bool = True
     seed: Optional[int] = None  # None = the run's seed
@@ -240,7 +247,7 @@ class EmbeddedEngineConfig:
     batch_size: Optional[int] = None
     max_batch_tokens: Optional[int] = None  # cap rows x (longest prompt + max_new_tokens) per batch (memory)
     capture_routes: bool = True  # forward hooks on the routers (needed for R3)
-    attn_implementation: str = "sdpa"  # transformers attention backend: sdpa | eager
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"  # transformers attention backend
 
 
 @dataclass
@@ -273,12 +280,15 @@ class SGLangEngineConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "embedded"  # embedded | sglang (rlpo_mega.rollout ENGINES)
+    producer: str = "sync"  # how a step's scored groups are made (rlpo_mega.training.collect PRODUCERS): sync
     temperature: float = 1.0  # must equal algorithm.temperature (the log-probs are of these logits)
     top_p: float = 1.0
     top_k: int = -1
     max_new_tokens: int = 16
     stop_token_ids: Optional[list[int]] = None  # None = the tokenizer's eos
-    sync_transport: str = "in_process"  # in_process | disk | distributed (rlpo_mega.weight_sync TRANSPORTS)
+    # a TRANSPORTS name: in_process | disk (rlpo_mega.weight_sync.transports) | sglang_distributed
+    # (rollout.engine=sglang; registered by rlpo_mega.rollout.sglang_engine)
+    sync_transport: str = "in_process"
     sync_bucket_mb: int = 64
     sync_dir: Optional[str] = None  # disk transport's directory
     wait_timeout: float = 21600.0  # seconds ranks wait for the engine ranks' rollout (own gloo group, not NCCL's)
@@ -353,32 +363,48 @@ def _suggest(bad_key: str, schema) -> str:
     return f" Known keys{' under ' + repr(parent_key) if parent_key else ''}: {', '.join(known)}."
 
 
-def _expected_type(schema, key: str) -> str:
-    """'int', 'int or null', ... for a dotted key of a dataclass schema ('' if unknown)."""
-    import dataclasses
-    import typing
-
+def _field_type(schema, key: str):
+    """The annotation of a dotted key of a dataclass schema, None unwrapped from Optional (None if unknown),
+    and whether it is Optional."""
     t = schema
     for part in key.split("."):
         if not dataclasses.is_dataclass(t):
-            return ""
+            return None, False
         hints = typing.get_type_hints(t)
         if part not in hints:
-            return ""
+            return None, False
         t = hints[part]
     args = [a for a in typing.get_args(t) if a is not type(None)]
     optional = typing.get_origin(t) is typing.Union and len(args) < len(typing.get_args(t))
-    base = args[0] if optional and len(args) == 1 else t
+    return (args[0] if optional and len(args) == 1 else t), optional
+
+
+def _choices(t) -> Optional[tuple]:
+    """The values of a Literal annotation; None for any other type."""
+    return typing.get_args(t) if typing.get_origin(t) is Literal else None
+
+
+def _expected_type(schema, key: str) -> str:
+    """'int', 'int or null', ... for a dotted key of a dataclass schema ('' if unknown)."""
+    base, optional = _field_type(schema, key)
+    if base is None:
+        return ""
     name = getattr(base, "__name__", str(base))
     return f"{name} or null" if optional else name
+
+
+def unknown_choice(key: str, value, known: Iterable[str]) -> str:
+    """`key='value' is not known; known: a, b. Did you mean 'a'?`: the one message for a value outside a closed
+    set, a Literal key's (load_config) or a registry's names (config_checks)."""
+    known = sorted(known)
+    close = difflib.get_close_matches(str(value), known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"{key}={value!r} is not known; known: {', '.join(known)}.{hint}"
 
 
 def _unbool(node, schema):
     """YAML 1.1 reads `off`/`on` (also no/yes) as booleans; for a string-typed key (routing.mode: off,
     prompts.chat_template: on) the user meant the word, not "False". Rewrites such values in place."""
-    import dataclasses
-    import typing
-
     if not dataclasses.is_dataclass(schema) or not hasattr(node, "keys"):
         return
     hints = typing.get_type_hints(schema)
@@ -389,7 +415,7 @@ def _unbool(node, schema):
         args = [a for a in typing.get_args(t) if a is not type(None)]
         base = args[0] if typing.get_origin(t) is typing.Union and len(args) == 1 else t
         value = node._get_node(key)._value() if hasattr(node, "_get_node") else node[key]
-        if base is str and isinstance(value, bool):
+        if (base is str or _choices(base) is not None) and isinstance(value, bool):
             node[key] = "on" if value else "off"
         elif dataclasses.is_dataclass(base):
             _unbool(node[key], base)
@@ -407,6 +433,10 @@ def _merge(into, layer, source: str, schema):
         detail = str(e.msg if getattr(e, "msg", None) else e).splitlines()[0]
         if not key:
             raise ConfigError(f"{source}: {detail}") from None
+        choices = _choices(_field_type(schema, key)[0])
+        if choices is not None and getattr(e, "value", None) not in choices:
+            raise ConfigError(f"{source}: bad value for config key {key!r} (expected one of its known values): "
+                              f"{unknown_choice(key, e.value, choices)}") from None
         expected = _expected_type(schema, key)
         expected = f" (expected {expected})" if expected else ""
         raise ConfigError(f"{source}: bad value for config key {key!r}{expected}: {detail}") from None

@@ -14,7 +14,6 @@ dense model with routing replay gets the routing message rather than the model-f
 """
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import math
@@ -22,7 +21,18 @@ import os
 import warnings as _warnings
 from typing import Any, Iterable, Optional
 
-from rlpo_mega.config import ConfigError
+from moe.families import FAMILIES, UnsupportedModelError
+from moe.model import load_hf_config
+from rlpo_mega.algorithms import objective
+from rlpo_mega.algorithms.advantages import ADVANTAGES, CRITIC_ESTIMATORS
+from rlpo_mega.algorithms.kl import KL_ESTIMATORS
+from rlpo_mega.algorithms.losses import LOSSES
+from rlpo_mega.config import ConfigError, unknown_choice
+from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
+from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
+from rlpo_mega.rewards import REWARDS
+from rlpo_mega.rollout import ENGINES  # the package registers the engines (and the sglang_distributed transport)
+from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
 
@@ -42,20 +52,15 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 
 def _choice(key: str, value: str, known: Iterable[str]) -> None:
     """ConfigError for a name outside `known`, listing them, with a did-you-mean."""
-    known = sorted(known)
-    if value in known:
-        return
-    close = difflib.get_close_matches(str(value), known, n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise ConfigError(f"{key}={value!r} is not known; known: {', '.join(known)}.{hint}")
+    known = list(known)
+    if value not in known:
+        raise ConfigError(unknown_choice(key, value, known))
 
 
 def _moe_layers(hf: Any, model_type: Optional[str]) -> tuple[Optional[int], int]:
     """(number of experts, number of MoE decoder layers) of an HF config object or raw config.json dict.
     Which layers are sparse is the family's knowledge (moe_layer_pattern); an unknown model type counts
     every layer, and is refused by the family check that follows."""
-    from moe.families import FAMILIES
-
     get = (lambda k, d=None: hf.get(k, d)) if isinstance(hf, dict) else (lambda k, d=None: getattr(hf, k, d))
     experts = get("num_experts")
     if experts is None:
@@ -79,8 +84,6 @@ def _moe_layers(hf: Any, model_type: Optional[str]) -> tuple[Optional[int], int]
 def _check_model(cfg, hf):
     """Routing replay needs MoE layers: checked on the raw values before the family registry is consulted.
     Returns the loaded HF config (hf, or cfg.model.hf_config loaded)."""
-    from moe.families import FAMILIES, UnsupportedModelError
-
     mode = cfg.routing.mode
     _choice("routing.mode", mode, ROUTING_MODES)
     _choice("routing.on_bad_trace", cfg.routing.on_bad_trace, ON_BAD_TRACE)
@@ -111,8 +114,6 @@ def _check_model(cfg, hf):
                           f"supported model types: {', '.join(sorted(FAMILIES))}. Add a family in moe/families/ "
                           "to support it.")
     if hf is None:
-        from moe.model import load_hf_config
-
         try:
             hf = load_hf_config(cfg.model.hf_config)
         except (UnsupportedModelError, FileNotFoundError, TypeError, ValueError) as e:
@@ -131,11 +132,6 @@ def _check_model(cfg, hf):
 
 
 def _check_algorithm(cfg, warns: list[str]):
-    from rlpo_mega.algorithms import objective
-    from rlpo_mega.algorithms.advantages import ADVANTAGES
-    from rlpo_mega.algorithms.kl import KL_ESTIMATORS
-    from rlpo_mega.algorithms.losses import LOSSES
-
     alg = cfg.algorithm
     loss = alg.loss
     _choice("algorithm.loss.name", loss.name, LOSSES.names())
@@ -189,11 +185,6 @@ def _check_algorithm(cfg, warns: list[str]):
 
 
 def _check_rollout(cfg, warns: list[str]):
-    import rlpo_mega.rollout  # noqa: F401  registers the engines (and the sglang_distributed transport)
-    from rlpo_mega.rewards import REWARDS
-    from rlpo_mega.rollout import ENGINES
-    from rlpo_mega.weight_sync.transports import TRANSPORTS
-
     ro = cfg.rollout
     _choice("reward.function", cfg.reward.function, REWARDS.names())
     _choice("rollout.engine", ro.engine, ENGINES.names())
@@ -233,10 +224,6 @@ def _check_rollout(cfg, warns: list[str]):
                               f"prompt + rollout.max_new_tokens={ro.max_new_tokens}; raise it (or null: no cap)")
     if ro.engine == "sglang":
         sg = ro.sglang
-        if ro.sync_transport == "distributed":
-            raise ConfigError("rollout.sync_transport=distributed is the generic engine-rank protocol; SGLang "
-                              "servers speak their own: use sglang_distributed (servers on other nodes) or "
-                              "in_process (update_weights_from_tensor, servers on this host)")
         if sg.tp_size < 1 or sg.num_servers < 1:
             raise ConfigError(f"rollout.sglang.tp_size={sg.tp_size} and num_servers={sg.num_servers} must be >= 1")
         if sg.max_in_flight_per_server < 1:
@@ -343,8 +330,6 @@ def _check_counts(cfg, warns: list[str]):
 def _check_lr_schedule(cfg, o=None, key: str = "optim"):
     """What megatron's OptimizerParamScheduler would otherwise stop with a bare assert (the policy's optim, or
     the critic's critic.optim: both step once per mini-batch and epoch)."""
-    from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
-
     o = cfg.optim if o is None else o
     _choice(f"{key}.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
     if not 0 <= o.min_lr <= o.lr:
@@ -364,9 +349,6 @@ def _check_lr_schedule(cfg, o=None, key: str = "optim"):
 
 def _check_critic(cfg, warns: list[str]):
     """PPO with a value model: on exactly when the advantage estimator needs one (gae)."""
-    from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS
-    from rlpo_mega.algorithms.losses import LOSSES
-
     alg, c = cfg.algorithm, cfg.critic
     if alg.advantage.name not in CRITIC_ESTIMATORS:
         if alg.kl.in_reward:
@@ -481,8 +463,6 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
                      f"{cfg.routing.mode}: the routers' bias is updated from the replayed routes' expert loads "
                      "(the rollout's or the old pass's), and every sync moves the engine's routing with it")
     if world_size is not None:
-        from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
-
         try:
             resolve_layout(cfg.parallel, world_size, hf)
         except ParallelLayoutError as e:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from moe.bridge import outputs
 from moe.bridge.hf_checkpoint import PASSTHROUGH, HFCheckpoint, HFCheckpointWriter, write_stream
+from moe.bridge.megatron_io import ExportStream
 from moe.families import get_family
 from moe.model import load_hf_config
 from rlpo_mega import distributed
@@ -47,8 +48,6 @@ def convert(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, et
 def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bucket_mb: int = 256,
            overwrite: bool = False):
     """hf_out: absent or empty, or (overwrite) an earlier HF export; nothing else is replaced."""
-    from moe.bridge.megatron_io import ExportStream
-
     outputs.check_target(hf_out, HFCheckpointWriter.KIND, overwrite)  # on every rank, before any collective
 
     if os.path.isdir(ckpt_dir) and not os.path.isfile(os.path.join(ckpt_dir, META)):

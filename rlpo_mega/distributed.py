@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe.families import get_family
 from moe.model import ParallelSizes
 from . import platform
 
@@ -66,8 +67,6 @@ def resolve_layout(parallel, world_size: int, hf=None) -> Layout:
     if sp is None:
         sp = tp > 1
     if hf is not None:
-        from moe.families import get_family
-
         family = get_family(hf.model_type)
         heads, kv = hf.num_attention_heads, hf.num_key_value_heads
         experts, layers = family.num_experts(hf), hf.num_hidden_layers
@@ -187,3 +186,13 @@ def destroy(keep_world: bool = False, barrier: bool = True):
         if barrier:
             dist.barrier()  # no rank may close its connections while a peer is still communicating
         dist.destroy_process_group()
+
+
+def all_ok(ok, device) -> bool:
+    """`ok` (a bool, or a bool device tensor: read on the host only after the all-reduce) on every rank."""
+    if torch.is_tensor(ok):
+        flag = (~ok.to(device=device, dtype=torch.bool)).float().reshape(1)
+    else:
+        flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0

@@ -20,7 +20,21 @@ import sys
 import time
 import traceback
 
+from moe.bridge.digest import DigestMismatchError
+from moe.bridge.hf_checkpoint import CheckpointFormatError
+from moe.bridge.outputs import OutputExistsError
+from moe.families import UnsupportedModelError
+from moe.model import TransformerEngineError
+from moe.routing.trace import RoutingTraceError
+from rlpo_mega.checkpoint.dist import CheckpointError
 from rlpo_mega.checkpoint.files import disk_full
+from rlpo_mega.config import ConfigError
+from rlpo_mega.data.dataset import DataError
+from rlpo_mega.distributed import ParallelLayoutError
+from rlpo_mega.planning.meta_build import MetaBuildError
+from rlpo_mega.planning.plan import PlanError
+from rlpo_mega.platform import PlatformError
+from rlpo_mega.rollout.base import EngineError
 
 EXIT_USER_ERROR = 2
 EXIT_STOPPED = 75
@@ -29,21 +43,6 @@ _OTHER_RANKS_WAIT_S = 3.0
 
 
 def user_error_types() -> tuple[type, ...]:
-    from moe.bridge.digest import DigestMismatchError
-    from moe.bridge.hf_checkpoint import CheckpointFormatError
-    from moe.bridge.outputs import OutputExistsError
-    from moe.families import UnsupportedModelError
-    from moe.model import TransformerEngineError
-    from moe.routing.trace import RoutingTraceError
-    from rlpo_mega.checkpoint.dist import CheckpointError
-    from rlpo_mega.config import ConfigError
-    from rlpo_mega.data.dataset import DataError
-    from rlpo_mega.distributed import ParallelLayoutError
-    from rlpo_mega.planning.meta_build import MetaBuildError
-    from rlpo_mega.planning.plan import PlanError
-    from rlpo_mega.platform import PlatformError
-    from rlpo_mega.rollout.base import EngineError
-
     return (ConfigError, CheckpointError, DataError, ParallelLayoutError, UnsupportedModelError,
             CheckpointFormatError, OutputExistsError, RoutingTraceError, EngineError, PlatformError,
             DigestMismatchError, PlanError, MetaBuildError, TransformerEngineError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -58,8 +57,6 @@ def message(e: BaseException) -> str:
     if full is not None and not isinstance(e, user_error_types()):
         where = f" writing {full.filename}" if full.filename else ""
         return f"no space left on device{where}: free space or write elsewhere ({e.__class__.__name__})"
-    from rlpo_mega.config import ConfigError
-
     text = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
     return f"config error: {text}" if isinstance(e, ConfigError) else text
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from moe.bridge.megatron_io import load_hf_weights
 from moe.families import get_family
 from moe.model import build_gpt_model, transformer_config
 from rlpo_mega import platform
@@ -40,8 +41,6 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     source = init_from_hf or model_cfg.init_from_hf
     if source:
         # Before DDP and the optimizer: mixed-precision optimizers copy the weights at construction.
-        from moe.bridge.megatron_io import load_hf_weights
-
         model.loaded_whole = load_hf_weights([model], source, model_cfg.vocab_divisible_by)
     if not with_ddp:
         return [model], None

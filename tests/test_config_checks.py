@@ -153,10 +153,11 @@ def test_r3_needs_captured_routes(tiny_hf):
 
 
 def test_transport_engine_combinations(tiny_hf):
-    assert "embedded engine lives in the learner's process" in _err(tiny_hf, "rollout.sync_transport=distributed")
+    # the generic engine-rank transport ("distributed") is test-only (tests/weight_sync_support.py): no config names it
+    assert "rollout.sync_transport='distributed' is not known" in _err(tiny_hf, "rollout.sync_transport=distributed")
     assert "use in_process" in _err(tiny_hf, "rollout.sync_transport=sglang_distributed")
     sg = ("rollout.engine=sglang", "rollout.sglang.urls=[http://n3:30000]")
-    assert "use sglang_distributed" in _err(tiny_hf, *sg, "rollout.sync_transport=distributed")
+    assert "Did you mean 'sglang_distributed'?" in _err(tiny_hf, *sg, "rollout.sync_transport=distributed")
     warns = check_run_config(_cfg(*sg), tiny_hf)
     assert len(warns) == 1 and "http://n3:30000 may be on other nodes" in warns[0]
     assert check_run_config(_cfg(*sg, "rollout.sync_transport=sglang_distributed"), tiny_hf) == []

@@ -1,13 +1,15 @@
 """The data path: the step plan (Karmarkar-Karp DP split, token-budget micro-batches), packed micro-batches,
 and packed == padded parity through the real path (gather_scalars -> exchange -> micro-batches -> R3 old
 pass -> policy_step) at TP2+SP, EP2, PP2 and TP2/EP2/PP2, both families."""
+from dataclasses import replace
+
 import pytest
 import torch
 
 from moe.routing.transport import Recipient
 from rlpo_mega.data.packing import aligned, karmarkar_karp, plan_step
 from rlpo_mega.training.batches import build_micro_batch
-from rlpo_mega.training.exchange import Received, Sample
+from rlpo_mega.rollout import Sample
 from tests.dist import torchrun
 
 # both families, each with one loss (GSPO: sequence ratio; SAPO: token gates), to keep CI short
@@ -67,8 +69,9 @@ def test_plan_fixed_micro_batch_count_with_uneven_samples_per_rank():
 def _sample(i, plen, rlen, g, layers=2, topk=2, experts=4):
     ids = torch.randint(3, 50, (plen + rlen,), generator=g)
     routes = torch.rand(plen + rlen - 1, layers, experts, generator=g).argsort(-1)[..., :topk].to(torch.uint8)
-    s = Sample(0, plen, rlen, 1.0, False, True, "stop", has_routes=True)
-    return s, Received(ids, -torch.rand(rlen, generator=g), routes, None)
+    s = Sample(ids[:plen], ids[plen:], -torch.rand(rlen, generator=g), "stop", routes, reward=1.0, correct=True,
+               owner=0)
+    return s, replace(s)  # the scalars every rank knows, the sample as it arrived
 
 
 def test_packed_micro_batch_layout():
@@ -103,8 +106,7 @@ def test_packed_micro_batch_layout():
     from moe.routing.trace import RoutingTrace
     from moe.routing.transport import LIVE, Segment, local_routes
 
-    received[1] = Received(received[1].ids, received[1].logprobs, received[1].routes,
-                           torch.tensor([[True, False], [False, True]]))
+    received[1] = replace(received[1], replaced=torch.tensor([[True, False], [False, True]]))
     samples[1].replaced_entries = 2
     for sp_rank in (0, 1):
         r = Recipient(0, 0, 1, sp_rank, 2, (0, 1))
@@ -191,7 +193,7 @@ def test_old_pass_needed_names_why():
     from types import SimpleNamespace
 
     from rlpo_mega.config import load_config
-    from rlpo_mega.training.policy_step import old_pass_needed
+    from rlpo_mega.training.old_logprobs import old_pass_needed
 
     hf = SimpleNamespace(attention_dropout=0.0)
     assert old_pass_needed(load_config(None, ()), hf) is None

@@ -46,7 +46,7 @@ def lengths(n, scale, seed=0):
 
 
 def make_samples(hf, spec, plens, rlens, seed=1):
-    from rlpo_mega.training.rollout_phase import Scored
+    from rlpo_mega.rollout import Sample as Scored
 
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -55,7 +55,7 @@ def make_samples(hf, spec, plens, rlens, seed=1):
         routes = (routes + torch.arange(spec.topk)) % spec.num_experts  # distinct ids per token
         out.append(Scored(torch.randint(3, hf.vocab_size, (p,), generator=g).tolist(),
                           torch.randint(3, hf.vocab_size, (r,), generator=g).tolist(), -torch.rand(r, generator=g),
-                          "stop", routes.to(torch.uint8), float(i % 2), False, bool(i % 2)))
+                          "stop", routes.to(torch.uint8), reward=float(i % 2), failed=False, correct=bool(i % 2)))
     return out
 
 
@@ -75,13 +75,14 @@ def worker(args):
     from moe.routing.trace import TraceSpec
     from moe.routing.transport import gather_recipients
     from rlpo_mega import distributed
-    from rlpo_mega.training.policy_step import attach_old_logprobs, policy_step
+    from rlpo_mega.training.old_logprobs import attach_old_logprobs
+    from rlpo_mega.training.update import policy_step
     from rlpo_mega.config import load_config
-    from rlpo_mega.training.batches import prepare_step
+    from tests.batch_support import prepare_step
     from rlpo_mega.training.exchange import gather_scalars, own_share_bytes
     from rlpo_mega.model_setup import build_policy
-    from rlpo_mega.training.rollout_phase import share
-    from rlpo_mega.training.step import to_device
+    from rlpo_mega.training.collect import share
+    from rlpo_mega.training.update import to_device
 
     hf = load_hf_config(MODEL)
     spec = TraceSpec.from_hf(hf)

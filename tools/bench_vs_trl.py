@@ -44,7 +44,8 @@ from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.training.trainer import Trainer
 cfg = load_config({demo!r}, {overrides!r})
-trainer = Trainer(cfg)  # builds the policy and runs the demo's supervised warm-up (trainer.warmup)
+trainer = Trainer(cfg)
+trainer.start()  # the demo's supervised warm-up (trainer.warmup) and the first sync
 path = trainer.save()  # step 0: the warmed-up policy, exported to HF (checkpoint.export_hf)
 trainer.close()
 distributed.destroy()

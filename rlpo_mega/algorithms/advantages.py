@@ -10,10 +10,12 @@ Computed in float64: group statistics are cheap and must not depend on summation
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from .registry import Registry
+from .shaping import overlong_filter, soft_overlong_punishment
 
 ADVANTAGES: Registry = Registry("advantage estimator")
 STD_ESTIMATORS = ("unbiased", "biased")
@@ -113,3 +115,31 @@ def compute_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, **ex
     if not torch.isfinite(adv).all():
         raise ValueError(f"advantage estimator {cfg.name!r} produced NaN or inf")
     return AdvantageResult(adv.float().to(rewards.device), g, int(zero.sum()))
+
+
+def sequence_advantages(cfg, rewards: torch.Tensor, group_ids: torch.Tensor, lengths: torch.Tensor,
+                        truncated: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Per-sample scalars -> (advantages [n], rows kept in the loss [n] bool, stats): DAPO's shaping (soft
+    overlong punishment on the reward, overlong filtering) and the advantage estimator. Needs nothing but
+    scalars, so every rank computes it for the whole batch (the samples themselves stay sharded)."""
+    stats = {}
+    rewards = rewards.float()
+    sh = cfg.shaping
+    if sh.soft_overlong:
+        if sh.max_response_length is None or sh.overlong_cache is None:
+            raise ValueError("shaping.soft_overlong needs shaping.max_response_length and shaping.overlong_cache")
+        penalty = soft_overlong_punishment(lengths, sh.max_response_length, sh.overlong_cache)
+        stats["overlong_penalty_mean"] = float(penalty.mean())
+        rewards = rewards + penalty
+    if cfg.advantage.name in CRITIC_ESTIMATORS:  # advantages come after the critic's value pass: the
+        adv = AdvantageResult(rewards, int(group_ids.unique().numel()), 0)  # shaped rewards travel in their place
+    else:
+        adv = compute_advantages(cfg.advantage, rewards, group_ids)
+    stats.update(groups=adv.num_groups, zero_advantage_groups=adv.num_zero_groups)
+    keep = torch.ones(rewards.shape[0], dtype=torch.bool)
+    if sh.overlong_filter:
+        if truncated is None:
+            raise ValueError("shaping.overlong_filter needs the truncated flags (finish reason 'length')")
+        keep = overlong_filter(keep[:, None], truncated)[:, 0]
+        stats["overlong_filtered"] = int(truncated.bool().sum())
+    return adv.advantages, keep, stats

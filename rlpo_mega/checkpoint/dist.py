@@ -39,6 +39,7 @@ from moe.bridge.outputs import swap_in
 from rlpo_mega.checkpoint.distopt import load_state, save_state
 from rlpo_mega.checkpoint.files import checkpoint_files, digest_files, disk_full, verify_files
 from rlpo_mega.model_setup import unwrap
+from rlpo_mega.processes import in_process_checkpoint_queue
 
 META = "rlpo_meta.json"
 FORMAT = 1
@@ -200,8 +201,6 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     CheckpointError says what happened; `path` and anything before it are untouched. checksums=False (the save
     on SIGTERM): record each file's size, not its checksum (no second read of the whole checkpoint)."""
     from megatron.core import dist_checkpointing
-
-    from rlpo_mega.processes import in_process_checkpoint_queue
 
     in_process_checkpoint_queue()
     path = os.path.abspath(path)

@@ -49,6 +49,7 @@ def reduce_metrics(metrics: Mapping[str, object], group=None) -> dict[str, float
     else:
         import torch
 
+        # lazy, as torch: platform imports transformers, and every CLI command imports this package (plot's parser)
         from rlpo_mega import platform
 
         local = torch.tensor([float(zlib.crc32("\n".join(keys).encode()))] + values, dtype=torch.float64,

@@ -19,6 +19,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moe.families import get_family
+from moe.model import padded_vocab_size
+from rlpo_mega.algorithms.logprobs import _rows_per_chunk
+
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 GB = 1e9
 
@@ -92,9 +96,6 @@ class Shape:
 
     @classmethod
     def of(cls, hf, vocab_divisible_by: int, tp: int):
-        from moe.families import get_family
-        from moe.model import padded_vocab_size
-
         family = get_family(hf.model_type)
         f = family.transformer_fields(hf)
         return cls(f["hidden_size"], f["num_attention_heads"], f.get("num_query_groups") or f["num_attention_heads"],
@@ -145,8 +146,6 @@ def logits_bytes(s: Shape, tokens: int, tp: int) -> int:
 
 def logprob_chunk_bytes(s: Shape, tokens: int, tp: int) -> int:
     """The log-prob kernel's fp32 temporaries: a few chunk-sized tensors (algorithms/logprobs.py)."""
-    from rlpo_mega.algorithms.logprobs import _rows_per_chunk
-
     rows = _rows_per_chunk(tokens, s.padded_vocab // tp, None)
     return 3 * 4 * rows * (s.padded_vocab // tp)
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moe.model import build_gpt_model, load_hf_config, transformer_config
+from rlpo_mega import platform
 from rlpo_mega.distributed import Layout
 from rlpo_mega.model_setup import PARAMS_DTYPES, ddp_config
 
@@ -105,8 +106,6 @@ def _build_rank(req: Request, rank: int) -> dict:
 
 def build(req: Request) -> list[dict]:
     """In this process: the ranks of `req` (see Request.ranks). Use `run` from anywhere else."""
-    from rlpo_mega import platform
-
     platform.apply()
     real = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("meta")  # DDP's buffers: torch.zeros(device=current_device())

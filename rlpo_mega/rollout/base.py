@@ -54,18 +54,64 @@ class SamplingParams:
 
 
 @dataclass
-class RolloutSample:
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: torch.Tensor  # float32 [response_len]
+class Sample:
+    """One response: the one sample type from the engine to the learner.
+
+    The engine fills the tokens, the log-probs it sampled them with, the finish reason and the raw routing rows;
+    the rollout producer (training/collect.py) adds the reward and, validating the routes, the compact trace and
+    the entries the live router decides (`replaced`). Every rank then learns every sample's scalars
+    (`scalars` / `from_scalars`: the wire format of the scalars' gather); a sample another rank holds has no
+    payload (`prompt_ids is None`). The exchange (training/exchange.py) carries the payload to the ranks that
+    train the sample: there the ids are int64 tensors and `routes`/`replaced` hold only that rank's MoE layers."""
+    prompt_ids: Optional[Sequence[int]]
+    response_ids: Optional[Sequence[int]]
+    logprobs: Optional[torch.Tensor]  # float32 [response_len]
     finish_reason: str  # one of FINISH_REASONS
-    routes: Optional[torch.Tensor] = None  # int32 [prompt_len + response_len - 1, moe_layers, topk]
+    routes: Optional[torch.Tensor] = None  # [prompt_len + response_len - 1, moe_layers, topk] (int32 from the engine)
     prompt_index: int = 0  # index of the prompt in the generate() call
     meta: dict = field(default_factory=dict)
+    reward: float = 0.0
+    failed: bool = False  # the reward function failed (scored 0)
+    correct: bool = False
+    replaced: Optional[torch.Tensor] = None  # bool [span, moe_layers]: trace entries the live router decides
+    owner: int = -1  # the rank whose engine generated it (set by the scalars' gather)
+    prompt_len: int = -1  # from the ids when they are given
+    response_len: int = -1
+    replaced_entries: int = 0  # routing-trace entries the live router decides (routing.on_bad_trace=fallback)
+    replaced_tokens: int = 0
+    has_routes: bool = False
+
+    SCALARS = ("prompt_len", "response_len", "reward", "failed", "correct", "finish_reason", "replaced_entries",
+               "replaced_tokens", "has_routes")
+
+    def __post_init__(self):
+        if self.prompt_ids is not None:
+            self.prompt_len, self.response_len = len(self.prompt_ids), len(self.response_ids)
+        self.has_routes = self.has_routes or self.routes is not None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.response_ids)
+        return self.prompt_len + self.response_len
+
+    @property
+    def span(self) -> int:
+        """Input positions in the trainer: prompt + response - 1 (the last token is only a label)."""
+        return self.prompt_len + self.response_len - 1
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """Prompt and response token ids as one int64 tensor (the sample's payload)."""
+        return torch.cat([torch.as_tensor(self.prompt_ids, dtype=torch.long),
+                          torch.as_tensor(self.response_ids, dtype=torch.long)])
+
+    def scalars(self) -> tuple:
+        return tuple(getattr(self, k) for k in self.SCALARS)
+
+    @classmethod
+    def from_scalars(cls, row: Sequence, owner: int) -> "Sample":
+        """A sample another rank holds: its scalars, no payload."""
+        kw = dict(zip(cls.SCALARS, row))
+        return cls(None, None, None, kw.pop("finish_reason"), owner=owner, **kw)
 
 
 class RolloutEngine(abc.ABC):
@@ -84,7 +130,7 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
-                 request_ids: Optional[Sequence[str]] = None) -> list[RolloutSample]:
+                 request_ids: Optional[Sequence[str]] = None) -> list[Sample]:
         """len(prompts) * n samples, prompt-major (sample i*n + j is prompt i's j-th)."""
 
     @abc.abstractmethod

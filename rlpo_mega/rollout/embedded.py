@@ -28,7 +28,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from .base import ENGINES, EngineError, RolloutEngine, RolloutSample, SamplingParams
+from moe.model import load_hf_config
+from moe.routing.decoders import HFRouteCapture
+from moe.routing.trace import TraceSpec
+from rlpo_mega import platform
+from rlpo_mega.config import EmbeddedEngineConfig
+from rlpo_mega.model_setup import PARAMS_DTYPES
+from rlpo_mega.weight_sync.transports import HFModelReceiver
+
+from .base import ENGINES, EngineError, RolloutEngine, Sample, SamplingParams
 
 
 def _sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -101,12 +109,7 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, hf_config, cfg=None, trace_spec=None, dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForCausalLM
 
-        from rlpo_mega.config import EmbeddedEngineConfig
-        from rlpo_mega.weight_sync.transports import HFModelReceiver
-
         if isinstance(hf_config, str):
-            from moe.model import load_hf_config
-
             hf_config = load_hf_config(hf_config)
         self.hf = hf_config
         self.cfg = cfg if cfg is not None else EmbeddedEngineConfig()
@@ -114,8 +117,6 @@ class EmbeddedEngine(RolloutEngine):
             v = getattr(self.cfg, key)
             if v is not None and v < 1:
                 raise ValueError(f"rollout.embedded.{key}={v} must be >= 1 (or null: no limit)")
-        from rlpo_mega import platform
-
         # the learner's device (one GPU per rank on a cluster): generation next to the weights it receives
         self.device = platform.device()
         # the learner's parameter dtype: the engine holds exactly the synced bytes (bf16 learner -> bf16 here;
@@ -129,8 +130,6 @@ class EmbeddedEngine(RolloutEngine):
         self.spec = trace_spec
         self.capture = None
         if trace_spec is not None:
-            from moe.routing.decoders import HFRouteCapture
-
             self.capture = HFRouteCapture(self.model, trace_spec)
         self.vocab_size = int(hf_config.vocab_size)
         self.max_positions = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or None
@@ -147,15 +146,9 @@ class EmbeddedEngine(RolloutEngine):
     @classmethod
     def from_config(cls, run_cfg, hf_config=None) -> "EmbeddedEngine":
         """From a RunConfig: rollout.embedded settings, routing capture when capture_routes is on."""
-        from moe.routing.trace import TraceSpec
-
         if hf_config is None or isinstance(hf_config, str):
-            from moe.model import load_hf_config
-
             hf_config = load_hf_config(hf_config or run_cfg.model.hf_config)
         ecfg = run_cfg.rollout.embedded
-        from rlpo_mega.model_setup import PARAMS_DTYPES
-
         dtype = PARAMS_DTYPES[run_cfg.model.params_dtype]
         return cls(hf_config, ecfg, TraceSpec.from_hf(hf_config) if ecfg.capture_routes else None, dtype=dtype)
 
@@ -201,7 +194,7 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
-                 request_ids: Optional[Sequence[str]] = None) -> list[RolloutSample]:
+                 request_ids: Optional[Sequence[str]] = None) -> list[Sample]:
         """len(prompts) * n samples, prompt-major. request_ids: one per prompt (its n samples share it, and
         abort() stops all of them) or one per sample; None = generated ids. meta["request_id"] is the
         sample's id; with seed=None meta["seed"] is the drawn seed (SamplingParams(seed=it) replays)."""
@@ -346,7 +339,7 @@ class EmbeddedEngine(RolloutEngine):
         x = torch.minimum(uniforms.u[:, t].to(cdf.device) * total, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, x[:, None], right=True)[:, 0]
 
-    def _result(self, s: _Sample, base_seed: int, fresh: bool) -> RolloutSample:
+    def _result(self, s: _Sample, base_seed: int, fresh: bool) -> Sample:
         routes, n = None, s.n
         if s.rows is not None and s.rows.routes is not None:
             routes = s.rows.routes[s.row, s.pad:s.pad + len(s.prompt) + n - 1]
@@ -355,7 +348,7 @@ class EmbeddedEngine(RolloutEngine):
         meta = {"request_id": s.rid}
         if fresh:
             meta["seed"] = base_seed  # replays the call with SamplingParams(seed=...)
-        return RolloutSample(prompt_ids=list(s.prompt), response_ids=response, logprobs=lp,
+        return Sample(prompt_ids=list(s.prompt), response_ids=response, logprobs=lp,
                              finish_reason=s.finish or "length", routes=routes, prompt_index=s.prompt_index,
                              meta=meta)
 

@@ -20,6 +20,8 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from moe.routing.trace import RoutingTraceError, compact_dtype
+
 
 class DaemonPool:
     """Worker threads that never hold the process: ThreadPoolExecutor's threads are joined at interpreter
@@ -117,8 +119,6 @@ def decode_routes(data, num_hidden_layers: int, spec, tokens: int | None = None)
     [0, num_experts) (-1 = no data) keep int32: narrowing would wrap them into valid-looking ids, and
     validate_trace must see them to name the token (or fall back). tokens: the rows the sample must have
     (prompt + completion - 1); a payload of another size names the layer count it implies."""
-    from moe.routing.trace import RoutingTraceError, compact_dtype
-
     topk = spec.topk
     if isinstance(data, (str, bytes)):
         try:

@@ -43,10 +43,12 @@ import torch
 import torch.distributed as dist
 
 from moe.bridge.digest import DigestMismatchError, verify
-from moe.routing.trace import RoutingTraceError
+from moe.families import get_family
+from moe.model import load_hf_config
+from moe.routing.trace import RoutingTraceError, TraceSpec
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
-from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, RolloutSample, SamplingParams
+from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams
 from .sglang_client import DaemonPool, ServerSlots, decode_routes, parse_logprobs, pool_size
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -136,11 +138,7 @@ class SGLangEngine(RolloutEngine):
                    return_routes=run_cfg.routing.mode != "off")
 
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True):
-        from moe.routing.trace import TraceSpec
-
         if isinstance(hf_config, str):
-            from moe.model import load_hf_config
-
             hf_config = load_hf_config(hf_config)
         self.cfg, self.hf, self.model_path = cfg, hf_config, model_path
         self.spec = TraceSpec.from_hf(hf_config)
@@ -148,8 +146,6 @@ class SGLangEngine(RolloutEngine):
         self.vocab_size = int(hf_config.vocab_size)
         self.return_routes = return_routes
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        from moe.families import get_family
-
         names = get_family(hf_config.model_type).hf_names(hf_config)  # HF names are family knowledge
         self._embed, self._head = names["embedding"], names["output"]
         self._rid = itertools.count()
@@ -276,7 +272,7 @@ class SGLangEngine(RolloutEngine):
         return sp
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
-                 request_ids: Optional[Sequence[str]] = None) -> list[RolloutSample]:
+                 request_ids: Optional[Sequence[str]] = None) -> list[Sample]:
         total = len(prompts) * n
         if request_ids is not None and len(request_ids) != total:
             raise ValueError(f"{len(request_ids)} request_ids for {total} samples (prompts x n)")
@@ -336,7 +332,7 @@ class SGLangEngine(RolloutEngine):
                             f"SGLang server {url} has not answered /health for {self.cfg.hang_timeout:g} s while "
                             f"requests are in flight (rollout.sglang.hang_timeout): it is hung; restart it")
 
-    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots) -> RolloutSample:
+    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots) -> Sample:
         payload = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
                    "return_routed_experts": self.return_routes}
         slot = slots.acquire()  # blocks while every server has its limit in flight
@@ -379,7 +375,7 @@ class SGLangEngine(RolloutEngine):
         elif self.return_routes and reason != "abort":
             raise EngineError(f"SGLang server {server.url} returned no routed_experts: start it with "
                               "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")
-        return RolloutSample(prompt_ids=prompt, response_ids=ids, logprobs=lps,
+        return Sample(prompt_ids=prompt, response_ids=ids, logprobs=lps,
                              finish_reason=reason, routes=routes, prompt_index=prompt_index,
                              meta={"rid": rid, "server": server.url, "finish": fr,
                                    "weight_version": meta.get("weight_version")})

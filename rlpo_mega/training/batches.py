@@ -1,4 +1,6 @@
-"""This rank's micro-batches from its received samples and the step plan: packed (THD) or padded.
+"""Phase 2 of an RL step, plan and exchange: where each sample trains, the samples there, this rank's micro-batches.
+
+The micro-batches, packed (THD) or padded:
 
 Packed: the samples of a micro-batch sit back to back in one row [1, t] (each contributes its prompt +
 response - 1 input positions), with cu_seqlens for attention and RoPE (moe.packed_attention without TE,
@@ -17,17 +19,24 @@ from dataclasses import replace
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
 
 from moe.routing.trace import RoutingTrace
-from moe.routing.transport import Segment, local_routes
+from moe.routing.transport import LIVE, PAD, Segment, local_routes
+from rlpo_mega.config import ConfigError
+from rlpo_mega.data.packing import aligned, plan_step
+from rlpo_mega.rollout import Sample
+from rlpo_mega.training.exchange import exchange
 
 
 def _sample_rows(samples, received, idx):
+    """(index, the sample's scalars as every rank knows them, the sample as it arrived) per index."""
     out = []
     for i in idx:
         s, r = samples[i], received[i]
-        if r.ids.numel() != s.prompt_len + s.response_len:
-            raise ValueError(f"sample {i}: {r.ids.numel()} tokens arrived, its scalars say "
+        if r.prompt_len != s.prompt_len or r.response_len != s.response_len:
+            raise ValueError(f"sample {i}: {r.prompt_len} + {r.response_len} tokens arrived, its scalars say "
                              f"{s.prompt_len} + {s.response_len}")
         out.append((i, s, r))
     return out
@@ -110,8 +119,6 @@ def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
     """The packed row's routes [1, this rank's sequence shard, its MoE layers, topk]: the samples' routes back
     to back (they are the packed positions), PAD on the alignment tail, LIVE where a trace entry was replaced
     (moe.routing.transport's markers and dtype, as local_routes would cut them)."""
-    from moe.routing.transport import LIVE, PAD
-
     routes = torch.cat([r.routes for _, _, r in rows])
     dtype = torch.int32 if routes.dtype == torch.int32 else torch.int16
     full = torch.full((t, routes.shape[1], topk), PAD, dtype=dtype)
@@ -124,24 +131,15 @@ def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
     return full[a:b].unsqueeze(0)
 
 
-def prepare_step(samples, group_ids, cfg, dp: int, tp: int, recipients, spec, pad_id: int, timer=None):
-    """A step's samples (exchange.Sample, global) -> (this rank's micro-batches per mini-batch as host
-    tensors with routes attached, advantages [n] of all samples, stats). Collective (the exchange).
-    Advantages come from the scalars on every rank; the plan (rlpo_mega.data.packing) decides where each
-    sample trains; only then do the samples travel."""
-    import contextlib
-
-    from megatron.core import parallel_state
-
-    from rlpo_mega.training.policy_step import sequence_advantages
-    from rlpo_mega.config import ConfigError
-    from rlpo_mega.data.packing import aligned, plan_step
-    from rlpo_mega.training.exchange import exchange
-
-    adv, keep, stats = sequence_advantages(
-        cfg.algorithm, torch.tensor([s.reward for s in samples]), group_ids,
-        torch.tensor([s.response_len for s in samples]), torch.tensor([s.finish_reason == "length" for s in samples]))
+def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: torch.Tensor, cfg, dp: int, tp: int,
+                      recipients, spec, pad_id: int, timer) -> tuple[list[list[dict]], dict]:
+    """Phase 2 of an RL step: the step plan (rlpo_mega.data.packing: mini-batches, the DP split, micro-batches)
+    from every sample's scalars, identical on every rank; then the exchange (training/exchange.py) carries each
+    sample's payload to the ranks that train it; then this rank's micro-batches per mini-batch, as host
+    tensors with routes attached. Collective. advantages [n] / keep [n]: algorithms.advantages.
+    sequence_advantages of all samples."""
     with_routes = all(s.has_routes for s in samples)
+    stats = {}
     if with_routes:
         stats.update({"routing/fallback_entries": sum(s.replaced_entries for s in samples),
                       "routing/fallback_tokens": sum(s.replaced_tokens for s in samples),
@@ -153,10 +151,10 @@ def prepare_step(samples, group_ids, cfg, dp: int, tp: int, recipients, spec, pa
     t = cfg.trainer
     plan = plan_step(spans, t.mini_batches, dp, cfg.parallel.num_micro_batches, t.max_tokens_per_micro_batch,
                      t.layout, align=tp)
-    with (timer("exchange") if timer is not None else contextlib.nullcontext()):
+    with timer("exchange"):
         received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None)
-    me = recipients[torch.distributed.get_rank()]
-    minis = [[build_micro_batch(samples, received, idx, adv, keep, layout=t.layout, align=tp, pad_id=pad_id,
+    me = recipients[dist.get_rank()]
+    minis = [[build_micro_batch(samples, received, idx, advantages, keep, layout=t.layout, align=tp, pad_id=pad_id,
                                 padded_len=aligned(max(spans), tp), recipient=me if with_routes else None,
                                 topk=spec.topk)
               for idx in mini] for mini in plan.mine(parallel_state.get_data_parallel_rank())]
@@ -164,4 +162,4 @@ def prepare_step(samples, group_ids, cfg, dp: int, tp: int, recipients, spec, pa
                   "data/micro_batches": max(len(m) for m in minis),
                   # this rank's bytes over its own rows' payload (training/exchange.py); rank 0's is logged
                   "data/bytes_over_own_share": xstats["bytes_received"] / max(xstats["own_share_bytes"], 1)})
-    return minis, adv, stats
+    return minis, stats

@@ -1,4 +1,4 @@
-"""PPO's critic on Megatron: the value model's passes, GAE over this rank's micro-batches, the value update.
+"""Phase 4 of an RL step with a critic (values and GAE), and the critic's update: PPO's value model on Megatron.
 
 On when algorithm.advantage.name=gae. The value model is the policy's family at the policy's layout with
 moe.value_head in place of the output layer (built through training/model_setup.build_policy), with its own
@@ -18,13 +18,16 @@ Per RL step (the trainer calls it after the policy's old/reference passes):
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import torch
 
+from megatron.core import parallel_state
+
+from moe.bridge.megatron_io import weight_tensors
+from moe.routing.replay import RoutingReplay
 from rlpo_mega.algorithms.gae import gae, token_rewards, value_loss
-from rlpo_mega.training.policy_step import _model_out, unpack
-from rlpo_mega.training.step import reduce_report
+from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps, unwrap
+from rlpo_mega.training.update import forward_only, forward_step_of, reduce_report, unpack, update
 
 
 def _values(values: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -38,38 +41,27 @@ def _pair(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([(x.detach().double() * m).sum(), m.sum()])
 
 
-def values_forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    output = _model_out(model, batch)
-
-    def loss_func(values):
-        v = _values(values, batch).detach()
-        return v.new_zeros(()), v.new_zeros((), dtype=torch.int), {"values": v}
-
-    return output, loss_func
+def values_loss(batch, values):
+    """A forward-only pass's values (V_old) in the report."""
+    v = _values(values, batch).detach()
+    return v.new_zeros(()), v.new_zeros((), dtype=torch.int), {"values": v}
 
 
-def critic_forward_step(data_iterator, model, clip, coef):
+values_forward_step = forward_step_of(values_loss)
+
+
+def critic_loss(batch, values, *, clip, coef):
     """The value loss of one micro-batch: (vf_coef * summed token losses, token count, report)."""
-    batch = next(data_iterator)
-    output = _model_out(model, batch)
-
-    def loss_func(values):
-        v = _values(values, batch)
-        mask = batch["loss_mask"].bool()
-        loss, clipped = value_loss(v, batch["old_values"], batch["returns"], mask, clip)
-        count = mask.sum().to(torch.int)
-        return coef * loss.sum(), count, {"value_loss": _pair(loss, mask), "vf_clip_frac": _pair(clipped.float(), mask),
-                                          "values_update": _pair(v, mask)}
-
-    return output, loss_func
+    v = _values(values, batch)
+    mask = batch["loss_mask"].bool()
+    loss, clipped = value_loss(v, batch["old_values"], batch["returns"], mask, clip)
+    count = mask.sum().to(torch.int)
+    return coef * loss.sum(), count, {"value_loss": _pair(loss, mask), "vf_clip_frac": _pair(clipped.float(), mask),
+                                      "values_update": _pair(v, mask)}
 
 
 class Critic:
     def __init__(self, cfg, hf, layout, spec):
-        from moe.routing.replay import RoutingReplay
-        from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps
-
         self.cfg = cfg
         c = cfg.critic
         self.chunks, self.optimizer = build_policy(hf, layout, cfg.model, c.optim, routing_replay=True,
@@ -81,10 +73,6 @@ class Critic:
     def copy_trunk_from(self, policy_chunks):
         """Initialise the critic from the policy: every parameter but the output layer (the value head keeps
         its own initialisation); the optimizer's main copies follow (mixed precision)."""
-        from rlpo_mega.model_setup import unwrap
-
-        from moe.bridge.megatron_io import weight_tensors
-
         mine = dict(weight_tensors(unwrap(self.chunks[0])))
         for name, p in weight_tensors(unwrap(policy_chunks[0])):
             if not name.startswith("output_layer."):
@@ -94,10 +82,6 @@ class Critic:
     @torch.no_grad()
     def old_values(self, micro: list[dict]):
         """V_old per micro-batch [n, s] on the last pipeline stage (None elsewhere), before any update."""
-        from megatron.core import parallel_state
-
-        from rlpo_mega.training.step import forward_only
-
         reports = forward_only(self.chunks, micro, forward_step=self.routing.wrap_old(values_forward_step))
         return [r["values"] for r in reports] if parallel_state.is_pipeline_last_stage() else None
 
@@ -154,10 +138,8 @@ class Critic:
 
     def update(self, micro: list[dict]) -> dict:
         """One critic optimizer step over a mini-batch's micro-batches -> its metrics (global)."""
-        from rlpo_mega.training.step import update
-
         c = self.cfg.critic
-        step = partial(critic_forward_step, clip=c.vf_clip, coef=c.vf_coef)
+        step = forward_step_of(critic_loss, clip=c.vf_clip, coef=c.vf_coef)
         return update(self.chunks, self.optimizer, micro, self.routing.wrap_update(step), "value_loss",
                       self.lr_schedule)
 

@@ -15,7 +15,7 @@ the previous all_gather_object sent the whole batch, with int32 routes, to every
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -24,41 +24,13 @@ import torch.distributed as dist
 from moe.routing.trace import RoutingTraceError, TraceSpec, compact_dtype, validate_batch
 from moe.routing.transport import wire_device
 from rlpo_mega import platform
+from rlpo_mega.rollout import Sample
 
 
-@dataclass
-class Sample:
-    """One sample as every rank knows it; `payload` (a rollout_phase.Scored, its routes validated) only
-    on its owner, then (after `exchange`) a Received on the ranks that train it."""
-    owner: int
-    prompt_len: int
-    response_len: int
-    reward: float
-    failed: bool
-    correct: bool
-    finish_reason: str
-    replaced_entries: int = 0  # routing-trace entries the live router decides (on_bad_trace=fallback)
-    replaced_tokens: int = 0
-    has_routes: bool = False
-    payload: object = None
-
-    @property
-    def span(self) -> int:
-        """Input positions in the trainer: prompt + response - 1 (the last token is only a label)."""
-        return self.prompt_len + self.response_len - 1
-
-
-@dataclass
-class Received:
-    ids: torch.Tensor  # int64 [prompt + response]
-    logprobs: torch.Tensor  # float32 [response]
-    routes: Optional[torch.Tensor]  # compact [span, this rank's MoE layers, topk]
-    replaced: Optional[torch.Tensor]  # bool [span, this rank's MoE layers]
-
-
-def gather_scalars(local: list, spec: Optional[TraceSpec], on_bad_trace: str, group) -> list[Sample]:
-    """Every rank: all samples' scalars in rank order (= the prompt order of rollout_phase.share).
-    Raises RoutingTraceError on every rank when an owner's trace is bad (on_bad_trace=error)."""
+def gather_scalars(local: list[Sample], spec: Optional[TraceSpec], on_bad_trace: str, group) -> list[Sample]:
+    """Every rank: all samples in rank order (= the prompt order of collect.share), this rank's own (their
+    routes validated into compact traces) and the others' scalars (Sample.from_scalars). Raises
+    RoutingTraceError on every rank when an owner's trace is bad (on_bad_trace=error)."""
     me = dist.get_rank()
     rows, error = [], None
     try:
@@ -72,9 +44,9 @@ def gather_scalars(local: list, spec: Optional[TraceSpec], on_bad_trace: str, gr
         replaced = {i: (tr.num_replaced, 0 if tr.replaced is None else int(tr.replaced.any(dim=1).sum()))
                     for i, tr in zip(traced, traces) if tr.replaced is not None}
         for i, s in enumerate(local):
-            rep_e, rep_t = replaced.get(i, (0, 0))
-            rows.append((len(s.prompt_ids), len(s.response_ids), float(s.reward), bool(s.failed), bool(s.correct),
-                         s.finish_reason, rep_e, rep_t, s.routes is not None))
+            s.owner = me
+            s.replaced_entries, s.replaced_tokens = replaced.get(i, (0, 0))
+            rows.append(s.scalars())
     except RoutingTraceError as e:
         error = f"rank {me}: {e}"
     every = [None] * dist.get_world_size()
@@ -82,11 +54,8 @@ def gather_scalars(local: list, spec: Optional[TraceSpec], on_bad_trace: str, gr
     errors = [e for _, e in every if e]
     if errors:
         raise RoutingTraceError("; ".join(errors))
-    out = []
-    for rank, (rank_rows, _) in enumerate(every):
-        for i, row in enumerate(rank_rows):
-            out.append(Sample(rank, *row, payload=local[i] if rank == me else None))
-    return out
+    return [local[i] if rank == me else Sample.from_scalars(row, rank)
+            for rank, (rank_rows, _) in enumerate(every) for i, row in enumerate(rank_rows)]
 
 
 def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, with_routes: bool) -> list[int]:
@@ -102,11 +71,11 @@ def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, wi
 
 
 def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool) -> list[torch.Tensor]:
-    """The blocks of `_blocks` as byte tensors, from the owner's payloads (on the host: an engine on the
+    """The blocks of `_blocks` as byte tensors, from the owner's samples (on the host: an engine on the
     GPU returns device tensors)."""
     if not samples:
         return []
-    payloads = [s.payload for s in samples]
+    payloads = samples
     ids = torch.tensor([t for p in payloads for t in (*p.prompt_ids, *p.response_ids)], dtype=torch.int32)
     parts = [ids.view(torch.uint8), torch.cat([p.logprobs.cpu().to(torch.float32) for p in payloads]).view(torch.uint8)]
     if with_routes:
@@ -129,10 +98,11 @@ def own_share_bytes(samples: Sequence[Sample], mine: Sequence[int], spec: Option
 
 
 def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
-             group=None) -> tuple[dict[int, Received], dict]:
+             group=None) -> tuple[dict[int, Sample], dict]:
     """Send each sample (index -> DP rank in dp_of) from its owner to every rank of that DP replica.
     recipients: moe.routing.transport.gather_recipients (each rank's dp_rank and MoE layer columns).
-    Returns {sample index: Received} of this rank's samples and {"bytes_received", "own_share_bytes"}."""
+    Returns {sample index: the sample with its payload (ids as tensors, this rank's route columns)} of this
+    rank's samples, and {"bytes_received", "own_share_bytes"}."""
     me, world = dist.get_rank(), dist.get_world_size()
     mine_r = recipients[me]
     with_routes = spec is not None and all(s.has_routes for s in samples) and bool(samples)
@@ -181,6 +151,7 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
             replaced = [next(rep) if s.replaced_entries else None for s in got]
         idx = [i for i in expected if samples[i].owner == src]
         for i, x, lp, rt, rp in zip(idx, ids, lps, routes, replaced):
-            out[i] = Received(x, lp, rt, rp)
+            p = samples[i].prompt_len
+            out[i] = replace(samples[i], prompt_ids=x[:p], response_ids=x[p:], logprobs=lp, routes=rt, replaced=rp)
     own = own_share_bytes(samples, expected, spec if with_routes else None)
     return out, {"bytes_received": int(recv.numel()), "own_share_bytes": own}

@@ -1,4 +1,5 @@
-"""Optional supervised warm-up before RL: next-token loss on `answer + eos` after the rendered prompt.
+"""A phase of the run before RL: the optional supervised warm-up (next-token loss on `answer + eos` after the
+rendered prompt), and the next-token step it takes (also the foundation's step: the model parity tests use it).
 
 The CPU demo uses it to teach a random tiny model the answer *format* only (its warm-up file pairs each
 prompt with a random answer), so RL starts near zero reward and has to learn the task itself.
@@ -9,15 +10,17 @@ import logging
 
 import numpy as np
 import torch
+from megatron.core import parallel_state
 
+from rlpo_mega import platform
 from rlpo_mega.data import load_prompts, render_prompt
+from rlpo_mega.training.update import forward_only, reduce_report, to_device, update
 
 log = logging.getLogger("rlpo_mega")
 
 
-def _examples(trainer):
-    c, tok = trainer.cfg, trainer.tokenizer
-    records = trainer.records.get("warmup")  # read and validated before the model was built
+def _examples(cfg, tokenizer, records):
+    c, tok = cfg, tokenizer
     if records is None:  # the warm-up was switched on after the trainer was built (tests)
         records = load_prompts(c.trainer.warmup.path, "auto", c.prompts.prompt_key, c.prompts.answer_key)
     out = []
@@ -40,16 +43,14 @@ def _batch(examples, rows, tp: int, pad: int) -> dict:
     return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": mask[:, 1:]}
 
 
-def supervised_warmup(trainer):
-    """trainer.cfg.trainer.warmup.steps optimizer steps of batch_size examples (seeded order, cycling).
-    Returns the last loss, or None when a signal stopped it (polled after every step)."""
-    from rlpo_mega.training.policy_step import shard_and_split
-    from rlpo_mega.training.step import train_step
-
-    w = trainer.cfg.trainer.warmup
-    examples = _examples(trainer)
-    order = np.random.default_rng([trainer.cfg.seed, 7]).permutation(len(examples))
-    groups = trainer.optimizer.param_groups
+def supervised_warmup(cfg, chunks, optimizer, tokenizer, records, tp: int, stop, rank: int):
+    """cfg.trainer.warmup.steps optimizer steps of batch_size examples (seeded order, cycling) on the policy
+    (`chunks`, `optimizer`). records: the warm-up file's, read and validated before the model was built.
+    Returns the last loss, or None when a signal stopped it (`stop`, polled after every step)."""
+    w = cfg.trainer.warmup
+    examples = _examples(cfg, tokenizer, records)
+    order = np.random.default_rng([cfg.seed, 7]).permutation(len(examples))
+    groups = optimizer.param_groups
     lrs = [g["lr"] for g in groups]
     if w.lr is not None:
         for g in groups:
@@ -59,17 +60,76 @@ def supervised_warmup(trainer):
         for step in range(w.steps):
             rows = [int(order[(pos + j) % len(order)]) for j in range(w.batch_size)]
             pos += w.batch_size
-            batch = _batch(examples, rows, trainer.layout.tensor, trainer.tokenizer.pad_token_id or 0)
-            micro = shard_and_split(batch, trainer.cfg.parallel.num_micro_batches)
-            loss = train_step(trainer.chunks, trainer.optimizer, micro)["loss"]
-            if trainer.stop.any_rank(trainer.device):  # the warm-up is not saved: it reruns on the next start
-                if trainer.rank == 0:
+            batch = _batch(examples, rows, tp, tokenizer.pad_token_id or 0)
+            micro = shard_and_split(batch, cfg.parallel.num_micro_batches)
+            loss = train_step(chunks, optimizer, micro)["loss"]
+            if stop.any_rank(platform.device()):  # the warm-up is not saved: it reruns on the next start
+                if rank == 0:
                     log.warning("stopped by signal at warm-up step %d/%d; nothing saved (a warm-up is not "
                                 "checkpointed: the next start runs it again)", step + 1, w.steps)
                 return None
-            if trainer.rank == 0 and (step % 20 == 0 or step == w.steps - 1):
+            if rank == 0 and (step % 20 == 0 or step == w.steps - 1):
                 log.info("warm-up step %d/%d: answer-token loss %.4f", step + 1, w.steps, loss)
     finally:
         for g, lr in zip(groups, lrs):
             g["lr"] = lr
     return loss
+
+
+# --- the next-token step -------------------------------------------------------------------------------
+
+def make_lm_batch(tokens: torch.Tensor) -> dict:
+    """tokens [b, s+1] -> inputs [b, s], next-token labels and a full loss mask."""
+    return {
+        "tokens": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "loss_mask": torch.ones_like(tokens[:, 1:], dtype=torch.float),
+    }
+
+
+def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
+    """One next-token optimizer step over the given micro-batches (this rank's share of the global batch)."""
+    out = update(model_chunks, optimizer, micro_batches, forward_step, "lm_loss", strict=True)
+    return {"loss": out["lm_loss"], "grad_norm": out["grad_norm"]}
+
+
+def eval_loss(model_chunks, micro_batches, forward_step=None) -> float:
+    return reduce_report(forward_only(model_chunks, micro_batches, forward_step))["lm_loss"]
+
+
+def split_micro_batches(tokens: torch.Tensor, num_micro_batches: int) -> list[dict]:
+    """This rank's tokens [b, s+1] -> micro-batches on platform.device() (one copy of the tokens)."""
+    if tokens.shape[0] % num_micro_batches:
+        raise ValueError(f"batch of {tokens.shape[0]} is not divisible into {num_micro_batches} micro-batches")
+    tokens = tokens.to(platform.device())
+    return [make_lm_batch(t) for t in tokens.chunk(num_micro_batches)]
+
+
+def data_parallel_shard(tokens: torch.Tensor) -> torch.Tensor:
+    """This DP rank's contiguous share of a global batch."""
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    if tokens.shape[0] % dp:
+        raise ValueError(f"global batch {tokens.shape[0]} is not divisible by data-parallel size {dp}")
+    return tokens.chunk(dp)[rank]
+
+
+def split_rows(batch: dict, parts: int) -> list[dict]:
+    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+    if any(torch.is_tensor(v) and v.shape[0] != n for v in batch.values()):
+        raise ValueError(f"batch tensors disagree in their number of rows: "
+                         f"{ {k: tuple(v.shape) for k, v in batch.items() if torch.is_tensor(v)} }")
+    if n % parts:
+        raise ValueError(f"batch of {n} sequences is not divisible into {parts} parts")
+    out = [{} for _ in range(parts)]
+    for k, v in batch.items():
+        for i, chunk in enumerate(v.chunk(parts) if torch.is_tensor(v) else [v] * parts):
+            out[i][k] = chunk
+    return out
+
+
+def shard_and_split(batch: dict, num_micro_batches: int) -> list[dict]:
+    """This DP rank's contiguous share of the global (host) batch, as micro-batches on platform.device():
+    the one host-to-device copy of the step's data (only this rank's rows travel)."""
+    share = split_rows(batch, parallel_state.get_data_parallel_world_size())
+    return split_rows(to_device(share[parallel_state.get_data_parallel_rank()]), num_micro_batches)

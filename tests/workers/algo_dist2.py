@@ -62,11 +62,12 @@ def dp2_invariance():
     from rlpo_mega import distributed
     from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
     from rlpo_mega.algorithms.objective import policy_objective
-    from rlpo_mega.training.policy_step import (make_policy_forward_step, policy_step, prepare_micro_batches,
-                                                  shard_and_split)
+    from rlpo_mega.training.update import make_policy_forward_step, policy_step
+    from tests.batch_support import prepare_micro_batches
+    from rlpo_mega.training.warmup import shard_and_split
     from rlpo_mega.config import load_config
     from rlpo_mega.model_setup import build_policy, unwrap
-    from rlpo_mega.training.step import forward_backward
+    from rlpo_mega.training.update import forward_backward
 
     cfg = load_config(None, ())
     hf = load_hf_config("configs/models/tiny_qwen3_moe.json")

@@ -18,8 +18,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from moe.model import load_hf_config  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
-from rlpo_mega.training.policy_step import (assemble_batch, policy_step, prepare_micro_batches,  # noqa: E402
-                                              shard_and_split)
+from rlpo_mega.training.update import policy_step  # noqa: E402
+from rlpo_mega.training.warmup import shard_and_split  # noqa: E402
+from tests.batch_support import assemble_batch, prepare_micro_batches  # noqa: E402
 from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.model_setup import build_policy  # noqa: E402

@@ -15,7 +15,8 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
-from rlpo_mega.training.step import run_schedule, split_micro_batches, train_step
+from rlpo_mega.training.update import run_schedule
+from rlpo_mega.training.warmup import split_micro_batches, train_step
 from tests.dist import write_report
 
 
@@ -129,7 +130,7 @@ def run_family(out_dir, hf, overrides):
 
     # 3. Round trip through training: one optimizer step, export, transformers forward == megatron.
     tokens_train = torch.randint(0, hf.vocab_size, (4, 17), generator=torch.Generator().manual_seed(5))
-    from rlpo_mega.training.step import data_parallel_shard
+    from rlpo_mega.training.warmup import data_parallel_shard
 
     train_step(chunks, opt, split_micro_batches(data_parallel_shard(tokens_train), cfg.parallel.num_micro_batches))
     after = megatron_logits(chunks, tokens, hf.vocab_size)

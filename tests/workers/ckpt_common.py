@@ -9,7 +9,7 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
-from rlpo_mega.training.step import data_parallel_shard, eval_loss, split_micro_batches, train_step
+from rlpo_mega.training.warmup import data_parallel_shard, eval_loss, split_micro_batches, train_step
 
 FAMILIES = {
     "qwen3_moe": "configs/models/tiny_qwen3_moe.json",

@@ -15,7 +15,7 @@ from moe.value_head import VALUE_HEAD_HF
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
-from rlpo_mega.training.step import run_schedule
+from rlpo_mega.training.update import run_schedule
 from tests.workers.bridge import make_hf_checkpoint, per_family_main, rel_err
 
 

@@ -24,7 +24,8 @@ from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.training.critic import Critic  # noqa: E402
-from rlpo_mega.training.policy_step import assemble_batch, shard_and_split  # noqa: E402
+from tests.batch_support import assemble_batch  # noqa: E402
+from rlpo_mega.training.warmup import shard_and_split  # noqa: E402
 from tests.workers.algo_parity import rollout  # noqa: E402
 from tests.workers.parity import full_grads_at_tp1, grad_tensors, save_sharded_grads  # noqa: E402
 
@@ -92,7 +93,7 @@ def replay_check(hf, layout, init, batch, overrides):
     from moe.routing.replay import _flat
     from moe.routing.transport import local_routers
     from rlpo_mega.training.critic import values_forward_step
-    from rlpo_mega.training.step import forward_only
+    from rlpo_mega.training.update import forward_only
 
     cfg = load_config(None, overrides + SETTINGS + ("routing.mode=r3",))
     critic = Critic(cfg, hf, layout, TraceSpec.from_hf(hf))

@@ -2,7 +2,7 @@
 
 Each run builds the Trainer inside the tracker (platform.device() is the emulated accelerator from the
 start), runs the supervised warm-up (training/step.py's train step and loss reduction) and 2 RL steps
-through Trainer.run: rollout, assemble_batch, mini-batches, routes, old/reference log-probs, policy
+through Trainer.run: rollout, plan and exchange, micro-batches, routes, old/reference log-probs, policy
 steps, every metric reduction, weight sync. argv: out_dir. Rank 0 reports every rank's violations.
 """
 import os
@@ -43,8 +43,6 @@ RUNS = {
 
 
 def run(out, name, overrides):
-    from rlpo_mega.training.warmup import supervised_warmup
-
     cfg = load_config("configs/demo_cpu.yaml", BASE + overrides + (f"logging.dir={os.path.join(out, name)}",
                                                                    f"logging.run_name={name}"))
     history = []
@@ -52,9 +50,8 @@ def run(out, name, overrides):
         t = Trainer(cfg)
         ok = False
         try:
-            tracker.watch(t.chunks + (t.ref_chunks or []) + (t.critic.chunks if t.critic else []))
-            t.cfg.trainer.warmup.steps = 2
-            supervised_warmup(t)
+            tracker.watch(t.policy.chunks + (t.policy.ref_chunks or []) + (t.critic.chunks if t.critic else []))
+            t.cfg.trainer.warmup.steps = 2  # run's warm-up phase, with the warm-up file read there
             history = t.run()
             ok = True
         finally:
@@ -73,8 +70,7 @@ def selfcheck():
 
     from rlpo_mega import platform
     from rlpo_mega.algorithms.mismatch import mismatch_metrics
-    from rlpo_mega.training.policy_step import assemble_batch
-    from rlpo_mega.config import AlgorithmConfig
+    from rlpo_mega.training.warmup import _batch as _warmup_batch
     from tests.workers.device_tracker import origin
 
     distributed.init_process_group()
@@ -90,7 +86,7 @@ def selfcheck():
         host, mask = acc.cpu(), torch.ones(2, 3, dtype=torch.bool, device=dev)
         count("mix_in_learner_code", lambda: mismatch_metrics(acc, host, mask))
         count("same_device_in_learner_code", lambda: mismatch_metrics(acc, acc + 1, mask))
-        batch, _ = assemble_batch([[1, 2]], [[3]], torch.tensor([1.0]), torch.tensor([0]), AlgorithmConfig())
+        batch = _warmup_batch([([1, 2], [3])], [0], 1, 0)  # a batch the learner builds (on the host)
         cases["learner_batch_is_host"] = int(origin(batch["tokens"]) is not None)
         moved = {k: v.to(dev) for k, v in batch.items()}
         cases["moved_batch_is_device"] = int(all(origin(t) is None for t in moved.values()))

@@ -5,7 +5,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moe.model import load_hf_config
-from rlpo_mega.weight_sync.transports import HFModelReceiver, WeightUpdateGroup, serve_distributed
+from rlpo_mega.weight_sync.transports import HFModelReceiver
+from tests.weight_sync_support import WeightUpdateGroup, serve_distributed
 
 
 def main():

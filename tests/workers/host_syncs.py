@@ -16,6 +16,7 @@ import torch.distributed as dist
 import tests.workers.train_hooks  # noqa: F401  (registers the test_parity reward)
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
+import rlpo_mega.training.trainer as trainer_module
 from rlpo_mega.training.trainer import Trainer
 from tests.dist import write_report
 from tests.workers.device_tracker import DeviceTracker
@@ -50,13 +51,17 @@ def run(out, name, layers, micro):
     with DeviceTracker() as tracker:
         t = Trainer(cfg)
         ok = False
+        # the step's phases (rlpo_mega.training.trainer's names), counted under the test's keys
+        phases = (("_old_logprobs", trainer_module, "old_logprobs"), ("_update", trainer_module, "update_phase"),
+                  ("sync", t, "sync"))
+        originals = [(owner, name, getattr(owner, name)) for _, owner, name in phases]
         try:
-            for phase in ("_old_logprobs", "_update", "sync"):
-                real = getattr(t, phase)
+            for phase, owner, name in phases:
+                real = getattr(owner, name)
 
                 def counted(*args, _real=real, _phase=phase, **kwargs):
                     if _phase == "_old_logprobs":
-                        shape["micro_batches"] = [len(mini) for mini in args[0]]
+                        shape["micro_batches"] = [len(mini) for mini in args[1]]
                     with tracker.counting():
                         before = dict(tracker.syncs)
                         result = _real(*args, **kwargs)
@@ -64,10 +69,12 @@ def run(out, name, layers, micro):
                                       for (w, s), n in tracker.syncs.items() if n != before.get((w, s), 0)}
                     return result
 
-                setattr(t, phase, counted)
+                setattr(owner, name, counted)
             history = t.run()
             ok = True
         finally:
+            for owner, name, real in originals:
+                setattr(owner, name, real)
             t.close(ok)
             distributed.destroy(keep_world=True)
     return {"steps": len(history), "syncs": counts, **shape}

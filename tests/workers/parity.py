@@ -16,8 +16,8 @@ from rlpo_mega import distributed
 from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy, unwrap
-from rlpo_mega.training.step import (data_parallel_shard, forward_backward, reduce_report,
-                                     split_micro_batches, train_step)
+from rlpo_mega.training.warmup import data_parallel_shard, split_micro_batches, train_step
+from rlpo_mega.training.update import forward_backward, reduce_report
 
 STEPS = 3
 

@@ -30,7 +30,7 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed, platform
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy, unwrap
-from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
+from rlpo_mega.training.warmup import data_parallel_shard, split_micro_batches, train_step
 from tests.dist import write_report
 
 

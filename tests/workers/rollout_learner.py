@@ -16,7 +16,7 @@ from rlpo_mega.config import EmbeddedEngineConfig, load_config
 from rlpo_mega.rollout import SamplingParams
 from rlpo_mega.rollout.embedded import EmbeddedEngine
 from rlpo_mega.model_setup import build_policy
-from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
+from rlpo_mega.training.warmup import data_parallel_shard, split_micro_batches, train_step
 from rlpo_mega.weight_sync.transports import InProcessTransport
 from tests.workers.bridge import make_hf_checkpoint, megatron_logits, per_family_main
 

@@ -18,10 +18,11 @@ from moe.routing.transport import gather_recipients, padded_placement, scatter_r
 from rlpo_mega import distributed
 from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
 from rlpo_mega.algorithms.objective import policy_objective
-from rlpo_mega.training.policy_step import _model_out, assemble_batch, policy_step, prepare_micro_batches
+from rlpo_mega.training.update import model_forward as _model_out, policy_step
+from tests.batch_support import assemble_batch, prepare_micro_batches
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
-from rlpo_mega.training.step import forward_backward
+from rlpo_mega.training.update import forward_backward
 from tests.dist import write_report
 from tests.workers.bridge import make_hf_checkpoint
 from tests.workers.routing_common import (MODEL, SEQ, RouteHooks, compare_to_traces, hf_engine, local_forward_routes,
@@ -76,8 +77,8 @@ def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
     extra forward-only pass routing live; also gives `routing/no_replay/agreement`). Needs rollout_logp.
     Collective; every rank gets the global values."""
     from rlpo_mega.algorithms.mismatch import mismatch_metrics
-    from rlpo_mega.training.policy_step import compute_log_probs
-    from rlpo_mega.training.step import reduce_report
+    from rlpo_mega.training.old_logprobs import compute_log_probs
+    from rlpo_mega.training.update import reduce_report
 
     live = compute_log_probs(model_chunks, micro, algo_cfg, wrap_step=lambda s: self.wrap(s, "observe", "no_replay"))
     reports = []

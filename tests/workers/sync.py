@@ -12,12 +12,12 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
-from rlpo_mega.training.step import data_parallel_shard, split_micro_batches, train_step
+from rlpo_mega.training.warmup import data_parallel_shard, split_micro_batches, train_step
 from moe.bridge import digest
 from moe.bridge.digest import DigestMismatchError
-from rlpo_mega.weight_sync.transports import (DiskTransport, DistributedTransport, HFModelReceiver,
-                                              InProcessTransport, WeightUpdateGroup)
+from rlpo_mega.weight_sync.transports import DiskTransport, HFModelReceiver, InProcessTransport
 from tests.dist import free_port, write_report
+from tests.weight_sync_support import DistributedTransport, WeightUpdateGroup
 from tests.workers.bridge import make_hf_checkpoint, megatron_logits, rel_err
 
 

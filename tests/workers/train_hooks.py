@@ -44,7 +44,7 @@ def inject_nan(trainer, steps):
             return (bad,) + tuple(output[1:]) if isinstance(output, tuple) else bad
         return output
 
-    return unwrap(trainer.chunks[0]).output_layer.register_forward_hook(hook)
+    return unwrap(trainer.policy.chunks[0]).output_layer.register_forward_hook(hook)
 
 
 def inject_nan_grad(trainer, steps):
@@ -52,5 +52,5 @@ def inject_nan_grad(trainer, steps):
     gradient check, not the loss check, must skip the update."""
     from rlpo_mega.model_setup import unwrap
 
-    param = next(unwrap(trainer.chunks[0]).parameters())
+    param = next(unwrap(trainer.policy.chunks[0]).parameters())
     return param.register_hook(lambda g: g * float("nan") if trainer.step in steps else g)

@@ -180,23 +180,24 @@ def engine(out):
 
 def warmup_reference(out):
     """With a supervised warm-up and KL on, the reference is the policy after the warm-up (RL's start)."""
-    import rlpo_mega.training.warmup as warmup
+    import rlpo_mega.training.trainer as trainer_module
     from rlpo_mega.model_setup import unwrap
 
-    before, run_warmup = {}, warmup.supervised_warmup
+    before, run_warmup = {}, trainer_module.supervised_warmup
 
-    def snapshot_then_warm_up(trainer):
-        before.update((n, p.detach().clone()) for n, p in unwrap(trainer.chunks[0]).named_parameters())
-        return run_warmup(trainer)
+    def snapshot_then_warm_up(cfg, chunks, *args):
+        before.update((n, p.detach().clone()) for n, p in unwrap(chunks[0]).named_parameters())
+        return run_warmup(cfg, chunks, *args)
 
-    warmup.supervised_warmup = snapshot_then_warm_up
+    trainer_module.supervised_warmup = snapshot_then_warm_up
     try:
         t = Trainer(cfg(out, "warmup_ref", "train_iters=1", "trainer.warmup.steps=3", "trainer.warmup.lr=1e-2",
                         "algorithm.kl.coef=0.04"))
+        t.start()  # the run's phases before RL: the warm-up, then the reference from the policy
     finally:
-        warmup.supervised_warmup = run_warmup
-    policy = dict(unwrap(t.chunks[0]).named_parameters())
-    rep = {"ref_equals_policy": all(torch.equal(q, policy[n]) for n, q in t.ref_chunks[0].named_parameters()),
+        trainer_module.supervised_warmup = run_warmup
+    policy = dict(unwrap(t.policy.chunks[0]).named_parameters())
+    rep = {"ref_equals_policy": all(torch.equal(q, policy[n]) for n, q in t.policy.ref_chunks[0].named_parameters()),
            "warmup_moved": bool(before) and any(not torch.equal(before[n], p) for n, p in policy.items())}
     t.close(True)
     return rep
@@ -252,12 +253,12 @@ def sglang_distributed_run(out):
         got = original_sync(self)
         if self.rank == 0:
             syncs.append(got)
-            groups.append(self.slot.transport.group_name)
+            groups.append(self.engines.slot.transport.group_name)
         return got
 
     def kill_after_first(trainer):
         if trainer.step == 1 and trainer.rank == 0:
-            server = trainer.slot.engine.servers[0].launched
+            server = trainer.engines.slot.engine.servers[0].launched
             server.kill()
             server.proc.wait(30)
 
@@ -280,7 +281,7 @@ def sglang_hang_sigterm(out):
 
     def freeze(trainer):
         if trainer.step == 1 and trainer.rank == 0:
-            os.killpg(trainer.slot.engine.servers[0].launched.proc.pid, signal.SIGSTOP)
+            os.killpg(trainer.engines.slot.engine.servers[0].launched.proc.pid, signal.SIGSTOP)
 
             def term():
                 time.sleep(3)

@@ -1,47 +1,23 @@
-"""The rollout side of an RL step: engines per rank, generation shares, rewards, weight sync.
+"""The rollout engines on the learner ranks: built with their weight transport, rebuilt when one fails.
 
-SPMD: every learner rank calls everything here. Engine ranks (every rank for the embedded engine, global
-rank 0 for an SGLang client, whose servers batch on their own) each generate a contiguous share of the
-prompts and score it; the step's exchange (training/exchange.py) then gives every rank every sample's
-scalars, so advantages and the DP split are computed identically everywhere.
+Engine ranks: every rank for the embedded engine, global rank 0 for an SGLang client (its servers batch on
+their own). A failure on any rank is agreed on by all over the host-side control group (EngineGuard), so
+no rank is left waiting in a collective; the engine is rebuilt and the weights re-synced.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Optional
+import os
 
 import torch
 import torch.distributed as dist
 
-from rlpo_mega.config import ConfigError
-from rlpo_mega.rewards import RewardInput
-from rlpo_mega.rollout import ENGINES, EngineError, RolloutInterrupted, SamplingParams
+from rlpo_mega.rollout import ENGINES, EngineError, RolloutInterrupted
+from rlpo_mega.rollout.sglang_engine import launch_node_servers
+from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
-
-
-@dataclass
-class Scored:
-    """One generated response with its reward (what every rank holds after the gather)."""
-    prompt_ids: list
-    response_ids: list
-    logprobs: torch.Tensor
-    finish_reason: str
-    routes: Optional[torch.Tensor]
-    reward: float
-    failed: bool
-    correct: bool
-    replaced: Optional[torch.Tensor] = None  # bool [T, L]: trace entries the live router decides (validated)
-
-
-def mix_seed(*parts: int) -> int:
-    """A 62-bit seed from integers (run seed, step, call, rank): distinct calls never share streams."""
-    h = 0x9E3779B97F4A7C15
-    for p in parts:
-        h = ((h ^ (int(p) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & ((1 << 62) - 1)
 
 
 def build_engine(cfg, hf):
@@ -57,13 +33,7 @@ def engine_ranks(cfg) -> list[int]:
 
 def make_transport(cfg, engine, hf):
     """The configured weight transport of `engine`, through the TRANSPORTS registry."""
-    from rlpo_mega.weight_sync.transports import TRANSPORTS
-
-    cls = TRANSPORTS.get(cfg.rollout.sync_transport)
-    if not hasattr(cls, "from_config"):
-        raise ConfigError(f"rollout.sync_transport={cfg.rollout.sync_transport} cannot be built from a config "
-                          "(it is the generic engine-rank protocol); use in_process, disk or sglang_distributed")
-    return cls.from_config(cfg, engine, hf)
+    return TRANSPORTS.get(cfg.rollout.sync_transport).from_config(cfg, engine, hf)
 
 
 class EngineSlot:
@@ -89,11 +59,6 @@ class EngineSlot:
     def _launch_per_node(self):
         """Every node's servers started by its local rank 0 -> (the run config attached to their URLs in node
         order, {url: (node, this process's SGLangServer handle or None)})."""
-        import dataclasses
-        import os
-
-        from rlpo_mega.rollout.sglang_engine import launch_node_servers
-
         sg = self.cfg.rollout.sglang
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         node = int(os.environ.get("GROUP_RANK", "0"))
@@ -157,52 +122,6 @@ class EngineSlot:
                 self._stop_node_servers()
 
 
-def share(items: list, ranks: list[int]) -> list:
-    """This rank's contiguous share of `items` (empty on ranks without an engine)."""
-    me = dist.get_rank()
-    if me not in ranks:
-        return []
-    k, i = len(ranks), ranks.index(me)
-    per, extra = divmod(len(items), k)
-    start = i * per + min(i, extra)
-    return items[start:start + per + (1 if i < extra else 0)]
-
-
-def sampling_params(cfg, tokenizer, seed: int, greedy: bool = False) -> SamplingParams:
-    r = cfg.rollout
-    stop = tuple(r.stop_token_ids) if r.stop_token_ids is not None else (tokenizer.eos_token_id,)
-    return SamplingParams(temperature=r.temperature, top_p=1.0 if greedy else r.top_p,
-                          top_k=1 if greedy else r.top_k, max_new_tokens=r.max_new_tokens,
-                          stop_token_ids=tuple(int(t) for t in stop if t is not None), seed=seed)
-
-
-def generate_local(engine, mine, n: int, params: SamplingParams, scorer, tokenizer, timer,
-                   correct_at: float = 1.0) -> list[Scored]:
-    """This rank's share: generate n responses per item and score them (no collective: a failure here
-    is agreed on by EngineGuard before anyone enters the gather)."""
-    if not mine:
-        return []
-    with timer("rollout"):
-        samples = engine.generate([it.input_ids for it in mine], params, n=n)
-    with timer("reward"):
-        inputs = [RewardInput(it.record.prompt, tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                              it.record.reference, it.record.metadata)
-                  for it, s in zip((it for it in mine for _ in range(n)), samples)]
-        result = scorer.score(inputs)
-    return [Scored(s.prompt_ids, s.response_ids, s.logprobs, s.finish_reason, s.routes, float(r), bool(f),
-                   float(r) >= correct_at) for s, r, f in zip(samples, result.rewards, result.failed)]
-
-
-def all_ok(ok, device) -> bool:
-    """`ok` (a bool, or a bool device tensor: read on the host only after the all-reduce) on every rank."""
-    if torch.is_tensor(ok):
-        flag = (~ok.to(device=device, dtype=torch.bool)).float().reshape(1)
-    else:
-        flag = torch.tensor([0.0 if ok else 1.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag.item() == 0
-
-
 class StopRequested(Exception):
     """Every rank: a stop (SIGTERM) interrupted the rollout; the trainer saves and exits."""
 
@@ -257,3 +176,17 @@ class EngineGuard:
                 log.warning("shutdown of the failed engine raised %s", e)
             self.slot.build()
             self.sync()
+
+
+class Engines:
+    """The rollout side's engines as the trainer holds them: the engine ranks, this rank's slot (engine +
+    transport), and the guard every engine call goes through. sync: the trainer's weight sync (re-run after
+    a rebuild)."""
+
+    def __init__(self, cfg, hf, sync, should_stop, group):
+        self.ranks = engine_ranks(cfg)
+        self.slot = EngineSlot(cfg, hf, should_stop=should_stop, group=group)
+        self.guard = EngineGuard(self.slot, sync, cfg.trainer.engine_restarts, group)
+
+    def close(self):
+        self.slot.close()

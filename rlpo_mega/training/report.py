@@ -1,4 +1,4 @@
-"""A step's report: the trainer's policy_step keys -> logged metric names, rollout stats, means over updates."""
+"""Phase 7 of an RL step: its report. The update's keys -> logged metric names, rollout stats, means over updates."""
 from __future__ import annotations
 
 import torch
@@ -56,3 +56,32 @@ def rollout_metrics(scored) -> dict:
             "reward/failed": sum(s.failed for s in scored), "reward/samples": len(scored),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored)}
+
+
+def advantage_metrics(stats: dict, advantages: torch.Tensor, with_critic: bool) -> dict:
+    """The plan's and the advantages' stats; without a critic the advantages' moments (with a critic these are
+    the sequence rewards: GAE's stats come with the values)."""
+    m = {("advantages/" + k if k in ("groups", "zero_advantage_groups") else k): v for k, v in stats.items()}
+    if not with_critic:
+        adv = advantages.float()
+        m.update({"advantages/mean": float(adv.mean()), "advantages/std": float(adv.std(unbiased=False)),
+                  "advantages/min": float(adv.min()), "advantages/max": float(adv.max())})
+    return m
+
+
+def update_metrics(outs: list[dict], critic_metrics: dict, skipped: int, bad_steps: int, old_from_update: bool,
+                   lr: float) -> dict:
+    """The step's update: the policy's metrics as means over its updates (mini-batches x epochs), the critic's,
+    the skipped updates (non-finite loss or gradients) and the learning rate."""
+    m = dict(critic_metrics)
+    m["train/skipped_updates"] = skipped
+    m["train/bad_steps_in_a_row"] = bad_steps
+    m.update(policy_metrics(mean_dicts(outs), "update" if old_from_update else "old"))
+    m["optim/lr"] = lr
+    return m
+
+
+def throughput_metrics(samples, epochs: int, seconds: float, timer) -> dict:
+    """Per-phase wall times, the step's time and its tokens per second (each epoch counts its tokens again)."""
+    tokens = sum(s.prompt_len + s.response_len for s in samples)
+    return {**timer.metrics(), "time/step": seconds, "perf/tokens_per_s": tokens * epochs / seconds}
