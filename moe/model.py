@@ -179,6 +179,7 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
     te = have_transformer_engine()
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     if not te:  # packed (THD) micro-batches: TE's attention takes them, the local one needs this
+        # lazy: imports megatron, which a broken TE makes fail before have_transformer_engine() can report it
         from .packed_attention import use_packed_core_attention
 
         spec = use_packed_core_attention(spec)
@@ -198,6 +199,7 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
         rotary_percent=family.rotary_percent(hf),
     )
     if value_head and post_process:
+        # lazy: imports megatron, which a broken TE makes fail before have_transformer_engine() can report it
         from .value_head import ValueHead
 
         model.output_layer = ValueHead(config, seed=head_seed)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-VALUE_HEAD_HF = ("score.weight", "score.bias")
+from moe.families import VALUE_HEAD_HF  # noqa: F401  (re-exported; defined there so the bridge needs no megatron)
 
 
 class ValueHead(MegatronModule):

@@ -13,6 +13,7 @@ import torch
 from rlpo_mega.algorithms.advantages import sequence_advantages
 from rlpo_mega.logging import PhaseTimer
 from rlpo_mega.training.batches import plan_and_exchange
+from rlpo_mega.training.batches import MicroBatch
 from rlpo_mega.training.old_logprobs import attach_old_logprobs
 from rlpo_mega.training.warmup import shard_and_split
 
@@ -49,10 +50,10 @@ def assemble_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
                 raise ValueError(f"sample {i}: {len(rollout_logps[i])} rollout log-probs for {len(r)} tokens")
             roll[i, len(p) - 1:len(p) - 1 + len(r)] = torch.as_tensor(rollout_logps[i], dtype=torch.float)
     mask = resp[:, 1:] & keep[:, None]
-    batch = {"tokens": seq[:, :-1].contiguous(), "labels": seq[:, 1:].contiguous(), "loss_mask": mask,
-             "advantages": advantages}
+    batch = MicroBatch(tokens=seq[:, :-1].contiguous(), labels=seq[:, 1:].contiguous(), loss_mask=mask,
+                       advantages=advantages)
     if roll is not None:
-        batch["rollout_logp"] = roll
+        batch.rollout_logp = roll
     return batch, stats
 
 

@@ -9,6 +9,7 @@ import torch
 from rlpo_mega.algorithms import losses as L
 from rlpo_mega.algorithms.aggregation import MODES, global_mean
 from rlpo_mega.algorithms.objective import AggregationPitfallWarning, policy_objective, resolve_loss
+from rlpo_mega.training.batches import MicroBatch
 from rlpo_mega.config import AlgorithmConfig
 from tests import algo_reference as ref
 
@@ -68,7 +69,7 @@ def run_impl(batch, cfg, rows=None):
     lp = batch["logp"].clone().requires_grad_()
     parts = []
     for sl in rows or [slice(None)]:
-        mb = {k: v[sl] for k, v in batch.items() if k != "logp"}
+        mb = MicroBatch(**{k: v[sl] for k, v in batch.items() if k != "logp"})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", AggregationPitfallWarning)
             num, cnt, report = policy_objective(lp[sl], mb, cfg)

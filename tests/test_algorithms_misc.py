@@ -12,6 +12,7 @@ from rlpo_mega.algorithms.objective import AggregationPitfallWarning, policy_obj
 from tests.batch_support import assemble_batch
 from rlpo_mega.algorithms.shaping import overlong_filter, soft_overlong_punishment
 from rlpo_mega.config import AdvantageConfig, AlgorithmConfig, load_config
+from rlpo_mega.training.batches import MicroBatch
 from tests import algo_reference as ref
 
 
@@ -90,11 +91,11 @@ def test_assemble_batch_shapes_masks_and_shaping():
     batch, stats = assemble_batch(prompts, responses, rewards, torch.tensor([0, 1, 0, 1]), cfg, seq_length=6,
                                   truncated=torch.tensor([False, False, True, False]),
                                   rollout_logps=[[-.1, -.2, -.3], [-.4], [-1] * 4, [-.5, -.6]])
-    assert batch["tokens"].shape == (4, 6) and batch["labels"][0, :4].tolist() == [6, 1, 2, 3]
-    assert batch["loss_mask"][0].tolist() == [False, True, True, True, False, False]
-    assert batch["loss_mask"][2].sum() == 0  # truncated: filtered
-    assert batch["rollout_logp"][0, 1:4].tolist() == pytest.approx([-.1, -.2, -.3])
-    assert batch["rollout_logp"][1, 0].item() == pytest.approx(-.4)
+    assert batch.tokens.shape == (4, 6) and batch.labels[0, :4].tolist() == [6, 1, 2, 3]
+    assert batch.loss_mask[0].tolist() == [False, True, True, True, False, False]
+    assert batch.loss_mask[2].sum() == 0  # truncated: filtered
+    assert batch.rollout_logp[0, 1:4].tolist() == pytest.approx([-.1, -.2, -.3])
+    assert batch.rollout_logp[1, 0].item() == pytest.approx(-.4)
     # lengths 3 and 4 with L_max 4, L_cache 2: penalties -0.5 and -1 before the advantages
     assert stats["overlong_penalty_mean"] == pytest.approx((-0.5 - 1.0 + 0 + 0) / 4)
     assert stats["groups"] == 2 and stats["overlong_filtered"] == 1
@@ -160,7 +161,7 @@ def test_config_loads_from_dotted_overrides():
 
 def small_batch():
     mask = torch.tensor([[True, True, False], [True, False, False]])
-    return {"loss_mask": mask, "old_logp": torch.full((2, 3), -1.0), "advantages": torch.tensor([1.0, -1.0])}
+    return MicroBatch(loss_mask=mask, old_logp=torch.full((2, 3), -1.0), advantages=torch.tensor([1.0, -1.0]))
 
 
 def test_bad_tensors():
@@ -169,11 +170,11 @@ def test_bad_tensors():
     with pytest.raises(ValueError, match=r"log-probs \(2, 4\) and loss_mask \(2, 3\) differ in shape"):
         policy_objective(torch.zeros(2, 4), small_batch(), cfg)
     b = small_batch()
-    b["old_logp"] = torch.zeros(2, 2)
+    b.old_logp = torch.zeros(2, 2)
     with pytest.raises(ValueError, match=r"old_logp \(2, 2\) and the new log-probs \(2, 3\) differ in shape"):
         policy_objective(lp, b, cfg)
     b = small_batch()
-    b["old_logp"][1, 0] = float("nan")
+    b.old_logp[1, 0] = float("nan")
     with pytest.raises(ValueError, match=r"old_logp has 1 NaN/inf values at valid \(unmasked\) tokens$"):
         policy_objective(lp, b, cfg)
     bad = lp.clone()
@@ -184,15 +185,15 @@ def test_bad_tensors():
     ok[0, 2] = float("nan")  # padding: fine
     policy_objective(ok, small_batch(), cfg)
     b = small_batch()
-    b["advantages"] = torch.zeros(3)
+    b.advantages = torch.zeros(3)
     with pytest.raises(ValueError, match=r"advantages \(3,\) must be \[batch\] or \[batch, seq\]"):
         policy_objective(lp, b, cfg)
     b = small_batch()
-    b["advantages"] = torch.tensor([[1.0, 2.0, 0.0], [1.0, 0.0, 0.0]])
+    b.advantages = torch.tensor([[1.0, 2.0, 0.0], [1.0, 0.0, 0.0]])
     with pytest.raises(ValueError, match=r"gspo needs one advantage per sequence.*gspo_token"):
         policy_objective(lp, b, cfg_with(name="gspo"))
     b = small_batch()
-    del b["old_logp"]
+    b.old_logp = None
     with pytest.raises(ValueError, match=r"the batch has no 'old_logp'"):
         policy_objective(lp, b, cfg)
     cfg.kl.coef = 0.1

@@ -85,22 +85,22 @@ def test_packed_micro_batch_layout():
     mb = build_micro_batch(samples, received, [0, 1, 2], adv, keep, layout="packed", align=4, pad_id=0,
                            recipient=rcpt, topk=2)
     spans = [6, 2, 10]
-    assert mb["tokens"].shape == (1, 20) and mb["cu_seqlens"].tolist() == [0, 6, 8, 18, 20]
+    assert mb.tokens.shape == (1, 20) and mb.cu_seqlens.tolist() == [0, 6, 8, 18, 20]
     off = 0
     for k, (s, r) in enumerate(zip(spans, received.values())):
-        assert mb["tokens"][0, off:off + s].tolist() == r.ids[:-1].tolist()
-        assert mb["labels"][0, off:off + s].tolist() == r.ids[1:].tolist()
-        assert mb["index"][k, :s].tolist() == list(range(off, off + s))
-        assert mb["position_ids"][0, off:off + s].tolist() == list(range(s))
-        assert (mb["routes"][0, off:off + s].long() == r.routes.long()).all()
+        assert mb.tokens[0, off:off + s].tolist() == r.ids[:-1].tolist()
+        assert mb.labels[0, off:off + s].tolist() == r.ids[1:].tolist()
+        assert mb.index[k, :s].tolist() == list(range(off, off + s))
+        assert mb.position_ids[0, off:off + s].tolist() == list(range(s))
+        assert (mb.routes[0, off:off + s].long() == r.routes.long()).all()
         off += s
-    assert (mb["routes"][0, 18:] == -2).all()  # the tail routes live
-    assert mb["loss_mask"].sum(1).tolist() == [4, 1, 0]  # sample 2 filtered (keep=False)
-    assert mb["loss_mask"][0].nonzero().flatten().tolist() == [2, 3, 4, 5]  # prompt 3: first label at 2
-    assert torch.equal(mb["rollout_logp"][0, 2:6], received[0].logprobs)
-    assert mb["advantages"].tolist() == [0.5, -1.0, 2.0]
+    assert (mb.routes[0, 18:] == -2).all()  # the tail routes live
+    assert mb.loss_mask.sum(1).tolist() == [4, 1, 0]  # sample 2 filtered (keep=False)
+    assert mb.loss_mask[0].nonzero().flatten().tolist() == [2, 3, 4, 5]  # prompt 3: first label at 2
+    assert torch.equal(mb.rollout_logp[0, 2:6], received[0].logprobs)
+    assert mb.advantages.tolist() == [0.5, -1.0, 2.0]
     empty = build_micro_batch(samples, received, [], adv, keep, layout="packed", align=4, pad_id=0)
-    assert empty["tokens"].shape == (1, 4) and not empty["loss_mask"].any()
+    assert empty.tokens.shape == (1, 4) and not empty.loss_mask.any()
     # the whole-batch route cut equals the per-piece one (moe.routing.transport.local_routes), fallback entries
     # (LIVE) and sequence-parallel shards included
     from moe.routing.trace import RoutingTrace
@@ -115,10 +115,10 @@ def test_packed_micro_batch_layout():
         placement = [Segment(k, 0, o, s) for k, (o, s) in enumerate(zip([0, 6, 8], spans))]
         traces = [RoutingTrace(x.routes, 0, x.replaced) for x in received.values()]
         want = local_routes(traces, placement, r, 1, 20, 2)
-        assert mb["routes"].dtype == want.dtype and torch.equal(mb["routes"], want), sp_rank
+        assert mb.routes.dtype == want.dtype and torch.equal(mb.routes, want), sp_rank
     assert (want == LIVE).sum() == 0  # shard 1 (positions 10-19) holds none of sample 1's positions
     first = build_micro_batch(samples, received, [0, 1, 2], adv, keep, layout="packed", align=4, pad_id=0,
-                              recipient=Recipient(0, 0, 1, 0, 2, (0, 1)), topk=2)["routes"]
+                              recipient=Recipient(0, 0, 1, 0, 2, (0, 1)), topk=2).routes
     assert (first[0, 6, 0] == LIVE).all() and (first[0, 7, 1] == LIVE).all() and (first == LIVE).sum() == 4
 
 

@@ -196,7 +196,7 @@ def test_padded_batch_alignment_with_assemble_batch():
     covered = torch.zeros(3, 9, dtype=torch.bool)
     for i, s in enumerate(samples):
         covered[i, :len(s) - 1] = True
-    check_aligned(batch["tokens"], routes, covered)
+    check_aligned(batch.tokens, routes, covered)
 
 
 def test_packed_batch_alignment():

@@ -82,7 +82,6 @@ def worker(args):
     from rlpo_mega.training.exchange import gather_scalars, own_share_bytes
     from rlpo_mega.model_setup import build_policy
     from rlpo_mega.training.collect import share
-    from rlpo_mega.training.update import to_device
 
     hf = load_hf_config(MODEL)
     spec = TraceSpec.from_hf(hf)
@@ -128,7 +127,7 @@ def worker(args):
             t0 = time.perf_counter()
             samples = gather_scalars(share(small, list(range(world))), spec, "error", None)
             minis, _, _ = prepare_step(samples, gids, cfg, dp, tp, recipients, spec, 0)
-            micro = attach_old_logprobs(chunks, [to_device(mb) for mb in minis[0]], cfg.algorithm, routing=routing)
+            micro = attach_old_logprobs(chunks, [mb.to() for mb in minis[0]], cfg.algorithm, routing=routing)
             policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing)
             dist.barrier()
             if rep:  # the first round warms up

@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from moe.families import get_family
+from moe.model import load_hf_config
 
 from . import outputs
 from .mapping import param_maps
@@ -131,8 +132,6 @@ class HFCheckpoint:
 
 
 def load_hf_dir_config(path: str):
-    from moe.model import load_hf_config
-
     return load_hf_config(os.path.join(path, "config.json"))
 
 

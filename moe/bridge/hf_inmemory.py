@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from moe.bridge.digest import copy_with_digests, tensor_digests
 from moe.families import get_family
 
 
@@ -105,8 +106,6 @@ class HFModelWeights:
     def load_verified(self, named_tensors, algorithm: str) -> tuple[dict[str, str], dict[str, str]]:
         """Load and digest in one pass: ({name: digest of the streamed bytes}, {name: digest of the
         engine's memory after the copy}); see moe.bridge.digest.copy_with_digests."""
-        from moe.bridge.digest import copy_with_digests, tensor_digests
-
         named_tensors = list(named_tensors)
         if algorithm == "sums" and not all(t.is_cpu for _, t in named_tensors):
             # accelerator tensors: copy all, then digest each side with one host copy for the whole bucket

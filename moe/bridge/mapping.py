@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from moe.families import get_family
+from moe.families import VALUE_HEAD_HF, get_family
 from moe.model import padded_vocab_size
 
 
@@ -96,8 +96,6 @@ def param_maps(hf, value_head: bool = False) -> list[ParamMap]:
             ]
     maps.append(ParamMap("decoder.final_layernorm.weight", (n["final_norm"],), "replicated"))
     if value_head:
-        from moe.value_head import VALUE_HEAD_HF
-
         maps += [ParamMap("output_layer.weight", (VALUE_HEAD_HF[0],), "replicated"),
                  ParamMap("output_layer.bias", (VALUE_HEAD_HF[1],), "replicated")]
     elif not hf.tie_word_embeddings:

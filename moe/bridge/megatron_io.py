@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moe.families import VALUE_HEAD_HF, get_family
+
+from .digest import algorithm_for, tensor_digests
 from .hf_checkpoint import CheckpointFormatError, HFCheckpoint, expected_hf_shapes
 from .mapping import (Dims, ParamMap, full_to_hf, hf_row_ranges, hf_slices_to_shard, new_tensor,
                       param_maps, shards_to_full)
@@ -109,8 +112,6 @@ def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128) ->
     its LM head: the value head then keeps its initial weights. Returns whether every parameter was read."""
     from megatron.core import parallel_state as ps
 
-    from moe.value_head import VALUE_HEAD_HF
-
     whole = True
     for chunk in model_chunks:
         inner = _inner(chunk)
@@ -119,8 +120,6 @@ def load_hf_weights(model_chunks, hf_dir: str, vocab_divisible_by: int = 128) ->
         value_head = getattr(inner, "value_head", False)
         skip = ()
         if value_head and VALUE_HEAD_HF[0] not in ckpt.file_of:  # the policy's weights: the trunk only
-            from moe.families import get_family
-
             skip = VALUE_HEAD_HF + (get_family(hf.model_type).hf_names(hf)["output"],)
             whole = False
         ckpt.validate(hf, value_head, ignore=skip)  # every rank checks names and shapes before touching a parameter
@@ -243,8 +242,6 @@ class ExportStream:
     def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | None = 0,
                  vocab_divisible_by: int = 128, dtype: torch.dtype | None = None,
                  digest_algorithm: str | None = None):
-        from moe.bridge.digest import algorithm_for, tensor_digests
-
         self._digests = tensor_digests
         if digest_algorithm is None:
             first = next(_inner(model_chunks[0]).parameters(), None)

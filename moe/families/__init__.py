@@ -1,7 +1,7 @@
 """Model-family registry: one entry per HF `model_type`; adding a family touches no other entry."""
 from __future__ import annotations
 
-from .base import MoEFamily, UnsupportedModelError
+from .base import VALUE_HEAD_HF, MoEFamily, UnsupportedModelError
 
 FAMILIES: dict[str, MoEFamily] = {}
 
@@ -27,4 +27,4 @@ def get_family(model_type: str) -> MoEFamily:
 # Importing the modules registers them.
 from . import deepseek_v3, glm4_moe, mixtral, qwen3_moe  # noqa: E402,F401
 
-__all__ = ["FAMILIES", "MoEFamily", "UnsupportedModelError", "get_family", "register_family"]
+__all__ = ["FAMILIES", "VALUE_HEAD_HF", "MoEFamily", "UnsupportedModelError", "get_family", "register_family"]

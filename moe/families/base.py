@@ -6,6 +6,10 @@ from typing import Any, Optional
 import torch.nn.functional as F
 
 
+# A critic's head in HF form (transformers' *ForTokenClassification, num_labels=1), the same for every family.
+VALUE_HEAD_HF = ("score.weight", "score.bias")
+
+
 class UnsupportedModelError(ValueError):
     pass
 

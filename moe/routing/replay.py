@@ -8,7 +8,8 @@
 Megatron's replay gathers the gate weights from the live router's scores at the replayed experts
 (`scores.gather(1, top_indices)` in router_replay.py), so the router keeps receiving gradients.
 
-Schedule and recompute: the routes ride in each micro-batch dict (`routes` [b, s_local, L_local, k]) on
+Schedule and recompute: the routes ride in each micro-batch (its `routes` attribute, [b, s_local, L_local, k]; the micro-batch is
+rlpo_mega.training.batches.MicroBatch, read here by its `tokens` and `routes` attributes alone) on
 the batch's device (`attach` copies this rank's routes there once; r2 records them there), so RouterReplay
 gets them where the router's scores are. The wrapped forward_step hands a micro-batch's routes to its
 routers just before the forward (REPLAY_FORWARD; set_target_indices also queues them for the backward)
@@ -147,22 +148,22 @@ class RoutingReplay:
                                      f"MoE layers with top-{self.spec.topk}")
         self._routes = routes
 
-    def attach(self, micro: list[dict]):
-        """Split this rank's routes into the micro-batches (rows, as policy_step.split_rows does), on the
+    def attach(self, micro: list):
+        """Split this rank's routes into the micro-batches (rows, as rlpo_mega.training.warmup.split_rows does), on the
         micro-batches' device (one copy of this rank's routes)."""
-        if self._routes is None and micro and all("routes" in mb for mb in micro):
+        if self._routes is None and micro and all(mb.routes is not None for mb in micro):
             return  # cut per micro-batch already (packed micro-batches differ in shape)
         if self._routes is None:
             if self.mode == "r3":
                 raise RoutingReplayError("routing.mode=r3: no rollout routes for this batch (call set_routes "
                                          "with the transport's output before preparing the micro-batches)")
             return
-        rows = sum(mb["tokens"].shape[0] for mb in micro)
-        if rows != self._routes.shape[0] or micro[0]["tokens"].shape[1] % max(1, self._routes.shape[1]):
+        rows = sum(mb.tokens.shape[0] for mb in micro)
+        if rows != self._routes.shape[0] or micro[0].tokens.shape[1] % max(1, self._routes.shape[1]):
             raise RoutingReplayError(f"routes for {self._routes.shape[0]} rows x {self._routes.shape[1]} positions; "
-                                     f"the micro-batches hold {rows} rows x {micro[0]['tokens'].shape[1]}")
-        for mb, r in zip(micro, self._routes.to(micro[0]["tokens"].device).chunk(len(micro))):
-            mb["routes"] = r
+                                     f"the micro-batches hold {rows} rows x {micro[0].tokens.shape[1]}")
+        for mb, r in zip(micro, self._routes.to(micro[0].tokens.device).chunk(len(micro))):
+            mb.routes = r
         self._routes = None
 
     # --- forward_step wrappers ---------------------------------------------------------------------
@@ -186,8 +187,8 @@ class RoutingReplay:
         def wrapped(data_iterator, model):
             batch = next(data_iterator)
             entries = self._by_chunk[id(model)]
-            b = batch["tokens"].shape[0]
-            routes = batch.get("routes")
+            b = batch.tokens.shape[0]
+            routes = batch.routes
             if action == "replay":
                 if routes is None and entries:
                     raise RoutingReplayError(f"routing.mode={self.mode}: a micro-batch has no routes to replay"
@@ -215,11 +216,11 @@ class RoutingReplay:
                 rec = torch.stack([router.router_replay.used_topk for _, router in entries], dim=1)
                 s = rec.shape[0] // b
                 if id(batch) not in recorded:  # r2 replays what it records, not any attached routes
-                    batch["routes"] = torch.full((b, s, len(self.layers), self.spec.topk), -2, dtype=torch.int16,
+                    batch.routes = torch.full((b, s, len(self.layers), self.spec.topk), -2, dtype=torch.int16,
                                                  device=rec.device)
                     recorded.add(id(batch))
                 cols = [c for c, _ in entries]
-                batch["routes"][:, :, cols] = rec.reshape(s, b, len(entries), -1).transpose(0, 1).to(torch.int16)
+                batch.routes[:, :, cols] = rec.reshape(s, b, len(entries), -1).transpose(0, 1).to(torch.int16)
             return out
 
         return wrapped

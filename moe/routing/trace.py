@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from moe.families import get_family
+
 log = logging.getLogger(__name__)
 
 ON_ERROR = ("error", "fallback")
@@ -81,8 +83,6 @@ class TraceSpec:
 
     @classmethod
     def from_hf(cls, hf) -> "TraceSpec":
-        from moe.families import get_family
-
         family = get_family(hf.model_type)
         pattern = family.moe_layer_pattern(hf)
         return cls(family.num_experts(hf), int(hf.num_experts_per_tok),

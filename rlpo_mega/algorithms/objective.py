@@ -93,22 +93,22 @@ def _check_inputs(logp, batch, spec: LossSpec):
     """Shapes and presence are checked here (host facts, free); the values' faults are counted on the device
     -> (mask, advantages, {FAULT key: count}). Reading them here would stop the host once per check and
     micro-batch on a GPU: the trainer reads them once per step (raise_input_faults)."""
-    mask = batch["loss_mask"]
+    mask = batch.loss_mask
     if mask.dim() != 2:
         raise ValueError(f"loss_mask must be [batch, seq], got {tuple(mask.shape)}")
     if logp.shape != mask.shape:
         raise ValueError(f"log-probs {tuple(logp.shape)} and loss_mask {tuple(mask.shape)} differ in shape")
     mask = mask.bool()
     for key in ("old_logp", "advantages"):
-        if batch.get(key) is None:
+        if getattr(batch, key) is None:
             raise ValueError(f"the batch has no {key!r} (old log-probs come from compute_log_probs / "
                              "prepare_micro_batches, advantages from compute_advantages)")
     for key in ("old_logp", "ref_logp", "rollout_logp"):
-        t = batch.get(key)
+        t = getattr(batch, key)
         if t is not None and t.shape != mask.shape:
             raise ValueError(f"{key} {tuple(t.shape)} and the new log-probs {tuple(logp.shape)} differ in shape")
     faults = {}
-    adv = batch["advantages"]
+    adv = batch.advantages
     if adv.shape == mask.shape[:1]:
         adv = adv[:, None].expand_as(logp)
     elif adv.shape != mask.shape:
@@ -120,10 +120,10 @@ def _check_inputs(logp, batch, spec: LossSpec):
         faults[FAULT + "token_varying_advantages"] = varying.any(dim=1).sum()
     # Inputs only: non-finite NEW log-probs are a numerical failure of this forward; they make the loss
     # non-finite and the trainer skips the step.
-    tensors = {"old_logp": batch["old_logp"], "advantages": adv}
+    tensors = {"old_logp": batch.old_logp, "advantages": adv}
     for key in ("ref_logp", "rollout_logp"):
-        if batch.get(key) is not None:
-            tensors[key] = batch[key]
+        if getattr(batch, key) is not None:
+            tensors[key] = getattr(batch, key)
     for name, t in tensors.items():
         faults[FAULT + "nonfinite/" + name] = (mask & ~torch.isfinite(t.detach())).sum()
     return mask, adv, faults
@@ -178,12 +178,13 @@ def drift_metrics(logp, old, mask) -> dict:
     return out
 
 
-def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = None, entropy=None,
+def policy_objective(logp, batch, cfg, resolved: Optional[ResolvedLoss] = None, entropy=None,
                      defer_checks: bool = False):
     """(numerator, count, report) of one micro-batch.
 
-    logp: [b, s] new log-probs (with grad). batch: loss_mask [b, s], old_logp [b, s], advantages [b] or
-    [b, s], optional ref_logp (KL, when kl.coef > 0), rollout_logp (mismatch metrics / correction).
+    logp: [b, s] new log-probs (with grad). batch: the micro-batch's loss inputs by attribute (a
+    rlpo_mega.training.batches.MicroBatch): loss_mask [b, s], old_logp [b, s], advantages [b] or [b, s],
+    ref_logp (KL, when kl.coef > 0) and rollout_logp (mismatch metrics / correction) or None.
     cfg: AlgorithmConfig. report: name -> [sum, count] (means) or, for "max:" keys, [max].
     defer_checks: bad input values (non-finite log-probs or advantages, GSPO's token-varying advantages) are
     counted into the report's FAULT keys for raise_input_faults after the step's one reduction, instead of
@@ -194,8 +195,8 @@ def policy_objective(logp, batch: dict, cfg, resolved: Optional[ResolvedLoss] = 
     if not defer_checks:
         raise_input_faults(faults)
     dt = logp.dtype
-    logp, adv, old = _clean(logp, mask, dt), _clean(adv, mask, dt), _clean(batch["old_logp"], mask, dt)
-    ref, rollout = _clean(batch.get("ref_logp"), mask, dt), _clean(batch.get("rollout_logp"), mask, dt)
+    logp, adv, old = _clean(logp, mask, dt), _clean(adv, mask, dt), _clean(batch.old_logp, mask, dt)
+    ref, rollout = _clean(batch.ref_logp, mask, dt), _clean(batch.rollout_logp, mask, dt)
     loss, report = resolved.spec.fn(logp, old, adv, mask, resolved.params)
     if entropy is not None:
         report["entropy"] = metric(entropy, mask)

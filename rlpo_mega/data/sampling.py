@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..algorithms.dynamic_sampling import filter_groups
-from .dataset import DataError, PromptRecord
+from .dataset import DataError, PromptRecord, load_prompts
 
 
 @dataclass
@@ -60,8 +60,6 @@ class PromptSampler:
 
     @classmethod
     def from_config(cls, pcfg, tokenizer=None, run_seed: int = 0) -> "PromptSampler":
-        from .dataset import load_prompts
-
         if not pcfg.path:
             raise DataError("prompts.path is not set")
         records = load_prompts(pcfg.path, pcfg.format, pcfg.prompt_key, pcfg.answer_key)

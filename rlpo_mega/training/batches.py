@@ -15,7 +15,7 @@ same positions (moe.routing.transport placements) and travel with the micro-batc
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 import torch
@@ -24,10 +24,46 @@ from megatron.core import parallel_state
 
 from moe.routing.trace import RoutingTrace
 from moe.routing.transport import LIVE, PAD, Segment, local_routes
+from rlpo_mega import platform
 from rlpo_mega.config import ConfigError
 from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.rollout import Sample
 from rlpo_mega.training.exchange import exchange
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch: what the model, routing replay and the losses read. Built on the host (here, and by the
+    warm-up), moved to the device once (`to`); the old-log-prob pass, GAE and the critic fill their fields.
+    Rows: the model's [rows, t] view (packed: one row of back-to-back samples); the loss view is [n, s]
+    (n samples, s the longest one's positions; padded: the rows themselves)."""
+    tokens: Optional[torch.Tensor] = None  # int64 [rows, t]: model input
+    labels: Optional[torch.Tensor] = None  # int64 [rows, t]: next tokens
+    loss_mask: Optional[torch.Tensor] = None  # [n, s]: the label is a response token of a kept sample
+    advantages: Optional[torch.Tensor] = None  # [n] (sequence) or [n, s] (GAE)
+    rollout_logp: Optional[torch.Tensor] = None  # [n, s]: the engine's log-probs of the response tokens
+    old_logp: Optional[torch.Tensor] = None  # [n, s]: pi_old (training/old_logprobs.py, the last pipeline stage)
+    ref_logp: Optional[torch.Tensor] = None  # [n, s]: the KL reference's
+    routes: Optional[torch.Tensor] = None  # [rows, t / sp, this rank's MoE layers, topk]: routing replay's routes
+    # packed (THD): where each sample sits in the row
+    position_ids: Optional[torch.Tensor] = None  # [1, t]: positions restart at each sample
+    cu_seqlens: Optional[torch.Tensor] = None  # int32 [samples (+ the alignment tail) + 1]
+    max_seqlen: Optional[int] = None
+    index: Optional[torch.Tensor] = None  # [n, s]: each sample's positions in the packed row (the loss view)
+    samples: list = field(default_factory=list)  # the step's sample indices in this micro-batch
+    # the critic's copy (training/critic.py): GAE's returns and the old values
+    returns: Optional[torch.Tensor] = None
+    old_values: Optional[torch.Tensor] = None
+
+    def to(self, device=None) -> "MicroBatch":
+        """A copy with every tensor on `device` (default platform.device()): the step's one host-to-device copy."""
+        device = platform.device() if device is None else device
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if torch.is_tensor(getattr(self, f.name))})
+
+    def tensors(self) -> dict:
+        """The tensor fields that are set, by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if torch.is_tensor(getattr(self, f.name))}
 
 
 def _sample_rows(samples, received, idx):
@@ -44,7 +80,7 @@ def _sample_rows(samples, received, idx):
 
 def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tensor, keep: torch.Tensor, *,
                       layout: str, align: int, pad_id: int, padded_len: Optional[int] = None,
-                      recipient=None, topk: int = 0) -> dict:
+                      recipient=None, topk: int = 0) -> MicroBatch:
     """One micro-batch (host tensors). idx: sample indices (may be empty: a rank with fewer samples than
     the agreed micro-batch count runs one masked pad segment, so every rank joins each forward's
     collectives). recipient: this rank's moe.routing.transport.Recipient when routes are replayed.
@@ -67,13 +103,13 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
     if rows:
         roll[in_response] = torch.cat([r.logprobs for _, _, r in rows])  # row-major: each sample's tokens in order
         adv = advantages[torch.tensor(idx, dtype=torch.long)].to(adv.dtype)
-    batch = {"loss_mask": loss_mask, "advantages": adv, "rollout_logp": roll, "samples": list(idx)}
+    batch = MicroBatch(loss_mask=loss_mask, advantages=adv, rollout_logp=roll, samples=list(idx))
     ids = torch.cat([r.ids for _, _, r in rows]) if rows else torch.zeros(0, dtype=torch.long)
     if layout == "padded":
         tokens = torch.full((n, width + 1), pad_id, dtype=torch.long)
         if rows:  # each row: its sample's span + 1 tokens, then padding
             tokens[torch.arange(width + 1)[None, :] < (spans + 1)[:, None]] = ids
-        batch.update(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous())
+        batch.tokens, batch.labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         placement = [Segment(k, k, 0, s.span) for k, (_, s, _) in enumerate(rows)]
         n_rows, seq_len = n, width
     else:
@@ -100,18 +136,18 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
         if t > total:  # the alignment tail: its own sequence, masked
             pos[total:] = torch.arange(t - total)
         cu = [0] + (torch.cumsum(spans, 0).tolist() if rows else []) + ([t] if t > total else [])
-        batch.update(tokens=tokens.unsqueeze(0), labels=labels.unsqueeze(0), index=index,
-                     position_ids=pos.unsqueeze(0), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-                     max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])))
+        batch = replace(batch, tokens=tokens.unsqueeze(0), labels=labels.unsqueeze(0), index=index,
+                        position_ids=pos.unsqueeze(0), cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                        max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:])))
         if recipient is not None and rows:
-            batch["routes"] = _packed_routes(rows, recipient, t, topk)
+            batch.routes = _packed_routes(rows, recipient, t, topk)
             return batch
         placement = [Segment(k, 0, int(o), s.span) for k, ((_, s, _), o) in enumerate(zip(rows, offsets.tolist()))]
         n_rows, seq_len = 1, t
     if recipient is not None:
         traces = [RoutingTrace(r.routes, 0, r.replaced) for _, _, r in rows]
         local = replace(recipient, dp_rank=0, dp_size=1, layer_cols=tuple(range(len(recipient.layer_cols))))
-        batch["routes"] = local_routes(traces, placement, local, n_rows, seq_len, topk)
+        batch.routes = local_routes(traces, placement, local, n_rows, seq_len, topk)
     return batch
 
 
@@ -132,7 +168,7 @@ def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
 
 
 def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: torch.Tensor, cfg, dp: int, tp: int,
-                      recipients, spec, pad_id: int, timer) -> tuple[list[list[dict]], dict]:
+                      recipients, spec, pad_id: int, timer) -> tuple[list[list[MicroBatch]], dict]:
     """Phase 2 of an RL step: the step plan (rlpo_mega.data.packing: mini-batches, the DP split, micro-batches)
     from every sample's scalars, identical on every rank; then the exchange (training/exchange.py) carries each
     sample's payload to the ranks that train it; then this rank's micro-batches per mini-batch, as host

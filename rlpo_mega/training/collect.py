@@ -34,6 +34,12 @@ class ScoredGroups:
     group_ids: torch.Tensor  # [len(samples)]
     metrics: dict = field(default_factory=dict)
 
+    def advantage_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rewards, group ids, response lengths, truncated flags): what advantages and shaping need."""
+        return (torch.tensor([s.reward for s in self.samples]), self.group_ids,
+                torch.tensor([s.response_len for s in self.samples]),
+                torch.tensor([s.finish_reason == "length" for s in self.samples]))
+
 
 class RolloutProducer(abc.ABC):
     """Yields the scored groups of one RL step (collective: every rank calls `collect` with the same step).

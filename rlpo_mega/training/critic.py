@@ -11,13 +11,14 @@ Per RL step (the trainer calls it after the policy's old/reference passes):
    token, minus kl.coef * (log pi_old - log pi_ref) per token when algorithm.kl.in_reward), advantages and
    returns (algorithms/gae.py); advantages whitened over the whole rollout batch (sums over all micro-batches
    and DP ranks). The policy's micro-batches get the [n, s] advantages in place of the sequence rewards that
-   travelled in that slot; the critic's own micro-batch dicts (shallow copies) get returns and V_old.
+   travelled in that slot; the critic's own micro-batches (shallow copies) get returns and V_old.
 2. `update` per mini-batch: vf_coef * token-mean of PPO2's clipped value loss, normalised globally like the
    policy loss (per-token loss in megatron: numerator and token count over micro-batches and DP ranks).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -27,6 +28,8 @@ from moe.bridge.megatron_io import weight_tensors
 from moe.routing.replay import RoutingReplay
 from rlpo_mega.algorithms.gae import gae, token_rewards, value_loss
 from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps, unwrap
+from rlpo_mega.training.batches import MicroBatch
+from rlpo_mega.training.report import mean_dicts
 from rlpo_mega.training.update import forward_only, forward_step_of, reduce_report, unpack, update
 
 
@@ -53,8 +56,8 @@ values_forward_step = forward_step_of(values_loss)
 def critic_loss(batch, values, *, clip, coef):
     """The value loss of one micro-batch: (vf_coef * summed token losses, token count, report)."""
     v = _values(values, batch)
-    mask = batch["loss_mask"].bool()
-    loss, clipped = value_loss(v, batch["old_values"], batch["returns"], mask, clip)
+    mask = batch.loss_mask.bool()
+    loss, clipped = value_loss(v, batch.old_values, batch.returns, mask, clip)
     count = mask.sum().to(torch.int)
     return coef * loss.sum(), count, {"value_loss": _pair(loss, mask), "vf_clip_frac": _pair(clipped.float(), mask),
                                       "values_update": _pair(v, mask)}
@@ -80,29 +83,29 @@ class Critic:
         self.optimizer.reload_model_params()
 
     @torch.no_grad()
-    def old_values(self, micro: list[dict]):
+    def old_values(self, micro: list[MicroBatch]):
         """V_old per micro-batch [n, s] on the last pipeline stage (None elsewhere), before any update."""
         reports = forward_only(self.chunks, micro, forward_step=self.routing.wrap_old(values_forward_step))
         return [r["values"] for r in reports] if parallel_state.is_pipeline_last_stage() else None
 
-    def prepare(self, prepared: list[list[dict]]) -> tuple[list[list[dict]], dict]:
+    def prepare(self, prepared: list[list[MicroBatch]]) -> tuple[list[list[MicroBatch]], dict]:
         """The policy's micro-batches per mini-batch (routes, old/ref log-probs attached; the shaped sequence
         rewards in "advantages") -> the critic's micro-batches, and stats. Sets the policy's advantages to
         GAE's, whitened. Collective (DP, and PP for the stats)."""
         alg = self.cfg.algorithm
         adv_cfg = alg.advantage
-        critic = [[dict(mb) for mb in micro] for micro in prepared]
+        critic = [[replace(mb) for mb in micro] for micro in prepared]
         rows = []  # (policy micro-batch, critic micro-batch, advantages, returns, old values) on the last stage
         for policy_micro, critic_micro in zip(prepared, critic):
             values = self.old_values(critic_micro)
             if values is None:
                 continue
             for p, c, v in zip(policy_micro, critic_micro, values):
-                mask = p["loss_mask"].bool()
+                mask = p.loss_mask.bool()
                 kl = None
                 if alg.kl.in_reward and alg.kl.coef > 0:
-                    kl = p["old_logp"] - p["ref_logp"]  # k1 per token: the RLHF-PPO penalty
-                r = token_rewards(p["advantages"], mask, kl, alg.kl.coef)
+                    kl = p.old_logp - p.ref_logp  # k1 per token: the RLHF-PPO penalty
+                r = token_rewards(p.advantages, mask, kl, alg.kl.coef)
                 adv, ret = gae(r, v.double(), mask, adv_cfg.gamma, adv_cfg.lam)
                 rows.append((p, c, adv, ret, v, mask, kl))
         reports = []
@@ -124,8 +127,8 @@ class Critic:
         for p, c, adv, ret, v, mask, _ in rows:
             if adv_cfg.whiten:  # over the whole rollout batch, as one batch would be (rlpo_mega.algorithms.gae.whiten)
                 adv = (adv - mean) / (std + 1e-8)
-            p["advantages"] = torch.where(mask, adv, torch.zeros_like(adv)).float()
-            c["returns"], c["old_values"] = ret.float(), v
+            p.advantages = torch.where(mask, adv, torch.zeros_like(adv)).float()
+            c.returns, c.old_values = ret.float(), v
         var_ret = var("ret", "ret_sq")
         stats = {"advantages/mean": mean, "advantages/std": std, "advantages/min": s.get("adv_min", math.nan),
                  "advantages/max": s.get("adv_max", math.nan), "critic/returns_mean": s["ret"],
@@ -136,21 +139,19 @@ class Critic:
             stats["kl/ref"] = s["kl"]
         return critic, stats
 
-    def update(self, micro: list[dict]) -> dict:
+    def update(self, micro: list[MicroBatch]) -> dict:
         """One critic optimizer step over a mini-batch's micro-batches -> its metrics (global)."""
         c = self.cfg.critic
         step = forward_step_of(critic_loss, clip=c.vf_clip, coef=c.vf_coef)
         return update(self.chunks, self.optimizer, micro, self.routing.wrap_update(step), "value_loss",
                       self.lr_schedule)
 
-    def metrics(self, outs: list[dict]) -> dict:
+    def metrics(self, outs: list[MicroBatch]) -> dict:
         """The step's critic metrics from its updates (means over mini-batches and epochs) and routing."""
-        m = {}
-        for key, name in (("value_loss", "critic/value_loss"), ("vf_clip_frac", "critic/vf_clip_frac"),
-                          ("grad_norm", "critic/grad_norm"), ("values_update", "critic/values_update_mean")):
-            vals = [o[key] for o in outs if key in o]
-            if vals:
-                m[name] = sum(vals) / len(vals)
+        means = mean_dicts(outs)
+        m = {name: means[key] for key, name in (("value_loss", "critic/value_loss"), ("vf_clip_frac", "critic/vf_clip_frac"),
+                                                 ("grad_norm", "critic/grad_norm"),
+                                                 ("values_update", "critic/values_update_mean")) if key in means}
         m["critic/skipped_updates"] = sum(o.get("skipped", 0.0) for o in outs)
         m["critic/lr"] = float(self.optimizer.param_groups[0]["lr"])
         for k, v in self.routing.metrics().items():

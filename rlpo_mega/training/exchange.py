@@ -126,7 +126,7 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
     send = send.to(device)
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
-    recv = recv.cpu()  # one copy; the micro-batches are cut on the host and moved once (to_device)
+    recv = recv.cpu()  # one copy; the micro-batches are cut on the host and moved once (MicroBatch.to)
     out, base = {}, 0
     for src in range(world):
         got = from_src[src]

@@ -14,7 +14,8 @@ from megatron.core import parallel_state
 
 from rlpo_mega.algorithms.mismatch import mismatch_metrics
 from rlpo_mega.algorithms.objective import validate
-from rlpo_mega.training.update import forward_only, forward_step_of, logprob_loss, real_vocab_of, reduce_report, to_device
+from rlpo_mega.training.batches import MicroBatch
+from rlpo_mega.training.update import forward_only, forward_step_of, logprob_loss, real_vocab_of, reduce_report
 
 
 def old_pass_needed(run_cfg, hf) -> Optional[str]:
@@ -39,7 +40,7 @@ def old_pass_needed(run_cfg, hf) -> Optional[str]:
 
 
 @torch.no_grad()
-def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=None) -> Optional[list[torch.Tensor]]:
+def compute_log_probs(model_chunks, micro_batches: list[MicroBatch], cfg, wrap_step=None) -> Optional[list[torch.Tensor]]:
     """Forward-only pass (old or reference policy): per micro-batch log-probs [b, s] on the last pipeline
     stage, None on the others (only the last stage computes the loss). wrap_step: routing replay's wrapper."""
     step = forward_step_of(logprob_loss, cfg=cfg, real_vocab=real_vocab_of(model_chunks))
@@ -51,18 +52,18 @@ def compute_log_probs(model_chunks, micro_batches: list[dict], cfg, wrap_step=No
     return [r["logp"] for r in reports]
 
 
-def attach_old_logprobs(model_chunks, micro: list[dict], cfg, ref_chunks=None, routing=None,
-                        old_pass: bool = True) -> list[dict]:
+def attach_old_logprobs(model_chunks, micro: list[MicroBatch], cfg, ref_chunks=None, routing=None,
+                        old_pass: bool = True) -> list[MicroBatch]:
     """This rank's micro-batches (on the device) with their routes attached and the old (and reference)
     log-probs of the forward-only passes added. old_pass=False: no old pass (the update takes its own
     log-probs, `old_pass_needed`); the reference pass still runs."""
     validate(cfg)
     if routing is not None:
         routing.attach(micro)
-    if old_pass and "old_logp" not in micro[0]:
+    if old_pass and micro[0].old_logp is None:
         _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg,
                                                      wrap_step=routing.wrap_old if routing else None))
-    if cfg.kl.coef > 0 and "ref_logp" not in micro[0]:
+    if cfg.kl.coef > 0 and micro[0].ref_logp is None:
         if ref_chunks is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs a reference model (ref_chunks) or ref_logp in the batch")
         _attach(micro, "ref_logp", compute_log_probs(ref_chunks, micro, cfg))
@@ -73,19 +74,19 @@ def _attach(micro, key, values):
     if values is None:  # not the last pipeline stage: the loss is not computed here
         return
     for mb, v in zip(micro, values):
-        mb[key] = v
+        setattr(mb, key, v)
 
 
-def old_logprobs(policy, minis: list[list[dict]], cfg) -> tuple[list[list[dict]], dict]:
+def old_logprobs(policy, minis: list[list[MicroBatch]], cfg) -> tuple[list[list[MicroBatch]], dict]:
     """This rank's micro-batches per mini-batch (host) -> on the device, routes attached, old (and reference)
     log-probs added; and the step's rollout/train mismatch metrics (global). policy: update.Policy."""
     prepared, reports = [], []
     for mini in minis:
-        micro = attach_old_logprobs(policy.chunks, [to_device(mb) for mb in mini], cfg.algorithm,
+        micro = attach_old_logprobs(policy.chunks, [mb.to() for mb in mini], cfg.algorithm,
                                     ref_chunks=policy.ref_chunks, routing=policy.routing,
                                     old_pass=not policy.old_from_update)
         for m in micro:
-            if "old_logp" in m:  # last pipeline stage
-                reports.append(mismatch_metrics(m["old_logp"], m["rollout_logp"], m["loss_mask"].bool()))
+            if m.old_logp is not None:  # last pipeline stage
+                reports.append(mismatch_metrics(m.old_logp, m.rollout_logp, m.loss_mask.bool()))
         prepared.append(micro)
     return prepared, reduce_report(reports)

@@ -161,42 +161,47 @@ class Trainer:
 
     # --- one RL step ---------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        c, timer, t0 = self.cfg, PhaseTimer(cuda_sync=torch.cuda.is_available()), time.perf_counter()
+        """One RL step: the phases in order, each in the module named after it (the module docstring lists them)."""
+        c, p, timer, t0 = self.cfg, self.policy, PhaseTimer(cuda_sync=torch.cuda.is_available()), time.perf_counter()
         syncs = c.logging.host_syncs and torch.cuda.is_available()
+        # 1. collect: the rollout producer's scored groups (every sample's scalars here, payloads on their owner)
         groups = self.producer.collect(self.step, timer)
-        samples = groups.samples
-        metrics = {**groups.metrics, **report.rollout_metrics(samples)}
-        if not samples:
+        metrics = {**groups.metrics, **report.rollout_metrics(groups.samples)}
+        if not groups.samples:
             log.warning("step %d: no group with mixed rewards after dynamic sampling; no update", self.step)
             self.step += 1
             return {**metrics, "train/skipped_step": 1}
         with timer("prepare"):
-            adv, keep, stats = sequence_advantages(
-                c.algorithm, torch.tensor([s.reward for s in samples]), groups.group_ids,
-                torch.tensor([s.response_len for s in samples]), torch.tensor([s.finish_reason == "length" for s in samples]))
-            minis, plan_stats = plan_and_exchange(samples, adv, keep, c, self.layout.data, self.layout.tensor,
+            # 2. advantages from the scalars, identical on every rank; 3. plan and exchange -> this rank's batches
+            adv, keep, stats = sequence_advantages(c.algorithm, *groups.advantage_inputs())
+            minis, plan_stats = plan_and_exchange(groups.samples, adv, keep, c, self.layout.data, self.layout.tensor,
                                                   self.recipients, self.spec, self.tokenizer.pad_token_id or 0, timer)
         metrics.update(report.advantage_metrics({**stats, **plan_stats}, adv, self.critic is not None))
+        # 4. old (and reference) log-probs, before any update
         with timer("old_logprob"), count_host_syncs(metrics, "old_logprob", syncs):
-            prepared, mismatch = old_logprobs(self.policy, minis, c)
+            prepared, mismatch = old_logprobs(p, minis, c)
         metrics.update(mismatch)
+        # 5. with a critic: old values, GAE (the sequence rewards become token advantages), returns
         critic_batches = None
-        if self.critic is not None:  # values, GAE (the sequence rewards become token advantages), returns
+        if self.critic is not None:
             with timer("values"):
                 critic_batches, critic_stats = self.critic.prepare(prepared)
             metrics.update(critic_stats)
+        # 6. update: epochs x mini-batches of policy (then critic) optimizer steps
         with timer("update"), count_host_syncs(metrics, "update", syncs):
-            outs, critic_outs = update_phase(self.policy, prepared, c, critic=self.critic, critic_batches=critic_batches,
+            outs, critic_outs = update_phase(p, prepared, c, critic=self.critic, critic_batches=critic_batches,
                                              policy_moves=self.critic is None or self.step >= c.critic.warmup_steps)
         skipped = int(sum(o["skipped"] for o in outs + critic_outs))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
-        metrics.update(report.update_metrics(outs, self.critic.metrics(critic_outs) if critic_batches is not None
-                                             else {}, skipped, self.bad_steps, self.policy.old_from_update,
-                                             float(self.policy.optimizer.param_groups[0]["lr"])))
+        # 7. sync: the new weights to the engine
         with timer("sync"):
             self.sync()
         self.step += 1
-        metrics.update(report.throughput_metrics(samples, c.trainer.epochs, time.perf_counter() - t0, timer))
+        # 8. report
+        metrics.update(report.update_metrics(outs, self.critic.metrics(critic_outs) if critic_batches is not None
+                                             else {}, skipped, self.bad_steps, p.old_from_update,
+                                             float(p.optimizer.param_groups[0]["lr"])))
+        metrics.update(report.throughput_metrics(groups.samples, c.trainer.epochs, time.perf_counter() - t0, timer))
         metrics["engine/restarts"] = self.engines.guard.restarts
         return metrics
 

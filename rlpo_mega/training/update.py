@@ -13,14 +13,14 @@ over micro-batches and DP ranks: the loss aggregations are normalised globally (
 The losses here: the policy's (`policy_loss`), the log-probs of a forward-only pass (`logprob_loss`), next-token
 cross-entropy (`lm_loss`); the critic's value loss is in training/critic.py.
 
-Devices: micro-batches are built on the host and moved to `platform.device()` once (`to_device`); the model,
+Devices: micro-batches are built on the host and moved to `platform.device()` once (MicroBatch.to); the model,
 the losses and the metrics take their device from the batch. Metric scalars are reduced as device tensors over
 megatron's groups (NCCL on GPUs takes nothing else) and copied to the host once, at the end.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Optional
 
@@ -35,6 +35,7 @@ from rlpo_mega.algorithms.logprobs import bad_label_count, vocab_parallel_logpro
 from rlpo_mega.algorithms.objective import FAULT, fault_entry, policy_objective, raise_input_faults, validate
 from rlpo_mega.distributed import all_ok
 from rlpo_mega.model_setup import unwrap
+from rlpo_mega.training.batches import MicroBatch
 
 
 @dataclass
@@ -50,31 +51,25 @@ class Policy:
     old_from_update: bool = False
 
 
-def to_device(batch: dict, device=None) -> dict:
-    """The batch's tensors on `device` (default: platform.device()); other values as they are."""
-    device = platform.device() if device is None else device
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def model_forward(model, batch):
+def model_forward(model, batch: MicroBatch):
     """The model on one micro-batch: packed (cu_seqlens: attention and RoPE restart at each sample) or padded."""
-    tokens = batch["tokens"]
-    if "cu_seqlens" in batch:
-        cu = batch["cu_seqlens"]
+    tokens = batch.tokens
+    if batch.cu_seqlens is not None:
+        cu = batch.cu_seqlens
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"])
-        return model(input_ids=tokens, position_ids=batch["position_ids"], attention_mask=None,
+                                 max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
+        return model(input_ids=tokens, position_ids=batch.position_ids, attention_mask=None,
                      packed_seq_params=packed)
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     return model(input_ids=tokens, position_ids=position_ids, attention_mask=None)
 
 
-def unpack(values: torch.Tensor, batch: dict) -> torch.Tensor:
+def unpack(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """Per-token values of a packed row [1, t] -> the [samples, positions] view of the loss (a gather:
     gradients flow back to the packed positions); padded batches are already in that view."""
-    if "index" not in batch:
+    if batch.index is None:
         return values
-    return values[0][batch["index"]]
+    return values[0][batch.index]
 
 
 def forward_step_of(loss, **kwargs):
@@ -95,21 +90,21 @@ def policy_loss(batch, logits, *, cfg, resolved, real_vocab, old_from_update=Fal
     """The policy loss of one micro-batch. old_from_update: the old log-probs are this forward's own, detached
     (training/old_logprobs.old_pass_needed). Input checks are counted on the device and raised once per step,
     after reduce_report (`update`)."""
-    logp, entropy = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature,
+    logp, entropy = vocab_parallel_logprobs(logits, batch.labels, temperature=cfg.temperature,
                                             real_vocab=real_vocab, chunk_size=cfg.logprob_chunk_size,
                                             check_labels=False)
     logp = unpack(logp, batch)
-    b = {**batch, "old_logp": logp.detach()} if old_from_update else batch
+    b = replace(batch, old_logp=logp.detach()) if old_from_update else batch
     numerator, count, report = policy_objective(logp, b, cfg, resolved, entropy=unpack(entropy.detach(), batch),
                                                 defer_checks=True)
-    report[FAULT + "labels"] = fault_entry(bad_label_count(batch["labels"], real_vocab))
+    report[FAULT + "labels"] = fault_entry(bad_label_count(batch.labels, real_vocab))
     return numerator, count, report
 
 
 def logprob_loss(batch, logits, *, cfg, real_vocab):
     """A forward-only pass's log-probs (old or reference policy) in the report; the labels are checked by the
     update's step (policy_loss), which every batch goes through."""
-    logp, _ = vocab_parallel_logprobs(logits, batch["labels"], temperature=cfg.temperature, real_vocab=real_vocab,
+    logp, _ = vocab_parallel_logprobs(logits, batch.labels, temperature=cfg.temperature, real_vocab=real_vocab,
                                       with_entropy=False, chunk_size=cfg.logprob_chunk_size, check_labels=False)
     return logp.new_zeros(()), logp.new_zeros((), dtype=torch.int), {"logp": unpack(logp.detach(), batch)}
 
@@ -138,8 +133,8 @@ def token_cross_entropy(logits, labels, real_vocab):
 
 def lm_loss(batch, logits, *, real_vocab):
     """Next-token cross-entropy over the loss mask (the supervised warm-up's loss)."""
-    losses = token_cross_entropy(logits, batch["labels"], real_vocab)
-    mask = batch["loss_mask"].float()
+    losses = token_cross_entropy(logits, batch.labels, real_vocab)
+    mask = batch.loss_mask.float()
     total = (losses * mask).sum()
     count = mask.sum().to(torch.int)
     return total, count, {"lm_loss": torch.stack([total.detach(), mask.sum()])}
@@ -148,7 +143,7 @@ def lm_loss(batch, logits, *, real_vocab):
 def run_schedule(model_chunks, micro_batches, forward_only, forward_step=None):
     if forward_step is None:  # the next-token loss
         forward_step = forward_step_of(lm_loss, real_vocab=real_vocab_of(model_chunks))
-    tokens = micro_batches[0]["tokens"]
+    tokens = micro_batches[0].tokens
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro_batches),
@@ -278,7 +273,7 @@ def forward_only(model_chunks, micro_batches, forward_step=None) -> list:
             chunk.train()
 
 
-def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_optimizer: bool = True,
+def policy_step(model_chunks, optimizer, micro_batches: list[MicroBatch], cfg, step_optimizer: bool = True,
                 routing=None, old_from_update: bool = False, lr_schedule=None) -> dict:
     """One policy update through the one update path (`update`): loss/backward over the
     micro-batches (megatron schedule, global normalisation) -> the finite check -> optimizer step. Returns the
@@ -297,7 +292,7 @@ def policy_step(model_chunks, optimizer, micro_batches: list[dict], cfg, step_op
     return out
 
 
-def update_phase(policy, prepared: list[list[dict]], cfg, *, policy_moves: bool = True, critic=None,
+def update_phase(policy, prepared: list[list[MicroBatch]], cfg, *, policy_moves: bool = True, critic=None,
                  critic_batches=None) -> tuple[list[dict], list[dict]]:
     """A step's updates: trainer.epochs passes over the mini-batches, each a policy step (unless the critic is
     still warming up: policy_moves=False) then, with a critic, a critic step on the same mini-batch.

@@ -7,6 +7,7 @@ prompt with a random answer), so RL starts near zero reward and has to learn the
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -14,7 +15,8 @@ from megatron.core import parallel_state
 
 from rlpo_mega import platform
 from rlpo_mega.data import load_prompts, render_prompt
-from rlpo_mega.training.update import forward_only, reduce_report, to_device, update
+from rlpo_mega.training.batches import MicroBatch
+from rlpo_mega.training.update import forward_only, reduce_report, update
 
 log = logging.getLogger("rlpo_mega")
 
@@ -31,7 +33,7 @@ def _examples(cfg, tokenizer, records):
     return out
 
 
-def _batch(examples, rows, tp: int, pad: int) -> dict:
+def _batch(examples, rows, tp: int, pad: int) -> MicroBatch:
     width = max(len(examples[i][0]) + len(examples[i][1]) for i in rows)
     seq = -(-(width - 1) // tp) * tp
     tokens = torch.full((len(rows), seq + 1), pad, dtype=torch.long)
@@ -40,7 +42,7 @@ def _batch(examples, rows, tp: int, pad: int) -> dict:
         p, a = examples[i]
         tokens[j, :len(p) + len(a)] = torch.tensor(p + a)
         mask[j, len(p):len(p) + len(a)] = 1.0
-    return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": mask[:, 1:]}
+    return MicroBatch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(), loss_mask=mask[:, 1:])
 
 
 def supervised_warmup(cfg, chunks, optimizer, tokenizer, records, tp: int, stop, rank: int):
@@ -78,13 +80,10 @@ def supervised_warmup(cfg, chunks, optimizer, tokenizer, records, tp: int, stop,
 
 # --- the next-token step -------------------------------------------------------------------------------
 
-def make_lm_batch(tokens: torch.Tensor) -> dict:
+def make_lm_batch(tokens: torch.Tensor) -> MicroBatch:
     """tokens [b, s+1] -> inputs [b, s], next-token labels and a full loss mask."""
-    return {
-        "tokens": tokens[:, :-1].contiguous(),
-        "labels": tokens[:, 1:].contiguous(),
-        "loss_mask": torch.ones_like(tokens[:, 1:], dtype=torch.float),
-    }
+    return MicroBatch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                      loss_mask=torch.ones_like(tokens[:, 1:], dtype=torch.float))
 
 
 def train_step(model_chunks, optimizer, micro_batches, forward_step=None):
@@ -97,7 +96,7 @@ def eval_loss(model_chunks, micro_batches, forward_step=None) -> float:
     return reduce_report(forward_only(model_chunks, micro_batches, forward_step))["lm_loss"]
 
 
-def split_micro_batches(tokens: torch.Tensor, num_micro_batches: int) -> list[dict]:
+def split_micro_batches(tokens: torch.Tensor, num_micro_batches: int) -> list[MicroBatch]:
     """This rank's tokens [b, s+1] -> micro-batches on platform.device() (one copy of the tokens)."""
     if tokens.shape[0] % num_micro_batches:
         raise ValueError(f"batch of {tokens.shape[0]} is not divisible into {num_micro_batches} micro-batches")
@@ -114,22 +113,21 @@ def data_parallel_shard(tokens: torch.Tensor) -> torch.Tensor:
     return tokens.chunk(dp)[rank]
 
 
-def split_rows(batch: dict, parts: int) -> list[dict]:
-    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
-    if any(torch.is_tensor(v) and v.shape[0] != n for v in batch.values()):
+def split_rows(batch: MicroBatch, parts: int) -> list[MicroBatch]:
+    """A padded batch (one sample per row) cut into `parts` contiguous row blocks."""
+    tensors = batch.tensors()
+    n = next(iter(tensors.values())).shape[0]
+    if any(v.shape[0] != n for v in tensors.values()):
         raise ValueError(f"batch tensors disagree in their number of rows: "
-                         f"{ {k: tuple(v.shape) for k, v in batch.items() if torch.is_tensor(v)} }")
+                         f"{ {k: tuple(v.shape) for k, v in tensors.items()} }")
     if n % parts:
         raise ValueError(f"batch of {n} sequences is not divisible into {parts} parts")
-    out = [{} for _ in range(parts)]
-    for k, v in batch.items():
-        for i, chunk in enumerate(v.chunk(parts) if torch.is_tensor(v) else [v] * parts):
-            out[i][k] = chunk
-    return out
+    chunks = {k: v.chunk(parts) for k, v in tensors.items()}
+    return [replace(batch, **{k: c[i] for k, c in chunks.items()}) for i in range(parts)]
 
 
-def shard_and_split(batch: dict, num_micro_batches: int) -> list[dict]:
+def shard_and_split(batch: MicroBatch, num_micro_batches: int) -> list[MicroBatch]:
     """This DP rank's contiguous share of the global (host) batch, as micro-batches on platform.device():
     the one host-to-device copy of the step's data (only this rank's rows travel)."""
     share = split_rows(batch, parallel_state.get_data_parallel_world_size())
-    return split_rows(to_device(share[parallel_state.get_data_parallel_rank()]), num_micro_batches)
+    return split_rows(share[parallel_state.get_data_parallel_rank()].to(), num_micro_batches)

@@ -56,12 +56,15 @@ def logprobs_tp2():
 
 
 def dp2_invariance():
+    from dataclasses import replace
+
     from megatron.core import parallel_state
 
     from moe.model import load_hf_config
     from rlpo_mega import distributed
     from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
     from rlpo_mega.algorithms.objective import policy_objective
+    from rlpo_mega.training.batches import MicroBatch
     from rlpo_mega.training.update import make_policy_forward_step, policy_step
     from tests.batch_support import prepare_micro_batches
     from rlpo_mega.training.warmup import shard_and_split
@@ -82,19 +85,18 @@ def dp2_invariance():
     starts = torch.tensor([1, 3, 2, 5, 1, 4, 2, 7])
     ends = torch.tensor([12, 9, 12, 6, 3, 12, 10, 12])
     pos = torch.arange(s)
-    batch = {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(),
-             "loss_mask": (pos >= starts[:, None]) & (pos < ends[:, None]),
-             "advantages": torch.randn(n, generator=g)}
+    batch = MicroBatch(tokens=tokens[:, :-1].contiguous(), labels=tokens[:, 1:].contiguous(),
+                       loss_mask=(pos >= starts[:, None]) & (pos < ends[:, None]), advantages=torch.randn(n, generator=g))
 
     def full_logp(grad):
         position_ids = pos.unsqueeze(0).expand(n, s)
         with torch.set_grad_enabled(grad):
-            logits = inner(input_ids=batch["tokens"], position_ids=position_ids, attention_mask=None)
-            lp, _ = vocab_parallel_logprobs(logits, batch["labels"], real_vocab=hf.vocab_size)
+            logits = inner(input_ids=batch.tokens, position_ids=position_ids, attention_mask=None)
+            lp, _ = vocab_parallel_logprobs(logits, batch.labels, real_vocab=hf.vocab_size)
         return lp
 
     base = full_logp(False)
-    batch["old_logp"] = base + 0.2 * torch.randn(n, s, generator=g)  # a stale policy: clipping happens
+    batch.old_logp = base + 0.2 * torch.randn(n, s, generator=g)  # a stale policy: clipping happens
 
     def grads():
         return {name: p.main_grad.detach().clone() for name, p in inner.named_parameters()}
@@ -103,10 +105,10 @@ def dp2_invariance():
     # old / reference log-prob passes (forward-only schedule) == the direct forward; with the policy as
     # its own reference the KL term is exactly 0 and so are its metrics
     kl_algo = load_config(None, ("algorithm.kl.coef=0.04", "algorithm.kl.estimator=k3")).algorithm
-    micro = prepare_micro_batches(chunks, {k: v for k, v in batch.items() if k != "old_logp"}, kl_algo, 2,
+    micro = prepare_micro_batches(chunks, replace(batch, old_logp=None), kl_algo, 2,
                                   ref_chunks=chunks)
-    mine = shard_and_split({"lp": base}, 2)
-    results["logprob_pass_max_abs"] = max(float((mb[k] - m["lp"]).abs().max()) for mb, m in zip(micro, mine)
+    mine = shard_and_split(MicroBatch(old_logp=base), 2)
+    results["logprob_pass_max_abs"] = max(float((getattr(mb, k) - m.old_logp).abs().max()) for mb, m in zip(micro, mine)
                                           for k in ("old_logp", "ref_logp"))
     for c in chunks:
         c.zero_grad_buffer()

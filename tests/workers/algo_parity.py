@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from moe.model import load_hf_config  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
+from rlpo_mega.training.batches import MicroBatch  # noqa: E402
 from rlpo_mega.training.update import policy_step  # noqa: E402
 from rlpo_mega.training.warmup import shard_and_split  # noqa: E402
 from tests.batch_support import assemble_batch, prepare_micro_batches  # noqa: E402
@@ -67,10 +68,11 @@ def main():
         prompts, responses, rewards, groups = rollout(hf.vocab_size)
         batch, stats = assemble_batch(prompts, responses, rewards, groups, cfg.algorithm, seq_length=18)
         micro = prepare_micro_batches(chunks, batch, cfg.algorithm, cfg.parallel.num_micro_batches)
-        offsets = shard_and_split({"x": staleness(loss, batch["labels"].shape)}, cfg.parallel.num_micro_batches)
+        offsets = shard_and_split(MicroBatch(old_logp=staleness(loss, batch.labels.shape)),
+                                  cfg.parallel.num_micro_batches)
         for mb, off in zip(micro, offsets):
-            if "old_logp" in mb:  # last pipeline stage only
-                mb["old_logp"] = mb["old_logp"] - off["x"]
+            if mb.old_logp is not None:  # last pipeline stage only
+                mb.old_logp = mb.old_logp - off.old_logp
         first = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False)
         if phase == "reference":
             torch.save(grad_tensors(chunks[0]), os.path.join(out_dir, f"grads_{loss}.pt"))

@@ -15,6 +15,7 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
+from rlpo_mega.training.batches import MicroBatch
 from rlpo_mega.training.update import run_schedule
 from rlpo_mega.training.warmup import split_micro_batches, train_step
 from tests.dist import write_report
@@ -51,7 +52,7 @@ def megatron_logits(chunks, tokens, vocab):
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        toks = batch["tokens"]
+        toks = batch.tokens
         pos = torch.arange(toks.shape[1]).unsqueeze(0).expand_as(toks)
         out = model(input_ids=toks, position_ids=pos, attention_mask=None)
 
@@ -65,7 +66,7 @@ def megatron_logits(chunks, tokens, vocab):
     for c in chunks:
         c.eval()
     with torch.no_grad():
-        run_schedule(chunks, [{"tokens": tokens, "labels": tokens, "loss_mask": torch.ones_like(tokens)}],
+        run_schedule(chunks, [MicroBatch(tokens=tokens, labels=tokens, loss_mask=torch.ones_like(tokens))],
                      forward_only=True, forward_step=forward_step)
     for c in chunks:
         c.train()

@@ -15,6 +15,7 @@ from moe.value_head import VALUE_HEAD_HF
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
+from rlpo_mega.training.batches import MicroBatch
 from rlpo_mega.training.update import run_schedule
 from tests.workers.bridge import make_hf_checkpoint, per_family_main, rel_err
 
@@ -48,7 +49,7 @@ def megatron_values(chunks, tokens):
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        toks = batch["tokens"]
+        toks = batch.tokens
         pos = torch.arange(toks.shape[1]).unsqueeze(0).expand_as(toks)
         out = model(input_ids=toks, position_ids=pos, attention_mask=None)
 
@@ -61,7 +62,7 @@ def megatron_values(chunks, tokens):
     for c in chunks:
         c.eval()
     with torch.no_grad():
-        run_schedule(chunks, [{"tokens": tokens, "labels": tokens, "loss_mask": torch.ones_like(tokens)}],
+        run_schedule(chunks, [MicroBatch(tokens=tokens, labels=tokens, loss_mask=torch.ones_like(tokens))],
                      forward_only=True, forward_step=forward_step)
     for c in chunks:
         c.train()

@@ -12,6 +12,7 @@ The old values of the update are offset by a fixed function of the returns (a st
 clip (0.05) binds on some tokens from the first update on.
 """
 import json
+from dataclasses import replace
 import os
 import sys
 
@@ -58,9 +59,9 @@ def run(phase, ref_root, out_dir, overrides: tuple):
     critic_micro, stats = critic.prepare([micro])
     for mb in critic_micro[0]:
         if "old_values" in mb:  # last stage
-            mb["old_values"] = mb["old_values"] + 0.1 * torch.sin(7.0 * mb["returns"])
+            mb.old_values = mb.old_values + 0.1 * torch.sin(7.0 * mb.returns)
     result = {"stats": stats, "losses": [], "clip": [], "advantages_finite": all(
-        bool(torch.isfinite(mb["advantages"]).all()) for mb in micro if mb["advantages"].dim() == 2)}
+        bool(torch.isfinite(mb.advantages).all()) for mb in micro if mb.advantages.dim() == 2)}
     for step in range(STEPS):
         out = critic.update(critic_micro[0])
         result["losses"].append(out["value_loss"])
@@ -100,7 +101,7 @@ def replay_check(hf, layout, init, batch, overrides):
     load_checkpoint(init, critic.chunks)
     micro = shard_and_split(batch, 1)
     forward_only(critic.chunks, micro, critic.routing.wrap(values_forward_step, "record", "record"))
-    routes = micro[0]["routes"].clone()
+    routes = micro[0].routes.clone()
     v0 = critic.old_values(micro)[0]
     g = torch.Generator().manual_seed(21)
     with torch.no_grad():
@@ -113,9 +114,9 @@ def replay_check(hf, layout, init, batch, overrides):
                    for col, (_, r) in enumerate(routers))
     live = critic.routing.metrics()["routing/old/agreement"]
     critic.routing.reset()
-    v_live = forward_only(critic.chunks, [{k: v for k, v in micro[0].items() if k != "routes"}],
+    v_live = forward_only(critic.chunks, [replace(micro[0], routes=None)],
                           values_forward_step)[0]["values"]
-    mask = micro[0]["loss_mask"].bool()
+    mask = micro[0].loss_mask.bool()
     critic.close()
     return {"replayed_exactly": replayed, "live_agreement": live, "routers": len(routers),
             "replay_dev": float((v_replay - v0)[mask].abs().max()), "live_dev": float((v_live - v0)[mask].abs().max())}

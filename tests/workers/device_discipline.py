@@ -87,8 +87,8 @@ def selfcheck():
         count("mix_in_learner_code", lambda: mismatch_metrics(acc, host, mask))
         count("same_device_in_learner_code", lambda: mismatch_metrics(acc, acc + 1, mask))
         batch = _warmup_batch([([1, 2], [3])], [0], 1, 0)  # a batch the learner builds (on the host)
-        cases["learner_batch_is_host"] = int(origin(batch["tokens"]) is not None)
-        moved = {k: v.to(dev) for k, v in batch.items()}
+        cases["learner_batch_is_host"] = int(origin(batch.tokens) is not None)
+        moved = batch.to(dev).tensors()
         cases["moved_batch_is_device"] = int(all(origin(t) is None for t in moved.values()))
         lin = torch.nn.Linear(3, 3).to(dev)
         tr.watch([lin])

@@ -30,7 +30,6 @@ from rlpo_mega.training.old_logprobs import attach_old_logprobs, old_pass_needed
 from rlpo_mega.training.update import policy_step  # noqa: E402
 from rlpo_mega.rollout import Sample as Scored  # noqa: E402
 from rlpo_mega.training.collect import share  # noqa: E402
-from rlpo_mega.training.update import to_device  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 from tests.workers.packed_parity import N, rollout  # noqa: E402
 
@@ -40,7 +39,7 @@ MODEL = "configs/models/tiny_qwen3_moe.json"
 def one_path(chunks, opt, cfg, routing, samples, recipients, spec, layout, skip):
     gids = torch.arange(N) // 4
     minis, _, _ = prepare_step(samples, gids, cfg, layout.data, layout.tensor, recipients, spec, 0)
-    micro = attach_old_logprobs(chunks, [to_device(mb) for mb in minis[0]], cfg.algorithm, routing=routing,
+    micro = attach_old_logprobs(chunks, [mb.to() for mb in minis[0]], cfg.algorithm, routing=routing,
                                 old_pass=not skip)
     report = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing,
                          old_from_update=skip)

@@ -29,7 +29,6 @@ from rlpo_mega.training.exchange import gather_scalars  # noqa: E402
 from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
 from rlpo_mega.rollout import Sample as Scored  # noqa: E402
 from rlpo_mega.training.collect import share  # noqa: E402
-from rlpo_mega.training.update import to_device  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 
 N, GROUP = 16, 4
@@ -67,13 +66,13 @@ def placement_agreement(micro, samples, received, rcpt, tp_rank, sp):
     """Fraction of (sample, position, local layer) whose attached route is the sample's trace row."""
     good = total = 0
     for mb in micro:
-        routes = mb["routes"].cpu()
+        routes = mb.routes.cpu()
         shard = routes.shape[1]
         a = tp_rank * shard if sp else 0
-        for k, i in enumerate(mb["samples"]):
+        for k, i in enumerate(mb.samples):
             trace = received[i].routes.long()
-            if "index" in mb:
-                positions = mb["index"][k, :samples[i].span].cpu()
+            if mb.index is not None:
+                positions = mb.index[k, :samples[i].span].cpu()
                 got_rows = [(0, int(p)) for p in positions]
             else:
                 got_rows = [(k, j) for j in range(samples[i].span)]
@@ -118,15 +117,15 @@ def run(model_json, losses, overrides):
             from rlpo_mega.training.exchange import exchange
 
             received, _ = exchange(samples, _dp_of(cfg, samples, layout), recipients, spec)
-            micro = attach_old_logprobs(chunks, [to_device(mb) for mb in minis[0]], cfg.algorithm, routing=routing)
+            micro = attach_old_logprobs(chunks, [mb.to() for mb in minis[0]], cfg.algorithm, routing=routing)
             good, total = placement_agreement(micro, samples, received, rcpt, tp_rank, sp)
             for mb in micro:
-                if "old_logp" in mb:
-                    off = torch.zeros_like(mb["old_logp"])
-                    for k, i in enumerate(mb["samples"]):
+                if mb.old_logp is not None:
+                    off = torch.zeros_like(mb.old_logp)
+                    for k, i in enumerate(mb.samples):
                         w = min(off.shape[1], offsets.shape[1])
                         off[k, :w] = offsets[i, :w]
-                    mb["old_logp"] = mb["old_logp"] - off
+                    mb.old_logp = mb.old_logp - off
             report = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing)
             grads = {n: p.main_grad.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
             res[mode] = {"report": report, "grads": grads, "placement": (good, total), "stats": stats}

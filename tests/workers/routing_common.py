@@ -101,10 +101,10 @@ class RouteHooks:
 def local_forward_routes(hooks, micro, n_layers_local, live=False):
     """This rank's dispatched (or live=True: live-router) routes [rows, s_local, L_local, k] over its
     micro-batches (forward calls)."""
-    b = micro[0]["tokens"].shape[0]
+    b = micro[0].tokens.shape[0]
     per_mb = hooks.forward_routes(b, live)
     if not per_mb:
-        s = micro[0]["tokens"].shape[1]
+        s = micro[0].tokens.shape[1]
         return torch.zeros(len(micro) * b, s, 0, hooks.topk, dtype=torch.long)
     return torch.cat([torch.stack(layers, dim=2) for layers in per_mb])
 

@@ -55,7 +55,7 @@ def run_layout(name, data, ckpt, hf, spec):
     old_routes = gather_to_rank0((me, local_forward_routes(hooks, micro, len(me.layer_cols))))
     last_tp0 = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
     logp = gather_to_rank0((ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                            torch.cat([mb["old_logp"] for mb in micro])) if last_tp0 else None)
+                            torch.cat([mb.old_logp for mb in micro])) if last_tp0 else None)
     hooks.clear()
     out = policy_step(chunks, opt, micro, cfg.algorithm, routing=driver)
     update_routes = gather_to_rank0((me, local_forward_routes(hooks, micro, len(me.layer_cols))))
@@ -72,7 +72,7 @@ def run_layout(name, data, ckpt, hf, spec):
         full_old = assemble_routes(old_routes, n, SEQ, spec.num_layers, spec.topk)
         full_upd = assemble_routes(update_routes, n, SEQ, spec.num_layers, spec.topk)
         lp = assemble_logp([x for x in logp if x is not None], n)
-        mask = batch["loss_mask"]
+        mask = batch.loss_mask
         ref = data["ref_logp"]
         res = {"old_routes_vs_trace": compare_to_traces(full_old, traces),
                "update_routes_vs_trace": compare_to_traces(full_upd, traces),

@@ -83,10 +83,10 @@ def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
     live = compute_log_probs(model_chunks, micro, algo_cfg, wrap_step=lambda s: self.wrap(s, "observe", "no_replay"))
     reports = []
     for mb, lp in zip(micro, live or []):
-        mask = mb["loss_mask"].bool()
+        mask = mb.loss_mask.bool()
         rep = {}
-        for tag, logp in (("replay", mb["old_logp"]), ("no_replay", lp)):
-            for k, v in mismatch_metrics(logp, mb["rollout_logp"], mask).items():
+        for tag, logp in (("replay", mb.old_logp), ("no_replay", lp)):
+            for k, v in mismatch_metrics(logp, mb.rollout_logp, mask).items():
                 rep[k.replace("mismatch/", f"routing/mismatch_{tag}/")] = v
         reports.append(rep)
     out = reduce_report(reports)
@@ -94,12 +94,12 @@ def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
     return out
 
 def old_logp(micro):
-    return torch.cat([mb["old_logp"] for mb in micro])
+    return torch.cat([mb.old_logp for mb in micro])
 
 
 def mismatch(micro, prefix):
-    m = torch.cat([mb["loss_mask"] for mb in micro])
-    return logprob_mismatch(old_logp(micro), torch.cat([mb["rollout_logp"] for mb in micro]), m, prefix)
+    m = torch.cat([mb.loss_mask for mb in micro])
+    return logprob_mismatch(old_logp(micro), torch.cat([mb.rollout_logp for mb in micro]), m, prefix)
 
 
 def router_grad_norms(chunks):
@@ -162,7 +162,7 @@ def r2_case(run):
     cfg, chunks, opt, batch = run.build("r2", recompute=True)
     driver = RoutingReplay(chunks, run.spec, "r2")
     micro = prepare_micro_batches(chunks, batch, cfg.algorithm, NMB, routing=driver)
-    recorded = torch.cat([mb["routes"].long() for mb in micro])
+    recorded = torch.cat([mb.routes.long() for mb in micro])
     hooks = RouteHooks(chunks, run.spec.topk)
     ratios = []
 
@@ -171,9 +171,9 @@ def r2_case(run):
         out = _model_out(model, mb)
 
         def loss_func(logits):
-            logp, _ = vocab_parallel_logprobs(logits, mb["labels"], real_vocab=run.hf.vocab_size, with_entropy=False)
-            m = mb["loss_mask"]
-            lr = torch.where(m, logp - mb["old_logp"], torch.zeros_like(logp)).sum(1) / m.sum(1)
+            logp, _ = vocab_parallel_logprobs(logits, mb.labels, real_vocab=run.hf.vocab_size, with_entropy=False)
+            m = mb.loss_mask
+            lr = torch.where(m, logp - mb.old_logp, torch.zeros_like(logp)).sum(1) / m.sum(1)
             ratios.append(torch.exp(lr).detach())  # GSPO's s_i
             return policy_objective(logp, mb, cfg.algorithm)
 
