@@ -130,6 +130,12 @@ def test_data_file_refused_before_the_model_is_built(case, tmp_path, capsys, mon
     assert time.monotonic() - t0 < 60  # no process group, no model: the data is read first
 
 
+def test_unknown_rollout_producer_is_one_error_before_the_model_is_built(capsys, monkeypatch):
+    rc, err = run_cli(capsys, monkeypatch, "train", DEMO, *QUICK, "rollout.producer=asynch")
+    assert rc == 2
+    one_line(err, "train", "rollout.producer='asynch' is not known; known: sync.")
+
+
 @pytest.mark.parametrize("which", ["trainer.warmup.path", "trainer.eval_path"])
 def test_warmup_and_eval_files_checked_up_front(which, tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.jsonl"

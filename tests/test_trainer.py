@@ -164,6 +164,18 @@ def test_reference_is_the_policy_after_warmup(tmp_path):
     assert r["warmup_moved"] and r["ref_equals_policy"], r
 
 
+def test_a_rollout_producer_plugs_in_without_touching_the_trainer(tmp_path):
+    """A producer the package does not know (tests/workers/train_hooks.ReplayProducer: step 2 trains step 1's
+    groups again) runs through rollout.producer: the second step sees the same samples, now off-policy."""
+    r = torchrun("train_scenarios.py", 2, "producer", str(tmp_path), env={"WANDB_MODE": "disabled"}, timeout=600)
+    first, second = r["history"]
+    assert r["rc"] == 0 and (first["step"], second["step"]) == (1, 2)
+    assert "producer/replayed" not in first and second["producer/replayed"] == 1
+    assert second["reward/mean"] == first["reward/mean"] and second["reward/samples"] == first["reward/samples"]
+    # the engine sampled them with step 1's weights; step 2's old log-probs are of the policy step 1 moved
+    assert first["mismatch/ratio_dev_max"] < 1e-4 < second["mismatch/ratio_dev_max"]
+
+
 def test_export_at_save_equals_cli_export(resumed, tmp_path):
     """checkpoint.export_hf writes step_<N>/hf_model during the run; `rlpo-mega export` of the same
     checkpoint (another process, single rank) gives the same tensors, and transformers loads it."""

@@ -41,7 +41,7 @@ from rlpo_mega import distributed, platform
 from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS, sequence_advantages
 from rlpo_mega.checkpoint import run as ckpt_state
 from rlpo_mega.checkpoint.files import HF_FILES
-from rlpo_mega.config import ConfigError, to_dict
+from rlpo_mega.config import ConfigError, to_dict, unknown_choice
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data import PromptSampler, load_prompts
 from rlpo_mega.errors import EXIT_STOPPED
@@ -76,6 +76,8 @@ class Trainer:
         self.cfg = cfg
         self.hf = load_hf_config(cfg.model.hf_config)
         check_run_config(cfg, self.hf, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if cfg.rollout.producer not in PRODUCERS:  # registered by the package or a plugin (collect.py)
+            raise ConfigError(unknown_choice("rollout.producer", cfg.rollout.producer, PRODUCERS.names()))
         producer = PRODUCERS.get(cfg.rollout.producer)
         # where the run starts and what in its save_dir is not its own: refused here, before anything is built
         self.identity = get_family(self.hf.model_type).identity(self.hf)

@@ -1,11 +1,13 @@
 """Test-only registrations for trainer scenarios (imported by the workers, never by the product):
-a reward with mixed scores on a random model, an engine that fails on demand, a NaN injector."""
+a reward with mixed scores on a random model, an engine that fails on demand, a rollout producer the package
+does not know, a NaN injector."""
 import os
 
 import torch
 import torch.distributed as dist
 
 from rlpo_mega.rewards import REWARDS
+from rlpo_mega.training.collect import PRODUCERS, ScoredGroups, SyncProducer
 from rlpo_mega.rollout import ENGINES, EngineError
 from rlpo_mega.rollout.embedded import EmbeddedEngine
 
@@ -30,6 +32,23 @@ class FlakyEngine(EmbeddedEngine):
             self._dead = True
             raise EngineError("test_flaky engine: simulated crash")
         return super().generate(prompts, params, n=n, request_ids=request_ids)
+
+
+@PRODUCERS.register("test_replay")
+class ReplayProducer(SyncProducer):
+    """Collects on even steps and hands the same scored groups over again on the next step (one step off-policy):
+    a producer registered outside the package, which the trainer runs through the same interface."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.last = None
+
+    def collect(self, step, timer):
+        if step % 2 == 1 and self.last is not None:
+            last, self.last = self.last, None
+            return ScoredGroups(last.samples, last.group_ids, {"producer/replayed": 1})
+        self.last = super().collect(step, timer)
+        return self.last
 
 
 def inject_nan(trainer, steps):

@@ -203,6 +203,12 @@ def warmup_reference(out):
     return rep
 
 
+def producer(out):
+    """rollout.producer names a producer registered outside the package (train_hooks.ReplayProducer)."""
+    rc = train(cfg(out, "replay", "rollout.producer=test_replay"))
+    return {"rc": rc, "history": history(out, "replay")}
+
+
 def _sglang_cfg(out, run, *extra):
     """GSPO + R3 with a launched SGLang server (learner rank 0's engine), the recipes' sglang_distributed sync.
     RLPO_SGLANG_{HF,PYTHON,PORT,PATH,SERVER_ARGS} come from tests/test_sglang.py."""
