@@ -36,6 +36,11 @@ def _train(args) -> int:
     if "LOCAL_RANK" in os.environ:
         die_with_parent()  # a killed launcher or torchrun takes its workers with it
     try:
+        from moe.model import have_transformer_engine
+
+        # the trainer's modules import megatron-core, which imports Transformer Engine when it is installed: a
+        # broken TE is one error here (TransformerEngineError) instead of an OSError from deep inside megatron
+        have_transformer_engine()
         from rlpo_mega.training.trainer import train
 
         return train(cfg)
