@@ -58,7 +58,7 @@ def run(phase, ref_root, out_dir, overrides: tuple):
     micro = shard_and_split(batch, cfg.parallel.num_micro_batches)
     critic_micro, stats = critic.prepare([micro])
     for mb in critic_micro[0]:
-        if "old_values" in mb:  # last stage
+        if mb.old_values is not None:  # last stage
             mb.old_values = mb.old_values + 0.1 * torch.sin(7.0 * mb.returns)
     result = {"stats": stats, "losses": [], "clip": [], "advantages_finite": all(
         bool(torch.isfinite(mb.advantages).all()) for mb in micro if mb.advantages.dim() == 2)}

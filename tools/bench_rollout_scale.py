@@ -1,0 +1,191 @@
+"""The rollout driver at the recipes' size, against fake SGLang servers that answer at wire speed.
+
+Each fake server is its own process (its CPU is not the driver's): real HTTP, SGLang's /generate reply (output
+ids, `output_token_logprobs`, `routed_experts` as base64 of int32 [prompt + response - 1, hidden layers, top-k])
+at the size a real one sends, answered from a body made once per shape (or after `--latency` seconds). The
+driver is the real engine (rlpo_mega.rollout.sglang_engine.SGLangEngine) generating S samples of L new tokens,
+then what its rank does with them before the exchange: each trace validated into its compact form
+(moe.routing.trace.validate_batch, as the scalars' gather does) and its send buffer encoded (the exchange's
+`_encode`, one recipient holding every MoE layer).
+
+Per size, one line:
+  rollout-scale: samples=S tokens=L servers=N cpu_us_per_row=X extra_bytes_per_row=Y tail_frac=Z
+cpu_us_per_row: the driver process's CPU (user + system, every thread) from the first request to the encoded
+send buffer, per route row (a token position with routes: prompt + response - 1 per sample); extra_bytes_per_row:
+its peak resident memory over the resident memory before the rollout (Linux VmHWM after clear_refs), per route
+row (the compact form is layers x top-k bytes: 384 for Qwen3-30B-A3B); tail_frac: the time from the last answer
+(generate's return) to the encoded send buffer, over the rollout's wall time. Also printed: rows/s.
+
+  .venv/bin/python tools/bench_rollout_scale.py                       512 x 1k and 256 x 4k, 4 servers
+  .venv/bin/python tools/bench_rollout_scale.py --samples 64 --tokens 256 --servers-count 2
+  .venv/bin/python tools/bench_rollout_scale.py --servers URL[,URL...]  drive running servers instead
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _reply(prompt_len: int, new_tokens: int, layers: int, topk: int, experts: int) -> bytes:
+    """One /generate answer as SGLang 0.5.23 sends it (finish reason length)."""
+    import numpy as np
+
+    rows = prompt_len + new_tokens - 1
+    rng = np.random.default_rng(prompt_len * 7919 + new_tokens)
+    routes = np.argsort(rng.random((rows, layers, experts), dtype=np.float32), -1)[..., :topk].astype("<i4")
+    ids = [int(t) for t in rng.integers(3, 1000, new_tokens)]
+    meta = {"id": "x", "finish_reason": {"type": "length", "length": new_tokens}, "prompt_tokens": prompt_len,
+            "completion_tokens": new_tokens, "weight_version": "default",
+            "output_token_logprobs": [[float(-0.5 - (t % 7) / 8), i, None] for t, i in enumerate(ids)],
+            "routed_experts": base64.b64encode(routes.tobytes()).decode()}
+    return json.dumps({"text": "", "output_ids": ids, "meta_info": meta}).encode()
+
+
+def serve(port_out, new_tokens: int, layers: int, topk: int, experts: int, latency: float):
+    """A fake SGLang server (run in its own process): /generate at wire speed, /health, /server_info."""
+    bodies = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def _send(self, body: bytes):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send(json.dumps({"tp_size": 1} if self.path == "/server_info" else {}).encode())
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path != "/generate":
+                return self._send(b"{}")
+            n = int(req.get("sampling_params", {}).get("max_new_tokens", new_tokens))
+            key = (len(req["input_ids"]), n)
+            if key not in bodies:
+                bodies[key] = _reply(*key, layers, topk, experts)
+            if latency:
+                time.sleep(latency)
+            self._send(bodies[key])
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    port_out.put(server.server_address[1])
+    server.serve_forever()
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int) -> dict:
+    import torch
+
+    from moe.routing.trace import validate_batch
+    from rlpo_mega.config import SGLangEngineConfig
+    from rlpo_mega.rollout import SamplingParams
+    from rlpo_mega.rollout.sglang_engine import SGLangEngine
+    from rlpo_mega.training.exchange import _encode
+
+    engine = SGLangEngine(SGLangEngineConfig(urls=list(urls)), hf)
+    prompts = [[5 + (i % 50)] * prompt_tokens for i in range(samples)]
+    params = SamplingParams(max_new_tokens=tokens)
+    spec = engine.spec
+    engine.generate(prompts[:len(urls)], SamplingParams(max_new_tokens=2), n=1)  # connections, lazy imports
+    torch.set_num_threads(1)
+    _reset_peak()
+    base = _rss("VmRSS")
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    out = engine.generate(prompts, params, n=1)
+    wall1 = time.perf_counter()
+    spans = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in out]
+    traces, _ = validate_batch([s.routes for s in out], spec, spans, "error", [str(i) for i in range(len(out))])
+    for s, tr in zip(out, traces):
+        s.routes, s.replaced = tr.ids, tr.replaced
+    send = _encode(out, list(range(spec.num_layers)), with_routes=True)
+    wall2, cpu1 = time.perf_counter(), time.process_time()
+    peak = _rss("VmHWM")
+    engine.shutdown()
+    rows = sum(spans)
+    return {"samples": samples, "tokens": tokens, "servers": len(urls), "rows": rows,
+            "cpu_us_per_row": (cpu1 - cpu0) / rows * 1e6, "extra_bytes_per_row": (peak - base) / rows,
+            "tail_frac": (wall2 - wall1) / (wall2 - wall0), "rows_per_s": rows / (wall1 - wall0),
+            "rollout_s": wall1 - wall0, "tail_s": wall2 - wall1, "send_bytes": sum(t.numel() for t in send),
+            "compact_bytes_per_row": spec.num_layers * spec.topk}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "qwen3_30b_a3b.json"))
+    ap.add_argument("--samples", type=int, nargs="*", default=None, help="samples per size (default 512 256)")
+    ap.add_argument("--tokens", type=int, nargs="*", default=None, help="new tokens per size (default 1024 4096)")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--servers-count", type=int, default=4, help="fake servers to start")
+    ap.add_argument("--servers", default=None, help="URL[,URL...] of running servers to drive instead")
+    ap.add_argument("--latency", type=float, default=0.0, help="seconds each fake answer waits")
+    ap.add_argument("--json", help="also write the results to this file")
+    args = ap.parse_args()
+    samples, tokens = args.samples or [512, 256], args.tokens or [1024, 4096]
+    if len(samples) != len(tokens):
+        raise SystemExit("bench_rollout_scale: --samples and --tokens need the same number of values")
+    from moe.model import load_hf_config
+
+    hf = load_hf_config(args.model)
+    layers, topk, experts = int(hf.num_hidden_layers), int(hf.num_experts_per_tok), int(hf.num_experts)
+    results = []
+    for s, t in zip(samples, tokens):
+        procs = []
+        if args.servers:
+            urls = args.servers.split(",")
+        else:
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            procs = [ctx.Process(target=serve, args=(q, t, layers, topk, experts, args.latency), daemon=True)
+                     for _ in range(args.servers_count)]
+            for p in procs:
+                p.start()
+            urls = [f"http://127.0.0.1:{q.get(timeout=60)}" for _ in procs]
+        try:
+            r = run_size(urls, hf, s, t, args.prompt_tokens)
+        finally:
+            for p in procs:
+                p.terminate()
+                p.join(10)
+        results.append(r)
+        print(f"rollout-scale: samples={s} tokens={t} servers={r['servers']} cpu_us_per_row={r['cpu_us_per_row']:.2f} "
+              f"extra_bytes_per_row={r['extra_bytes_per_row']:.0f} tail_frac={r['tail_frac']:.3f}", flush=True)
+        print(f"  rows={r['rows']} rows/s={r['rows_per_s']:.0f} rollout {r['rollout_s']:.1f} s, after the last answer "
+              f"{r['tail_s']:.1f} s; compact {r['compact_bytes_per_row']} B per row", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
