@@ -50,9 +50,13 @@ def _reply(prompt_len: int, new_tokens: int, layers: int, topk: int, experts: in
     return json.dumps({"text": "", "output_ids": ids, "meta_info": meta}).encode()
 
 
-def serve(port_out, new_tokens: int, layers: int, topk: int, experts: int, latency: float):
-    """A fake SGLang server (run in its own process): /generate at wire speed, /health, /server_info."""
-    bodies = {}
+def serve(port_out, prompt_tokens: int, new_tokens: int, layers: int, topk: int, experts: int, latency: float):
+    """A fake SGLang server (run in its own process): /generate at wire speed, /health, /server_info. The body of
+    the bench's shape is made before the server listens; another shape once, under a lock."""
+    import threading
+
+    bodies = {(prompt_tokens, new_tokens): _reply(prompt_tokens, new_tokens, layers, topk, experts)}
+    lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -76,14 +80,18 @@ def serve(port_out, new_tokens: int, layers: int, topk: int, experts: int, laten
                 return self._send(b"{}")
             n = int(req.get("sampling_params", {}).get("max_new_tokens", new_tokens))
             key = (len(req["input_ids"]), n)
-            if key not in bodies:
-                bodies[key] = _reply(*key, layers, topk, experts)
+            with lock:
+                if key not in bodies:
+                    bodies[key] = _reply(*key, layers, topk, experts)
             if latency:
                 time.sleep(latency)
             self._send(bodies[key])
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 4096  # the driver opens up to max_in_flight_per_server connections at once
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
     port_out.put(server.server_address[1])
     server.serve_forever()
 
@@ -166,11 +174,11 @@ def main():
         else:
             ctx = mp.get_context("spawn")
             q = ctx.Queue()
-            procs = [ctx.Process(target=serve, args=(q, t, layers, topk, experts, args.latency), daemon=True)
+            procs = [ctx.Process(target=serve, args=(q, args.prompt_tokens, t, layers, topk, experts, args.latency), daemon=True)
                      for _ in range(args.servers_count)]
             for p in procs:
                 p.start()
-            urls = [f"http://127.0.0.1:{q.get(timeout=60)}" for _ in procs]
+            urls = [f"http://127.0.0.1:{q.get(timeout=300)}" for _ in procs]
         try:
             r = run_size(urls, hf, s, t, args.prompt_tokens)
         finally:
