@@ -108,7 +108,7 @@ class TrainerConfig:
     # parallel.num_micro_batches micro-batches, balanced by tokens); every rank runs as many as the busiest
     max_tokens_per_micro_batch: Optional[int] = None
     # auto: when one optimizer step consumes each rollout batch (and nothing else makes the update's forward
-    # differ from an old-policy forward: training/policy_step.old_pass_needed), the old log-probs are the
+    # differ from an old-policy forward: training/old_logprobs.old_pass_needed), the old log-probs are the
     # update's own, detached -- no separate forward pass; recompute: always run the old-log-prob pass
     old_logprobs: Literal["auto", "recompute"] = "auto"
     warmup: WarmupConfig = field(default_factory=WarmupConfig)

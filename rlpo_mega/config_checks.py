@@ -383,7 +383,7 @@ def _check_critic(cfg, warns: list[str]):
 
 def _check_batch(cfg, world_size: Optional[int]):
     """rollout batch = prompts_per_step * n_samples sequences -> trainer.mini_batches mini-batches -> DP ranks
-    -> parallel.num_micro_batches micro-batches per rank (rlpo_mega.training.policy_step.shard_and_split)."""
+    -> parallel.num_micro_batches micro-batches per rank (rlpo_mega.training.warmup.shard_and_split)."""
     p, par = cfg.prompts, cfg.parallel
     if cfg.algorithm.advantage.name in GROUP_ADVANTAGES and p.n_samples < 2:
         raise ConfigError(

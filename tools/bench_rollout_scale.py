@@ -105,11 +105,13 @@ def _rss(field: str) -> int:
 
 
 def _reset_peak():
+    """Reset VmHWM to the current resident size (Linux >= 4.0); without it the peak would include the set-up's."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current resident size (Linux >= 4.0)
-    except OSError:
-        pass
+            f.write("5")
+    except OSError as e:
+        raise SystemExit(f"bench_rollout_scale: cannot reset the peak resident size (/proc/self/clear_refs: {e}); "
+                         "extra_bytes_per_row needs Linux >= 4.0") from None
 
 
 def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int) -> dict:

@@ -11,7 +11,7 @@ batches have one sample per row at offset 0; packed rows hold several samples (e
 is an input position without a route). Positions without a route are PAD (-2); entries the trace marked
 `replaced` are LIVE (-1): both are routed by the trainer's live router (moe.routing.replay).
 
-The DP split is the trainer's: DP rank r trains the r-th contiguous block of rows (policy_step.shard_and_split).
+The DP split is the trainer's: DP rank r trains the r-th contiguous block of rows (rlpo_mega.training.warmup.shard_and_split).
 The local result is [rows of this DP rank, local sequence shard, local MoE layers, topk] int16 (int32
 beyond 32768 experts): on the host from `local_routes` (the routing driver moves them with the batch),
 on the wire device from `scatter_routes` (NCCL sends device tensors only).

@@ -160,7 +160,7 @@ class SGLangEngine(RolloutEngine):
         self.servers: list[_Server] = []
         if cfg.urls:
             self.servers = [_Server(u) for u in cfg.urls]
-        elif cfg.launch:  # this process alone (a trainer launches per node: rollout_phase.EngineSlot)
+        elif cfg.launch:  # this process alone (a trainer launches per node: training/engines.EngineSlot)
             self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
@@ -562,7 +562,7 @@ class SGLangEngine(RolloutEngine):
         return {n: per_server[0][n] for n in names if n in per_server[0]}
 
     def adopt(self, launched: dict) -> None:
-        """Servers started by this run's node launchers (rollout_phase.EngineSlot), as {url: node}, with this
+        """Servers started by this run's node launchers (training/engines.EngineSlot), as {url: node}, with this
         process's own as {url: (node, SGLangServer)}: this engine restarts its own node's servers itself; a
         dead server of another node fails the rollout, and the rebuilt engine's launchers restart them."""
         for s in self.servers:

@@ -1,7 +1,7 @@
 """Phase 4 of an RL step with a critic (values and GAE), and the critic's update: PPO's value model on Megatron.
 
 On when algorithm.advantage.name=gae. The value model is the policy's family at the policy's layout with
-moe.value_head in place of the output layer (built through training/model_setup.build_policy), with its own
+moe.value_head in place of the output layer (built through rlpo_mega/model_setup.build_policy), with its own
 optimizer and LR schedule (critic.optim) and its own routing replay driver: r3 replays the rollout's routes
 in its passes too, r2 records its own old pass's routes and replays them in its update.
 

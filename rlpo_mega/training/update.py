@@ -296,7 +296,7 @@ def update_phase(policy, prepared: list[list[MicroBatch]], cfg, *, policy_moves:
                  critic_batches=None) -> tuple[list[dict], list[dict]]:
     """A step's updates: trainer.epochs passes over the mini-batches, each a policy step (unless the critic is
     still warming up: policy_moves=False) then, with a critic, a critic step on the same mini-batch.
-    policy: training.trainer.Policy. Returns the policy's and the critic's per-update metrics."""
+    policy: update.Policy. Returns the policy's and the critic's per-update metrics."""
     outs, critic_outs = [], []
     for _ in range(cfg.trainer.epochs):
         for i, micro in enumerate(prepared):
