@@ -21,6 +21,10 @@ setup(
         "xxhash>=3.0",  # weight-sync digests on the CPU (XXH3-128)
         "math-verify>=0.9,<0.10",  # math reward; pure Python (sympy, latex2sympy2_extended, antlr4 runtime)
         "numpy",
+        # the SGLang client's answer decoding (rollout/sglang_client.py; the stdlib is the fallback): SGLang's own
+        # dependencies, pure wheels
+        "orjson>=3.9",
+        "pybase64>=1.3",
         "pytest>=8",
     ],
     extras_require={

@@ -107,6 +107,9 @@ class TrainerConfig:
     # packed: cut each rank's samples into micro-batches of at most this many tokens (None: exactly
     # parallel.num_micro_batches micro-batches, balanced by tokens); every rank runs as many as the busiest
     max_tokens_per_micro_batch: Optional[int] = None
+    # the exchange of a step's samples (training/exchange.py) runs in rounds of at most this many MB sent and
+    # received per rank (a single larger sample alone): its buffers on the GPU stay this size whatever the batch
+    exchange_round_mb: int = 256
     # auto: when one optimizer step consumes each rollout batch (and nothing else makes the update's forward
     # differ from an old-policy forward: training/old_logprobs.old_pass_needed), the old log-probs are the
     # update's own, detached -- no separate forward pass; recompute: always run the old-log-prob pass
@@ -272,6 +275,9 @@ class SGLangEngineConfig:
     store_port: int = 0  # learner rank 0's TCP store for servers (weight-sync group, digest reports); 0 = free
     flush_retries: int = 20  # /flush_cache refuses while requests run: retried with backoff (<= 2 s)
     max_in_flight_per_server: int = 128  # generate requests in flight per server (total: x servers)
+    # answers read and decoded at once by the driver: bounds the raw bodies it holds (2 KB per token at 48 layers
+    # x top-8), whatever the number in flight; more only helps while decoding lags the servers
+    decode_concurrency: int = 1
     python: Optional[str] = None  # launch: interpreter of the environment that has sglang (None: this one)
     log_dir: Optional[str] = None  # launch: per-server log files (None: ./logs/sglang)
     env: dict = field(default_factory=dict)  # launch: extra environment variables for the servers

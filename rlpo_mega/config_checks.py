@@ -229,6 +229,9 @@ def _check_rollout(cfg, warns: list[str]):
         if sg.max_in_flight_per_server < 1:
             raise ConfigError(f"rollout.sglang.max_in_flight_per_server={sg.max_in_flight_per_server} must be >= 1 "
                               "(generate requests sent to each server at once)")
+        if sg.decode_concurrency < 1:
+            raise ConfigError(f"rollout.sglang.decode_concurrency={sg.decode_concurrency} must be >= 1 (answers the "
+                              "driver reads and decodes at once)")
         for key in ("request_timeout", "control_timeout", "hang_timeout", "health_interval", "health_timeout",
                     "startup_timeout"):
             if not getattr(sg, key) > 0:

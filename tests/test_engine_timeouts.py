@@ -96,3 +96,65 @@ def test_waiting_ranks_outlive_the_default_timeout():
     r = torchrun("engine_wait.py", 2)
     assert r["control_group"] == {"code": 1, "waited_s": pytest.approx(6.0, abs=2.0)}, r
     assert r["default_group"].startswith("timed out"), r
+
+
+def test_stop_on_reused_keepalive_connections_ends_every_request():
+    """A server that answered step 1 on keep-alive connections hangs in step 2 (as a frozen SGLang does): a stop
+    ends the wait at once and no worker stays blocked (shut sockets are not retried on a new connection)."""
+    import json
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import torch
+
+    from moe.routing.decoders import encode_sglang
+
+    hang = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the second rollout reuses the first one's connections
+
+        def log_message(self, *args):
+            pass
+
+        def _send(self, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._send({})
+
+        def do_POST(self):
+            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/generate":
+                return self._send({})
+            if hang.is_set():
+                time.sleep(30)
+                return
+            rows = len(req["input_ids"]) + 2
+            routes = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32).expand(rows, 2, 2).contiguous()
+            self._send({"output_ids": [10, 11, 12], "meta_info": {
+                "finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.5, 1, None]] * 3,
+                "routed_experts": encode_sglang(routes)}})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        engine = engine_for(f"http://127.0.0.1:{server.server_address[1]}", health_timeout=1.0)
+        assert len(engine.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=3), n=2)) == 8
+        hang.set()
+        t0 = time.monotonic()
+        engine.should_stop = lambda: time.monotonic() - t0 > 1.0
+        with pytest.raises(RolloutInterrupted):
+            engine.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=3), n=2)
+        took = time.monotonic() - t0
+        busy = [t for t in engine._pool.threads if t.is_alive()]
+        engine.shutdown()
+        assert took < 4.0, took  # 1 s, then aborts bounded by health_timeout; not the 6 s wait for workers
+        assert busy and not any(t.is_alive() for t in busy)
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -5,6 +5,10 @@ and the vectorized route decoding (rlpo_mega.rollout.sglang_client) against the 
 import base64
 import contextlib
 import json
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -134,14 +138,14 @@ def test_stop_sends_nothing_more():
     one and the waiting ones are never sent."""
     with silent_server() as url:
         engine = engine_for(url, max_in_flight_per_server=1)
-        generates, http = [], engine._http
+        generates, post = [], engine._conns.post
 
-        def counting(server, path, *args, **kw):
+        def counting(url, path, *args, **kw):
             if path == "/generate":
                 generates.append(path)
-            return http(server, path, *args, **kw)
+            return post(url, path, *args, **kw)
 
-        engine._http = counting
+        engine._conns.post = counting
         t0 = time.monotonic()
         engine.should_stop = lambda: time.monotonic() - t0 > 1.0
         with pytest.raises(RolloutInterrupted, match="1 requests aborted"):
@@ -227,3 +231,100 @@ def test_config_check(monkeypatch):
     assert check_run_config(load_config(None, base), hf) == []
     with pytest.raises(ConfigError, match=r"rollout\.sglang\.max_in_flight_per_server=0 must be >= 1"):
         check_run_config(load_config(None, base + ("rollout.sglang.max_in_flight_per_server=0",)), hf)
+
+
+def test_split_routes_cuts_only_the_routes_string():
+    """The routes' base64 is cut out of the body before the JSON parse; a key-like text inside a string value
+    (escaped quotes), null routes or a list are left to the parser."""
+    from rlpo_mega.rollout.sglang_client import split_routes
+
+    tricky = {"text": 'he wrote "routed_experts": "AAAA"', "meta_info": {"routed_experts": "AAAAAQAAAA=="}}
+    for body in (json.dumps(tricky).encode(), json.dumps(tricky, separators=(",", ":")).encode()):
+        rest, b64 = split_routes(body)
+        assert bytes(b64) == b"AAAAAQAAAA==" and json.loads(rest) == {**tricky, "meta_info": {"routed_experts": None}}
+        buf = bytearray(body) + b"garbage after the answer"
+        rest2, b64b = split_routes(buf, len(body))
+        assert bytes(b64b) == bytes(b64) and bytes(rest2) == rest
+    for routes in (None, [[1, 2]]):
+        body = json.dumps({"meta_info": {"routed_experts": routes}}).encode()
+        assert split_routes(body) == (body, None)
+    escaped = b'{"meta_info": {"routed_experts": "AA\\/A"}}'  # a JSON escape inside: the parser decides
+    assert split_routes(escaped) == (escaped, None)
+
+
+def test_stdlib_fallback_decodes_the_same(monkeypatch):
+    """Without orjson and pybase64 (the stdlib parsers) an answer decodes to the same sample."""
+    import rlpo_mega.rollout.sglang_client as client
+    import rlpo_mega.rollout.sglang_engine as sglang_engine
+
+    total = Gauge()
+    with fake_sglang(total, delay=0.0, new_tokens=5, layers=2, topk=2, experts=4) as (url, _, sent):
+        engine = engine_for(url)
+        fast = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=5), n=2,
+                               request_ids=["a", "b", "c", "d"])
+        monkeypatch.setattr(client, "b64decode", base64.b64decode)
+        monkeypatch.setattr(sglang_engine, "loads", json.loads)
+        slow = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=5), n=2,
+                               request_ids=["a", "b", "c", "d"])
+        engine.shutdown()
+    for f, s in zip(fast, slow):
+        assert f.response_ids == s.response_ids and torch.equal(f.logprobs, s.logprobs)
+        assert torch.equal(f.routes, s.routes) and f.trace_checked and s.trace_checked
+        assert torch.equal(f.routes.long(), sent[f.meta["rid"]].long())
+
+
+def test_a_group_goes_to_one_server():
+    """n samples of a prompt are sent to the server its first sample went to (one prefix cache per prompt);
+    groups are still spread over the servers."""
+    total = Gauge()
+    with fake_sglang(total, delay=0.05) as (url_a, _, _), fake_sglang(total, delay=0.05) as (url_b, _, _):
+        engine = engine_for([url_a, url_b], max_in_flight_per_server=3)
+        out = engine.generate([[1, 2, 3 + i] for i in range(8)], SamplingParams(max_new_tokens=3), n=4)
+        engine.shutdown()
+    by_prompt = {}
+    for s in out:
+        by_prompt.setdefault(s.prompt_index, set()).add(s.meta["server"])
+    assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
+    assert {next(iter(v)) for v in by_prompt.values()} == {url_a, url_b}
+
+
+def test_closing_a_stream_aborts_the_rest_and_leaves_no_worker_busy():
+    """stream() yields groups as they complete; leaving the loop after the first group ends every other
+    request (sockets shut, nothing more sent), and shutdown() joins every worker thread."""
+    total = Gauge()
+    with fake_sglang(total, delay=0.3) as (url, _, sent):
+        engine = engine_for(url, max_in_flight_per_server=2)
+        stream = engine.stream([[1, 2, 3 + i] for i in range(6)], SamplingParams(max_new_tokens=3), n=2)
+        i, group = next(stream)
+        assert len(group) == 2 and all(s.prompt_index == i for s in group)
+        stream.close()
+        time.sleep(0.5)
+        assert len(sent) <= 4, len(sent)  # the first group, plus at most one more in flight when it closed
+        assert total.now == 0
+        threads = list(engine._pool.threads)
+        engine.shutdown()
+    assert threads and not any(t.is_alive() for t in threads)
+
+
+def test_the_process_exits_cleanly_after_a_large_rollout():
+    """Hundreds of requests at once, then the interpreter exits without engine.shutdown(): exit 0 and no
+    abort ("terminate called without an active exception", exit 134, which daemon workers still running at
+    exit caused), because the engine's finalizer joins its workers."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "workers", "sglang_exit.py"), "600", "48"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "samples=600" in r.stdout and "terminate called" not in r.stderr, (r.stdout, r.stderr[-2000:])
+
+
+def test_bench_rollout_scale_line():
+    """tools/bench_rollout_scale.py at a small size: the issue's line, exactly, and no worker left after
+    the engine's shutdown."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_rollout_scale.py"), "--samples", "48",
+                        "--tokens", "128", "--prompt-tokens", "64", "--servers-count", "2"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = re.fullmatch(r"rollout-scale: samples=48 tokens=128 servers=2 cpu_us_per_row=([0-9.]+) "
+                        r"extra_bytes_per_row=(-?[0-9]+) tail_frac=([0-9.]+)", r.stdout.splitlines()[0])
+    assert line, r.stdout
+    assert "0 left after shutdown" in r.stdout, r.stdout

@@ -3,18 +3,19 @@
 Each fake server is its own process (its CPU is not the driver's): real HTTP, SGLang's /generate reply (output
 ids, `output_token_logprobs`, `routed_experts` as base64 of int32 [prompt + response - 1, hidden layers, top-k])
 at the size a real one sends, answered from a body made once per shape (or after `--latency` seconds). The
-driver is the real engine (rlpo_mega.rollout.sglang_engine.SGLangEngine) generating S samples of L new tokens,
-then what its rank does with them before the exchange: each trace validated into its compact form
-(moe.routing.trace.validate_batch, as the scalars' gather does) and its send buffer encoded (the exchange's
-`_encode`, one recipient holding every MoE layer).
+driver is the real engine (rlpo_mega.rollout.sglang_engine.SGLangEngine) generating S samples of L new tokens
+(each answer decoded and its trace checked as it arrives), then what its rank does with them, as the trainer
+does: the scalars' gather (training/exchange.gather_scalars) and the exchange of the payloads in bounded rounds
+(training/exchange.exchange, a one-rank gloo group whose rank trains every MoE layer).
 
 Per size, one line:
   rollout-scale: samples=S tokens=L servers=N cpu_us_per_row=X extra_bytes_per_row=Y tail_frac=Z
-cpu_us_per_row: the driver process's CPU (user + system, every thread) from the first request to the encoded
-send buffer, per route row (a token position with routes: prompt + response - 1 per sample); extra_bytes_per_row:
+cpu_us_per_row: the driver process's CPU (user + system, every thread) from the first request to the exchanged
+payloads, per route row (a token position with routes: prompt + response - 1 per sample); extra_bytes_per_row:
 its peak resident memory over the resident memory before the rollout (Linux VmHWM after clear_refs), per route
 row (the compact form is layers x top-k bytes: 384 for Qwen3-30B-A3B); tail_frac: the time from the last answer
-(generate's return) to the encoded send buffer, over the rollout's wall time. Also printed: rows/s.
+(generate's return) to the exchanged payloads, over the rollout's wall time. Also printed: rows/s, the exchange's
+rounds, and the engine's worker threads (idle between rollouts; none left after its shutdown).
 
   .venv/bin/python tools/bench_rollout_scale.py                       512 x 1k and 256 x 4k, 4 servers
   .venv/bin/python tools/bench_rollout_scale.py --samples 64 --tokens 256 --servers-count 2
@@ -28,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -114,14 +116,15 @@ def _reset_peak():
                          "extra_bytes_per_row needs Linux >= 4.0") from None
 
 
-def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int) -> dict:
+def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: int) -> dict:
     import torch
+    import torch.distributed as dist
 
-    from moe.routing.trace import validate_batch
+    from moe.routing.transport import Recipient
     from rlpo_mega.config import SGLangEngineConfig
     from rlpo_mega.rollout import SamplingParams
     from rlpo_mega.rollout.sglang_engine import SGLangEngine
-    from rlpo_mega.training.exchange import _encode
+    from rlpo_mega.training.exchange import exchange, gather_scalars
 
     engine = SGLangEngine(SGLangEngineConfig(urls=list(urls)), hf)
     prompts = [[5 + (i % 50)] * prompt_tokens for i in range(samples)]
@@ -129,28 +132,34 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int) -> dict:
     spec = engine.spec
     engine.generate(prompts[:len(urls)], SamplingParams(max_new_tokens=2), n=1)  # connections, lazy imports
     torch.set_num_threads(1)
+    me = [Recipient(0, 0, 1, 0, 1, tuple(range(spec.num_layers)))]  # one rank training every MoE layer
     _reset_peak()
     base = _rss("VmRSS")
     wall0, cpu0 = time.perf_counter(), time.process_time()
     out = engine.generate(prompts, params, n=1)
     wall1 = time.perf_counter()
-    spans = [len(s.prompt_ids) + len(s.response_ids) - 1 for s in out]
-    traces, _ = validate_batch([s.routes for s in out], spec, spans, "error", [str(i) for i in range(len(out))])
-    for s, tr in zip(out, traces):
-        s.routes, s.replaced = tr.ids, tr.replaced
-    send = _encode(out, list(range(spec.num_layers)), with_routes=True)
+    # what the rank does next, as the trainer does it: the scalars' gather (checking the traces the engine did
+    # not), then the exchange of the payloads in bounded rounds (training/exchange.py)
+    out = gather_scalars(out, spec, "error", None)
+    received, xstats = exchange(out, {i: 0 for i in range(len(out))}, me, spec, round_bytes=round_mb << 20,
+                                 release=True)
     wall2, cpu1 = time.perf_counter(), time.process_time()
     peak = _rss("VmHWM")
+    idle = sum(t.is_alive() for t in engine._pool.threads)  # reused by the next rollout: idle, holding nothing
     engine.shutdown()
-    rows = sum(spans)
+    left = sum(t.is_alive() for t in threading.enumerate() if t.name.startswith("rlpo-sglang"))
+    rows = sum(s.span for s in out)
+    assert len(received) == samples and dist.get_world_size() == 1
     return {"samples": samples, "tokens": tokens, "servers": len(urls), "rows": rows,
             "cpu_us_per_row": (cpu1 - cpu0) / rows * 1e6, "extra_bytes_per_row": (peak - base) / rows,
             "tail_frac": (wall2 - wall1) / (wall2 - wall0), "rows_per_s": rows / (wall1 - wall0),
-            "rollout_s": wall1 - wall0, "tail_s": wall2 - wall1, "send_bytes": sum(t.numel() for t in send),
-            "compact_bytes_per_row": spec.num_layers * spec.topk}
+            "rollout_s": wall1 - wall0, "tail_s": wall2 - wall1, "exchange_rounds": xstats["rounds"],
+            "compact_bytes_per_row": spec.num_layers * spec.topk, "workers": idle, "workers_after_shutdown": left}
 
 
 def main():
+    from rlpo_mega.config import TrainerConfig
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "qwen3_30b_a3b.json"))
     ap.add_argument("--samples", type=int, nargs="*", default=None, help="samples per size (default 512 256)")
@@ -159,9 +168,14 @@ def main():
     ap.add_argument("--servers-count", type=int, default=4, help="fake servers to start")
     ap.add_argument("--servers", default=None, help="URL[,URL...] of running servers to drive instead")
     ap.add_argument("--latency", type=float, default=0.0, help="seconds each fake answer waits")
+    ap.add_argument("--exchange-round-mb", type=int, default=TrainerConfig.exchange_round_mb,
+                    help="the exchange's round (trainer.exchange_round_mb)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     samples, tokens = args.samples or [512, 256], args.tokens or [1024, 4096]
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the exchange's collectives
     if len(samples) != len(tokens):
         raise SystemExit("bench_rollout_scale: --samples and --tokens need the same number of values")
     from moe.model import load_hf_config
@@ -182,7 +196,7 @@ def main():
                 p.start()
             urls = [f"http://127.0.0.1:{q.get(timeout=300)}" for _ in procs]
         try:
-            r = run_size(urls, hf, s, t, args.prompt_tokens)
+            r = run_size(urls, hf, s, t, args.prompt_tokens, args.exchange_round_mb)
         finally:
             for p in procs:
                 p.terminate()
@@ -191,7 +205,9 @@ def main():
         print(f"rollout-scale: samples={s} tokens={t} servers={r['servers']} cpu_us_per_row={r['cpu_us_per_row']:.2f} "
               f"extra_bytes_per_row={r['extra_bytes_per_row']:.0f} tail_frac={r['tail_frac']:.3f}", flush=True)
         print(f"  rows={r['rows']} rows/s={r['rows_per_s']:.0f} rollout {r['rollout_s']:.1f} s, after the last answer "
-              f"{r['tail_s']:.1f} s; compact {r['compact_bytes_per_row']} B per row", flush=True)
+              f"{r['tail_s']:.1f} s ({r['exchange_rounds']} exchange rounds); compact {r['compact_bytes_per_row']} B "
+              f"per row; {r['workers']} worker threads, "
+              f"{r['workers_after_shutdown']} left after shutdown", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from moe.families import get_family
@@ -172,34 +173,38 @@ def _finish(ids, spec, replaced, problems, sample) -> RoutingTrace:
     return trace
 
 
-def _all_clean(traces: Sequence, spec: TraceSpec, num_tokens: Sequence[int]) -> Optional[list[RoutingTrace]]:
-    """The checks of validate_trace for a whole batch in one pass over the concatenated ids: the clean traces
-    (compact views of one tensor) when no sample has any problem, else None. A step's traces are almost
-    always clean, and one vectorised pass costs what a few per-sample calls did."""
+def clean_trace(ids, spec: TraceSpec, num_tokens: int) -> Optional[RoutingTrace]:
+    """The checks of validate_trace for one sample, in its own memory: the compact trace when it is clean, else
+    None (then validate_trace names the problem or falls back). No widening beyond the ids' own dtype and no
+    sort: the range is one unsigned max (negatives wrap above any expert count), duplicates within a top-k are
+    k*(k-1)/2 compares of contiguous columns, and an all-zero layer is a column max. A stream of answers can be
+    checked one by one as they arrive, each costing about what its own ids' bytes do."""
     L, k, E = spec.num_layers, spec.topk, spec.num_experts
-    if not traces:
-        return []
-    for t, n in zip(traces, num_tokens):
-        if (not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype == torch.bool
-                or t.dim() != 3 or tuple(t.shape) != (n, L, k)):
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.is_cuda:
             return None
-    ids = torch.cat([t.to(torch.int32) for t in traces])
-    if bool(((ids < 0) | (ids >= E)).any()):
+        ids = ids.numpy()
+    if ids.dtype.kind not in "iu" or ids.shape != (num_tokens, L, k):
         return None
-    if k > 1:
-        s = ids.sort(dim=2).values
-        if bool((s[:, :, 1:] == s[:, :, :-1]).any()):
+    if ids.size:
+        unsigned = ids.view(ids.dtype.str.replace("i", "u")) if ids.dtype.kind == "i" else ids
+        if int(unsigned.max()) >= E:  # also every negative id (-1 = no data)
             return None
-    dev = ids.device  # where the traces are (an engine on the GPU may hand over device tensors)
-    lengths = torch.tensor(list(num_tokens), device=dev)
-    row_sample = torch.repeat_interleave(torch.arange(len(traces), device=dev), lengths)
-    zero_rows = torch.zeros(len(traces), L, dtype=torch.long, device=dev).index_add_(
-        0, row_sample, (ids == 0).all(dim=2).long())
-    checked = (lengths > 0) & ((lengths >= ALL_ZERO_MIN_TOKENS_TOP1) if k < 2 else True)
-    if bool(((zero_rows == lengths[:, None]) & checked[:, None]).any()):  # a layer whose ids are all 0
-        return None
-    compact = ids.to(compact_dtype(E))
-    return [RoutingTrace(c, E) for c in compact.split(list(num_tokens))]
+    compact = torch.from_numpy(ids.astype(torch.empty(0, dtype=compact_dtype(E)).numpy().dtype, copy=False))
+    flat = compact.numpy().reshape(-1, k)
+    if k > 1 and flat.shape[0]:
+        cols = np.ascontiguousarray(flat.T)  # [k, T*L]: each compare runs over contiguous memory
+        eq, dup = np.empty(cols.shape[1], dtype=bool), np.zeros(cols.shape[1], dtype=bool)
+        for a in range(k - 1):
+            for b in range(a + 1, k):
+                dup |= np.equal(cols[a], cols[b], out=eq)
+        if dup.any():
+            return None
+    # top-2 and more: k distinct ids hold a non-zero one, so no layer is all zero once duplicates are excluded
+    if num_tokens and k == 1 and num_tokens >= ALL_ZERO_MIN_TOKENS_TOP1:
+        if not compact.numpy().reshape(num_tokens, L * k).max(axis=0).reshape(L, k).any(axis=1).all():
+            return None  # a layer whose ids are all 0
+    return RoutingTrace(compact, E)
 
 
 def validate_batch(traces: Sequence, spec: TraceSpec, num_tokens: Sequence[int], on_error: str = "error",
@@ -208,9 +213,10 @@ def validate_batch(traces: Sequence, spec: TraceSpec, num_tokens: Sequence[int],
     if len(traces) != len(num_tokens):
         raise ValueError(f"{len(traces)} routing traces for {len(num_tokens)} samples")
     names = sample_ids if sample_ids is not None else range(len(traces))
-    out = _all_clean(traces, spec, num_tokens)
-    if out is None:  # some trace has a problem: each one checked alone, for its own message / fallback
-        out = [validate_trace(t, spec, n, s, on_error) for t, n, s in zip(traces, num_tokens, names)]
+    # each trace in its own memory (clean_trace); one with a problem again through validate_trace, for its
+    # message or its fallback entries
+    out = [clean_trace(t, spec, n) or validate_trace(t, spec, n, s, on_error)
+           for t, n, s in zip(traces, num_tokens, names)]
     stats = {
         "routing/fallback_entries": sum(t.num_replaced for t in out),
         "routing/fallback_tokens": sum(int(t.replaced.any(dim=1).sum()) for t in out if t.replaced is not None),

@@ -294,7 +294,8 @@ def _stage_of(rank: int, layout) -> int:
     return rank // (layout.world_size // layout.pipeline)
 
 
-def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int) -> tuple[list[Row], dict]:
+def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, prompt_tokens: int
+              ) -> tuple[list[Row], dict]:
     """Per learner node: the checkpoint's host memory (the distributed optimizer's state a save writes and a load
     reads, optimizer_state_bytes) and the rollout driver's buffers (node 0); and the checkpoint's size and save time
     (weights are written by their DP group's rank 0, the distributed optimizer's state by each parameter's owner)."""
@@ -326,12 +327,18 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int) -> 
         row.parts["checkpoint"] = max(save[node], load[node])
         row.info.update({"save": save[node], "load": load[node]})
         if node == 0:
-            # the rollout driver (rank 0) holds every sample: ids and log-probs, int32 routes of every MoE layer,
-            # and validate_batch's int32 copy and its sort (moe/routing/trace.py)
+            # the rollout driver (rank 0) holds every sample in its compact form (ids and log-probs, uint8 routes of
+            # every MoE layer), the answers it is decoding (rollout.sglang.decode_concurrency: the body, base64 of
+            # int32 rows of every hidden layer, its decoded int32 and the uint8 copies) and one exchange round's
+            # send and receive buffers on the host (training/exchange.py)
             moe_layers = sum(get_family(hf.model_type).moe_layer_pattern(hf))
             topk = memory.Shape.of(hf, 1, 1).topk
-            per_token = 16 + (3 * 4 * moe_layers * topk if cfg.routing.mode != "off" else 0)
-            row.parts["rollout driver"] = steps.step_tokens * per_token
+            routes = cfg.routing.mode != "off"
+            per_token = 16 + (moe_layers * topk * (1 if _num_experts(hf) <= 256 else 2) if routes else 0)
+            answer = (prompt_tokens + cfg.rollout.max_new_tokens) * hf.num_hidden_layers * topk * (16 // 3 + 4 + 2)
+            decoding = cfg.rollout.sglang.decode_concurrency * answer if cfg.rollout.engine == "sglang" and routes else 0
+            row.parts["rollout driver"] = (steps.step_tokens * per_token + decoding
+                                           + 2 * (cfg.trainer.exchange_round_mb << 20))
         rows.append(row)
     size = sum(written)
     rate = c.storage_gb_per_s * GB
@@ -339,6 +346,10 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int) -> 
     verify_s = size / (rate * nodes)  # every rank re-reads a disjoint share for the checksums
     return rows, {"checkpoint_bytes": size, "largest_node_write_bytes": max(written), "save_s": save_s,
                   "checksum_s": verify_s}
+
+
+def _num_experts(hf) -> int:
+    return get_family(hf.model_type).num_experts(hf)
 
 
 def slurm_window(sbatch: str) -> tuple[int, int]:
@@ -415,7 +426,7 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
         rows += server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
     # the critic's weights and optimizer state are saved in the same checkpoints, by the same ranks
     saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"]} for r, v in zip(built, critic)]
-    hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB))
+    hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens)
     rows += hosts
     sbatch = "train_disaggregated.sbatch" if c.rollout_nodes else "train_colocated.sbatch"
     lead, shutdown = slurm_window(sbatch)

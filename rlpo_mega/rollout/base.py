@@ -80,6 +80,7 @@ class Sample:
     replaced_entries: int = 0  # routing-trace entries the live router decides (routing.on_bad_trace=fallback)
     replaced_tokens: int = 0
     has_routes: bool = False
+    trace_checked: bool = False  # routes already a clean compact trace (the engine checked them as they arrived)
 
     SCALARS = ("prompt_len", "response_len", "reward", "failed", "correct", "finish_reason", "replaced_entries",
                "replaced_tokens", "has_routes")

@@ -1,56 +1,210 @@
-"""Request-side helpers of the SGLang engine (rollout/sglang_engine.py): the worker pool, the per-server
-in-flight limit, and the decoding of one /generate answer (log-probs, routes).
+"""Request-side helpers of the SGLang engine (rollout/sglang_engine.py): persistent connections, the worker
+pool, the per-server in-flight limit, and the decoding of one /generate answer (log-probs, routes).
 
 Concurrency: every server takes at most `rollout.sglang.max_in_flight_per_server` requests at once, so a
-rollout has up to that times the number of servers requests in flight. Each request takes a slot on the
-least-loaded server when it is about to be sent (ties go round-robin), not a server fixed up front: a server
-whose generations run long keeps its slots busy and the others take the rest of the batch. A slot is given
-back as soon as the answer is read, so the answer's decoding (JSON, base64, routes) overlaps with the
-server's next request, and with the other requests of the batch still generating.
+rollout has up to that times the number of servers requests in flight. A group's first request takes a slot on
+the least-loaded server when it is about to be sent (ties go round-robin); the group's other samples follow it
+to that server, so they share the prompt's prefix cache. A slot is given back as soon as the answer is read,
+so the answer's decoding (JSON, base64, routes) overlaps with the server's next request.
+
+Cost per route row (a token position with routes: 48 layers x top-8 int32 = 1.5 KB, 2 KB as base64): the
+answer is cut before its JSON parse (`split_routes`: the base64 string of routed_experts is located in the
+body, never copied into a Python str), decoded with pybase64 and parsed with orjson where installed (the
+stdlib otherwise), checked in uint8 (moe.routing.trace.clean_trace) and held in its compact form only.
+Answers are read and decoded at most `decode_concurrency` at a time, so the raw bodies held at once are
+bounded whatever the number of requests in flight (the kernel's socket buffers hold the rest).
 """
 from __future__ import annotations
 
 import base64
 import binascii
+import http.client
+import json
 import operator
 import queue
+import re
+import select
+import socket
 import threading
+import time
+import urllib.parse
 from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Optional
 
 import numpy as np
 import torch
 
 from moe.routing.trace import RoutingTraceError, compact_dtype
 
+try:  # the fast parsers where installed (SGLang's own dependencies); the stdlib otherwise
+    import orjson
 
-class DaemonPool:
-    """Worker threads that never hold the process: ThreadPoolExecutor's threads are joined at interpreter
-    exit, so one request blocked on a hung server would keep a stopped trainer alive for request_timeout."""
+    loads, dumps = orjson.loads, orjson.dumps
+except ImportError:  # pragma: no cover - exercised by monkeypatching in tests
+    loads = json.loads
 
-    def __init__(self, workers: int):
-        self.workers, self.queue = workers, queue.SimpleQueue()
-        for _ in range(workers):
-            threading.Thread(target=self._work, daemon=True).start()
+    def dumps(obj) -> bytes:
+        return json.dumps(obj).encode()
+try:
+    from pybase64 import b64decode
+except ImportError:  # pragma: no cover
+    b64decode = base64.b64decode
+
+
+class Connections:
+    """Keep-alive HTTP/1.1 connections per server, reused across requests and steps: no TCP handshake per
+    request, and http.client reads no proxy environment (a server address never goes through http_proxy).
+    `close_active()` shuts the sockets of the requests in flight, so workers blocked on a stopped or hung
+    rollout return at once instead of holding a thread until request_timeout."""
+
+    def __init__(self):
+        self._idle: dict[str, list] = {}
+        self._active: set = set()
+        self._epoch = 0  # close_active() calls so far: a request failing after one is not retried
+        self._lock = threading.Lock()
+
+    def _take(self, url: str, timeout: float):
+        with self._lock:
+            idle = self._idle.get(url) or []
+            conn = None
+            while idle and conn is None:
+                conn = idle.pop()
+                if _dropped(conn):  # closed by the server while idle (uvicorn: after 5 s), or never usable
+                    conn.close()
+                    conn = None
+            reused = conn is not None
+            if conn is None:
+                u = urllib.parse.urlsplit(url)
+                cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+                conn = cls(u.hostname, u.port, timeout=timeout)
+            self._active.add(conn)
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, reused
+
+    def _give(self, url: str, conn, keep: bool):
+        with self._lock:
+            self._active.discard(conn)
+            if keep:
+                self._idle.setdefault(url, []).append(conn)
+                return
+        conn.close()
+
+    @contextmanager
+    def post(self, url: str, path: str, body: bytes, timeout: float):
+        """Yields the response (headers read, body not yet): the caller reads it when it can hold it."""
+        epoch = self._epoch
+        for attempt in range(2):
+            conn, reused = self._take(url, timeout)
+            try:
+                conn.request("POST", path, body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+                self._give(url, conn, False)
+                if reused and attempt == 0 and epoch == self._epoch:  # not after close_active: that was us
+                    # the server closed this idle connection as we sent (the race _dropped cannot see): the
+                    # request never reached it; once more on a new connection
+                    self._drop_idle(url)
+                    continue
+                raise
+            except BaseException:
+                self._give(url, conn, False)
+                raise
+            break
+        keep = False
+        try:
+            yield resp
+            keep = resp.isclosed() and not resp.will_close
+        finally:
+            self._give(url, conn, keep)
+
+    def _drop_idle(self, url: str) -> None:
+        with self._lock:
+            idle = self._idle.pop(url, [])
+        for c in idle:
+            c.close()
+
+    def close_active(self) -> None:
+        with self._lock:
+            self._epoch += 1
+            active = list(self._active)
+        for conn in active:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.close_active()
+        with self._lock:
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for c in conns:
+                c.close()
+
+
+def _dropped(conn) -> bool:
+    """An idle keep-alive connection the server has closed (or that has unexpected bytes): readable at once."""
+    if conn.sock is None:
+        return True
+    try:
+        return bool(select.select([conn.sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
+class WorkerPool:
+    """Worker threads started on demand up to `max_workers` and reused across rollouts; `close()` ends and
+    joins them (the engine's shutdown, and at interpreter exit through a finalizer). Daemon threads: a worker
+    still blocked when the process must exit never holds it, but none is left running after `close()`."""
+
+    def __init__(self, max_workers: int):
+        self.max_workers, self.queue = max_workers, queue.SimpleQueue()
+        self.threads: list[threading.Thread] = []
+        self._idle = 0
+        self._lock = threading.Lock()
 
     def _work(self):
-        while (item := self.queue.get()) is not None:
+        while True:
+            with self._lock:
+                self._idle += 1
+            item = self.queue.get()
+            with self._lock:
+                self._idle -= 1
+            if item is None:
+                return
             future, fn, args = item
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
                 except BaseException as e:
                     future.set_exception(e)
+            del future, fn, args, item  # nothing of a finished request stays referenced while idle
 
     def submit(self, fn, *args) -> Future:
         future = Future()
         self.queue.put((future, fn, args))
+        with self._lock:
+            start = self._idle < self.queue.qsize() and len(self.threads) < self.max_workers
+            if start:
+                t = threading.Thread(target=self._work, daemon=True, name=f"rlpo-sglang-{len(self.threads)}")
+                self.threads.append(t)
+        if start:
+            t.start()
         return future
 
-    def shutdown(self, futures):
-        for f in futures:
-            f.cancel()  # only those not started
-        for _ in range(self.workers):
+    def close(self, timeout: float = 10.0) -> None:
+        """Ends the workers: those idle at once, one still blocked (its socket was shut) within `timeout` in all."""
+        threads, self.threads = self.threads, []
+        for _ in threads:
             self.queue.put(None)
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 class SlotsClosed(Exception):
@@ -60,7 +214,7 @@ class SlotsClosed(Exception):
 class ServerSlots:
     """At most `limit` requests in flight per server, for one generate() call. `acquire` picks the server
     with the fewest requests in flight (ties: round-robin from `start`, so small batches alternate servers
-    over calls) and blocks while every server is full; `close` wakes the blocked workers and refuses the
+    over calls), or the server of the request's group, and blocks while that is full; `close` wakes the blocked workers and refuses the
     rest, so that nothing is sent after the call gave up."""
 
     def __init__(self, num_servers: int, limit: int, start: int = 0):
@@ -68,27 +222,40 @@ class ServerSlots:
             raise ValueError(f"max_in_flight_per_server={limit} must be >= 1")
         self.limit, self.counts, self.peak = limit, [0] * num_servers, [0] * num_servers
         self._next, self._closed = start % num_servers, False
+        self.groups: dict = {}  # group -> its server
         self._cond = threading.Condition()
 
-    def acquire(self) -> int:
+    def acquire(self, group=None) -> int:
+        """A slot on the least-loaded server; for a `group` already placed (a prompt's samples), on that
+        group's server as soon as it has room, so that the group shares the prompt's prefix cache."""
         n = len(self.counts)
         with self._cond:
             while True:
                 if self._closed:
                     raise SlotsClosed("the rollout this request belonged to has ended")
-                order = [(self._next + j) % n for j in range(n)]
-                i = min(order, key=lambda s: self.counts[s])  # first of the least loaded from the cursor
+                i = self.groups.get(group) if group is not None else None
+                placed = i is not None
+                if not placed:
+                    order = [(self._next + j) % n for j in range(n)]
+                    i = min(order, key=lambda s: self.counts[s])  # first of the least loaded from the cursor
                 if self.counts[i] < self.limit:
                     self.counts[i] += 1
                     self.peak[i] = max(self.peak[i], self.counts[i])
-                    self._next = (i + 1) % n
+                    if not placed:
+                        self._next = (i + 1) % n
+                        if group is not None:
+                            self.groups[group] = i
                     return i
                 self._cond.wait()
 
     def release(self, i: int) -> None:
         with self._cond:
             self.counts[i] -= 1
-            self._cond.notify()
+            self._cond.notify_all()  # a waiter may want this server in particular
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         with self._cond:
@@ -96,10 +263,68 @@ class ServerSlots:
             self._cond.notify_all()
 
 
-def pool_size(num_jobs: int, num_servers: int, limit: int) -> int:
-    """Workers for one call: every slot, plus one per server to decode an answer while its slot is already
-    serving the next request; never more than the jobs."""
-    return min(num_jobs, (limit + 1) * num_servers)
+def pool_size(num_servers: int, limit: int) -> int:
+    """Workers an engine may need: every slot, plus one per server to decode an answer while its slot is
+    already serving the next request."""
+    return (limit + 1) * num_servers
+
+
+_ROUTES_KEY = b'"routed_experts"'
+_COLON_QUOTE = re.compile(rb'\s*:\s*"')
+
+
+def split_routes(body, end: Optional[int] = None) -> tuple[bytes, Optional[memoryview]]:
+    """(the answer without its routed_experts string, a view of that base64 string), or (body, None) when
+    the routes are absent or not a plain string. body: bytes or a bytearray holding the answer in [0, end).
+    The routes are 98% of an answer's bytes: cut out by two forward byte searches (the key comes before its
+    value, so the first search never crosses the base64), they never pass through the JSON parser or become a
+    Python str. The key cannot match inside a JSON string value (a quote there is escaped as \\"), and base64
+    holds no quote, so the next quote ends it."""
+    end = len(body) if end is None else end
+    i = body.find(_ROUTES_KEY, 0, end)
+    if i < 0:
+        return body[:end], None
+    m = _COLON_QUOTE.match(body, i + len(_ROUTES_KEY), end)
+    if m is None:
+        return body[:end], None  # null or a list: parsed with the rest
+    j = body.find(b'"', m.end(), end)
+    if j < 0 or body.find(b"\\", m.end(), j) >= 0:
+        return body[:end], None  # unterminated, or JSON escapes inside: the parser decides
+    return body[:i] + b'"routed_experts":null' + body[j + 1:end], memoryview(body)[m.end():j]
+
+
+class BodyBuffers:
+    """Receive buffers reused across answers (one per decode permit in use): an answer of megabytes is read
+    straight into one with readinto, with no fresh allocation, page faults or join per answer."""
+
+    def __init__(self):
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def read(self, resp) -> tuple[bytearray, int]:
+        """(a buffer holding the whole body in [0, n), n); give the buffer back once decoded."""
+        if resp.length is None or resp.chunked:  # no Content-Length: read as it comes
+            data = bytearray(resp.read())
+            return data, len(data)
+        n = resp.length
+        with self._lock:
+            buf = self._free.pop() if self._free else bytearray()
+        if len(buf) < n:
+            buf = bytearray(max(n, len(buf) * 5 // 4))  # new, not resized: an old view may still exist
+        view, got = memoryview(buf), 0
+        try:
+            while got < n:
+                k = resp.readinto(view[got:n])
+                if not k:
+                    raise http.client.IncompleteRead(bytes(view[:min(got, 64)]), n - got)
+                got += k
+        finally:
+            view.release()
+        return buf, n
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            self._free.append(buf)
 
 
 def parse_logprobs(entries) -> torch.Tensor:
@@ -120,9 +345,9 @@ def decode_routes(data, num_hidden_layers: int, spec, tokens: int | None = None)
     validate_trace must see them to name the token (or fall back). tokens: the rows the sample must have
     (prompt + completion - 1); a payload of another size names the layer count it implies."""
     topk = spec.topk
-    if isinstance(data, (str, bytes)):
+    if isinstance(data, (str, bytes, memoryview)):
         try:
-            raw = base64.b64decode(data, validate=True)
+            raw = b64decode(data, validate=True)
         except (binascii.Error, ValueError) as e:
             raise RoutingTraceError(f"routed_experts: not valid base64 ({e})") from None
         if len(raw) % 4:
@@ -147,10 +372,14 @@ def decode_routes(data, num_hidden_layers: int, spec, tokens: int | None = None)
     layers = np.asarray(spec.moe_layers, dtype=np.intp)
     if layers.size and int(layers.max()) >= num_hidden_layers:
         raise RoutingTraceError(f"routes cover {num_hidden_layers} layers; MoE layer {int(layers.max())} is missing")
-    ids = arr.reshape(-1, num_hidden_layers, topk)[:, layers]  # one gather (a copy) of the MoE layers' columns
+    ids = arr.reshape(-1, num_hidden_layers, topk)
+    if layers.size != num_hidden_layers:  # dense layers among them: one gather (a copy) of the MoE columns
+        ids = ids[:, layers]
     compact = torch.empty(0, dtype=compact_dtype(spec.num_experts)).numpy().dtype
-    in_range = ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < spec.num_experts)
+    # one unsigned max: a negative id (-1 = no data) wraps above any expert count
+    in_range = ids.size == 0 or int(ids.view(ids.dtype.str.replace("i", "u")).max()) < spec.num_experts
     return torch.from_numpy(ids.astype(compact if in_range else np.int32))
 
 
-__all__ = ["DaemonPool", "ServerSlots", "SlotsClosed", "decode_routes", "parse_logprobs", "pool_size"]
+__all__ = ["BodyBuffers", "Connections", "ServerSlots", "SlotsClosed", "WorkerPool", "decode_routes", "dumps", "loads", "parse_logprobs",
+           "pool_size", "split_routes"]

@@ -24,17 +24,20 @@ Time limits: control calls (weight updates, digests, flushes) use `control_timeo
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import itertools
 import json
 import os
 import pickle
+import queue
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+import weakref
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
@@ -45,15 +48,18 @@ import torch.distributed as dist
 from moe.bridge.digest import DigestMismatchError, verify
 from moe.families import get_family
 from moe.model import load_hf_config
-from moe.routing.trace import RoutingTraceError, TraceSpec
+from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams
-from .sglang_client import DaemonPool, ServerSlots, decode_routes, parse_logprobs, pool_size
+from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
+                            parse_logprobs, pool_size, split_routes)
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+# control calls (urllib) ignore http_proxy & co.: a server address is never reached through a proxy
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class EngineRestarted(EngineError):
@@ -166,6 +172,13 @@ class SGLangEngine(RolloutEngine):
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
         self._rr = itertools.cycle(range(len(self.servers)))
         self._layout_checked = False
+        # generation: keep-alive connections and workers reused across rollouts, ended by shutdown() (or at
+        # interpreter exit: no worker thread outlives the engine)
+        self._conns = Connections()
+        self._pool = WorkerPool(pool_size(len(self.servers), cfg.max_in_flight_per_server))
+        self._decoding = threading.BoundedSemaphore(cfg.decode_concurrency)
+        self._buffers = BodyBuffers()
+        self._finalizer = weakref.finalize(self, _close_client, self._conns, self._pool)
 
     def _check_layout(self):
         """Each server's own parallel layout (GET /server_info) against rollout.sglang.tp_size, which sizes the
@@ -202,7 +215,7 @@ class SGLangEngine(RolloutEngine):
                                      headers={"Content-Type": "application/json"})
         timeout = timeout or self.cfg.control_timeout
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
+            with _OPENER.open(req, timeout=timeout) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
             return e.code, e.read()
@@ -254,7 +267,7 @@ class SGLangEngine(RolloutEngine):
             return False
         try:
             req = urllib.request.Request(server.url + "/health")
-            with urllib.request.urlopen(req, timeout=self.cfg.health_timeout) as r:
+            with _OPENER.open(req, timeout=self.cfg.health_timeout) as r:
                 return r.status == 200
         except Exception:
             return False
@@ -273,51 +286,88 @@ class SGLangEngine(RolloutEngine):
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                  request_ids: Optional[Sequence[str]] = None) -> list[Sample]:
+        out: list = [None] * (len(prompts) * n)
+        for i, group in self.stream(prompts, params, n, request_ids):
+            out[i * n:(i + 1) * n] = group
+        return out
+
+    def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
+               request_ids: Optional[Sequence[str]] = None):
+        """Yields (prompt index, its n samples) as each group's last answer is decoded. Leaving the loop early
+        (break, close(), an exception) aborts the requests still running and sends nothing more; every
+        request of the call has ended when the generator is closed."""
         total = len(prompts) * n
         if request_ids is not None and len(request_ids) != total:
             raise ValueError(f"{len(request_ids)} request_ids for {total} samples (prompts x n)")
-        jobs = []
+        if not total:
+            return
+        # per-server limit (rollout.sglang.max_in_flight_per_server): a group's first request takes a slot on
+        # the least-loaded server when it is sent (sglang_client.ServerSlots; ties rotate over calls), the
+        # group's other samples follow it there (one prefix cache per prompt)
+        slots = ServerSlots(len(self.servers), self.cfg.max_in_flight_per_server, start=next(self._rr))
+        futures = {}
         for i, p in enumerate(prompts):
+            prompt = list(map(int, p))
             for j in range(n):
                 k = i * n + j
                 rid = request_ids[k] if request_ids is not None else f"rlpo-{self._prefix}-{next(self._rid)}"
                 seed = None if params.seed is None else (params.seed * 1000003 + k) % (2 ** 31)
-                jobs.append((i, list(map(int, p)), rid, seed))
-        if not jobs:
-            return []
-        # per-server limit (rollout.sglang.max_in_flight_per_server): each request takes a slot on the
-        # least-loaded server when it is sent (sglang_client.ServerSlots); ties rotate over calls
-        limit = self.cfg.max_in_flight_per_server
-        slots = ServerSlots(len(self.servers), limit, start=next(self._rr))
-        pool = DaemonPool(pool_size(len(jobs), len(self.servers), limit))
-        futures = [pool.submit(self._one, i, p, rid, self._sampling(params, seed), slots)
-                   for i, p, rid, seed in jobs]
+                futures[self._pool.submit(self._one, i, prompt, rid, self._sampling(params, seed), slots)] = i
+        order, left = list(futures), [n] * len(prompts)
         try:
-            self._wait(futures)
-            return [f.result() for f in futures]
-        finally:  # after a hang or a stop, requests not yet sent are cancelled; blocked ones are abandoned
-            slots.close()
-            pool.shutdown(futures)
+            for f in self._completed(order):
+                i = futures[f]
+                left[i] -= 1
+                if not left[i]:
+                    yield i, [g.result() for g in order[i * n:(i + 1) * n]]
+        finally:  # early exit (a stop, a hang, an error, the caller had enough): nothing left running
+            self._end(futures, slots)
 
-    def _wait(self, futures, poll: float = 0.2):
-        """Wait for the requests while watching two things a blocking HTTP read cannot: the trainer's stop
-        flag (SIGTERM: abort the requests, raise RolloutInterrupted) and servers that accept connections but
-        stop answering (no /health answer for hang_timeout s while requests are in flight: EngineError)."""
-        pending = set(futures)
+    def _end(self, futures, slots: ServerSlots) -> None:
+        """End a stream: send nothing more, cancel what has not started, abort what runs (the servers stop
+        generating) and close its sockets (its workers return now), then wait for those workers."""
+        slots.close()
+        for f in futures:
+            f.cancel()
+        running = [f for f in futures if not f.done()]
+        if not running:
+            return
+        with self._lock:
+            inflight = dict(self._inflight)
+        self._abort_quietly(inflight)
+        self._conns.close_active()
+        wait(running, timeout=self.cfg.health_timeout * 6)
+
+    def _completed(self, futures, poll: float = 0.2):
+        """Yield the requests as they finish while watching two things a blocking HTTP read cannot: the
+        trainer's stop flag (SIGTERM: abort the requests, raise RolloutInterrupted) and servers that accept
+        connections but stop answering (no /health answer for hang_timeout s while requests are in flight:
+        EngineError)."""
+        # one wake-up per answer (concurrent.futures.wait re-arms every future). queue.Queue, not SimpleQueue: a
+        # signal (the trainer's SIGTERM) landing in SimpleQueue.get(timeout) can turn the timeout into "forever"
+        # in CPython 3.11's _queue; Queue waits on a threading.Condition, which recomputes it correctly
+        finished = queue.Queue()
+        for f in futures:
+            f.add_done_callback(finished.put)
+        left = len(futures)
         last_ok = {s.url: time.monotonic() for s in self.servers}
         next_check = time.monotonic() + self.cfg.health_interval
-        while pending:
-            done, pending = wait(pending, timeout=poll, return_when=FIRST_COMPLETED)
-            for f in done:
+        while left:
+            try:
+                f = finished.get(timeout=poll)
+            except queue.Empty:
+                f = None
+            if f is not None:
+                left -= 1
                 if f.exception() is not None:
                     raise f.exception()
+                yield f
             if self.should_stop is not None and self.should_stop():
                 with self._lock:
                     inflight = dict(self._inflight)
-                self._abort_quietly(inflight)
                 raise RolloutInterrupted(f"stop requested during a rollout: {len(inflight)} requests aborted")
             now = time.monotonic()
-            if pending and now >= next_check:
+            if left and now >= next_check:
                 next_check = now + self.cfg.health_interval
                 with self._lock:
                     busy = {s.url: s for s in self._inflight.values()}
@@ -333,22 +383,50 @@ class SGLangEngine(RolloutEngine):
                             f"requests are in flight (rollout.sglang.hang_timeout): it is hung; restart it")
 
     def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots) -> Sample:
-        payload = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
-                   "return_routed_experts": self.return_routes}
-        slot = slots.acquire()  # blocks while every server has its limit in flight
+        payload = dumps({"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
+                         "return_routed_experts": self.return_routes})
+        slot = slots.acquire(group=prompt_index)  # blocks while the server(s) it may use are full
         server = self.servers[slot]
         with self._lock:
             self._inflight[rid] = server
+        held = False  # a decode permit: answers read and decoded at once are bounded (rollout.sglang.decode_concurrency)
         try:
-            status, body = self._http(server, "/generate", payload, timeout=self.cfg.request_timeout)
+            with self._conns.post(server.url, "/generate", payload, self.cfg.request_timeout) as resp:
+                self._decoding.acquire()
+                held = True
+                status, (body, size) = resp.status, self._buffers.read(resp)
+        except BaseException as e:
+            if held:
+                self._decoding.release()
+            if not isinstance(e, (OSError, http.client.HTTPException)):
+                raise
+            if slots.closed:  # this rollout was ended (stop, hang, enough groups): its sockets were shut
+                raise SlotsClosed(f"request {rid} ended with its rollout") from None
+            raise self._dead(server, f"/generate failed after at most {self.cfg.request_timeout:g} s: {e}") from e
         finally:
             with self._lock:
                 self._inflight.pop(rid, None)
             slots.release(slot)  # before decoding: the server takes the next request
         try:
-            out = json.loads(body)
+            return self._answer(server, prompt_index, prompt, rid, status, body, size)
+        finally:
+            self._buffers.give(body)
+            self._decoding.release()
+
+    def _answer(self, server: _Server, prompt_index: int, prompt: list, rid: str, status: int, body, size: int
+                ) -> Sample:
+        """One /generate answer (body[:size]) -> a Sample with compact, checked routes (decoded as it arrives,
+        while the rest of the batch still generates); nothing returned refers to `body`."""
+        rest, b64 = split_routes(body, size) if self.return_routes else (body[:size], None)
+        del body
+        try:
+            out = loads(rest)
         except ValueError:
-            raise EngineError(f"SGLang server {server.url}/generate answered {status} with non-JSON: {body[:200]!r}")
+            try:  # orjson refuses what Python's json writes for non-finite floats (NaN, Infinity)
+                out = json.loads(bytes(rest))
+            except ValueError:
+                raise EngineError(f"SGLang server {server.url}/generate answered {status} with non-JSON: "
+                                  f"{rest[:200]!r}") from None
         meta = out.get("meta_info") if isinstance(out, dict) else None
         if status != 200 and not meta:
             raise EngineError(f"SGLang server {server.url}/generate (rid {rid}) answered {status}: {out}")
@@ -359,26 +437,31 @@ class SGLangEngine(RolloutEngine):
         if reason != "abort" and len(lps) != len(ids):
             raise EngineError(f"SGLang server {server.url} (rid {rid}): {len(lps)} log-probs for {len(ids)} tokens")
         ids = ids[:len(lps)]
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:  # checked here, on the host: on a GPU the learner's embedding would die on a device-side assert
-            raise EngineError(f"SGLang server {server.url} (rid {rid}) returned token id {bad[0]} outside the model's "
+        if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            # checked here, on the host: on a GPU the learner's embedding would die on a device-side assert
+            raise EngineError(f"SGLang server {server.url} (rid {rid}) returned token id {bad} outside the model's "
                               f"vocabulary [0, {self.vocab_size}): does it serve another model or tokenizer than "
                               "model.hf_config?")
-        routes = None
-        if self.return_routes and meta.get("routed_experts") is not None:
-            # decoded here, on this request's worker thread, while the rest of the batch still generates
+        routes, checked = None, False
+        data = b64 if b64 is not None else meta.get("routed_experts")
+        if self.return_routes and data is not None:
+            span = len(prompt) + len(ids) - 1
             try:
-                routes = decode_routes(meta["routed_experts"], self.num_hidden_layers, self.spec,
-                                       tokens=len(prompt) + len(ids) - 1 if reason != "abort" else None)
+                routes = decode_routes(data, self.num_hidden_layers, self.spec,
+                                       tokens=span if reason != "abort" else None)
             except RoutingTraceError as e:
                 raise RoutingTraceError(f"sample of prompt {prompt_index} (rid {rid}, {server.url}): {e}") from None
+            if reason != "abort":  # clean: compact and checked now; else the scalars' gather names the problem
+                trace = clean_trace(routes, self.spec, span)
+                if trace is not None:
+                    routes, checked = trace.ids, True
         elif self.return_routes and reason != "abort":
             raise EngineError(f"SGLang server {server.url} returned no routed_experts: start it with "
                               "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")
-        return Sample(prompt_ids=prompt, response_ids=ids, logprobs=lps,
-                             finish_reason=reason, routes=routes, prompt_index=prompt_index,
-                             meta={"rid": rid, "server": server.url, "finish": fr,
-                                   "weight_version": meta.get("weight_version")})
+        return Sample(prompt_ids=prompt, response_ids=ids, logprobs=lps, finish_reason=reason, routes=routes,
+                      prompt_index=prompt_index, trace_checked=checked,
+                      meta={"rid": rid, "server": server.url, "finish": fr, "weight_version": meta.get("weight_version")})
 
     def _abort_quietly(self, inflight: dict):
         """Best-effort aborts, all at once, bounded by health_timeout: a hung server answers none of them."""
@@ -386,7 +469,7 @@ class SGLangEngine(RolloutEngine):
             try:
                 req = urllib.request.Request(server.url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
                                              headers={"Content-Type": "application/json"})
-                urllib.request.urlopen(req, timeout=self.cfg.health_timeout).close()
+                _OPENER.open(req, timeout=self.cfg.health_timeout).close()
             except Exception:
                 pass
         threads = [threading.Thread(target=one, args=item, daemon=True) for item in inflight.items()]
@@ -572,10 +655,16 @@ class SGLangEngine(RolloutEngine):
 
     def shutdown(self) -> None:
         self._closed = True
+        self._finalizer()  # connections closed, workers joined
         for s in self.servers:
             if s.launched is not None:
                 s.launched.stop()
         self._store = None
+
+
+def _close_client(conns: Connections, pool: WorkerPool) -> None:
+    conns.close()
+    pool.close()
 
 
 def server_gpus(num_servers: int, tp_size: int, learner_gpus: int, gpus: int) -> list[int]:

@@ -168,12 +168,14 @@ def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
 
 
 def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: torch.Tensor, cfg, dp: int, tp: int,
-                      recipients, spec, pad_id: int, timer) -> tuple[list[list[MicroBatch]], dict]:
+                      recipients, spec, pad_id: int, timer, release: bool = True
+                      ) -> tuple[list[list[MicroBatch]], dict]:
     """Phase 2 of an RL step: the step plan (rlpo_mega.data.packing: mini-batches, the DP split, micro-batches)
     from every sample's scalars, identical on every rank; then the exchange (training/exchange.py) carries each
     sample's payload to the ranks that train it; then this rank's micro-batches per mini-batch, as host
     tensors with routes attached. Collective. advantages [n] / keep [n]: algorithms.advantages.
-    sequence_advantages of all samples."""
+    sequence_advantages of all samples. release: the owners drop the payloads they sent (exchange's release;
+    the samples keep their scalars)."""
     with_routes = all(s.has_routes for s in samples)
     stats = {}
     if with_routes:
@@ -188,7 +190,8 @@ def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: tor
     plan = plan_step(spans, t.mini_batches, dp, cfg.parallel.num_micro_batches, t.max_tokens_per_micro_batch,
                      t.layout, align=tp)
     with timer("exchange"):
-        received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None)
+        received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None,
+                                    round_bytes=t.exchange_round_mb << 20, release=release)
     me = recipients[dist.get_rank()]
     minis = [[build_micro_batch(samples, received, idx, advantages, keep, layout=t.layout, align=tp, pad_id=pad_id,
                                 padded_len=aligned(max(spans), tp), recipient=me if with_routes else None,
@@ -197,5 +200,6 @@ def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: tor
     stats.update({"data/packing_efficiency": sum(spans) / plan.computed_tokens(spans, tp),
                   "data/micro_batches": max(len(m) for m in minis),
                   # this rank's bytes over its own rows' payload (training/exchange.py); rank 0's is logged
-                  "data/bytes_over_own_share": xstats["bytes_received"] / max(xstats["own_share_bytes"], 1)})
+                  "data/bytes_over_own_share": xstats["bytes_received"] / max(xstats["own_share_bytes"], 1),
+                  "data/exchange_rounds": xstats["rounds"]})
     return minis, stats

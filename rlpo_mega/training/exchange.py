@@ -34,8 +34,9 @@ def gather_scalars(local: list[Sample], spec: Optional[TraceSpec], on_bad_trace:
     me = dist.get_rank()
     rows, error = [], None
     try:
-        traced = [i for i, s in enumerate(local) if s.routes is not None and spec is not None]
-        # one pass over the whole share (moe.routing.trace.validate_batch): per-sample checks only on a problem
+        # traces the engine already checked as they arrived (trace_checked) are compact and clean
+        traced = [i for i, s in enumerate(local) if s.routes is not None and spec is not None and not s.trace_checked]
+        # each trace in its own memory (moe.routing.trace.validate_batch): no copy of the whole share
         traces, _ = validate_batch([local[i].routes for i in traced], spec,
                                    [len(local[i].prompt_ids) + len(local[i].response_ids) - 1 for i in traced],
                                    on_bad_trace, [f"{me}:{i}" for i in traced]) if traced else ([], {})
@@ -62,12 +63,24 @@ def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, wi
     """Byte sizes of the wire blocks of these samples (one sender -> one recipient), in wire order: all
     token ids (int32), all rollout log-probs (float32), all routes (compact dtype, the recipient's MoE layer
     columns), all replaced flags (uint8, samples with fallback entries only). Block-wise, not sample by
-    sample: each block is one concatenation on the sender and one split on the recipient."""
+    sample: each block is one concatenation on the sender and one split on the recipient. Each block is padded
+    to a multiple of 4 bytes, so that every block starts aligned and the recipient views it in its dtype in
+    place (no copy per block)."""
     sizes = [4 * sum(s.prompt_len + s.response_len for s in samples), 4 * sum(s.response_len for s in samples)]
     if with_routes:
         sizes.append(sum(s.span for s in samples) * n_cols * topk * itemsize)
         sizes.append(sum(s.span for s in samples if s.replaced_entries) * n_cols)
-    return sizes
+    return [-(-n // 4) * 4 for n in sizes]
+
+
+def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each byte part followed by the zeros that make it a multiple of 4 bytes (_blocks' padding)."""
+    out = []
+    for t in parts:
+        out.append(t)
+        if t.numel() % 4:
+            out.append(torch.zeros(4 - t.numel() % 4, dtype=torch.uint8))
+    return out
 
 
 def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool) -> list[torch.Tensor]:
@@ -76,7 +89,7 @@ def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool) -> li
     if not samples:
         return []
     payloads = samples
-    ids = torch.tensor([t for p in payloads for t in (*p.prompt_ids, *p.response_ids)], dtype=torch.int32)
+    ids = torch.cat([torch.as_tensor(x, dtype=torch.int32) for p in payloads for x in (p.prompt_ids, p.response_ids)])
     parts = [ids.view(torch.uint8), torch.cat([p.logprobs.cpu().to(torch.float32) for p in payloads]).view(torch.uint8)]
     if with_routes:
         routes = torch.cat([p.routes.cpu() for p in payloads])
@@ -86,7 +99,7 @@ def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool) -> li
                if s.replaced_entries]
         if rep:
             parts.append(torch.cat(rep))
-    return parts
+    return _padded(parts)
 
 
 def own_share_bytes(samples: Sequence[Sample], mine: Sequence[int], spec: Optional[TraceSpec]) -> int:
@@ -97,12 +110,71 @@ def own_share_bytes(samples: Sequence[Sample], mine: Sequence[int], spec: Option
                        spec.topk if with_routes else 0, itemsize, with_routes))
 
 
+def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
+           round_bytes: int) -> list[list[int]]:
+    """The exchange's rounds: consecutive runs of the samples (index order) in which no rank sends or receives
+    more than round_bytes (a sample larger than that alone is a round of its own). Every rank computes the same
+    rounds from the scalars alone."""
+    with_routes = spec is not None and bool(samples) and all(s.has_routes for s in samples)
+    itemsize = compact_dtype(spec.num_experts).itemsize if with_routes else 0
+    topk = spec.topk if with_routes else 0
+    by_dp: dict[int, list] = {}
+    for r in recipients:
+        by_dp.setdefault(r.dp_rank, []).append(r)
+    out, cur, sent, got = [], [], {}, {}
+    for i in sorted(dp_of):
+        s = samples[i]
+        # _blocks of one sample, inline: ids and log-probs, then per recipient its columns of routes and flags
+        per_col = s.span * (topk * itemsize + (1 if s.replaced_entries else 0)) if with_routes else 0
+        base = 4 * (s.prompt_len + 2 * s.response_len)
+        cost = [(r.rank, base + per_col * len(r.layer_cols)) for r in by_dp[dp_of[i]]]
+        over = any(sent.get(s.owner, 0) + sum(b for _, b in cost) > round_bytes or got.get(r, 0) + b > round_bytes
+                   for r, b in cost)
+        if cur and over:
+            out.append(cur)
+            cur, sent, got = [], {}, {}
+        cur.append(i)
+        sent[s.owner] = sent.get(s.owner, 0) + sum(b for _, b in cost)
+        for r, b in cost:
+            got[r] = got.get(r, 0) + b
+        if sent[s.owner] > round_bytes or any(got[r] > round_bytes for r, _ in cost):  # one sample over: alone
+            out.append(cur)
+            cur, sent, got = [], {}, {}
+    if cur:
+        out.append(cur)
+    return out
+
+
 def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
-             group=None) -> tuple[dict[int, Sample], dict]:
-    """Send each sample (index -> DP rank in dp_of) from its owner to every rank of that DP replica.
+             group=None, round_bytes: int = 256 << 20, release: bool = False) -> tuple[dict[int, Sample], dict]:
+    """Send each sample (index -> DP rank in dp_of) from its owner to every rank of that DP replica, in rounds
+    (`rounds`: at most round_bytes sent and received per rank and round, so no buffer grows with the batch).
     recipients: moe.routing.transport.gather_recipients (each rank's dp_rank and MoE layer columns).
     Returns {sample index: the sample with its payload (ids as tensors, this rank's route columns)} of this
-    rank's samples, and {"bytes_received", "own_share_bytes"}."""
+    rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}. release: the owner drops each sample's
+    payload once its round is sent (the payload moves to the ranks that train it; the scalars stay), so the
+    owner's memory does not hold the batch twice."""
+    out, received = {}, 0
+    plan = rounds(samples, dp_of, recipients, spec, round_bytes)
+    for idx in plan:
+        got, n = _exchange_round(samples, {i: dp_of[i] for i in idx}, recipients, spec, group)
+        out.update(got)
+        received += n
+        if release:
+            for i in idx:
+                if samples[i].owner == dist.get_rank():
+                    s = samples[i]
+                    s.prompt_ids = s.response_ids = s.logprobs = s.routes = s.replaced = None
+    me = recipients[dist.get_rank()]
+    with_routes = spec is not None and all(s.has_routes for s in samples) and bool(samples)
+    own = own_share_bytes(samples, [i for i in sorted(dp_of) if dp_of[i] == me.dp_rank],
+                          spec if with_routes else None)
+    return out, {"bytes_received": received, "own_share_bytes": own, "rounds": len(plan)}
+
+
+def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence,
+                    spec: Optional[TraceSpec], group) -> tuple[dict[int, Sample], int]:
+    """One round of `exchange`: one all_to_all of bytes; returns the received samples and the bytes."""
     me, world = dist.get_rank(), dist.get_world_size()
     mine_r = recipients[me]
     with_routes = spec is not None and all(s.has_routes for s in samples) and bool(samples)
@@ -132,26 +204,28 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
         got = from_src[src]
         if not got:
             continue
-        # clone each block: a view as a wider dtype needs an aligned start, and blocks follow each other unaligned
+        # views of the received bytes, no copy: every block starts at a multiple of 4 (_blocks' padding)
         pieces, pos = [], base
         for n in blocks[src]:
-            pieces.append(recv[pos:pos + n].clone())
+            pieces.append(recv[pos:pos + n])
             pos += n
         base = pos
-        ids = pieces[0].view(torch.int32).long().split([s.prompt_len + s.response_len for s in got])
-        lps = pieces[1].view(torch.float32).split([s.response_len for s in got])
+        tokens = sum(s.prompt_len + s.response_len for s in got)
+        ids = pieces[0][:4 * tokens].view(torch.int32).long().split([s.prompt_len + s.response_len for s in got])
+        lps = pieces[1][:4 * sum(s.response_len for s in got)].view(torch.float32).split([s.response_len for s in got])
         routes = replaced = [None] * len(got)
         if with_routes:
             # explicit row counts: a pipeline stage without MoE layers (dense first layers) has n_cols == 0
             spans = [s.span for s in got]
-            routes = pieces[2].view(dtype).reshape(sum(spans), n_cols, topk).split(spans)
+            routes = pieces[2][:sum(spans) * n_cols * topk * itemsize].view(dtype).reshape(
+                sum(spans), n_cols, topk).split(spans)
             flagged = [s for s in got if s.replaced_entries]
-            rep = iter(pieces[3].reshape(sum(s.span for s in flagged), n_cols).bool().split(
+            rows = sum(s.span for s in flagged)
+            rep = iter(pieces[3][:rows * n_cols].reshape(rows, n_cols).bool().split(
                 [s.span for s in flagged]) if flagged else ())
             replaced = [next(rep) if s.replaced_entries else None for s in got]
         idx = [i for i in expected if samples[i].owner == src]
         for i, x, lp, rt, rp in zip(idx, ids, lps, routes, replaced):
             p = samples[i].prompt_len
             out[i] = replace(samples[i], prompt_ids=x[:p], response_ids=x[p:], logprobs=lp, routes=rt, replaced=rp)
-    own = own_share_bytes(samples, expected, spec if with_routes else None)
-    return out, {"bytes_received": int(recv.numel()), "own_share_bytes": own}
+    return out, int(recv.numel())

@@ -1,0 +1,57 @@
+"""2 ranks (gloo): the exchange in bounded rounds delivers exactly what one round does. Each rank owns every
+other sample (tokens, log-probs, uint8 routes, some with fallback flags); two layouts: DP 2 (each sample to one
+rank, every MoE layer) and one replica over two pipeline stages (every sample to both, each its own layers)."""
+import torch
+import torch.distributed as dist
+
+from moe.routing.trace import TraceSpec
+from moe.routing.transport import Recipient
+from rlpo_mega.rollout import Sample
+from rlpo_mega.training.exchange import exchange, rounds
+from tests.dist import write_report
+
+dist.init_process_group("gloo")
+me = dist.get_rank()
+spec = TraceSpec(64, 4, (0, 1, 2, 3))
+
+
+def full(i):
+    g = torch.Generator().manual_seed(i)
+    p, r = 3 + i % 5, 2 + (7 * i) % 11
+    ids = torch.randint(0, 256, (p + r,), generator=g)
+    routes = torch.randint(0, 64, (p + r - 1, 4, 4), generator=g).to(torch.uint8)
+    flagged = i % 3 == 0
+    replaced = (torch.rand(p + r - 1, 4, generator=g) < 0.3) if flagged else None
+    s = Sample(ids[:p].tolist(), ids[p:].tolist(), torch.randn(r, generator=g), "stop", routes=routes,
+               replaced=replaced, replaced_entries=int(replaced.sum()) if flagged else 0)
+    s.owner = i % 2
+    return s
+
+
+n = 40
+truth = [full(i) for i in range(n)]
+samples = [t if t.owner == me else Sample.from_scalars(t.scalars(), t.owner) for t in truth]
+layouts = {
+    "dp2": ([Recipient(0, 0, 2, 0, 1, (0, 1, 2, 3)), Recipient(1, 1, 2, 0, 1, (0, 1, 2, 3))], {i: i % 2 for i in range(n)}),
+    "pp2": ([Recipient(0, 0, 1, 0, 1, (0, 1)), Recipient(1, 0, 1, 0, 1, (2, 3))], {i: 0 for i in range(n)}),
+}
+report = {}
+for name, (recipients, dp_of) in layouts.items():
+    one, s1 = exchange(samples, dp_of, recipients, spec, round_bytes=1 << 30)
+    many, s2 = exchange(samples, dp_of, recipients, spec, round_bytes=600)
+    cols = list(recipients[me].layer_cols)
+    same = sorted(one) == sorted(many) == sorted(i for i in range(n) if dp_of[i] == recipients[me].dp_rank)
+    for i in one:
+        a, b, t = one[i], many[i], truth[i]
+        same &= torch.equal(a.ids, b.ids) and torch.equal(a.ids, t.ids) and torch.equal(a.logprobs, b.logprobs)
+        same &= torch.equal(a.routes, b.routes) and torch.equal(a.routes, t.routes[:, cols])
+        same &= (a.replaced is None) == (t.replaced is None) and (
+            a.replaced is None or (torch.equal(a.replaced, b.replaced) and torch.equal(a.replaced, t.replaced[:, cols])))
+    plan = rounds(samples, dp_of, recipients, spec, 600)
+    report[name] = {"same": bool(same), "rounds": [s1["rounds"], s2["rounds"]], "covered": sorted(sum(plan, [])) == list(range(n)),
+                    "bytes": [s1["bytes_received"], s2["bytes_received"]]}
+every = [None, None]
+dist.all_gather_object(every, report)
+if me == 0:
+    write_report(every)
+dist.destroy_process_group()
