@@ -72,7 +72,6 @@ def prepare_step(samples, group_ids, cfg, dp: int, tp: int, recipients, spec, pa
     adv, keep, stats = sequence_advantages(
         cfg.algorithm, torch.tensor([s.reward for s in samples]), group_ids,
         torch.tensor([s.response_len for s in samples]), torch.tensor([s.finish_reason == "length" for s in samples]))
-    # release=False: the parity workers run several layouts (and their own exchange) on the same samples
     minis, plan_stats = plan_and_exchange(samples, adv, keep, cfg, dp, tp, recipients, spec, pad_id,
-                                          timer if timer is not None else PhaseTimer(cuda_sync=False), release=False)
+                                          timer if timer is not None else PhaseTimer(cuda_sync=False))
     return minis, adv, {**stats, **plan_stats}

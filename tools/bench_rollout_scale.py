@@ -141,8 +141,7 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
     # what the rank does next, as the trainer does it: the scalars' gather (checking the traces the engine did
     # not), then the exchange of the payloads in bounded rounds (training/exchange.py)
     out = gather_scalars(out, spec, "error", None)
-    received, xstats = exchange(out, {i: 0 for i in range(len(out))}, me, spec, round_bytes=round_mb << 20,
-                                 release=True)
+    received, xstats = exchange(out, {i: 0 for i in range(len(out))}, me, spec, round_bytes=round_mb << 20)
     wall2, cpu1 = time.perf_counter(), time.process_time()
     peak = _rss("VmHWM")
     idle = sum(t.is_alive() for t in engine._pool.threads)  # reused by the next rollout: idle, holding nothing

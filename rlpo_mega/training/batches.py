@@ -168,14 +168,12 @@ def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
 
 
 def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: torch.Tensor, cfg, dp: int, tp: int,
-                      recipients, spec, pad_id: int, timer, release: bool = True
-                      ) -> tuple[list[list[MicroBatch]], dict]:
+                      recipients, spec, pad_id: int, timer) -> tuple[list[list[MicroBatch]], dict]:
     """Phase 2 of an RL step: the step plan (rlpo_mega.data.packing: mini-batches, the DP split, micro-batches)
     from every sample's scalars, identical on every rank; then the exchange (training/exchange.py) carries each
     sample's payload to the ranks that train it; then this rank's micro-batches per mini-batch, as host
     tensors with routes attached. Collective. advantages [n] / keep [n]: algorithms.advantages.
-    sequence_advantages of all samples. release: the owners drop the payloads they sent (exchange's release;
-    the samples keep their scalars)."""
+    sequence_advantages of all samples."""
     with_routes = all(s.has_routes for s in samples)
     stats = {}
     if with_routes:
@@ -191,7 +189,7 @@ def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: tor
                      t.layout, align=tp)
     with timer("exchange"):
         received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None,
-                                    round_bytes=t.exchange_round_mb << 20, release=release)
+                                    round_bytes=t.exchange_round_mb << 20)
     me = recipients[dist.get_rank()]
     minis = [[build_micro_batch(samples, received, idx, advantages, keep, layout=t.layout, align=tp, pad_id=pad_id,
                                 padded_len=aligned(max(spans), tp), recipient=me if with_routes else None,

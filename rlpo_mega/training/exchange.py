@@ -146,25 +146,19 @@ def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequenc
 
 
 def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
-             group=None, round_bytes: int = 256 << 20, release: bool = False) -> tuple[dict[int, Sample], dict]:
+             group=None, round_bytes: int = 256 << 20) -> tuple[dict[int, Sample], dict]:
     """Send each sample (index -> DP rank in dp_of) from its owner to every rank of that DP replica, in rounds
     (`rounds`: at most round_bytes sent and received per rank and round, so no buffer grows with the batch).
     recipients: moe.routing.transport.gather_recipients (each rank's dp_rank and MoE layer columns).
     Returns {sample index: the sample with its payload (ids as tensors, this rank's route columns)} of this
-    rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}. release: the owner drops each sample's
-    payload once its round is sent (the payload moves to the ranks that train it; the scalars stay), so the
-    owner's memory does not hold the batch twice."""
+    rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}. The owners keep their payloads (a
+    producer may hand the same samples to a later step)."""
     out, received = {}, 0
     plan = rounds(samples, dp_of, recipients, spec, round_bytes)
     for idx in plan:
         got, n = _exchange_round(samples, {i: dp_of[i] for i in idx}, recipients, spec, group)
         out.update(got)
         received += n
-        if release:
-            for i in idx:
-                if samples[i].owner == dist.get_rank():
-                    s = samples[i]
-                    s.prompt_ids = s.response_ids = s.logprobs = s.routes = s.replaced = None
     me = recipients[dist.get_rank()]
     with_routes = spec is not None and all(s.has_routes for s in samples) and bool(samples)
     own = own_share_bytes(samples, [i for i in sorted(dp_of) if dp_of[i] == me.dp_rank],
