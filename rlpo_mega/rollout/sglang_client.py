@@ -151,8 +151,10 @@ def _dropped(conn) -> bool:
     """An idle keep-alive connection the server has closed (or that has unexpected bytes): readable at once."""
     if conn.sock is None:
         return True
-    try:
-        return bool(select.select([conn.sock], [], [], 0)[0])
+    try:  # poll, not select: a trainer's descriptors run past select's FD_SETSIZE (1024)
+        poller = select.poll()
+        poller.register(conn.sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
 
@@ -214,8 +216,8 @@ class SlotsClosed(Exception):
 class ServerSlots:
     """At most `limit` requests in flight per server, for one generate() call. `acquire` picks the server
     with the fewest requests in flight (ties: round-robin from `start`, so small batches alternate servers
-    over calls), or the server of the request's group, and blocks while that is full; `close` wakes the blocked workers and refuses the
-    rest, so that nothing is sent after the call gave up."""
+    over calls), or the server of the request's group, and blocks while that is full; `close` wakes the
+    blocked workers and refuses the rest, so that nothing is sent after the call gave up."""
 
     def __init__(self, num_servers: int, limit: int, start: int = 0):
         if limit < 1:
@@ -381,5 +383,5 @@ def decode_routes(data, num_hidden_layers: int, spec, tokens: int | None = None)
     return torch.from_numpy(ids.astype(compact if in_range else np.int32))
 
 
-__all__ = ["BodyBuffers", "Connections", "ServerSlots", "SlotsClosed", "WorkerPool", "decode_routes", "dumps", "loads", "parse_logprobs",
-           "pool_size", "split_routes"]
+__all__ = ["BodyBuffers", "Connections", "ServerSlots", "SlotsClosed", "WorkerPool", "decode_routes", "dumps",
+           "loads", "parse_logprobs", "pool_size", "split_routes"]

@@ -461,7 +461,8 @@ class SGLangEngine(RolloutEngine):
                               "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")
         return Sample(prompt_ids=prompt, response_ids=ids, logprobs=lps, finish_reason=reason, routes=routes,
                       prompt_index=prompt_index, trace_checked=checked,
-                      meta={"rid": rid, "server": server.url, "finish": fr, "weight_version": meta.get("weight_version")})
+                      meta={"rid": rid, "server": server.url, "finish": fr,
+                            "weight_version": meta.get("weight_version")})
 
     def _abort_quietly(self, inflight: dict):
         """Best-effort aborts, all at once, bounded by health_timeout: a hung server answers none of them."""

@@ -32,7 +32,8 @@ n = 40
 truth = [full(i) for i in range(n)]
 samples = [t if t.owner == me else Sample.from_scalars(t.scalars(), t.owner) for t in truth]
 layouts = {
-    "dp2": ([Recipient(0, 0, 2, 0, 1, (0, 1, 2, 3)), Recipient(1, 1, 2, 0, 1, (0, 1, 2, 3))], {i: i % 2 for i in range(n)}),
+    "dp2": ([Recipient(0, 0, 2, 0, 1, (0, 1, 2, 3)), Recipient(1, 1, 2, 0, 1, (0, 1, 2, 3))],
+            {i: i % 2 for i in range(n)}),
     "pp2": ([Recipient(0, 0, 1, 0, 1, (0, 1)), Recipient(1, 0, 1, 0, 1, (2, 3))], {i: 0 for i in range(n)}),
 }
 report = {}
@@ -48,7 +49,8 @@ for name, (recipients, dp_of) in layouts.items():
         same &= (a.replaced is None) == (t.replaced is None) and (
             a.replaced is None or (torch.equal(a.replaced, b.replaced) and torch.equal(a.replaced, t.replaced[:, cols])))
     plan = rounds(samples, dp_of, recipients, spec, 600)
-    report[name] = {"same": bool(same), "rounds": [s1["rounds"], s2["rounds"]], "covered": sorted(sum(plan, [])) == list(range(n)),
+    report[name] = {"same": bool(same), "rounds": [s1["rounds"], s2["rounds"]],
+                    "covered": sorted(sum(plan, [])) == list(range(n)),
                     "bytes": [s1["bytes_received"], s2["bytes_received"]]}
 every = [None, None]
 dist.all_gather_object(every, report)
