@@ -58,7 +58,7 @@ def _check_before_launch(cfg, args):
     from moe.model import load_hf_config
 
     hf = load_hf_config(cfg.model.hf_config) if cfg.model.hf_config else None
-    check_run_config(cfg, hf, world_size=args.nproc_per_node * args.nnodes, log_warnings=False)
+    check_run_config(cfg, hf, world_size=args.nproc_per_node * args.nnodes, log_warnings=False, nodes=args.nnodes)
     plan_checkpoints(cfg.checkpoint, get_family(hf.model_type).identity(hf) if hf is not None else None)
 
 

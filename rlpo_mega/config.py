@@ -187,7 +187,12 @@ class ShapingConfig:
 @dataclass
 class DynamicSamplingConfig:
     enabled: bool = False  # drop groups with all-equal scores and over-sample
+    # chunks of prompts each engine rank submits per step at most (each: ceil(its share of the step's groups x
+    # prompts.oversample) prompts); the step ends as soon as the rank's groups are complete, the rest is aborted
     max_tries: int = 3
+    # surplus complete groups (mixed rewards, beyond the step's share) carry to the next steps, marked with the
+    # policy version that sampled them, and are dropped once more than this many versions old (0: never carried)
+    max_carry_steps: int = 1
 
 
 @dataclass
@@ -241,7 +246,7 @@ class PromptDataConfig:
     seed: Optional[int] = None  # None = the run's seed
     prompts_per_step: int = 8
     n_samples: int = 4  # responses per prompt (the group size)
-    oversample: float = 1.0  # dynamic sampling: draw this many times the missing prompts per try
+    oversample: float = 1.0  # dynamic sampling: a chunk holds this many times a rank's share of the step's prompts
 
 
 @dataclass
@@ -260,6 +265,9 @@ class SGLangEngineConfig:
     # server on its own GPUs after the node's learner ranks'; several nodes need host 0.0.0.0 (URLs name the node)
     launch: bool = False
     num_servers: int = 1  # launch: servers per node
+    # learner ranks that drive the servers (evenly spaced: ranks 0, world/drivers, ...; = nodes: one per node),
+    # each over its own contiguous share of the servers and of the prompts, each receiving the full weights
+    drivers: int = 1
     tp_size: int = 1
     host: str = "127.0.0.1"
     base_port: int = 30000
@@ -271,8 +279,10 @@ class SGLangEngineConfig:
     startup_timeout: float = 300.0  # seconds to wait for /health after launch
     max_restarts: int = 1  # a dead launched server is restarted this many times, then the run stops
     health_timeout: float = 5.0  # seconds for GET /health (and short control calls: x6)
-    learner_address: Optional[str] = None  # how servers reach learner rank 0 (None: MASTER_ADDR, else loopback)
-    store_port: int = 0  # learner rank 0's TCP store for servers (weight-sync group, digest reports); 0 = free
+    # how servers reach a driver on node 0 (None: MASTER_ADDR, else loopback); drivers on other nodes: their hostname
+    learner_address: Optional[str] = None
+    # each driver's TCP store for its servers (weight-sync group, digest reports); 0 = free; driver i: store_port + i
+    store_port: int = 0
     flush_retries: int = 20  # /flush_cache refuses while requests run: retried with backoff (<= 2 s)
     max_in_flight_per_server: int = 128  # generate requests in flight per server (total: x servers)
     # answers read and decoded at once by the driver: bounds the raw bodies it holds (2 KB per token at 48 layers
@@ -296,7 +306,7 @@ class RolloutConfig:
     # (rollout.engine=sglang; registered by rlpo_mega.rollout.sglang_engine)
     sync_transport: str = "in_process"
     sync_bucket_mb: int = 64
-    sync_dir: Optional[str] = None  # disk transport's directory
+    sync_dir: Optional[str] = None  # disk transport's directory (several engine ranks: a driver_<i> subdirectory each)
     wait_timeout: float = 21600.0  # seconds ranks wait for the engine ranks' rollout (own gloo group, not NCCL's)
     embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)
     sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)

@@ -241,7 +241,8 @@ def _check_rollout(cfg, warns: list[str]):
                               f"{sg.hang_timeout}: /health is polled every health_interval to detect a hang")
         if not ro.wait_timeout >= sg.request_timeout:
             raise ConfigError(f"rollout.wait_timeout={ro.wait_timeout} is shorter than rollout.sglang.request_timeout="
-                              f"{sg.request_timeout}: the other ranks would give up on a rollout rank 0 still waits for")
+                              f"{sg.request_timeout}: the other ranks would give up on a rollout the drivers still "
+                              "wait for")
         if not sg.urls and not sg.launch:
             warns.append("rollout.engine=sglang with no rollout.sglang.urls and launch=false: give the servers' "
                          "URLs (launch/slurm/train_disaggregated.sbatch adds rollout.sglang.urls=[...]) or set "
@@ -268,6 +269,31 @@ def _check_rollout(cfg, warns: list[str]):
     elif ro.sync_transport == "sglang_distributed":
         raise ConfigError(f"rollout.sync_transport=sglang_distributed needs rollout.engine=sglang "
                           f"(got {ro.engine})")
+
+
+def _check_drivers(cfg, world_size: Optional[int], nodes: Optional[int]):
+    """rollout.sglang.drivers: evenly spaced learner ranks (rlpo_mega.rollout.sglang_engine.SGLangEngine.ranks),
+    each with its own share of the servers (so at least one server each)."""
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang":
+        return
+    if sg.drivers < 1:
+        raise ConfigError(f"rollout.sglang.drivers={sg.drivers} must be >= 1 (the learner ranks that drive the "
+                          "SGLang servers; e.g. 1, or one per learner node)")
+    if world_size is not None and (sg.drivers > world_size or world_size % sg.drivers):
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0][:8]
+        raise ConfigError(f"rollout.sglang.drivers={sg.drivers} does not divide the world size {world_size} (driver "
+                          f"ranks are evenly spaced, one per node when it equals the node count): set it to one of "
+                          f"{', '.join(map(str, fits))}")
+    servers, where = None, ""
+    if sg.urls:
+        servers, where = len(sg.urls), "in rollout.sglang.urls"
+    elif sg.launch and nodes:
+        servers = sg.num_servers * nodes
+        where = f"launched (rollout.sglang.num_servers={sg.num_servers} x {nodes} node(s))"
+    if servers is not None and sg.drivers > servers:
+        raise ConfigError(f"rollout.sglang.drivers={sg.drivers} but {servers} SGLang server(s) {where}: each driver "
+                          f"drives its own servers; set rollout.sglang.drivers <= {servers} or add servers")
 
 
 def _existing_file(key: str, path: Optional[str], why: str) -> None:
@@ -327,6 +353,13 @@ def _check_counts(cfg, warns: list[str]):
         raise ConfigError(f"logging.console_every={cfg.logging.console_every} must be >= 0 (0: never)")
     if cfg.prompts.oversample < 1:
         raise ConfigError(f"prompts.oversample={cfg.prompts.oversample} must be >= 1")
+    ds = cfg.algorithm.dynamic_sampling
+    if ds.max_tries < 1:
+        raise ConfigError(f"algorithm.dynamic_sampling.max_tries={ds.max_tries} must be >= 1 (chunks of prompts per "
+                          "step and engine rank)")
+    if ds.max_carry_steps < 0:
+        raise ConfigError(f"algorithm.dynamic_sampling.max_carry_steps={ds.max_carry_steps} must be >= 0 (0: surplus "
+                          "groups are never carried to a later step)")
     _check_lr_schedule(cfg)
 
 
@@ -447,10 +480,11 @@ def _check_batch(cfg, world_size: Optional[int]):
 
 
 def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warnings: bool = True,
-                     files: bool = True) -> list[str]:
+                     files: bool = True, nodes: Optional[int] = None) -> list[str]:
     """Check a RunConfig against the HF model config `hf` (None: read cfg.model.hf_config) and, when given, the
-    world size (data-parallel split and parallel layout). Raises ConfigError for an impossible combination;
-    returns (and logs) warnings for suspicious ones. files=False: data files may be placeholders (`plan`)."""
+    world size (data-parallel split and parallel layout) and node count (servers launched per node). Raises
+    ConfigError for an impossible combination; returns (and logs) warnings for suspicious ones. files=False: data
+    files may be placeholders (`plan`)."""
     warns: list[str] = []
     hf = _check_model(cfg, hf)
     context = getattr(hf, "max_position_embeddings", None)
@@ -459,6 +493,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
                           f"model's context (max_position_embeddings={context} in model.hf_config): lower it")
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
+    _check_drivers(cfg, world_size, nodes)
     _check_counts(cfg, warns)
     _check_critic(cfg, warns)
     if cfg.model.expert_bias_update_rate > 0 and cfg.routing.mode != "off":

@@ -43,6 +43,11 @@ REQUIRED_METRICS: tuple[Metric, ...] = (
     Metric("optim/lr", "learning rate"),
     Metric("dynamic_sampling/kept", "groups kept (scores not all equal)", when="dynamic_sampling"),
     Metric("dynamic_sampling/dropped", "groups dropped", when="dynamic_sampling"),
+    Metric("dynamic_sampling/aborted", "groups submitted but not complete when the step's were (aborted)",
+           when="dynamic_sampling"),
+    Metric("dynamic_sampling/carried_in", "groups of earlier steps trained on now", when="dynamic_sampling"),
+    Metric("dynamic_sampling/carried_out", "surplus groups kept for the next steps", when="dynamic_sampling"),
+    Metric("dynamic_sampling/carry_stale", "carried groups dropped past max_carry_steps", when="dynamic_sampling"),
     Metric("routing/agreement/layer_", "per MoE layer: fraction of top-k choices the training router shares "
            "with the rollout's", prefix=True),
     Metric("routing/agreement/mean", "mean over layers"),

@@ -12,9 +12,10 @@ What a shrink may change, and nothing else (`CHANGEABLE`; tests/test_recipes.py 
                recipe's real size is tests/test_plan.py's (`rlpo-mega plan`)
   lengths      rollout.max_new_tokens
   run length   train_iters = 2 and checkpoint.save_every = 1 (a checkpoint at step 1, then a resume)
-  host-only    paths (prompts, eval, save_dir, logging.dir), reward.num_workers, SGLang server URLs, and the
+  host-only    paths (prompts, eval, save_dir, logging.dir), reward.num_workers, SGLang server URLs, the
                SGLang server's TP size above 2 becomes 2 (this CPU has 2 cores; the weight-update group is
-               1 + servers x TP ranks either way)
+               1 + servers x TP ranks either way), and rollout.sglang.drivers becomes 1 (the shrunk run is one
+               node with one server; tests/test_sglang_trainer.py runs the trainer with 2 drivers)
 Everything else stays the recipe's: loss and its clip/gate settings, advantage, KL, mismatch correction,
 routing mode, engine, weight transport and bucket size, optimizer kind (distributed optimizer) and
 hyper-parameters, params dtype, sequence parallelism, expert-tensor size, recompute, token dispatcher,
@@ -39,7 +40,7 @@ CHANGEABLE = {
     "rollout.max_new_tokens",
     "train_iters", "checkpoint.save_every",
     "prompts.path", "trainer.eval_path", "checkpoint.save_dir", "checkpoint.resume", "logging.dir",
-    "reward.num_workers", "rollout.sglang.urls", "rollout.sglang.tp_size",
+    "reward.num_workers", "rollout.sglang.urls", "rollout.sglang.tp_size", "rollout.sglang.drivers",
 }
 MAX_WORLD = 4
 
@@ -148,6 +149,8 @@ def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: 
         s.set("rollout.sglang.urls", list(sglang_urls[tiny]), "host-only")
     if _get(cfg, "rollout.sglang.tp_size", 1) > 2:
         s.set("rollout.sglang.tp_size", 2, "host-only")
+    if _get(cfg, "rollout.sglang.drivers", 1) > 1:
+        s.set("rollout.sglang.drivers", 1, "host-only")
     return s
 
 

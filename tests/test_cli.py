@@ -93,13 +93,14 @@ def test_check_command(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml"
     data = "prompts.path=configs/data/toy_add_train.jsonl"
-    assert cli.main(["check", recipe, data, "rollout.sglang.urls=[http://n3:30000]", "--world-size", "16"]) == 0
+    urls = "rollout.sglang.urls=[http://n3:30000,http://n3:30001]"  # one per rollout driver at least
+    assert cli.main(["check", recipe, data, urls, "--world-size", "16"]) == 0
     assert f"{recipe}: ok at world size 16 (planned) (0 warnings)" in capsys.readouterr().out
     assert cli.main(["check", recipe, data, "--world-size", "24"]) == 2
     assert "rlpo-mega check: config error: " in capsys.readouterr().err
     # the recipe's own size (cluster.learner_nodes) is checked through `rlpo-mega plan`: a budget it exceeds
     # there is the check's failure, in one line
-    assert cli.main(["check", recipe, data, "rollout.sglang.urls=[http://n3:30000]", "cluster.gpu_memory_gb=50"]) == 2
+    assert cli.main(["check", recipe, data, urls, "cluster.gpu_memory_gb=50"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("rlpo-mega check: learner GPU every rank: ") and "50 GB budget" in err[0]
     assert cli.main(["check", recipe, data, "rollout.temperature=0.6"]) == 2

@@ -36,9 +36,9 @@ def _cfg(*overrides):
     return load_config(None, BASE + overrides)
 
 
-def _err(hf, *overrides, world_size=None):
+def _err(hf, *overrides, world_size=None, nodes=None):
     with pytest.raises(ConfigError) as e:
-        check_run_config(_cfg(*overrides), hf, world_size=world_size)
+        check_run_config(_cfg(*overrides), hf, world_size=world_size, nodes=nodes)
     return str(e.value)
 
 
@@ -170,6 +170,27 @@ def test_transport_engine_combinations(tiny_hf):
     assert len(warns) == 1 and "no rollout.sglang.urls" in warns[0]
 
 
+def test_sglang_drivers(tiny_hf):
+    """rollout.sglang.drivers: evenly spaced ranks dividing the world, each with a server of its own."""
+    sg = ("rollout.engine=sglang", "rollout.sync_transport=sglang_distributed",
+          "rollout.sglang.urls=[http://n3:30000,http://n3:30001]", "parallel.expert=2")
+    assert check_run_config(_cfg(*sg, "rollout.sglang.drivers=2"), tiny_hf, world_size=4) == []
+    assert "rollout.sglang.drivers=0 must be >= 1" in _err(tiny_hf, *sg, "rollout.sglang.drivers=0")
+    msg = _err(tiny_hf, *sg, "rollout.sglang.drivers=3", world_size=4)
+    assert "rollout.sglang.drivers=3 does not divide the world size 4" in msg and "one of 1, 2, 4" in msg
+    assert "does not divide the world size 2" in _err(tiny_hf, *sg, "rollout.sglang.drivers=4", world_size=2)
+    msg = _err(tiny_hf, *sg, "rollout.sglang.drivers=4", world_size=4)
+    assert "drivers=4 but 2 SGLang server(s) in rollout.sglang.urls" in msg and "drivers <= 2" in msg
+    # launched servers: num_servers per node x nodes (known to the trainer and `rlpo-mega train`'s launcher)
+    launched = ("rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m", "routing.mode=off",
+                "parallel.expert=2", "rollout.sglang.drivers=2")
+    msg = _err(tiny_hf, *launched, world_size=2, nodes=1)
+    assert "drivers=2 but 1 SGLang server(s) launched (rollout.sglang.num_servers=1 x 1 node(s))" in msg
+    check_run_config(_cfg(*launched, "rollout.sglang.num_servers=2"), tiny_hf, world_size=2, nodes=1)
+    check_run_config(_cfg(*launched), tiny_hf, world_size=2, nodes=2)
+    assert len(msg.splitlines()) == 1
+
+
 def test_truncated_sampling_warns(tiny_hf):
     warns = check_run_config(_cfg("rollout.top_p=0.9"), tiny_hf)
     assert len(warns) == 1 and "rollout.top_p=0.9" in warns[0]
@@ -194,6 +215,8 @@ def test_paths(tiny_hf, tmp_path):
     ("trainer.mini_batches=0", "trainer.mini_batches=0 must be >= 1"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last=0 must be >= 1"),
     ("checkpoint.save_every=-1", "checkpoint.save_every=-1 must be >= 0"),
+    ("algorithm.dynamic_sampling.max_tries=0", "algorithm.dynamic_sampling.max_tries=0 must be >= 1"),
+    ("algorithm.dynamic_sampling.max_carry_steps=-1", "algorithm.dynamic_sampling.max_carry_steps=-1 must be >= 0"),
 ])
 def test_counts(tiny_hf, override, message):
     assert message in _err(tiny_hf, override)
@@ -258,8 +281,10 @@ def test_qwen3_30b_a3b_config():
 @pytest.mark.parametrize("path", RECIPES, ids=[Path(p).stem for p in RECIPES])
 def test_recipe_passes(path):
     world = 8 * int(re.search(r"_(\d+)nodes", path)[1])  # learner nodes of 8 GPUs
-    # the recipes' data path is a placeholder users replace; the SLURM script adds the servers' URLs
-    cfg = load_config(path, (f"prompts.path={PROMPTS}", "rollout.sglang.urls=[http://n3:30000,http://n3:30001]"))
+    # the recipes' data path is a placeholder users replace; the SLURM script adds the servers' URLs (at least one
+    # per rollout driver)
+    urls = ",".join(f"http://n3:3000{i}" for i in range(4))
+    cfg = load_config(path, (f"prompts.path={PROMPTS}", f"rollout.sglang.urls=[{urls}]"))
     hf = load_hf_config(cfg.model.hf_config)
     assert check_run_config(cfg, hf, world_size=world) == []
     layout = resolve_layout(cfg.parallel, world, hf)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from rlpo_mega.data import DataError, PromptSampler, collect_groups, group_ids, load_prompts, render_prompt
+from rlpo_mega.data import DataError, GroupCollector, PromptSampler, group_ids, load_prompts, render_prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "tiny_char")
@@ -157,46 +157,80 @@ def test_from_config(tok):
         PromptSampler.from_config(PromptDataConfig())
 
 
-def _rollout_by_index(acc_of):
-    """Fake engine + reward: the group of record i scores acc_of(i) correct answers out of n."""
-    calls = []
-
-    def rollout(items, n=4):
-        calls.append(len(items))
-        scores = []
-        for it in items:
-            k = acc_of(it.record.index)
-            scores += [1.0] * k + [0.0] * (n - k)
-        return torch.tensor(scores), [(it.uid, j) for it in items for j in range(n)]
-
-    return rollout, calls
+class _Answer:
+    def __init__(self, correct: float, finish_reason: str = "stop"):
+        self.correct, self.finish_reason = correct, finish_reason
 
 
-def test_dynamic_sampling_refills():
+def _stream_by_index(acc_of, log, n=4, late=()):
+    """A fake engine stream: record i's group has acc_of(i) correct answers out of n. Groups come in item order;
+    after send("finish") the groups of records in `late` end aborted, the others complete (they had ended)."""
+    def stream(items, k):
+        log.append(len(items))
+        finished = False
+        for i, it in enumerate(items):
+            aborted = finished and it.record.index in late
+            c = acc_of(it.record.index)
+            got = yield i, [_Answer(float(j < c), "abort" if aborted and j else "stop") for j in range(n)]
+            if got == "finish":
+                finished = True
+                log.append("finish")
+    return stream
+
+
+def _score(item, samples):
+    return [s.correct for s in samples]
+
+
+def _chunks(sampler, k):
+    return lambda: sampler.next_prompts(k)
+
+
+def test_dynamic_sampling_streams_and_carries_surplus():
+    """Records 0 mod 3: all wrong; 1 mod 3: all right; 2 mod 3: mixed. A rank's share of 3 groups: its chunk
+    of 12 prompts is scored group by group, the stream is told to finish at the third mixed group, the groups
+    that end after it are carried (complete) or dropped (aborted); the next step takes the carried ones first,
+    and a group older than max_carry_steps policy versions is never trained on."""
     recs = load_prompts(TOY)
-    # records 0 mod 3: all wrong; 1 mod 3: all right; 2 mod 3: mixed -> only a third of groups kept
-    rollout, calls = _rollout_by_index(lambda i: [0, 4, 2][i % 3])
+    log = []
+    late = {r.index for r in recs if r.index % 3 == 0}  # all-wrong records end aborted after the finish
     s = PromptSampler(recs, seed=1)
-    batch = collect_groups(s, rollout, target_groups=6, n=4, max_tries=10, oversample=2.0)
-    r = batch.report
-    assert r.complete and r.groups_kept == 6 and len(batch.items) == 6
-    assert all(it.record.index % 3 == 2 for it in batch.items)
-    assert len(batch.samples) == 24 and batch.scores.shape == (24,)
-    assert batch.samples[:4] == [(batch.items[0].uid, j) for j in range(4)]  # group-major, aligned
-    assert batch.group_ids.tolist() == [u for it in batch.items for u in [it.uid] * 4]
-    assert calls[0] == 12 and r.tries == len(calls) >= 2 and r.prompts_drawn == sum(calls)
-    assert r.dropped_all_zero + r.dropped_all_one + r.groups_kept <= r.prompts_drawn
+    collector = GroupCollector(max_chunks=3, max_carry_steps=1)
+    kept, r = collector.collect(3, 7, _chunks(s, 12), _stream_by_index(lambda i: [0, 4, 2][i % 3], log, late=late),
+                                _score)
+    assert len(kept) == 3 and all(g.item.record.index % 3 == 2 and g.version == 7 for g in kept)
+    assert log[0] == 12 and log[1] == "finish" and log.count(12) == 1  # one chunk: no whole-batch retry
+    assert r.tries == 1 and r.prompts_drawn == 12 and r.groups_kept == 3 and r.complete
+    assert r.carried_out == len(collector.carry) and r.aborted + r.carried_out + 3 + r.dropped_all_zero + \
+        r.dropped_all_one == 12
     assert r.dropped_all_zero > 0 and r.dropped_all_one > 0
-    assert r.stats()["dynamic_sampling/complete"] == 1
+    assert r.aborted == 2 and r.carried_out == 1  # (this seed's chunk: 2 all-wrong and 1 mixed group after it)
+    carried = list(collector.carry)
+    assert carried and all(g.version == 7 and g.item.record.index % 3 == 2 for g in carried)
+    # the next step (version 8) starts from the carried groups
+    log.clear()
+    kept2, r2 = collector.collect(len(carried), 8, _chunks(s, 12), _stream_by_index(lambda i: 2, log), _score)
+    assert kept2 == carried and r2.carried_in == len(carried) and r2.tries == 0 and log == []
+    # a surplus group two versions old is stale: dropped, counted, never trained on
+    collector.carry = carried
+    kept3, r3 = collector.collect(1, 9, _chunks(s, 4), _stream_by_index(lambda i: 2, log), _score)
+    assert r3.carry_stale == len(carried) and r3.carried_in == 0 and all(g.version == 9 for g in kept3)
+    stats = r.stats()
+    assert stats["dynamic_sampling/kept"] == 3 and stats["dynamic_sampling/complete"] == 1
+    assert stats["dynamic_sampling/carried_out"] == len(carried)
 
 
-def test_dynamic_sampling_bounded_and_disabled():
-    rollout, calls = _rollout_by_index(lambda i: 4 if i % 50 else 2)  # ~2% of groups informative
-    batch = collect_groups(PromptSampler(load_prompts(TOY), seed=0), rollout, target_groups=8, n=4, max_tries=2)
-    assert batch.report.tries == 2 and not batch.report.complete and batch.report.groups_kept < 8
-    assert batch.scores.numel() == 4 * batch.report.groups_kept
-    rollout, calls = _rollout_by_index(lambda i: 4)
-    batch = collect_groups(PromptSampler(load_prompts(TOY), seed=0), rollout, target_groups=3, n=4, enabled=False)
-    assert calls == [3] and len(batch.items) == 3  # no filtering, one try
-    with pytest.raises(ValueError, match="returned 8 scores"):
-        collect_groups(PromptSampler(load_prompts(TOY)), lambda items: (torch.zeros(8), [0] * 8), 3, 4)
+def test_dynamic_sampling_bounded_and_without_carry():
+    log = []
+    s = PromptSampler(load_prompts(TOY), seed=0)
+    # ~2% of groups informative: max_chunks chunks, then a short share
+    kept, r = GroupCollector(max_chunks=2).collect(8, 0, _chunks(s, 8), _stream_by_index(
+        lambda i: 4 if i % 50 else 2, log), _score)
+    assert r.tries == 2 and log == [8, 8] and not r.complete and len(kept) < 8
+    # max_carry_steps=0: the stream is closed at the share (nothing scored past it, nothing carried)
+    log.clear()
+    c = GroupCollector(max_chunks=3, max_carry_steps=0)
+    kept, r = c.collect(2, 0, _chunks(s, 10), _stream_by_index(lambda i: 2, log), _score)
+    assert len(kept) == 2 and c.carry == [] and r.carried_out == 0 and r.aborted == 8 and "finish" not in log
+    with pytest.raises(ValueError, match="max_chunks"):
+        GroupCollector(max_chunks=0)

@@ -15,6 +15,9 @@ def test_rounds_deliver_what_one_round_does():
             assert r["rounds"][0] == 1 and r["rounds"][1] > 3, (rank, name, r)
             # the same payloads; each round pads each block to 4 bytes (at most 3 bytes x 4 blocks x 2 senders)
             assert 0 < r["bytes"][0] <= r["bytes"][1] <= r["bytes"][0] + 24 * r["rounds"][1], (rank, name, r)
+    # the sequence-parallel pair: each rank got its shard's route rows, together every row once
+    assert every[0]["sp2"]["route_rows"] + every[1]["sp2"]["route_rows"] == every[0]["pp2"]["route_rows"]
+    assert 0 < every[0]["sp2"]["route_rows"] < every[0]["pp2"]["route_rows"]
 
 
 def test_each_round_is_under_the_budget_for_every_rank():

@@ -68,6 +68,6 @@ def test_loopback_servers_on_several_nodes_are_refused(report):
     runs, _ = report
     ranks = runs["loopback"]
     assert {r["error"] for r in ranks} == {
-        "rollout.sglang.launch=true on 2 nodes: servers bound to 127.0.0.1 cannot be reached from learner rank 0's "
-        "node; set rollout.sglang.host=0.0.0.0 (each node's servers are then addressed by its hostname)"}
+        "rollout.sglang.launch=true on 2 nodes: servers bound to 127.0.0.1 cannot be reached from drivers on "
+        "other nodes; set rollout.sglang.host=0.0.0.0 (each node's servers are then addressed by its hostname)"}
     assert ranks[0]["records"] == {}

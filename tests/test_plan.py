@@ -40,7 +40,8 @@ def test_every_recipe_plans_at_its_real_size(recipe):
         for g in gpus:
             assert g["parameters"] > 1e9 and g["params"] > 2e9 and g["optimizer"] > 0 and g["activations"] > 0
             assert g["total"] == sum(g[k] for k in ("params", "grads", "optimizer", "activations", "exchange",
-                                                    "reserved", "logits", "logprob chunk", "routes") if k in g)
+                                                    "sync bucket", "reserved", "logits", "logprob chunk", "routes")
+                                     if k in g)
         assert out["checkpoint"]["sigterm_save_s"] <= out["checkpoint"]["window_s"]
         if lengths == "all-max":  # every micro-batch holds as many full-length samples as the budget allows
             assert out["steps"]["largest_micro_tokens"] <= cfg.trainer.max_tokens_per_micro_batch
@@ -128,10 +129,25 @@ def test_plan_refusals_are_one_line(tmp_path, capsys, monkeypatch):
     for argv, needle in (([recipe, "--lengths", str(bad)], "response/length_mean"),
                          ([recipe, "--lengths", "normal"], "neither a distribution"),
                          (["configs/demo_cpu.yaml"], "--world-size"),
-                         ([recipe, "--world-size", "24"], "config error")):
+                         ([recipe, "--world-size", "24"], "config error"),
+                         ([recipe, "rollout.sglang.drivers=8"], "drivers=8 but the plan has 4 SGLang server(s)")):
         assert cli.main(["plan", *argv]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("rlpo-mega plan: ") and needle in err[0], (argv, err)
+
+
+def test_rollout_drivers_split_the_driver_rows():
+    """rollout.sglang.drivers: each driver's host row and exchange hold its share of a step, and each learner
+    stage with a driver holds a sync bucket (the full weights arrive there, a bucket at a time)."""
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml"  # 2 nodes, 4 servers
+    one, two = (planning.make_plan(load_config(os.path.join(ROOT, recipe), (f"rollout.sglang.drivers={d}",)), recipe)
+                for d in (1, 2))
+    assert one.steps.driver_tokens == one.steps.step_tokens
+    assert 0.4 < two.steps.driver_tokens / two.steps.step_tokens < 0.6  # half the prompts (uniform lengths)
+    hosts = {d: [r.parts.get("rollout driver", 0) for r in p.rows if r.role == "host"] for d, p in ((1, one), (2, two))}
+    assert hosts[1][1] == 0 and hosts[2][0] == hosts[2][1] and 0 < hosts[2][0] < hosts[1][0], hosts
+    gpu = {d: next(r for r in p.rows if r.role == "learner GPU").parts for d, p in ((1, one), (2, two))}
+    assert gpu[2]["exchange"] < gpu[1]["exchange"] and gpu[2]["sync bucket"] == 512 << 20
 
 
 def test_lengths_from_a_file(tmp_path):

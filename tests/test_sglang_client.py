@@ -20,11 +20,12 @@ import torch
 from moe.model import load_hf_config
 from moe.routing.decoders import decode_sglang, encode_sglang, select_moe_layers
 from moe.routing.trace import RoutingTraceError, TraceSpec, validate_trace
-from rlpo_mega.config import ConfigError, load_config
+from rlpo_mega.config import ConfigError, SGLangEngineConfig, load_config
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.rollout import EngineError, RolloutInterrupted, SamplingParams
 from rlpo_mega.rollout.sglang_client import ServerSlots, SlotsClosed, decode_routes, parse_logprobs
-from tests.dist import ROOT
+from rlpo_mega.rollout.sglang_engine import SGLangDistributedTransport, SGLangEngine
+from tests.dist import ROOT, free_port
 from tests.test_engine_timeouts import engine_for, silent_server
 
 
@@ -44,11 +45,38 @@ class Gauge:
             self.now -= 1
 
 
+class AbortLog(dict):
+    """{rid: routes sent} of a fake server, and its requests' waits that /abort_request ends early."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock, self.events, self.aborted = threading.Lock(), {}, []
+
+    def wait(self, rid, seconds: float, finishing: bool = False) -> bool:
+        """Sleep `seconds` unless aborted first (and not `finishing`); True when aborted."""
+        with self.lock:
+            ev = self.events.setdefault(rid, threading.Event())
+        if finishing:
+            time.sleep(seconds)
+        elif ev.wait(seconds):
+            self.aborted.append(rid)
+            return True
+        return False
+
+    def abort(self, rid):
+        with self.lock:
+            self.events.setdefault(rid, threading.Event()).set()
+
+
 @contextlib.contextmanager
-def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, experts=4, first_id=10):
-    """A /generate server answering after `delay` s with `new_tokens` tokens, their log-probs and routes over
-    all `layers` hidden layers (SGLang's format); yields (url, its Gauge, {rid: routes sent})."""
-    mine, sent = Gauge(), {}
+def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, experts=4, first_id=10,
+                finishing=lambda req: False):
+    """A /generate server answering after `delay` s (or delay(request) s) with `new_tokens` tokens, their
+    log-probs and routes over all `layers` hidden layers (SGLang's format); POST /abort_request {"rid"} ends that
+    request's wait at once with finish_reason "abort", as SGLang does (unless finishing(request): a request
+    whose generation ends anyway, answered in full). Yields (url, its Gauge, {rid: routes
+    sent}); `sent.aborted` lists the rids aborted while they waited."""
+    mine, sent = Gauge(), AbortLog()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
@@ -67,12 +95,15 @@ def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, expert
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path == "/abort_request":
+                sent.abort(req.get("rid"))
+                return self._send({})
             if self.path != "/generate":
                 return self._send({})
             mine.enter()
             total.enter()
             try:
-                time.sleep(delay)
+                aborted = sent.wait(req["rid"], delay(req) if callable(delay) else delay, finishing(req))
                 rows = len(req["input_ids"]) + new_tokens - 1
                 rng = np.random.default_rng(abs(hash(req["rid"])) % 2 ** 32)
                 routes = torch.from_numpy(np.argsort(rng.random((rows, layers, experts)), -1)[..., :topk]
@@ -82,12 +113,17 @@ def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, expert
                 mine.leave()
                 total.leave()
             self._send({"output_ids": list(range(first_id, first_id + new_tokens)), "meta_info": {
-                "finish_reason": {"type": "length"}, "weight_version": "w0",
+                "finish_reason": {"type": "abort" if aborted else "length"}, "weight_version": "w0",
                 "output_token_logprobs": [[-0.5 - t / 8, 10 + t, None] for t in range(new_tokens)],
                 "routed_experts": encode_sglang(routes)}})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    class Server(ThreadingHTTPServer):
+        # the client opens up to max_in_flight_per_server connections at once; the default listen backlog (5)
+        # resets some of them when the accept loop lags (a loaded machine), as SGLang's (2048) would not
+        request_queue_size = 1024
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
     t = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     t.start()
     try:
@@ -288,6 +324,33 @@ def test_a_group_goes_to_one_server():
     assert {next(iter(v)) for v in by_prompt.values()} == {url_a, url_b}
 
 
+def test_drivers_each_drive_their_own_servers():
+    """rollout.sglang.drivers: evenly spaced driver ranks, each over its own contiguous share of the URLs (no
+    server gets a request from two drivers), with its own store port and weight-update group name; a driver
+    without a server is one EngineError."""
+    assert SGLangEngine.ranks(load_config(None, ("rollout.sglang.drivers=4",)), 16) == [0, 4, 8, 12]
+    assert SGLangEngine.ranks(load_config(None, ()), 16) == [0]
+    hf = load_hf_config(f"{ROOT}/configs/models/tiny_qwen3_moe.json")
+    total, port = Gauge(), free_port()
+    with fake_sglang(total, delay=0.0) as (a, _, at_a), fake_sglang(total, delay=0.0) as (b, _, at_b), \
+            fake_sglang(total, delay=0.0) as (c, _, at_c):
+        cfg = SGLangEngineConfig(urls=[a, b, c], drivers=2, store_port=port)
+        engines = [SGLangEngine(cfg, hf, driver=d) for d in (0, 1)]
+        try:
+            assert [[s.url for s in e.servers] for e in engines] == [[a, b], [c]]
+            for d, e in enumerate(engines):
+                e.generate([[1, 2, 3 + i] for i in range(4)], SamplingParams(max_new_tokens=3), n=2,
+                           request_ids=[f"d{d}-{k}" for k in range(8)])
+            assert [e.store().port for e in engines] == [port, port + 1]
+            assert "_d1_" in SGLangDistributedTransport(engines[1]).group_name
+        finally:
+            for e in engines:
+                e.shutdown()
+    assert {r[:2] for r in (*at_a, *at_b)} == {"d0"} and {r[:2] for r in at_c} == {"d1"} and len(at_c) == 8
+    with pytest.raises(EngineError, match=r"rollout\.sglang\.drivers=2 but only 1 server\(s\): driver 1 has none"):
+        SGLangEngine(SGLangEngineConfig(urls=[a], drivers=2), hf, driver=1)
+
+
 def test_closing_a_stream_aborts_the_rest_and_leaves_no_worker_busy():
     """stream() yields groups as they complete; leaving the loop after the first group ends every other
     request (sockets shut, nothing more sent), and shutdown() joins every worker thread."""
@@ -328,3 +391,48 @@ def test_bench_rollout_scale_line():
                         r"extra_bytes_per_row=(-?[0-9]+) tail_frac=([0-9.]+)", r.stdout.splitlines()[0])
     assert line, r.stdout
     assert "0 left after shutdown" in r.stdout, r.stdout
+
+
+def test_dynamic_sampling_ends_the_step_when_its_groups_are_complete():
+    """Streaming dynamic sampling against a server: of 10 prompts (n=2), 2 are answered all correct, 3 mixed at
+    once, 3 mixed a little later (their generation ends whatever an abort says) and 2 mixed but slowly (30 s).
+    The rank's share is 3 groups: the step ends as soon as 3 mixed groups are scored (long before the slow
+    answers), the slow requests are aborted on the server, the mixed groups that ended meanwhile carry over to
+    the next step marked with their policy version, where they are used first."""
+    from rlpo_mega.data import GroupCollector, PromptItem, PromptRecord
+
+    total = Gauge()
+    slow, later, all_right = {8, 9}, {5, 6, 7}, {0, 1}
+
+    def prompt(req):
+        return req["input_ids"][-1] - 100
+
+    def delay(req):
+        return 30.0 if prompt(req) in slow else 0.5 if prompt(req) in later else 0.05
+
+    with fake_sglang(total, delay=delay, finishing=lambda req: prompt(req) in later) as (url, _, sent):
+        engine = engine_for(url, max_in_flight_per_server=64)
+        items = [PromptItem(i, PromptRecord(i, f"p{i}", "r"), [1, 2, 100 + i]) for i in range(10)]
+
+        def stream(chunk, k):
+            return engine.stream([it.input_ids for it in chunk], SamplingParams(max_new_tokens=3), n=2)
+
+        def score(item, samples):  # all right, or one right and one wrong
+            return [1.0, 1.0] if item.uid in all_right else [1.0, 0.0]
+
+        chunks = iter([items])
+        collector = GroupCollector(max_chunks=3, max_carry_steps=1)
+        t0 = time.monotonic()
+        kept, r = collector.collect(3, 5, lambda: next(chunks, []), stream, score)
+        took = time.monotonic() - t0
+        time.sleep(0.2)
+        assert total.now == 0  # nothing left running on the server
+        engine.shutdown()
+    assert took < 10, took  # not the slow answers' 30 s
+    assert sorted(g.item.uid for g in kept) == [2, 3, 4] and r.complete and r.tries == 1
+    assert r.dropped_all_one == 2
+    assert len(sent.aborted) == 4  # both samples of both slow prompts, aborted on the server
+    assert r.carried_out == 3 and r.aborted == 2  # the later groups ended; the slow ones are not groups
+    assert sorted(g.item.uid for g in collector.carry) == [5, 6, 7] and {g.version for g in collector.carry} == {5}
+    kept2, r2 = collector.collect(3, 6, lambda: [], stream, score)
+    assert r2.carried_in == 3 and sorted(g.item.uid for g in kept2) == [5, 6, 7]

@@ -21,21 +21,34 @@ def _trainer_env(sglang_python, ckpt, **extra):
 
 
 def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
-    """The recipes' weight path under torchrun: the trainer (2 learner ranks) launches an SGLang server from
-    rank 0 and syncs with `sglang_distributed` (rank 0 hosts the group's store; before the fix rank 0's
-    rendezvous became a client of torchrun's agent store and the first sync timed out after 300 s). GSPO + R3,
-    3 steps; the server is killed after step 1: the engine and its transport are rebuilt (a new group), the
-    weights re-synced, and every sync is digest-verified inside the server (report_digests)."""
+    """The recipes' weight path under torchrun, with 2 rollout drivers: the trainer (2 learner ranks) launches 2
+    SGLang servers from rank 0 (the node's launcher); rollout.sglang.drivers=2 makes ranks 0 and 1 clients of one
+    server each. Every sync gives both the full weights (here every rank is a driver: the export's broadcast;
+    fewer drivers than ranks get them point-to-point, tests/test_weight_sync.py) and each pushes them to its own
+    server with `sglang_distributed`, over its own group and store (hosted by the driver itself: before that fix
+    rank 0's rendezvous became a client of torchrun's agent store and the first sync timed out after 300 s).
+    GSPO + R3, 3 steps; driver 0's server is killed after step 1: every engine and transport is rebuilt (the
+    node's launcher restarts both servers; new groups), both drivers re-sync, and every sync is digest-verified
+    inside each server (report_digests)."""
     hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
     ckpt = str(tmp_path / "hf")
     make_hf_checkpoint(hf, ckpt)
     r = torchrun("train_scenarios.py", 2, "sglang_distributed_run", str(tmp_path / "run"), timeout=900,
                  env=_trainer_env(sglang_python, ckpt))
     assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
-    # start, after step 1, the restart's re-sync, after steps 2 and 3: each verified every tensor
-    assert len(r["syncs"]) == 5 and all(s["tensors"] == r["syncs"][0]["tensors"] > 0 for s in r["syncs"]), r
-    groups = r["groups"]
-    assert len(groups) == 5 and groups[0] == groups[1] != groups[2] == groups[3] == groups[4], groups
+    drivers = r["drivers"]
+    urls = [d["syncs"][0]["servers"] for d in drivers]
+    assert len(urls) == 2 and all(len(u) == 1 for u in urls) and urls[0] != urls[1], urls  # one server each
+    for d, mine in zip(drivers, urls):
+        syncs = d["syncs"]
+        # start, after step 1, the restart's re-sync, after steps 2 and 3: each verified every tensor on this
+        # driver's own server (the same server URL after the restart)
+        assert len(syncs) == 5 and all(s["tensors"] == drivers[0]["syncs"][0]["tensors"] > 0 for s in syncs), d
+        assert all(s["servers"] == mine for s in syncs), d
+        groups = [s["group"] for s in syncs]
+        assert groups[0] == groups[1] != groups[2] == groups[3] == groups[4], groups
+        # every answer this driver read came from its own server: each server had one driver
+        assert list(d["answers"]) == mine and d["answers"][mine[0]] > 0, d
     assert r["history"][1]["engine/restarts"] == 1
     for h in r["history"]:  # every rollout ran on synced weights: steps 2 and 3 after the restart's re-sync
         assert h["routing/update/fallback_entries"] == 0, h  # every token replayed SGLang's routes

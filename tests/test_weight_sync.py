@@ -37,6 +37,30 @@ def test_stream_buffers_are_reused_across_syncs(sync_report):
     assert sync_report["bf16_export_exact"]  # a dtype cast on export lands in recycled buffers too
 
 
+def test_export_to_several_destinations(sync_report):
+    """ExportStream(dst=[ranks]) (rollout.sglang.drivers > 1): at EP2 each rank leads half the experts and sends
+    them to the other; every destination receives every tensor, bit-identical to dst=None's broadcast, and
+    digests them alike; a rank outside dst receives nothing."""
+    r = sync_report["multi_dst"]
+    assert r["tensors"] > 0
+    for rank, got in enumerate(r["ranks"]):
+        both = got["[0, 1]"]
+        assert both["receives"] and both["equal"] and both["names"] == r["tensors"] and both["digests"], (rank, got)
+        one = got["[1]"]
+        assert one["receives"] == (rank == 1), (rank, got)
+        assert (one["equal"] and one["digests"]) if rank == 1 else one["names"] == 0, (rank, got)
+
+
+def test_disk_sync_to_two_drivers(sync_report):
+    """rollout.sglang.drivers=2 with the disk transport: each driver writes and reloads its own subdirectory of
+    sync_dir (one shared directory would be swapped out under the other's reload), digest-verified, and its
+    engine then computes the learner's logits."""
+    r = sync_report["disk_drivers"]
+    assert [x["path"] for x in r["ranks"]] == ["sync_drivers/driver_0", "sync_drivers/driver_1"], r
+    assert r["sync_dir"] == ["driver_0", "driver_1"], r  # nothing else left there (temporary siblings renamed)
+    assert all(x["tensors"] > 0 and x["logits_rel_err"] <= 1e-4 for x in r["ranks"]), r
+
+
 def test_buffer_pool_reuses_by_shape_and_keeps_at_most_a_bucket():
     import torch
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -227,10 +228,11 @@ class _BufferPool:
 class ExportStream:
     """Iterate to get buckets `[(hf_name, tensor), ...]`; all ranks of the learner must iterate.
 
-    `dst`: the global rank that receives full tensors (None: every rank does). Other ranks take part
-    in the collectives and yield one empty bucket at the end. `digests` holds the sender-side digest
-    of every tensor yielded (unless a transport set `compute_digests = False` and fills it itself as it
-    loads), computed with
+    `dst`: the global rank that receives full tensors, a sequence of such ranks (several rollout drivers: each
+    parameter's leader sends it point-to-point to every one of them, in rank order), or None (every rank
+    does, by broadcast). Other ranks take part in the collectives and yield one empty bucket at the end.
+    `digests` holds the sender-side digest of every tensor yielded (unless a transport set
+    `compute_digests = False` and fills it itself as it loads), computed with
     `digest_algorithm` (default: the cheap one on the parameters' device); receivers digest with the same.
     A bucket holds at most `bucket_bytes` (one larger tensor goes alone; a map `with_previous` always joins
     the bucket of the map before it, whose tensor an engine fuses with it on load) and is valid until the next
@@ -239,7 +241,7 @@ class ExportStream:
     `recycle = True`: the stream then reuses its CPU buffers across buckets and syncs (_BufferPool).
     """
 
-    def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | None = 0,
+    def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | Sequence[int] | None = 0,
                  vocab_divisible_by: int = 128, dtype: torch.dtype | None = None,
                  digest_algorithm: str | None = None):
         self._digests = tensor_digests
@@ -250,6 +252,8 @@ class ExportStream:
         self.chunks = model_chunks
         self.bucket_bytes = bucket_bytes
         self.dst = dst
+        # the receiving ranks in the one order every rank sends and receives in (None: all of them)
+        self._dsts = None if dst is None else [dst] if isinstance(dst, int) else sorted(set(dst))
         self.dtype = dtype
         self.vocab_divisible_by = vocab_divisible_by
         self.digests: dict[str, str] = {}
@@ -259,7 +263,7 @@ class ExportStream:
 
     @property
     def receives(self) -> bool:
-        return self.dst is None or dist.get_rank() == self.dst
+        return self._dsts is None or dist.get_rank() in self._dsts
 
     def __iter__(self):
         pool = None
@@ -323,8 +327,10 @@ class ExportStream:
 
     def _gather(self, pm, lp, holders, meta, rank):
         """Full megatron tensor on the receiving rank(s) (None elsewhere)."""
-        if self.dst is None and pm.megatron in _inner(self.chunks[0])._rlpo_everywhere:
-            full = lp.param.detach()  # every rank holds it whole: its own replica, no communication
+        if pm.megatron in _inner(self.chunks[0])._rlpo_everywhere:
+            if not self.receives:
+                return None
+            full = lp.param.detach()  # every rank holds it whole: a receiver takes its own replica, no communication
             if (tuple(full.shape), full.dtype) != meta:
                 raise RuntimeError(f"export of {pm.megatron}: local tensor {tuple(full.shape)} {full.dtype} differs "
                                    f"from the export plan's {meta}")
@@ -348,17 +354,20 @@ class ExportStream:
         if full is not None and (tuple(full.shape), full.dtype) != meta:
             raise RuntimeError(f"export of {pm.megatron}: full tensor {tuple(full.shape)} {full.dtype} differs "
                                f"from the export plan's {meta}")
-        if self.dst is None:
+        if self._dsts is None:
             if rank != leader:
                 full = self._empty(meta[0], meta[1], self._device)
             dist.broadcast(full, src=leader)
             return full
-        if leader == self.dst:
-            return full if rank == self.dst else None
         if rank == leader:
-            dist.send(full.contiguous(), dst=self.dst)
-            return None
-        if rank == self.dst:
+            # blocking sends in ascending rank order, every parameter in the plan's order: each pair of ranks
+            # meets its transfers in the same order on both sides (gloo and NCCL cannot deadlock)
+            data = full.contiguous()
+            for d in self._dsts:
+                if d != leader:
+                    dist.send(data, dst=d)
+            return full if leader in self._dsts else None
+        if rank in self._dsts:
             full = self._empty(meta[0], meta[1], self._device)
             dist.recv(full, src=leader)
             return full

@@ -177,7 +177,7 @@ def clean_trace(ids, spec: TraceSpec, num_tokens: int) -> Optional[RoutingTrace]
     """The checks of validate_trace for one sample, in its own memory: the compact trace when it is clean, else
     None (then validate_trace names the problem or falls back). No widening beyond the ids' own dtype and no
     sort: the range is one unsigned max (negatives wrap above any expert count), duplicates within a top-k are
-    k*(k-1)/2 compares of contiguous columns, and an all-zero layer is a column max. A stream of answers can be
+    k*(k-1)/2 compares of contiguous columns (k - 1 calls), and an all-zero layer is a column max. A stream of answers can be
     checked one by one as they arrive, each costing about what its own ids' bytes do."""
     L, k, E = spec.num_layers, spec.topk, spec.num_experts
     if isinstance(ids, torch.Tensor):
@@ -194,12 +194,9 @@ def clean_trace(ids, spec: TraceSpec, num_tokens: int) -> Optional[RoutingTrace]
     flat = compact.numpy().reshape(-1, k)
     if k > 1 and flat.shape[0]:
         cols = np.ascontiguousarray(flat.T)  # [k, T*L]: each compare runs over contiguous memory
-        eq, dup = np.empty(cols.shape[1], dtype=bool), np.zeros(cols.shape[1], dtype=bool)
-        for a in range(k - 1):
-            for b in range(a + 1, k):
-                dup |= np.equal(cols[a], cols[b], out=eq)
-        if dup.any():
-            return None
+        for a in range(k - 1):  # column a against every later column in one compare
+            if (cols[a + 1:] == cols[a]).any():
+                return None
     # top-2 and more: k distinct ids hold a non-zero one, so no layer is all zero once duplicates are excluded
     if num_tokens and k == 1 and num_tokens >= ALL_ZERO_MIN_TOKENS_TOP1:
         if not compact.numpy().reshape(num_tokens, L * k).max(axis=0).reshape(L, k).any(axis=1).all():

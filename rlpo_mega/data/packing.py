@@ -72,6 +72,24 @@ class StepPlan:
         return sum(aligned(max(sum(spans[i] for i in mb), 1), align)
                    for mini in self.micro for rank in mini for mb in rank)
 
+    def shards(self, spans: Sequence[int], align: int, sp_size: int) -> dict[int, list[tuple[int, int]]]:
+        """Each sample's trace rows [lo, hi) held by each sequence-parallel rank: rank k holds positions
+        [k t / sp, (k + 1) t / sp) of its micro-batch's row of t positions (packed: aligned to `align`, the
+        samples back to back; padded: the step's longest sample, aligned). Empty ranges are (span, span) or
+        (0, 0). What the exchange sends a sequence-parallel rank (training/exchange.py)."""
+        width = aligned(max(spans), align) if self.layout == "padded" else None
+        out = {}
+        for mini in self.micro:
+            for rank in mini:
+                for mb in rank:
+                    t = width or aligned(max(sum(spans[i] for i in mb), 1), align)
+                    n, off = t // sp_size, 0
+                    for i in mb:
+                        out[i] = [(min(max(k * n - off, 0), spans[i]), min(max((k + 1) * n - off, 0), spans[i]))
+                                  for k in range(sp_size)]
+                        off += spans[i] if width is None else 0
+        return out
+
     def mine(self, dp_rank: int) -> list[list[list[int]]]:
         """[mini][micro] -> sample indices for one DP rank."""
         return [mini[dp_rank] for mini in self.micro]

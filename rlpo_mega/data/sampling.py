@@ -1,10 +1,10 @@
 """Prompt sampling for RL steps: seeded shuffling per epoch, a resumable cursor, chat templates through
-the tokenizer, groups of n samples per prompt, and DAPO dynamic sampling's over-sample/refill loop.
+the tokenizer, groups of n samples per prompt, and DAPO dynamic sampling streamed per engine rank
+(GroupCollector: chunks, a group filtered as its last sample arrives, surplus carried over).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
@@ -118,85 +118,141 @@ def group_ids(items: Sequence[PromptItem], n: int) -> torch.Tensor:
     return torch.tensor([it.uid for it in items], dtype=torch.long).repeat_interleave(n)
 
 
-# --- DAPO dynamic sampling ------------------------------------------------------------------------------
+# --- DAPO dynamic sampling, streamed ---------------------------------------------------------------------
+
+@dataclass
+class Group:
+    """One prompt's n scored samples, and the policy version (the step) whose weights sampled them."""
+    item: PromptItem
+    samples: list[Any]
+    scores: list[float]
+    version: int
+
 
 @dataclass
 class DynamicSamplingReport:
+    """What one engine rank's dynamic sampling did in a step (summed over ranks by the producer)."""
     target_groups: int
     groups_kept: int = 0
-    tries: int = 0
+    tries: int = 0  # chunks submitted
     prompts_drawn: int = 0
     dropped_all_zero: int = 0
     dropped_all_one: int = 0
     dropped_other_constant: int = 0
+    aborted: int = 0  # groups submitted but not complete when the rank's share was (aborted or never sent)
+    carried_in: int = 0  # groups of earlier steps trained on now
+    carried_out: int = 0  # surplus groups kept for later steps
+    carry_stale: int = 0  # carried groups dropped: older than max_carry_steps policy versions
+    surplus_dropped: int = 0  # surplus groups not carried (max_carry_steps = 0)
+
+    FIELDS = ("target_groups", "groups_kept", "tries", "prompts_drawn", "dropped_all_zero", "dropped_all_one",
+              "dropped_other_constant", "aborted", "carried_in", "carried_out", "carry_stale", "surplus_dropped")
 
     @property
     def complete(self) -> bool:
         return self.groups_kept >= self.target_groups
 
+    def counts(self) -> list[int]:
+        return [getattr(self, k) for k in self.FIELDS]
+
     def stats(self) -> dict:
-        return {f"dynamic_sampling/{k}": v for k, v in (
-            ("tries", self.tries), ("prompts_drawn", self.prompts_drawn), ("groups_kept", self.groups_kept),
-            ("dropped_all_zero", self.dropped_all_zero), ("dropped_all_one", self.dropped_all_one),
-            ("dropped_other_constant", self.dropped_other_constant), ("complete", int(self.complete)))}
+        out = {f"dynamic_sampling/{k}": getattr(self, k) for k in self.FIELDS if k != "target_groups"}
+        out["dynamic_sampling/complete"] = int(self.complete)
+        out["dynamic_sampling/kept"] = self.groups_kept
+        out["dynamic_sampling/dropped"] = self.dropped_all_zero + self.dropped_all_one + self.dropped_other_constant
+        return out
 
 
-@dataclass
-class GroupBatch:
-    items: list[PromptItem]  # kept prompts
-    samples: list[Any]  # their rollouts, group-major, n per prompt
-    scores: torch.Tensor  # [len(items) * n]
-    report: DynamicSamplingReport
-    n: int = 1
-    group_ids: torch.Tensor = field(init=False)
-
-    def __post_init__(self):
-        self.group_ids = group_ids(self.items, self.n)
+# stream(items, chunk index) -> a generator of (item index, its n samples) as groups complete, that accepts
+# send("finish") (rlpo_mega.rollout.RolloutEngine.stream); score(item, samples) -> their n scores
+Stream = Callable[[list[PromptItem], int], Any]
+Score = Callable[[PromptItem, list[Any]], Sequence[float]]
 
 
-Rollout = Callable[[list[PromptItem]], "tuple[torch.Tensor, list[Any]]"]
+class GroupCollector:
+    """One engine rank's DAPO dynamic sampling, streamed (no whole-batch tries). Per step it fills `quota`
+    groups whose n scores are not all equal:
 
+    1. groups carried from earlier steps first, unless more than `max_carry_steps` policy versions old (dropped);
+    2. then chunks of prompts (`draw()`), each submitted at once; every group is scored and filtered as its last
+       sample arrives; once the quota is full the stream is told to finish: nothing more is sent, running
+       requests are aborted;
+    3. complete groups with mixed scores beyond the quota (those that end while the rest is aborted, or the rest
+       of an engine that answers a chunk at once) are carried to the next step, marked with their version.
 
-def collect_groups(sampler: PromptSampler, rollout: Rollout, target_groups: int, n: int, *,
-                   enabled: bool = True, max_tries: int = 3, oversample: float = 1.0) -> GroupBatch:
-    """Fill a step with `target_groups` prompts whose n responses do not all score the same.
+    At most `max_chunks` chunks per step: a short step is the caller's to handle. State (carried groups)
+    changes only when a step's collection succeeds, so an engine failure retried by the caller loses nothing."""
 
-    rollout(items) generates and scores n responses per item and returns (scores [len(items) * n],
-    samples) group-major. Each try draws ceil(missing * oversample) prompts; groups with constant scores
-    (accuracy 0 or 1) are dropped by algorithms.dynamic_sampling.filter_groups. After max_tries the
-    batch may be short (report.complete is False): the caller decides whether to train on it. Extra
-    groups beyond the target are discarded, as in DAPO. Disabled: one try of exactly target_groups.
-    """
-    if target_groups < 1 or n < 1 or max_tries < 1 or oversample < 1.0:
-        raise ValueError(f"need target_groups, n, max_tries >= 1 and oversample >= 1; got {target_groups}, "
-                         f"{n}, {max_tries}, {oversample}")
-    report = DynamicSamplingReport(target_groups)
-    items_kept, samples_kept, scores_kept = [], [], []
-    for _ in range(max_tries if enabled else 1):
-        missing = target_groups - len(items_kept)
-        items = sampler.next_prompts(math.ceil(missing * oversample) if enabled else missing)
-        scores, samples = rollout(items)
-        scores = torch.as_tensor(scores, dtype=torch.float32).flatten()
-        if scores.numel() != len(items) * n or len(samples) != len(items) * n:
-            raise ValueError(f"rollout returned {scores.numel()} scores and {len(samples)} samples for "
-                             f"{len(items)} prompts x n={n}")
-        report.tries += 1
-        report.prompts_drawn += len(items)
-        if enabled:
-            f = filter_groups(scores, group_ids(items, n))
-            report.dropped_all_zero += f.dropped_all_zero
-            report.dropped_all_one += f.dropped_all_one
-            report.dropped_other_constant += f.dropped_other_constant
-            keep = f.keep.view(len(items), n)[:, 0].tolist()  # constant within a group
-        else:
-            keep = [True] * len(items)
-        for j, item in enumerate(items):
-            if keep[j] and len(items_kept) < target_groups:
-                items_kept.append(item)
-                samples_kept += samples[j * n:(j + 1) * n]
-                scores_kept.append(scores[j * n:(j + 1) * n])
-        if len(items_kept) >= target_groups:
-            break
-    report.groups_kept = len(items_kept)
-    scores_out = torch.cat(scores_kept) if scores_kept else torch.zeros(0)
-    return GroupBatch(items_kept, samples_kept, scores_out, report, n)
+    def __init__(self, max_chunks: int = 3, max_carry_steps: int = 1):
+        if max_chunks < 1 or max_carry_steps < 0:
+            raise ValueError(f"need max_chunks >= 1 and max_carry_steps >= 0; got {max_chunks}, {max_carry_steps}")
+        self.max_chunks, self.max_carry_steps = max_chunks, max_carry_steps
+        self.carry: list[Group] = []
+
+    def collect(self, quota: int, version: int, draw: Callable[[], list[PromptItem]], stream: Stream,
+                score: Score, timer=None) -> tuple[list[Group], DynamicSamplingReport]:
+        report = DynamicSamplingReport(quota)
+        kept, carry = [], []
+        for g in self.carry:
+            if version - g.version > self.max_carry_steps:
+                report.carry_stale += 1
+            elif len(kept) < quota:
+                kept.append(g)
+                report.carried_in += 1
+            else:
+                carry.append(g)
+        while len(kept) < quota and report.tries < self.max_chunks:
+            items = draw()
+            if not items:
+                break
+            report.tries += 1
+            report.prompts_drawn += len(items)
+            ended = self._chunk(items, stream(items, report.tries - 1), quota, version, score, kept, carry, report,
+                                timer)
+            report.aborted += len(items) - ended
+        report.groups_kept = len(kept)
+        self.carry = carry
+        return kept, report
+
+    def _chunk(self, items, gen, quota, version, score, kept, carry, report, timer) -> int:
+        """Run one chunk's stream; returns the number of groups that ended complete."""
+        ended, msg = 0, None
+        try:
+            while True:
+                try:
+                    if timer is not None:
+                        with timer("rollout"):
+                            i, samples = gen.send(msg)
+                    else:
+                        i, samples = gen.send(msg)
+                except StopIteration:
+                    return ended
+                msg = None
+                if any(s.finish_reason == "abort" for s in samples):  # cut short by the finish: not a group
+                    continue
+                ended += 1
+                if timer is not None:
+                    with timer("reward"):
+                        scores = [float(x) for x in score(items[i], samples)]
+                else:
+                    scores = [float(x) for x in score(items[i], samples)]
+                f = filter_groups(torch.tensor(scores), torch.zeros(len(scores), dtype=torch.long))
+                report.dropped_all_zero += f.dropped_all_zero
+                report.dropped_all_one += f.dropped_all_one
+                report.dropped_other_constant += f.dropped_other_constant
+                if not f.kept_groups:
+                    continue
+                g = Group(items[i], samples, scores, version)
+                if len(kept) < quota:
+                    kept.append(g)
+                    if len(kept) == quota:
+                        if not self.max_carry_steps:  # no surplus wanted: end everything now
+                            return ended
+                        msg = "finish"
+                elif self.max_carry_steps > 0:
+                    carry.append(g)
+                    report.carried_out += 1
+                else:
+                    report.surplus_dropped += 1
+        finally:
+            gen.close()

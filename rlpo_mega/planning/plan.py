@@ -8,7 +8,7 @@ its size. What depends on size is checked here, at the size, so that a shrunk te
   log-prob chunk, routes and the exchange's buffers (estimates, memory.py);
 - every SGLang server GPU: weights at its TP, the KV pool mem_fraction_static leaves, the weight sync's and
   the digest hook's transients, whether the requests in flight fit the pool;
-- every host: the checkpoint's save and load transients, the rollout driver's buffers; the checkpoint's size
+- every host: the checkpoint's save and load transients, the rollout drivers' buffers; the checkpoint's size
   and the time its save needs against the SIGTERM lead time of launch/slurm.
 
 One table per role with the budget and the headroom; the first budget exceeded is the one line of a failure.
@@ -32,6 +32,8 @@ from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
 from rlpo_mega.planning import memory
 from rlpo_mega.planning.meta_build import Request, run_cached as meta_run
+from rlpo_mega.rollout import ENGINES
+from rlpo_mega.rollout.base import share_of
 
 GB = 1e9
 LENGTH_DISTS = ("uniform", "heavy-tail", "all-max")
@@ -109,12 +111,16 @@ class StepSummary:
     largest_micro_tokens: int = 0  # aligned tokens of the largest micro-batch any rank runs
     most_micro_batches: int = 0  # per rank and mini-batch
     largest_rank_tokens: int = 0  # one DP rank's tokens of one step (the exchange's receive)
-    step_tokens: int = 0  # the largest step's tokens (the rollout driver's and the sender's)
+    step_tokens: int = 0  # the largest step's tokens
+    driver_tokens: int = 0  # the most tokens one engine rank (rollout driver) generates and sends in a step
     efficiency: float = 1.0  # the worst packing efficiency
 
 
-def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_tokens: int) -> StepSummary:
+def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_tokens: int, drivers: int = 1
+                   ) -> StepSummary:
+    """drivers: the engine ranks; each generates a contiguous share of a step's prompts (training/collect.share)."""
     t, s = cfg.trainer, StepSummary()
+    n = cfg.prompts.n_samples
     for k, responses in enumerate(lengths):
         spans = [prompt_tokens + r - 1 for r in responses]
         try:
@@ -136,6 +142,10 @@ def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_token
             per_rank[d] += prompt_tokens + responses[i]
         s.largest_rank_tokens = max(s.largest_rank_tokens, max(per_rank))
         s.step_tokens = max(s.step_tokens, sum(prompt_tokens + r for r in responses))
+        for d in range(drivers):
+            groups = share_of(range(len(responses) // n), d, drivers)
+            mine = responses[groups[0] * n:(groups[-1] + 1) * n] if groups else []
+            s.driver_tokens = max(s.driver_tokens, sum(prompt_tokens + r for r in mine))
         s.efficiency = min(s.efficiency, sum(spans) / plan.computed_tokens(spans, tp))
     return s
 
@@ -173,13 +183,14 @@ def _stage_layers(hf, pp: int, stage: int) -> range:
 
 
 def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optional[list], budget: int,
-                 reserved: int, imbalance: float) -> list[Row]:
+                 reserved: int, imbalance: float, engine_ranks: list[int]) -> list[Row]:
     shape = memory.Shape.of(hf, cfg.model.vocab_divisible_by, layout.tensor)
     tp, pp = layout.tensor, layout.pipeline
     tokens = steps.largest_micro_tokens
     family = get_family(hf.model_type)
     topk = shape.topk
     route_item = compact_dtype(family.num_experts(hf)).itemsize  # the exchange's wire dtype of a route
+    driver_stages = {_stage_of(r, layout) for r in engine_ranks}
     rows = []
     for s, rank in enumerate(built):
         stage = rank["stage"]
@@ -203,12 +214,14 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
             row.parts["routes"] = memory.route_bytes(moe_here, topk, tokens, tp)
         # the exchange (training/exchange.py): one all_to_all of a step's payload on the device: token ids and
         # log-probs (4 B each), this stage's routes per input position; the receive holds the rank's share, the
-        # send on the engine's rank (SGLang: rank 0 alone holds every sample) the whole step's
+        # send on an SGLang driver its share of the step (rollout.sglang.drivers split the prompts)
         per_token = 8 + (moe_here * topk * route_item if cfg.routing.mode == "r3" else 0)
         recv = steps.largest_rank_tokens * per_token
-        send = steps.step_tokens * (8 + sum(shape.moe_layers) * topk * route_item) \
-            if cfg.rollout.engine == "sglang" and stage == 0 else recv
+        send = steps.driver_tokens * (8 + sum(shape.moe_layers) * topk * route_item) \
+            if cfg.rollout.engine == "sglang" and stage in driver_stages else recv
         row.parts["exchange"] = recv + send
+        if stage in driver_stages:  # an engine rank receives the full weights at each sync, a bucket at a time
+            row.parts["sync bucket"] = cfg.rollout.sync_bucket_mb << 20
         row.parts["reserved"] = reserved
         row.info["micro-batch tokens"] = tokens
         rows.append(row)
@@ -225,19 +238,19 @@ def total_params(built: list, layout) -> int:
 def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt_tokens: int) -> list[Row]:
     """largest_tensor: bytes of the largest HF tensor (bf16): the digest hook's unit of work."""
     """One row per kind of server (they are alike): weights at its TP, the KV pool, the transients."""
-    sg, c = cfg.rollout.sglang, cfg.cluster
+    sg = cfg.rollout.sglang
     tp = sg.tp_size
-    servers = len(sg.urls) if sg.urls else sg.num_servers if sg.launch else c.rollout_nodes * c.gpus_per_node // tp
-    if servers < 1:
-        raise PlanError("rollout.engine=sglang with no servers to plan: set cluster.rollout_nodes (the nodes the "
-                        "SGLang servers run on), rollout.sglang.urls or rollout.sglang.launch + num_servers")
+    servers = planned_servers(cfg)
     fraction = float(sg.server_args.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
     shape = memory.Shape.of(hf, 1, 1)
     weights = 2 * n_params // tp  # bf16, every tensor split over the server's TP (vocabulary included)
     kv_per_token = hf.num_hidden_layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * 2
     pool = max(0, int(fraction * budget) - weights)
-    batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
-    in_flight = min(sg.max_in_flight_per_server, math.ceil(batch / servers))
+    # each driver spreads its share of the prompts over its share of the servers: the busiest server's load
+    p = cfg.prompts
+    in_flight = min(sg.max_in_flight_per_server, max(
+        math.ceil(len(share_of(range(p.prompts_per_step), d, sg.drivers)) * p.n_samples
+                  / len(share_of(range(servers), d, sg.drivers))) for d in range(sg.drivers)))
     row = Row("server GPU", f"{servers} x TP{tp}", budget)
     row.parts.update({
         "weights": weights, "KV pool": pool,
@@ -260,6 +273,26 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
         row.problem = (f"the KV pool ({pool // kv_per_token} tokens) cannot hold one request of "
                        f"{prompt_tokens + cfg.rollout.max_new_tokens} tokens: raise rollout.sglang.tp_size")
     return [row]
+
+
+def planned_servers(cfg) -> int:
+    """The SGLang servers a plan sizes: the URLs given, the launched ones, or every GPU of cluster.rollout_nodes
+    at the servers' TP; refused when there are none, or fewer than rollout drivers."""
+    sg, c = cfg.rollout.sglang, cfg.cluster
+    if sg.urls:
+        servers, where = len(sg.urls), "in rollout.sglang.urls"
+    elif sg.launch:
+        servers, where = sg.num_servers, "launched (rollout.sglang.num_servers)"
+    else:
+        servers = c.rollout_nodes * c.gpus_per_node // sg.tp_size
+        where = f"on cluster.rollout_nodes={c.rollout_nodes} x {c.gpus_per_node} GPUs at TP{sg.tp_size}"
+    if servers < 1:
+        raise PlanError("rollout.engine=sglang with no servers to plan: set cluster.rollout_nodes (the nodes the "
+                        "SGLang servers run on), rollout.sglang.urls or rollout.sglang.launch + num_servers")
+    if sg.drivers > servers:
+        raise PlanError(f"rollout.sglang.drivers={sg.drivers} but the plan has {servers} SGLang server(s) {where}: "
+                        f"each driver drives its own servers; set rollout.sglang.drivers <= {servers}")
+    return servers
 
 
 def dp_positions(layout) -> tuple[dict, dict]:
@@ -294,10 +327,11 @@ def _stage_of(rank: int, layout) -> int:
     return rank // (layout.world_size // layout.pipeline)
 
 
-def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, prompt_tokens: int
-              ) -> tuple[list[Row], dict]:
+def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, prompt_tokens: int,
+              engine_ranks: list[int]) -> tuple[list[Row], dict]:
     """Per learner node: the checkpoint's host memory (the distributed optimizer's state a save writes and a load
-    reads, optimizer_state_bytes) and the rollout driver's buffers (node 0); and the checkpoint's size and save time
+    reads, optimizer_state_bytes) and the rollout drivers' buffers (the engine ranks on that node, each with its
+    share of a step); and the checkpoint's size and save time
     (weights are written by their DP group's rank 0, the distributed optimizer's state by each parameter's owner)."""
     c = cfg.cluster
     nodes = max(1, layout.world_size // c.gpus_per_node)
@@ -326,19 +360,22 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
         # save and load never overlap: the larger of the two
         row.parts["checkpoint"] = max(save[node], load[node])
         row.info.update({"save": save[node], "load": load[node]})
-        if node == 0:
-            # the rollout driver (rank 0) holds every sample in its compact form (ids and log-probs, uint8 routes of
-            # every MoE layer), the answers it is decoding (rollout.sglang.decode_concurrency: the body, base64 of
-            # int32 rows of every hidden layer, its decoded int32 and the uint8 copies) and one exchange round's
-            # send and receive buffers on the host (training/exchange.py)
+        drivers = sum(1 for r in engine_ranks if r // c.gpus_per_node == node)
+        if drivers:
+            # each rollout driver (engine rank) holds its share of the step's samples in their compact form (ids
+            # and log-probs, uint8 routes of every MoE layer), the answers it is decoding
+            # (rollout.sglang.decode_concurrency: the body, base64 of int32 rows of every hidden layer, its decoded
+            # int32 and the uint8 copies) and one exchange round's send and receive buffers on the host
+            # (training/exchange.py)
             moe_layers = sum(get_family(hf.model_type).moe_layer_pattern(hf))
             topk = memory.Shape.of(hf, 1, 1).topk
             routes = cfg.routing.mode != "off"
             per_token = 16 + (moe_layers * topk * (1 if _num_experts(hf) <= 256 else 2) if routes else 0)
             answer = (prompt_tokens + cfg.rollout.max_new_tokens) * hf.num_hidden_layers * topk * (16 // 3 + 4 + 2)
             decoding = cfg.rollout.sglang.decode_concurrency * answer if cfg.rollout.engine == "sglang" and routes else 0
-            row.parts["rollout driver"] = (steps.step_tokens * per_token + decoding
-                                           + 2 * (cfg.trainer.exchange_round_mb << 20))
+            row.parts["rollout driver"] = drivers * (steps.driver_tokens * per_token + decoding
+                                                     + 2 * (cfg.trainer.exchange_round_mb << 20))
+            row.info["drivers"] = drivers
         rows.append(row)
     size = sum(written)
     rate = c.storage_gb_per_s * GB
@@ -413,20 +450,24 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     hf = load_hf_config(cfg.model.hf_config)
     warnings = check_run_config(cfg, hf, world_size=world_size, log_warnings=False, files=False)
     layout = resolve_layout(cfg.parallel, world_size, hf)
+    if cfg.rollout.engine == "sglang":
+        planned_servers(cfg)  # refused before the meta build
     batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
     drawn = response_lengths(lengths, cfg.rollout.max_new_tokens, batch, steps, seed)
-    summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens)
+    engine_ranks = ENGINES.get(cfg.rollout.engine).ranks(cfg, world_size)
+    summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens, drivers=len(engine_ranks))
     built = meta_run(_request(cfg, layout, value_head=False))
     critic = meta_run(_request(cfg, layout, value_head=True)) if cfg.algorithm.advantage.name == "gae" else None
     gpu = int(c.gpu_memory_gb * GB)
-    rows = learner_rows(cfg, hf, layout, summary, built, critic, gpu, int(c.gpu_reserved_gb * GB), imbalance)
+    rows = learner_rows(cfg, hf, layout, summary, built, critic, gpu, int(c.gpu_reserved_gb * GB), imbalance,
+                        engine_ranks)
     n_params = total_params(built, layout)
     if cfg.rollout.engine == "sglang":
         shape = memory.Shape.of(hf, 1, 1)
         rows += server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
     # the critic's weights and optimizer state are saved in the same checkpoints, by the same ranks
     saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"]} for r, v in zip(built, critic)]
-    hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens)
+    hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens, engine_ranks)
     rows += hosts
     sbatch = "train_disaggregated.sbatch" if c.rollout_nodes else "train_colocated.sbatch"
     lead, shutdown = slurm_window(sbatch)

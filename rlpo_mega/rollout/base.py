@@ -24,6 +24,14 @@ ENGINES = Registry("rollout engine")
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+def share_of(items: Sequence, index: int, parts: int) -> list:
+    """Part `index` of `parts` contiguous shares of `items`, the first len(items) % parts one longer: how prompts
+    split over engine ranks (training/collect.share) and servers over SGLang drivers."""
+    per, extra = divmod(len(items), parts)
+    start = index * per + min(index, extra)
+    return list(items[start:start + per + (1 if index < extra else 0)])
+
+
 class EngineError(RuntimeError):
     """An engine failed (dead server, bad reply, timeout); the message names the engine and the fix."""
 
@@ -81,6 +89,7 @@ class Sample:
     replaced_tokens: int = 0
     has_routes: bool = False
     trace_checked: bool = False  # routes already a clean compact trace (the engine checked them as they arrived)
+    routes_from: int = 0  # the first trace row `routes` holds (a sequence-parallel rank receives its shard's rows)
 
     SCALARS = ("prompt_len", "response_len", "reward", "failed", "correct", "finish_reason", "replaced_entries",
                "replaced_tokens", "has_routes")
@@ -118,10 +127,12 @@ class Sample:
 class RolloutEngine(abc.ABC):
     """Every engine implements these; the trainer uses nothing else. Built from a RunConfig through ENGINES
     (`from_config`) on the learner ranks `ranks` names: every rank holds an in-process engine, a client of
-    remote servers lives on rank 0 only (the servers batch across all requests)."""
+    remote servers lives on the few ranks its config names (the servers batch across all requests)."""
 
     @classmethod
-    def ranks(cls, world_size: int) -> list[int]:
+    def ranks(cls, run_cfg, world_size: int) -> list[int]:
+        """The global ranks that build this engine (of a RunConfig, at `world_size`): each generates a contiguous
+        share of the prompts and receives the full weights at every sync."""
         return list(range(world_size))
 
     @classmethod
@@ -133,6 +144,18 @@ class RolloutEngine(abc.ABC):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                  request_ids: Optional[Sequence[str]] = None) -> list[Sample]:
         """len(prompts) * n samples, prompt-major (sample i*n + j is prompt i's j-th)."""
+
+    def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
+               request_ids: Optional[Sequence[str]] = None):
+        """Yields (prompt index, its n samples) as each prompt's group completes, in any order. The caller may
+        `send("finish")` to the generator once it has enough: nothing more is started, running requests are
+        aborted, and the generator goes on yielding the groups that end meanwhile (complete ones, and ones with
+        aborted samples, finish_reason "abort"); groups never started are not yielded. Closing the generator
+        ends everything at once. This default generates the whole call, then yields every group (an engine
+        that batches the call, e.g. the embedded one, has every group at the same time)."""
+        samples = self.generate(prompts, params, n, request_ids)
+        for i in range(len(prompts)):
+            yield i, samples[i * n:(i + 1) * n]
 
     @abc.abstractmethod
     def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:

@@ -1,6 +1,8 @@
 """The SGLang rollout engine: an HTTP client of one or more SGLang servers (one per engine-TP group).
 
 Servers are attached by URL (`rollout.sglang.urls`) or started here (`launch: true`, launch/sglang_server.py).
+`rollout.sglang.drivers` learner ranks run a client each (SGLangEngine.ranks), over its own contiguous share of
+the servers: no server is driven by two clients, and each client receives the weights and pushes them to its own.
 Requests go to /generate with input_ids, our own rids, return_logprob and return_routed_experts, at most
 `max_in_flight_per_server` at once per server; answers are decoded on the request's thread as they arrive
 (sglang_client.py: the in-flight limit, vectorized log-prob and route decoding). Plain HTTP (urllib): the
@@ -14,7 +16,7 @@ Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, 
   "sglang_distributed" transport (below): init_weights_update_group + update_weights_from_distributed
 weight_digests asks every server what it actually holds: SGLang cannot return MoE weights over HTTP, so a
 custom weight loader (launch/rlpo_sglang_hooks.report_digests) gathers the server's TP shards, maps them to
-HF names and digests them inside the server; only the digests come back, through a TCP store this rank
+HF names and digests them inside the server; only the digests come back, through a TCP store each driver
 hosts (the same store the sglang_distributed group meets at). No shared filesystem, no weights on the wire.
 
 Time limits: control calls (weight updates, digests, flushes) use `control_timeout`; a generation may take
@@ -28,6 +30,7 @@ import http.client
 import io
 import itertools
 import json
+import logging
 import os
 import pickle
 import queue
@@ -38,7 +41,7 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
@@ -51,10 +54,11 @@ from moe.model import load_hf_config
 from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
-from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams
+from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams, share_of
 from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
                             parse_logprobs, pool_size, split_routes)
 
+log = logging.getLogger("rlpo_mega")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -102,7 +106,7 @@ def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: in
                           "to start the servers from")
     if nodes > 1 and cfg.host in _LOOPBACK_HOSTS:
         raise EngineError(f"rollout.sglang.launch=true on {nodes} nodes: servers bound to {cfg.host} cannot be reached "
-                          "from learner rank 0's node; set rollout.sglang.host=0.0.0.0 (each node's servers are then "
+                          "from drivers on other nodes; set rollout.sglang.host=0.0.0.0 (each node's servers are then "
                           "addressed by its hostname)")
     launcher = _load_launcher()
     placed = [{}] * cfg.num_servers
@@ -132,21 +136,26 @@ def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: in
 class SGLangEngine(RolloutEngine):
     """cfg: SGLangEngineConfig. hf_config: the served model's transformers config (or a config.json path /
     HF directory), for route decoding and digest read-back. model_path: the HF directory to launch from
-    (launch mode) or to restart from."""
+    (launch mode) or to restart from. driver: this client's index among the cfg.drivers clients: of
+    cfg.urls it drives its contiguous share (base.share_of); servers it launches itself it drives all."""
 
     @classmethod
-    def ranks(cls, world_size: int) -> list[int]:
-        return [0]
+    def ranks(cls, run_cfg, world_size: int) -> list[int]:
+        # evenly spaced: with one driver per node, each node's first rank (torchrun numbers ranks node by node)
+        drivers = run_cfg.rollout.sglang.drivers
+        return [i * (world_size // drivers) for i in range(drivers)]
 
     @classmethod
     def from_config(cls, run_cfg, hf_config) -> "SGLangEngine":
+        driver = cls.ranks(run_cfg, dist.get_world_size()).index(dist.get_rank()) if dist.is_initialized() else 0
         return cls(run_cfg.rollout.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
-                   return_routes=run_cfg.routing.mode != "off")
+                   return_routes=run_cfg.routing.mode != "off", driver=driver)
 
-    def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True):
+    def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True,
+                 driver: int = 0):
         if isinstance(hf_config, str):
             hf_config = load_hf_config(hf_config)
-        self.cfg, self.hf, self.model_path = cfg, hf_config, model_path
+        self.cfg, self.hf, self.model_path, self.driver = cfg, hf_config, model_path, driver
         self.spec = TraceSpec.from_hf(hf_config)
         self.num_hidden_layers = int(hf_config.num_hidden_layers)
         self.vocab_size = int(hf_config.vocab_size)
@@ -165,7 +174,12 @@ class SGLangEngine(RolloutEngine):
         self._closed = False
         self.servers: list[_Server] = []
         if cfg.urls:
-            self.servers = [_Server(u) for u in cfg.urls]
+            mine = share_of(cfg.urls, driver, cfg.drivers)
+            if not mine:
+                raise EngineError(f"rollout.sglang.drivers={cfg.drivers} but only {len(cfg.urls)} server(s): driver "
+                                  f"{driver} has none to drive; set rollout.sglang.drivers <= {len(cfg.urls)}")
+            self.servers = [_Server(u) for u in mine]
+            log.info("SGLang driver %d of %d drives %s", driver, cfg.drivers, ", ".join(mine))
         elif cfg.launch:  # this process alone (a trainer launches per node: training/engines.EngineSlot)
             self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path)]
         else:
@@ -293,9 +307,12 @@ class SGLangEngine(RolloutEngine):
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                request_ids: Optional[Sequence[str]] = None):
-        """Yields (prompt index, its n samples) as each group's last answer is decoded. Leaving the loop early
-        (break, close(), an exception) aborts the requests still running and sends nothing more; every
-        request of the call has ended when the generator is closed."""
+        """Yields (prompt index, its n samples) as each group's last answer is decoded. `send("finish")`
+        (RolloutEngine.stream): nothing more is sent, queued requests are dropped, running ones aborted on their
+        servers; the groups that end meanwhile are still yielded (aborted samples with finish_reason "abort"),
+        groups with a request never sent are not. Leaving the loop early (break, close(), an exception) aborts
+        the requests still running and sends nothing more; every request of the call has ended when the
+        generator is closed."""
         total = len(prompts) * n
         if request_ids is not None and len(request_ids) != total:
             raise ValueError(f"{len(request_ids)} request_ids for {total} samples (prompts x n)")
@@ -313,15 +330,27 @@ class SGLangEngine(RolloutEngine):
                 rid = request_ids[k] if request_ids is not None else f"rlpo-{self._prefix}-{next(self._rid)}"
                 seed = None if params.seed is None else (params.seed * 1000003 + k) % (2 ** 31)
                 futures[self._pool.submit(self._one, i, prompt, rid, self._sampling(params, seed), slots)] = i
-        order, left = list(futures), [n] * len(prompts)
+        order, left, unsent = list(futures), [n] * len(prompts), [False] * len(prompts)
         try:
-            for f in self._completed(order):
+            for f in self._completed(order, slots):
                 i = futures[f]
                 left[i] -= 1
-                if not left[i]:
-                    yield i, [g.result() for g in order[i * n:(i + 1) * n]]
+                unsent[i] |= f.cancelled() or f.exception() is not None  # dropped by a finish: never answered
+                if not left[i] and not unsent[i]:
+                    if (yield i, [g.result() for g in order[i * n:(i + 1) * n]]) == "finish" and not slots.closed:
+                        self._finish(futures, slots)
         finally:  # early exit (a stop, a hang, an error, the caller had enough): nothing left running
             self._end(futures, slots)
+
+    def _finish(self, futures, slots: ServerSlots) -> None:
+        """The caller has enough groups: send nothing more, drop what waits for a slot, abort what runs (each
+        answers at once with what it generated, finish_reason "abort"; the stream collects those answers)."""
+        slots.close()
+        for f in futures:
+            f.cancel()
+        with self._lock:
+            inflight = dict(self._inflight)
+        self._abort_quietly(inflight)
 
     def _end(self, futures, slots: ServerSlots) -> None:
         """End a stream: send nothing more, cancel what has not started, abort what runs (the servers stop
@@ -338,7 +367,7 @@ class SGLangEngine(RolloutEngine):
         self._conns.close_active()
         wait(running, timeout=self.cfg.health_timeout * 6)
 
-    def _completed(self, futures, poll: float = 0.2):
+    def _completed(self, futures, slots: Optional[ServerSlots] = None, poll: float = 0.2):
         """Yield the requests as they finish while watching two things a blocking HTTP read cannot: the
         trainer's stop flag (SIGTERM: abort the requests, raise RolloutInterrupted) and servers that accept
         connections but stop answering (no /health answer for hang_timeout s while requests are in flight:
@@ -359,7 +388,10 @@ class SGLangEngine(RolloutEngine):
                 f = None
             if f is not None:
                 left -= 1
-                if f.exception() is not None:
+                # after a finish (slots closed) a request cancelled before it ran, or one that was waiting for a
+                # slot (SlotsClosed), was never answered: its caller skips it
+                dropped = f.cancelled() or isinstance(f.exception(), SlotsClosed)
+                if not (dropped and slots is not None and slots.closed) and f.exception() is not None:
                     raise f.exception()
                 yield f
             if self.should_stop is not None and self.should_stop():
@@ -389,6 +421,11 @@ class SGLangEngine(RolloutEngine):
         server = self.servers[slot]
         with self._lock:
             self._inflight[rid] = server
+        if slots.closed:  # a finish or an end came between the slot and the registration its abort reads
+            with self._lock:
+                self._inflight.pop(rid, None)
+            slots.release(slot)
+            raise SlotsClosed(f"request {rid} not sent: its rollout has ended")
         held = False  # a decode permit: answers read and decoded at once are bounded (rollout.sglang.decode_concurrency)
         try:
             with self._conns.post(server.url, "/generate", payload, self.cfg.request_timeout) as resp:
@@ -570,17 +607,21 @@ class SGLangEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- digests (what the servers hold)
     def learner_address(self) -> str:
-        """How servers reach this rank: rollout.sglang.learner_address, else torchrun's MASTER_ADDR (rank 0's
-        host: this client runs on global rank 0), else loopback."""
+        """How servers reach this rank. On node 0 (torchrun's GROUP_RANK): rollout.sglang.learner_address, else
+        torchrun's MASTER_ADDR (node 0's host), else loopback. A driver on another node: its hostname (as
+        launched servers on a wildcard host are addressed), since MASTER_ADDR names node 0."""
+        if int(os.environ.get("GROUP_RANK", "0")) != 0:
+            return socket.gethostname()
         return self.cfg.learner_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
 
     def store(self):
-        """The TCP store this rank hosts for its servers (created once; port rollout.sglang.store_port, 0 = any
-        free port). Hosted directly, not through rendezvous(): under torchrun (TORCHELASTIC_USE_AGENT_STORE)
-        rendezvous() turns rank 0 into a client of the agent's store and the servers wait for a host that
-        never comes."""
+        """The TCP store this rank hosts for its servers (created once; port rollout.sglang.store_port + this
+        driver's index, so drivers sharing a host never collide; 0 = any free port). Hosted directly, not through
+        rendezvous(): under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous() turns rank 0 into a client of the
+        agent's store and the servers wait for a host that never comes."""
         if self._store is None:
-            self._store = dist.TCPStore("0.0.0.0", self.cfg.store_port, is_master=True, wait_for_workers=False,
+            port = self.cfg.store_port + self.driver if self.cfg.store_port else 0
+            self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=self.cfg.control_timeout))
         return self._store
 
@@ -647,8 +688,9 @@ class SGLangEngine(RolloutEngine):
 
     def adopt(self, launched: dict) -> None:
         """Servers started by this run's node launchers (training/engines.EngineSlot), as {url: node}, with this
-        process's own as {url: (node, SGLangServer)}: this engine restarts its own node's servers itself; a
-        dead server of another node fails the rollout, and the rebuilt engine's launchers restart them."""
+        process's own as {url: (node, SGLangServer)}; only those this engine drives are taken. It restarts the
+        ones this process launched itself; a dead server launched by another process fails the rollout, and
+        the rebuilt engine's launchers restart them."""
         for s in self.servers:
             if s.url in launched:
                 node, handle = launched[s.url]
@@ -708,11 +750,12 @@ def _version(v) -> Optional[str]:
 
 @TRANSPORTS.register("sglang_distributed")
 class SGLangDistributedTransport:
-    """SGLang's own distributed protocol: POST /init_weights_update_group once per engine (the learner's
-    sending rank is rank 0; server i's TP ranks follow), then per bucket POST /update_weights_from_distributed
-    (names, dtypes, shapes) while rank 0 broadcasts the tensors; gloo on CPU, NCCL on GPU. Ends with the
-    digest check of what the servers hold. Built once per engine (the group lives as long as the servers
-    do); `close()` destroys it on both sides, and a rebuilt engine gets a new transport and group."""
+    """SGLang's own distributed protocol: POST /init_weights_update_group once per engine (the driver is the
+    group's rank 0; its server i's TP ranks follow), then per bucket POST /update_weights_from_distributed
+    (names, dtypes, shapes) while the driver broadcasts the tensors (each driver to its own servers); gloo on
+    CPU, NCCL on GPU. Ends with the digest check of what the servers hold. Built once per engine (the group
+    lives as long as the servers do); `close()` destroys it on both sides, and a rebuilt engine gets a new
+    transport and group."""
 
     _instances = itertools.count()
 
@@ -720,8 +763,9 @@ class SGLangDistributedTransport:
         self.engine = engine
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s or engine.cfg.control_timeout
-        # one name per transport: a rebuilt engine's group never meets the old one's leftovers
-        self.group_name = f"rlpo_weight_sync_{os.getpid()}_{next(self._instances)}"
+        # one name per transport: a rebuilt engine's group never meets the old one's leftovers (each driver's
+        # servers and store are its own; the driver index keeps the names apart in the logs too)
+        self.group_name = f"rlpo_weight_sync_d{engine.driver}_{os.getpid()}_{next(self._instances)}"
         self.pg = None
 
     @classmethod
@@ -800,4 +844,5 @@ class SGLangDistributedTransport:
         self.pg = None
 
 
-__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine", "nccl_mismatch", "server_gpus"]
+__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine", "nccl_mismatch",
+           "server_gpus"]

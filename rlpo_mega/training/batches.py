@@ -146,6 +146,9 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
         n_rows, seq_len = 1, t
     if recipient is not None:
         traces = [RoutingTrace(r.routes, 0, r.replaced) for _, _, r in rows]
+        # each trace holds the rows from routes_from on (a sequence-parallel rank: its shard's)
+        placement = [replace(seg, offset=seg.offset + r.routes_from, length=r.routes.shape[0])
+                     for seg, (_, _, r) in zip(placement, rows)]
         local = replace(recipient, dp_rank=0, dp_size=1, layer_cols=tuple(range(len(recipient.layer_cols))))
         batch.routes = local_routes(traces, placement, local, n_rows, seq_len, topk)
     return batch
@@ -154,17 +157,22 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
 def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
     """The packed row's routes [1, this rank's sequence shard, its MoE layers, topk]: the samples' routes back
     to back (they are the packed positions), PAD on the alignment tail, LIVE where a trace entry was replaced
-    (moe.routing.transport's markers and dtype, as local_routes would cut them)."""
-    routes = torch.cat([r.routes for _, _, r in rows])
-    dtype = torch.int32 if routes.dtype == torch.int32 else torch.int16
-    full = torch.full((t, routes.shape[1], topk), PAD, dtype=dtype)
-    full[:routes.shape[0]] = routes.to(dtype)
-    if any(r.replaced is not None for _, _, r in rows):
-        rep = torch.cat([r.replaced if r.replaced is not None else torch.zeros(s.span, routes.shape[1], dtype=torch.bool)
-                         for _, s, r in rows])
-        full[:routes.shape[0]][rep] = LIVE
+    (moe.routing.transport's markers and dtype, as local_routes would cut them). Each sample arrived with the
+    trace rows of this rank's shard (from `routes_from`; every row without sequence parallelism)."""
     a, b = recipient.shard(t)
-    return full[a:b].unsqueeze(0)
+    first = rows[0][2].routes
+    dtype = torch.int32 if first.dtype == torch.int32 else torch.int16
+    out = torch.full((b - a, first.shape[1], topk), PAD, dtype=dtype)
+    off = 0
+    for _, s, r in rows:
+        start = off + r.routes_from  # the packed position of the first trace row it holds
+        p0, p1 = max(a, start), min(b, start + r.routes.shape[0])
+        if p0 < p1:
+            out[p0 - a:p1 - a] = r.routes[p0 - start:p1 - start]
+            if r.replaced is not None:
+                out[p0 - a:p1 - a][r.replaced[p0 - start:p1 - start]] = LIVE
+        off += s.span
+    return out.unsqueeze(0)
 
 
 def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: torch.Tensor, cfg, dp: int, tp: int,
@@ -187,9 +195,12 @@ def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: tor
     t = cfg.trainer
     plan = plan_step(spans, t.mini_batches, dp, cfg.parallel.num_micro_batches, t.max_tokens_per_micro_batch,
                      t.layout, align=tp)
+    # under sequence parallelism each rank of a TP group receives only its sequence shard's route rows
+    sp = recipients[0].sp_size
+    shards = plan.shards(spans, tp, sp) if with_routes and sp > 1 else None
     with timer("exchange"):
         received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None,
-                                    round_bytes=t.exchange_round_mb << 20)
+                                    round_bytes=t.exchange_round_mb << 20, shards=shards)
     me = recipients[dist.get_rank()]
     minis = [[build_micro_batch(samples, received, idx, advantages, keep, layout=t.layout, align=tp, pad_id=pad_id,
                                 padded_len=aligned(max(spans), tp), recipient=me if with_routes else None,

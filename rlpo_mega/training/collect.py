@@ -3,25 +3,30 @@
 A producer (PRODUCERS, chosen by rollout.producer) is called collectively on every rank once per step and
 returns `ScoredGroups`: every sample's scalars on every rank (lengths, reward, flags, owner: all that
 advantages and the step plan need), each sample's payload (tokens, log-probs, routes) on the rank whose engine
-made it. The trainer does not know how the groups were made: synchronous collection with dynamic sampling is
-the producer here; streaming, asynchronous (off-policy by a step) and multi-turn producers are other entries.
+made it. The trainer does not know how the groups were made: synchronous collection (with dynamic sampling
+streamed per engine rank) is the producer here; asynchronous (off-policy by a step) and multi-turn producers are
+other entries.
 
 SPMD: engine ranks (training/engines.py) each generate a contiguous share of the prompts and score it; the
-scalars' gather (training/exchange.py) then gives every rank every sample, in prompt order.
+scalars' gather (training/exchange.py) then gives every rank every sample, in rank order. With dynamic sampling
+each engine rank fills its own share of the step's groups at its own pace (data.sampling.GroupCollector); the
+ranks meet once, after, to agree on how many chunks of prompts were drawn (the cursor stays equal on every rank).
 """
 from __future__ import annotations
 
 import abc
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from rlpo_mega.algorithms.registry import Registry
-from rlpo_mega.data.sampling import collect_groups
+from rlpo_mega.data.sampling import DynamicSamplingReport, GroupCollector
 from rlpo_mega.rewards import RewardInput
 from rlpo_mega.rollout import Sample, SamplingParams
+from rlpo_mega.rollout.base import share_of
 from rlpo_mega.training.exchange import gather_scalars
 
 PRODUCERS = Registry("rollout producer")
@@ -70,12 +75,7 @@ def mix_seed(*parts: int) -> int:
 def share(items: list, ranks: list[int]) -> list:
     """This rank's contiguous share of `items` (empty on ranks without an engine)."""
     me = dist.get_rank()
-    if me not in ranks:
-        return []
-    k, i = len(ranks), ranks.index(me)
-    per, extra = divmod(len(items), k)
-    start = i * per + min(i, extra)
-    return items[start:start + per + (1 if i < extra else 0)]
+    return share_of(items, ranks.index(me), len(ranks)) if me in ranks else []
 
 
 def sampling_params(cfg, tokenizer, seed: int, greedy: bool = False) -> SamplingParams:
@@ -86,22 +86,38 @@ def sampling_params(cfg, tokenizer, seed: int, greedy: bool = False) -> Sampling
                           stop_token_ids=tuple(int(t) for t in stop if t is not None), seed=seed)
 
 
-def generate_local(engine, mine, n: int, params: SamplingParams, scorer, tokenizer, timer,
-                   correct_at: float = 1.0) -> list[Sample]:
+def generate_local(engine, mine, n: int, params: SamplingParams, scorer, tokenizer, timer) -> list[Sample]:
     """This rank's share: generate n responses per item and score them (no collective: a failure here
     is agreed on by EngineGuard before anyone enters the gather)."""
     if not mine:
         return []
-    with timer("rollout"):
-        samples = engine.generate([it.input_ids for it in mine], params, n=n)
-    with timer("reward"):
-        inputs = [RewardInput(it.record.prompt, tokenizer.decode(s.response_ids, skip_special_tokens=True),
-                              it.record.reference, it.record.metadata)
-                  for it, s in zip((it for it in mine for _ in range(n)), samples)]
-        result = scorer.score(inputs)
+    groups: list = [None] * len(mine)
+    stream = engine.stream([it.input_ids for it in mine], params, n=n)
+    try:
+        while True:
+            with timer("rollout"):  # each group is scored as it completes, while the others still generate
+                i, samples = next(stream, (None, None))
+            if i is None:
+                break
+            with timer("reward"):
+                score([mine[i]] * n, samples, scorer, tokenizer)
+            groups[i] = samples
+    finally:
+        stream.close()
+    return [s for g in groups for s in g]
+
+
+def score(items, samples: list[Sample], scorer, tokenizer, version: Optional[int] = None,
+          correct_at: float = 1.0) -> list[float]:
+    """Score samples (sample i answers items[i]) into their reward, failed and correct fields; `version`: the
+    policy version (step) that sampled them, kept in meta["policy_version"]."""
+    result = scorer.score([RewardInput(it.record.prompt, tokenizer.decode(s.response_ids, skip_special_tokens=True),
+                                       it.record.reference, it.record.metadata) for it, s in zip(items, samples)])
     for s, r, f in zip(samples, result.rewards, result.failed):
         s.reward, s.failed, s.correct = float(r), bool(f), float(r) >= correct_at
-    return samples
+        if version is not None:
+            s.meta["policy_version"] = version
+    return [s.reward for s in samples]
 
 
 class Rollouts:
@@ -121,28 +137,77 @@ class Rollouts:
 
 @PRODUCERS.register("sync")
 class SyncProducer(RolloutProducer):
-    """Synchronous collection: draw prompts, generate and score n responses each on the engine ranks (the
-    weights of the last sync), DAPO dynamic sampling refilling groups with mixed rewards up to max_tries; a
-    short batch keeps the whole groups that split evenly into `divisor` rows (mini-batches x DP x ...)."""
+    """Synchronous collection on the weights of the last sync: draw prompts, generate and score n responses each
+    on the engine ranks. With DAPO dynamic sampling every engine rank streams its own share (GroupCollector:
+    chunks of prompts, a group scored and filtered as its last sample arrives, the rank's rollout aborted once
+    its share of groups is complete, surplus groups carried to the next step). A short batch keeps the whole
+    groups that split evenly into `divisor` rows (mini-batches x DP x ...)."""
+
+    def __init__(self, cfg, sampler, rollouts: "Rollouts", divisor: int):
+        super().__init__(cfg, sampler, rollouts, divisor)
+        ds = cfg.algorithm.dynamic_sampling
+        self.groups = GroupCollector(ds.max_tries, ds.max_carry_steps)
+        self.pending: list[list] = []  # this rank's shares of chunks drawn to keep the cursors equal, not yet sent
 
     def collect(self, step: int, timer) -> ScoredGroups:
-        cfg, p, ds = self.cfg, self.cfg.prompts, self.cfg.algorithm.dynamic_sampling
-        calls = iter(range(1 << 30))
-
-        def rollout(items):
-            seed = mix_seed(cfg.seed, step, next(calls), dist.get_rank())
-            samples = self.rollouts(items, p.n_samples, sampling_params(cfg, self.rollouts.tokenizer, seed), timer)
-            return torch.tensor([s.reward for s in samples]), samples
-
-        got = collect_groups(self.sampler, rollout, p.prompts_per_step, p.n_samples, enabled=ds.enabled,
-                             max_tries=ds.max_tries, oversample=p.oversample)
-        r = got.report
-        metrics = {**r.stats(), "dynamic_sampling/kept": r.groups_kept,
-                   "dynamic_sampling/dropped": r.dropped_all_zero + r.dropped_all_one + r.dropped_other_constant}
-        samples, gids, n = got.samples, got.group_ids, p.n_samples
+        cfg, p = self.cfg, self.cfg.prompts
+        if cfg.algorithm.dynamic_sampling.enabled:
+            samples, metrics = self._dynamic(step, timer)
+        else:
+            seed = mix_seed(cfg.seed, step, 0, dist.get_rank())
+            samples = self.rollouts(self.sampler.next_prompts(p.prompts_per_step), p.n_samples,
+                                    sampling_params(cfg, self.rollouts.tokenizer, seed), timer)
+            metrics = {}
+        n = p.n_samples
         unit = self.divisor // math.gcd(self.divisor, n)  # groups whose rows split evenly
         keep = (len(samples) // n) // unit * unit
         if keep * n < len(samples):  # a short dynamic-sampling batch: whole groups dropped to divide evenly
             metrics["dynamic_sampling/trimmed_groups"] = len(samples) // n - keep
-            samples, gids = samples[:keep * n], gids[:keep * n]
-        return ScoredGroups(samples, gids, metrics)
+            samples = samples[:keep * n]
+        return ScoredGroups(samples, torch.arange(len(samples) // n).repeat_interleave(n), metrics)
+
+    def _dynamic(self, step: int, timer) -> tuple[list[Sample], dict]:
+        """Every rank: the step's kept groups (scalars; payloads on their engine rank) and the summed counts."""
+        cfg, p = self.cfg, self.cfg.prompts
+        engines, me = self.rollouts.engines, dist.get_rank()
+        ranks, n = engines.ranks, p.n_samples
+        quota = len(share(list(range(p.prompts_per_step)), ranks))
+        # one chunk = every engine rank's share of ceil(largest share x oversample) prompts each, drawn on every
+        # rank alike: the prompt cursor stays the same everywhere (checkpointed once) whoever drew how many
+        per_rank = math.ceil(-(-p.prompts_per_step // len(ranks)) * p.oversample)
+        drawn = [0]
+
+        def draw():
+            if self.pending:
+                return self.pending.pop(0)
+            drawn[0] += 1
+            return share(self.sampler.next_prompts(per_rank * len(ranks)), ranks)
+
+        def stream(items, k):
+            params = sampling_params(cfg, self.rollouts.tokenizer, mix_seed(cfg.seed, step, k, me))
+            return engines.slot.engine.stream([it.input_ids for it in items], params, n=n)
+
+        def score_group(item, group):
+            return score([item] * len(group), group, self.rollouts.scorer, self.rollouts.tokenizer, step)
+
+        def local():
+            if me not in ranks:
+                return [], DynamicSamplingReport(0)
+            return self.groups.collect(quota, step, draw, stream, score_group, timer)
+
+        kept, report = engines.guard.run(local)
+        # the ranks that drew fewer chunks draw the rest now and keep their shares for their next step
+        counts = torch.tensor([drawn[0], *report.counts()], dtype=torch.int64)
+        most = counts[:1].clone()
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=engines.guard.group)
+        dist.all_reduce(counts, group=engines.guard.group)
+        for _ in range(int(most) - drawn[0]):
+            chunk = share(self.sampler.next_prompts(per_rank * len(ranks)), ranks)
+            if chunk:
+                self.pending.append(chunk)
+        total = DynamicSamplingReport(*counts[1:].tolist())
+        local_samples = [s for g in kept for s in g.samples]
+        with timer("gather"):
+            samples = gather_scalars(local_samples, self.rollouts.spec, cfg.routing.on_bad_trace, engines.guard.group)
+        return samples, total.stats()
+

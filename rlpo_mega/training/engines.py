@@ -1,8 +1,9 @@
 """The rollout engines on the learner ranks: built with their weight transport, rebuilt when one fails.
 
-Engine ranks: every rank for the embedded engine, global rank 0 for an SGLang client (its servers batch on
-their own). A failure on any rank is agreed on by all over the host-side control group (EngineGuard), so
-no rank is left waiting in a collective; the engine is rebuilt and the weights re-synced.
+Engine ranks: every rank for the embedded engine, `rollout.sglang.drivers` evenly spaced ranks for SGLang
+clients (the servers batch on their own; each client drives its own share of them). A failure on any rank is
+agreed on by all over the host-side control group (EngineGuard), so no rank is left waiting in a collective; the
+engine is rebuilt and the weights re-synced.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def build_engine(cfg, hf):
 
 
 def engine_ranks(cfg) -> list[int]:
-    return ENGINES.get(cfg.rollout.engine).ranks(dist.get_world_size())
+    return ENGINES.get(cfg.rollout.engine).ranks(cfg, dist.get_world_size())
 
 
 def make_transport(cfg, engine, hf):
@@ -43,8 +44,9 @@ class EngineSlot:
 
     Launched SGLang servers (rollout.sglang.launch=true) are started by one launcher per node: each node's
     local rank 0 starts that node's servers on the GPUs its learner ranks leave free; every rank learns every
-    URL (one all_gather_object over `group`) and the engine rank attaches to all of them. Building is
-    therefore collective when servers are launched (every rank calls build, as EngineGuard's rebuild does)."""
+    URL in node order (one all_gather_object over `group`) and each engine rank attaches to its share of them
+    (SGLangEngine: rollout.sglang.drivers). Building is therefore collective when servers are launched (every
+    rank calls build, as EngineGuard's rebuild does)."""
 
     def __init__(self, cfg, hf, should_stop=None, group=None):
         self.cfg, self.hf, self.should_stop, self.group = cfg, hf, should_stop, group

@@ -7,8 +7,9 @@ After the rollout each engine rank holds its own samples (tokens, rollout log-pr
    (moe.routing.trace.validate_trace), so a bad trace is one error on every rank, before any exchange.
 2. `exchange`: one all_to_all of bytes (device tensors: NCCL sends nothing else) puts each sample's
    tokens, log-probs and routes on the ranks of the DP replica that trains it, each rank receiving only
-   its own MoE layers' route columns as uint8 (<= 256 experts; int16 beyond). No pickled tensors: both
-   sides derive every offset from the scalars and the plan.
+   its own MoE layers' route columns as uint8 (<= 256 experts; int16 beyond) and, under sequence parallelism,
+   only the route rows of its sequence shard (`shards`: where the plan puts each sample in its micro-batch).
+   No pickled tensors: both sides derive every offset from the scalars and the plan.
 
 Bytes received per rank are at most its own share (its rows' tokens, log-probs and all layers' routes);
 the previous all_gather_object sent the whole batch, with int32 routes, to every rank.
@@ -59,18 +60,28 @@ def gather_scalars(local: list[Sample], spec: Optional[TraceSpec], on_bad_trace:
             for rank, (rank_rows, _) in enumerate(every) for i, row in enumerate(rank_rows)]
 
 
-def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, with_routes: bool) -> list[int]:
+def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, with_routes: bool,
+            rows: Optional[Sequence[tuple[int, int]]] = None) -> list[int]:
     """Byte sizes of the wire blocks of these samples (one sender -> one recipient), in wire order: all
     token ids (int32), all rollout log-probs (float32), all routes (compact dtype, the recipient's MoE layer
-    columns), all replaced flags (uint8, samples with fallback entries only). Block-wise, not sample by
-    sample: each block is one concatenation on the sender and one split on the recipient. Each block is padded
-    to a multiple of 4 bytes, so that every block starts aligned and the recipient views it in its dtype in
-    place (no copy per block)."""
+    columns and trace rows: `rows`, one [lo, hi) per sample, default all), all replaced flags (uint8, samples with
+    fallback entries only). Block-wise, not sample by sample: each block is one concatenation on the sender and
+    one split on the recipient. Each block is padded to a multiple of 4 bytes, so that every block starts
+    aligned and the recipient views it in its dtype in place (no copy per block)."""
     sizes = [4 * sum(s.prompt_len + s.response_len for s in samples), 4 * sum(s.response_len for s in samples)]
     if with_routes:
-        sizes.append(sum(s.span for s in samples) * n_cols * topk * itemsize)
-        sizes.append(sum(s.span for s in samples if s.replaced_entries) * n_cols)
+        n = [s.span for s in samples] if rows is None else [hi - lo for lo, hi in rows]
+        sizes.append(sum(n) * n_cols * topk * itemsize)
+        sizes.append(sum(k for s, k in zip(samples, n) if s.replaced_entries) * n_cols)
     return [-(-n // 4) * 4 for n in sizes]
+
+
+def _rows(samples: Sequence[Sample], idx: Sequence[int], shards: Optional[dict], recipient) -> list[tuple[int, int]]:
+    """The trace rows [lo, hi) the recipient receives of each sample: its sequence shard's under sequence
+    parallelism (`shards[i][sp_rank]`), else every row."""
+    if shards is None or recipient.sp_size == 1:
+        return [(0, samples[i].span) for i in idx]
+    return [shards[i][recipient.sp_rank] for i in idx]
 
 
 def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -83,20 +94,21 @@ def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool) -> list[torch.Tensor]:
+def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool,
+            rows: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
     """The blocks of `_blocks` as byte tensors, from the owner's samples (on the host: an engine on the
-    GPU returns device tensors)."""
+    GPU returns device tensors); rows: each sample's trace rows [lo, hi) for this recipient."""
     if not samples:
         return []
-    payloads = samples
-    ids = torch.cat([torch.as_tensor(x, dtype=torch.int32) for p in payloads for x in (p.prompt_ids, p.response_ids)])
-    parts = [ids.view(torch.uint8), torch.cat([p.logprobs.cpu().to(torch.float32) for p in payloads]).view(torch.uint8)]
+    ids = torch.cat([torch.as_tensor(x, dtype=torch.int32) for p in samples for x in (p.prompt_ids, p.response_ids)])
+    parts = [ids.view(torch.uint8), torch.cat([p.logprobs.cpu().to(torch.float32) for p in samples]).view(torch.uint8)]
     if with_routes:
-        routes = torch.cat([p.routes.cpu() for p in payloads])
+        whole = all(lo == 0 and hi == p.span for p, (lo, hi) in zip(samples, rows))
+        routes = torch.cat([p.routes.cpu() if whole else p.routes.cpu()[lo:hi] for p, (lo, hi) in zip(samples, rows)])
         parts.append((routes if len(cols) == routes.shape[1] else routes[:, cols]).contiguous().view(torch.uint8)
                      .reshape(-1))
-        rep = [p.replaced.cpu()[:, cols].to(torch.uint8).reshape(-1) for s, p in zip(samples, payloads)
-               if s.replaced_entries]
+        rep = [p.replaced.cpu()[lo:hi, cols].to(torch.uint8).reshape(-1) for p, (lo, hi) in zip(samples, rows)
+               if p.replaced_entries]
         if rep:
             parts.append(torch.cat(rep))
     return _padded(parts)
@@ -111,7 +123,7 @@ def own_share_bytes(samples: Sequence[Sample], mine: Sequence[int], spec: Option
 
 
 def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
-           round_bytes: int) -> list[list[int]]:
+           round_bytes: int, shards: Optional[dict] = None) -> list[list[int]]:
     """The exchange's rounds: consecutive runs of the samples (index order) in which no rank sends or receives
     more than round_bytes (a sample larger than that alone is a round of its own). Every rank computes the same
     rounds from the scalars alone."""
@@ -125,9 +137,12 @@ def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequenc
     for i in sorted(dp_of):
         s = samples[i]
         # _blocks of one sample, inline: ids and log-probs, then per recipient its columns of routes and flags
-        per_col = s.span * (topk * itemsize + (1 if s.replaced_entries else 0)) if with_routes else 0
+        per_row = (topk * itemsize + (1 if s.replaced_entries else 0)) if with_routes else 0
         base = 4 * (s.prompt_len + 2 * s.response_len)
-        cost = [(r.rank, base + per_col * len(r.layer_cols)) for r in by_dp[dp_of[i]]]
+        cost = []
+        for r in by_dp[dp_of[i]]:
+            (lo, hi), = _rows(samples, [i], shards, r)
+            cost.append((r.rank, base + per_row * len(r.layer_cols) * (hi - lo)))
         over = any(sent.get(s.owner, 0) + sum(b for _, b in cost) > round_bytes or got.get(r, 0) + b > round_bytes
                    for r, b in cost)
         if cur and over:
@@ -146,17 +161,19 @@ def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequenc
 
 
 def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
-             group=None, round_bytes: int = 256 << 20) -> tuple[dict[int, Sample], dict]:
+             group=None, round_bytes: int = 256 << 20, shards: Optional[dict] = None) -> tuple[dict[int, Sample], dict]:
     """Send each sample (index -> DP rank in dp_of) from its owner to every rank of that DP replica, in rounds
     (`rounds`: at most round_bytes sent and received per rank and round, so no buffer grows with the batch).
-    recipients: moe.routing.transport.gather_recipients (each rank's dp_rank and MoE layer columns).
-    Returns {sample index: the sample with its payload (ids as tensors, this rank's route columns)} of this
-    rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}. The owners keep their payloads (a
-    producer may hand the same samples to a later step)."""
+    recipients: moe.routing.transport.gather_recipients (each rank's dp_rank, sequence shard and MoE layer
+    columns). shards: {sample index: [(lo, hi) per sequence-parallel rank]}, the trace rows each rank of a
+    sequence-parallel group trains (rlpo_mega.data.packing.StepPlan.shards); None: every rank gets every row.
+    Returns {sample index: the sample with its payload (ids as tensors, this rank's route columns and rows:
+    `routes_from` is the first)} of this rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}.
+    The owners keep their payloads (a producer may hand the same samples to a later step)."""
     out, received = {}, 0
-    plan = rounds(samples, dp_of, recipients, spec, round_bytes)
+    plan = rounds(samples, dp_of, recipients, spec, round_bytes, shards)
     for idx in plan:
-        got, n = _exchange_round(samples, {i: dp_of[i] for i in idx}, recipients, spec, group)
+        got, n = _exchange_round(samples, {i: dp_of[i] for i in idx}, recipients, spec, group, shards)
         out.update(got)
         received += n
     me = recipients[dist.get_rank()]
@@ -167,7 +184,7 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
 
 
 def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence,
-                    spec: Optional[TraceSpec], group) -> tuple[dict[int, Sample], int]:
+                    spec: Optional[TraceSpec], group, shards: Optional[dict]) -> tuple[dict[int, Sample], int]:
     """One round of `exchange`: one all_to_all of bytes; returns the received samples and the bytes."""
     me, world = dist.get_rank(), dist.get_world_size()
     mine_r = recipients[me]
@@ -178,15 +195,18 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
     order = sorted(dp_of)  # both sides walk samples in index order
     outgoing = []
     for r in recipients:  # r.rank == its index
-        mine = [samples[i] for i in order if samples[i].owner == me and dp_of[i] == r.dp_rank]
-        outgoing.append(_encode(mine, list(r.layer_cols), with_routes))
+        mine = [i for i in order if samples[i].owner == me and dp_of[i] == r.dp_rank]
+        outgoing.append(_encode([samples[i] for i in mine], list(r.layer_cols), with_routes,
+                                _rows(samples, mine, shards, r)))
     # the world group is NCCL on GPUs: device tensors only (platform.device(); the host on CPU)
     device = platform.device() if group is None else wire_device(group)
     send_sizes = [sum(t.numel() for t in parts) for parts in outgoing]
     n_cols = len(mine_r.layer_cols)
     expected = [i for i in order if dp_of[i] == mine_r.dp_rank]
-    from_src = [[samples[i] for i in expected if samples[i].owner == src] for src in range(world)]
-    blocks = [_blocks(f, n_cols, topk, itemsize, with_routes) for f in from_src]
+    idx_src = [[i for i in expected if samples[i].owner == src] for src in range(world)]
+    from_src = [[samples[i] for i in idx] for idx in idx_src]
+    rows_src = [_rows(samples, idx, shards, mine_r) for idx in idx_src]
+    blocks = [_blocks(f, n_cols, topk, itemsize, with_routes, r) for f, r in zip(from_src, rows_src)]
     recv_sizes = [sum(b) for b in blocks]
     send = torch.cat([t for parts in outgoing for t in parts]) if any(send_sizes) else torch.empty(0, dtype=torch.uint8)
     send = send.to(device)
@@ -210,16 +230,15 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
         routes = replaced = [None] * len(got)
         if with_routes:
             # explicit row counts: a pipeline stage without MoE layers (dense first layers) has n_cols == 0
-            spans = [s.span for s in got]
+            spans = [hi - lo for lo, hi in rows_src[src]]
             routes = pieces[2][:sum(spans) * n_cols * topk * itemsize].view(dtype).reshape(
                 sum(spans), n_cols, topk).split(spans)
-            flagged = [s for s in got if s.replaced_entries]
-            rows = sum(s.span for s in flagged)
-            rep = iter(pieces[3][:rows * n_cols].reshape(rows, n_cols).bool().split(
-                [s.span for s in flagged]) if flagged else ())
+            flagged = [k for s, k in zip(got, spans) if s.replaced_entries]
+            rep = iter(pieces[3][:sum(flagged) * n_cols].reshape(sum(flagged), n_cols).bool().split(flagged)
+                       if flagged else ())
             replaced = [next(rep) if s.replaced_entries else None for s in got]
-        idx = [i for i in expected if samples[i].owner == src]
-        for i, x, lp, rt, rp in zip(idx, ids, lps, routes, replaced):
+        for i, x, lp, rt, rp, (lo, _) in zip(idx_src[src], ids, lps, routes, replaced, rows_src[src]):
             p = samples[i].prompt_len
-            out[i] = replace(samples[i], prompt_ids=x[:p], response_ids=x[p:], logprobs=lp, routes=rt, replaced=rp)
+            out[i] = replace(samples[i], prompt_ids=x[:p], response_ids=x[p:], logprobs=lp, routes=rt, replaced=rp,
+                             routes_from=lo)
     return out, int(recv.numel())

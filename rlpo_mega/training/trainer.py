@@ -75,7 +75,8 @@ class Trainer:
         """Builds everything a run needs, in the order that fails cheapest first; runs nothing (see `run`)."""
         self.cfg = cfg
         self.hf = load_hf_config(cfg.model.hf_config)
-        check_run_config(cfg, self.hf, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        check_run_config(cfg, self.hf, world_size=world, nodes=world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if cfg.rollout.producer not in PRODUCERS:  # registered by the package or a plugin (collect.py)
             raise ConfigError(unknown_choice("rollout.producer", cfg.rollout.producer, PRODUCERS.names()))
         producer = PRODUCERS.get(cfg.rollout.producer)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import os
 
+import torch.distributed as dist
+
 from moe.bridge.digest import DigestMismatchError, tensor_digest, verify
 from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
 from moe.bridge.hf_inmemory import HFModelWeights
@@ -79,7 +81,13 @@ class DiskTransport:
 
     @classmethod
     def from_config(cls, cfg, engine, hf):
-        return cls(engine, cfg.rollout.sync_dir or "runs/weight_sync", hf, source_dir=cfg.model.init_from_hf)
+        directory = cfg.rollout.sync_dir or "runs/weight_sync"
+        ranks = type(engine).ranks(cfg, dist.get_world_size()) if dist.is_initialized() else [0]
+        if len(ranks) > 1:
+            # every engine rank writes the whole export and has its engine reload it: one subdirectory each, or
+            # one writer would swap the directory out under another's reload (sglang drivers on a shared sync_dir)
+            directory = os.path.join(directory, f"driver_{ranks.index(dist.get_rank())}")
+        return cls(engine, directory, hf, source_dir=cfg.model.init_from_hf)
 
     def sync(self, stream) -> dict:
         # overwrite: each sync replaces the previous sync's export (and nothing else: a directory of other

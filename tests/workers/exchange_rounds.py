@@ -1,11 +1,14 @@
 """2 ranks (gloo): the exchange in bounded rounds delivers exactly what one round does. Each rank owns every
-other sample (tokens, log-probs, uint8 routes, some with fallback flags); two layouts: DP 2 (each sample to one
-rank, every MoE layer) and one replica over two pipeline stages (every sample to both, each its own layers)."""
+other sample (tokens, log-probs, uint8 routes, some with fallback flags); three layouts: DP 2 (each sample to one
+rank, every MoE layer), one replica over two pipeline stages (every sample to both, each its own layers) and one
+replica over a sequence-parallel pair (every sample to both, each only the route rows of its sequence shard of
+the packed micro-batches)."""
 import torch
 import torch.distributed as dist
 
 from moe.routing.trace import TraceSpec
 from moe.routing.transport import Recipient
+from rlpo_mega.data.packing import plan_step
 from rlpo_mega.rollout import Sample
 from rlpo_mega.training.exchange import exchange, rounds
 from tests.dist import write_report
@@ -35,22 +38,32 @@ layouts = {
     "dp2": ([Recipient(0, 0, 2, 0, 1, (0, 1, 2, 3)), Recipient(1, 1, 2, 0, 1, (0, 1, 2, 3))],
             {i: i % 2 for i in range(n)}),
     "pp2": ([Recipient(0, 0, 1, 0, 1, (0, 1)), Recipient(1, 0, 1, 0, 1, (2, 3))], {i: 0 for i in range(n)}),
+    "sp2": ([Recipient(0, 0, 1, 0, 2, (0, 1, 2, 3)), Recipient(1, 0, 1, 1, 2, (0, 1, 2, 3))], {i: 0 for i in range(n)}),
 }
+# the sequence-parallel pair trains packed micro-batches of about 60 positions
+plan = plan_step([t.span for t in truth], 1, 1, max_tokens=60, layout="packed", align=2)
+shards = plan.shards([t.span for t in truth], 2, 2)
 report = {}
 for name, (recipients, dp_of) in layouts.items():
-    one, s1 = exchange(samples, dp_of, recipients, spec, round_bytes=1 << 30)
-    many, s2 = exchange(samples, dp_of, recipients, spec, round_bytes=600)
+    sh = shards if name == "sp2" else None
+    one, s1 = exchange(samples, dp_of, recipients, spec, round_bytes=1 << 30, shards=sh)
+    many, s2 = exchange(samples, dp_of, recipients, spec, round_bytes=600, shards=sh)
     cols = list(recipients[me].layer_cols)
     same = sorted(one) == sorted(many) == sorted(i for i in range(n) if dp_of[i] == recipients[me].dp_rank)
+    rows = 0
     for i in one:
         a, b, t = one[i], many[i], truth[i]
+        lo, hi = sh[i][me] if sh else (0, t.span)
+        rows += hi - lo
+        same &= a.routes_from == b.routes_from == lo
         same &= torch.equal(a.ids, b.ids) and torch.equal(a.ids, t.ids) and torch.equal(a.logprobs, b.logprobs)
-        same &= torch.equal(a.routes, b.routes) and torch.equal(a.routes, t.routes[:, cols])
+        same &= torch.equal(a.routes, b.routes) and torch.equal(a.routes, t.routes[lo:hi, cols])
         same &= (a.replaced is None) == (t.replaced is None) and (
-            a.replaced is None or (torch.equal(a.replaced, b.replaced) and torch.equal(a.replaced, t.replaced[:, cols])))
-    plan = rounds(samples, dp_of, recipients, spec, 600)
+            a.replaced is None or (torch.equal(a.replaced, b.replaced)
+                                   and torch.equal(a.replaced, t.replaced[lo:hi, cols])))
+    cut = rounds(samples, dp_of, recipients, spec, 600, sh)
     report[name] = {"same": bool(same), "rounds": [s1["rounds"], s2["rounds"]],
-                    "covered": sorted(sum(plan, [])) == list(range(n)),
+                    "covered": sorted(sum(cut, [])) == list(range(n)), "route_rows": rows,
                     "bytes": [s1["bytes_received"], s2["bytes_received"]]}
 every = [None, None]
 dist.all_gather_object(every, report)

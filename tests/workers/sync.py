@@ -12,6 +12,7 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
+from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.warmup import data_parallel_shard, split_micro_batches, train_step
 from moe.bridge import digest
 from moe.bridge.digest import DigestMismatchError
@@ -19,6 +20,11 @@ from rlpo_mega.weight_sync.transports import DiskTransport, HFModelReceiver, InP
 from tests.dist import free_port, write_report
 from tests.weight_sync_support import DistributedTransport, WeightUpdateGroup
 from tests.workers.bridge import make_hf_checkpoint, megatron_logits, rel_err
+
+
+class DriverReceiver(HFModelReceiver):
+    """An HF model receiving as an SGLang driver does: the engine ranks are SGLang's (rollout.sglang.drivers)."""
+    ranks = SGLangEngine.ranks
 
 
 def main():
@@ -106,6 +112,33 @@ def main():
     got16 = {}
     for bucket in stream16:
         got16.update((n, t.clone()) for n, t in bucket)
+    # two drivers with the disk transport (rollout.sglang.drivers=2): each writes its own subdirectory of the one
+    # sync_dir, reloads its engine from it and verifies the digests
+    drivers_cfg = load_config(None, ("rollout.engine=sglang", "rollout.sglang.drivers=2",
+                                     f"rollout.sync_dir={os.path.join(out_dir, 'sync_drivers')}"))
+    mine = engine if rank == 0 else AutoModelForCausalLM.from_config(hf)
+    stats = DiskTransport.from_config(drivers_cfg, DriverReceiver(mine), hf).sync(
+        ExportStream(chunks, bucket_bytes=64 << 10, dst=[0, 1]))
+    with torch.no_grad():
+        err = rel_err(mine(probe).logits.double(), learner_logits)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"path": os.path.relpath(stats["path"], out_dir), "tensors": stats["tensors"],
+                                   "logits_rel_err": err})
+    report["disk_drivers"] = {"ranks": every, "sync_dir": sorted(os.listdir(os.path.join(out_dir, "sync_drivers")))}
+    # several destinations (rollout drivers): each expert's leader (EP2: rank 0 or 1) sends it to every other
+    # destination; every destination holds every tensor, bit-identical to the broadcast export to every rank
+    broadcast = export_hf_state(chunks, dst=None)
+    mine = {}
+    for dst in ([0, 1], [1]):
+        stream = ExportStream(chunks, bucket_bytes=64 << 10, dst=dst)
+        got = {n: t.clone() for bucket in stream for n, t in bucket}
+        mine[str(dst)] = {"receives": stream.receives, "names": len(got), "digests": stream.digests,
+                          "equal": sorted(got) == sorted(broadcast) and all(
+                              got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in broadcast.items())}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    report["multi_dst"] = {"tensors": len(broadcast), "ranks": [
+        {k: {**v, "digests": v["digests"] == every[0]["[0, 1]"]["digests"]} for k, v in r.items()} for r in every]}
     if rank == 0:
         report["bf16_export_exact"] = sorted(got16) == sorted(full32) and all(
             got16[n].dtype == torch.bfloat16 and torch.equal(got16[n], full32[n].to(torch.bfloat16)) for n in full32)

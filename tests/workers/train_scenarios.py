@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import tests.workers.train_hooks as hooks
 from rlpo_mega.config import load_config
+from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import Trainer
 from rlpo_mega.training.trainer import train as _train
 from tests.dist import write_report
@@ -43,7 +44,10 @@ def matrix(out):
     runs = {}
     for loss, extra in (("gspo", ("parallel.num_micro_batches=2",)), ("sapo", ("trainer.epochs=2",)),
                         ("grpo", ("algorithm.kl.coef=0.04", "trainer.mini_batches=1")),
-                        ("dapo", ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0"))):
+                        # no carry-over here: every step's samples come from the weights it syncs (the matrix
+                        # checks engine/learner agreement); carried groups: test_demo_with_dynamic_sampling_learns
+                        ("dapo", ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0",
+                                  "algorithm.dynamic_sampling.max_carry_steps=0"))):
         for mode in ("r3", "off") + (("r2",) if loss == "gspo" else ()):
             run = f"{loss}_{mode}"
             rc = train(cfg(out, run, f"algorithm.loss.name={loss}", f"routing.mode={mode}", *extra))
@@ -210,7 +214,8 @@ def producer(out):
 
 
 def _sglang_cfg(out, run, *extra):
-    """GSPO + R3 with a launched SGLang server (learner rank 0's engine), the recipes' sglang_distributed sync.
+    """GSPO + R3 with launched SGLang servers (rank 0 launches; `extra` may add drivers), the recipes'
+    sglang_distributed sync.
     RLPO_SGLANG_{HF,PYTHON,PORT,PATH,SERVER_ARGS} come from tests/test_sglang.py."""
     env = os.environ
     server_args = json.loads(env["RLPO_SGLANG_SERVER_ARGS"])  # tests/test_sglang.py's CPU recipe
@@ -251,16 +256,22 @@ def _run_with(config, after_step):
 
 
 def sglang_distributed_run(out):
-    """3 steps; the server is killed after step 1 (EngineGuard rebuilds engine + transport, re-syncs)."""
-    syncs, groups = [], []
-    original_sync = Trainer.sync
+    """3 steps with 2 rollout drivers (ranks 0 and 1), each driving one of the 2 servers rank 0 launched; driver
+    0's server is killed after step 1 (EngineGuard rebuilds every engine + transport, both re-sync). Every rank
+    reports its syncs (with the servers it drove then) and the /generate answers it got from each server."""
+    syncs, answers = [], {}
+    original_sync, original_answer = Trainer.sync, SGLangEngine._answer
 
     def sync(self):
         got = original_sync(self)
-        if self.rank == 0:
-            syncs.append(got)
-            groups.append(self.engines.slot.transport.group_name)
+        slot = self.engines.slot
+        if slot.engine is not None:
+            syncs.append({**got, "group": slot.transport.group_name, "servers": [s.url for s in slot.engine.servers]})
         return got
+
+    def answer(self, server, *args):
+        answers[server.url] = answers.get(server.url, 0) + 1
+        return original_answer(self, server, *args)
 
     def kill_after_first(trainer):
         if trainer.step == 1 and trainer.rank == 0:
@@ -268,12 +279,15 @@ def sglang_distributed_run(out):
             server.kill()
             server.proc.wait(30)
 
-    Trainer.sync = sync
+    Trainer.sync, SGLangEngine._answer = sync, answer
     try:
-        _run_with(_sglang_cfg(out, "sgl", "train_iters=3", "trainer.engine_restarts=1"), kill_after_first)
+        _run_with(_sglang_cfg(out, "sgl", "train_iters=3", "trainer.engine_restarts=1", "rollout.sglang.drivers=2",
+                              "rollout.sglang.num_servers=2"), kill_after_first)
     finally:
-        Trainer.sync = original_sync
-    return {"rc": 0, "history": history(out, "sgl"), "syncs": syncs, "groups": groups}
+        Trainer.sync, SGLangEngine._answer = original_sync, original_answer
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"syncs": syncs, "answers": answers})
+    return {"rc": 0, "history": history(out, "sgl"), "drivers": every}
 
 
 def sglang_hang_sigterm(out):
