@@ -27,7 +27,7 @@ def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
     fewer drivers than ranks get them point-to-point, tests/test_weight_sync.py) and each pushes them to its own
     server with `sglang_distributed`, over its own group and store (hosted by the driver itself: before that fix
     rank 0's rendezvous became a client of torchrun's agent store and the first sync timed out after 300 s).
-    GSPO + R3, 3 steps; driver 0's server is killed after step 1: every engine and transport is rebuilt (the
+    GSPO + R3 with streaming dynamic sampling, 3 steps; driver 0's server is killed after step 1: every engine and transport is rebuilt (the
     node's launcher restarts both servers; new groups), both drivers re-sync, and every sync is digest-verified
     inside each server (report_digests)."""
     hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
@@ -50,6 +50,8 @@ def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
         # every answer this driver read came from its own server: each server had one driver
         assert list(d["answers"]) == mine and d["answers"][mine[0]] > 0, d
     assert r["history"][1]["engine/restarts"] == 1
+    for h in r["history"]:  # dynamic sampling: each driver streamed 4 prompts and kept its 2 groups of mixed rewards
+        assert h["dynamic_sampling/kept"] == 4 and h["dynamic_sampling/prompts_drawn"] >= 8, h
     for h in r["history"]:  # every rollout ran on synced weights: steps 2 and 3 after the restart's re-sync
         assert h["routing/update/fallback_entries"] == 0, h  # every token replayed SGLang's routes
         assert 0.5 < h["routing/update/agreement"] <= 1.0, h

@@ -256,8 +256,8 @@ def _run_with(config, after_step):
 
 
 def sglang_distributed_run(out):
-    """3 steps with 2 rollout drivers (ranks 0 and 1), each driving one of the 2 servers rank 0 launched; driver
-    0's server is killed after step 1 (EngineGuard rebuilds every engine + transport, both re-sync). Every rank
+    """3 steps with 2 rollout drivers (ranks 0 and 1), each driving one of the 2 servers rank 0 launched, dynamic
+    sampling streamed on each; driver 0's server is killed after step 1 (EngineGuard rebuilds every engine + transport, both re-sync). Every rank
     reports its syncs (with the servers it drove then) and the /generate answers it got from each server."""
     syncs, answers = [], {}
     original_sync, original_answer = Trainer.sync, SGLangEngine._answer
@@ -281,8 +281,13 @@ def sglang_distributed_run(out):
 
     Trainer.sync, SGLangEngine._answer = sync, answer
     try:
+        # with streaming dynamic sampling: each driver sends 2x its share of prompts and ends its rollout (the
+        # rest aborted on its server) once its groups are complete; no carry-over, so that every step trains on
+        # the weights it synced (the mismatch check)
         _run_with(_sglang_cfg(out, "sgl", "train_iters=3", "trainer.engine_restarts=1", "rollout.sglang.drivers=2",
-                              "rollout.sglang.num_servers=2"), kill_after_first)
+                              "rollout.sglang.num_servers=2", "algorithm.dynamic_sampling.enabled=true",
+                              "algorithm.dynamic_sampling.max_carry_steps=0", "prompts.oversample=2.0"),
+                  kill_after_first)
     finally:
         Trainer.sync, SGLangEngine._answer = original_sync, original_answer
     every = [None] * dist.get_world_size()
