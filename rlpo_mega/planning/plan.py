@@ -212,14 +212,15 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
             row.parts["logprob chunk"] = memory.logprob_chunk_bytes(shape, tokens, tp)
         if cfg.routing.mode != "off" and moe_here:
             row.parts["routes"] = memory.route_bytes(moe_here, topk, tokens, tp)
-        # the exchange (training/exchange.py): one all_to_all of a step's payload on the device: token ids and
+        # the exchange (training/exchange.py): all_to_alls of a step's payload on the device: token ids and
         # log-probs (4 B each), this stage's routes per input position; the receive holds the rank's share, the
-        # send on an SGLang driver its share of the step (rollout.sglang.drivers split the prompts)
+        # send on an SGLang driver its share of the step (rollout.sglang.drivers split the prompts); in rounds of
+        # at most trainer.exchange_round_mb sent and received, each copied to the host before the next
         per_token = 8 + (moe_here * topk * route_item if cfg.routing.mode == "r3" else 0)
         recv = steps.largest_rank_tokens * per_token
         send = steps.driver_tokens * (8 + sum(shape.moe_layers) * topk * route_item) \
             if cfg.rollout.engine == "sglang" and stage in driver_stages else recv
-        row.parts["exchange"] = recv + send
+        row.parts["exchange"] = min(recv + send, 2 * (cfg.trainer.exchange_round_mb << 20))
         if stage in driver_stages:  # an engine rank receives the full weights at each sync, a bucket at a time
             row.parts["sync bucket"] = cfg.rollout.sync_bucket_mb << 20
         row.parts["reserved"] = reserved
@@ -373,7 +374,11 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
             per_token = 16 + (moe_layers * topk * (1 if _num_experts(hf) <= 256 else 2) if routes else 0)
             answer = (prompt_tokens + cfg.rollout.max_new_tokens) * hf.num_hidden_layers * topk * (16 // 3 + 4 + 2)
             decoding = cfg.rollout.sglang.decode_concurrency * answer if cfg.rollout.engine == "sglang" and routes else 0
-            row.parts["rollout driver"] = drivers * (steps.driver_tokens * per_token + decoding
+            # dynamic sampling (data.sampling.GroupCollector): a chunk of oversample x the share in flight, and
+            # up to max_carry_steps chunks' surplus groups carried
+            ds, over = cfg.algorithm.dynamic_sampling, max(1.0, cfg.prompts.oversample)
+            held = over + ds.max_carry_steps * (over - 1) if ds.enabled else 1.0
+            row.parts["rollout driver"] = drivers * (int(steps.driver_tokens * held) * per_token + decoding
                                                      + 2 * (cfg.trainer.exchange_round_mb << 20))
             row.info["drivers"] = drivers
         rows.append(row)
