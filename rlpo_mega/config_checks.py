@@ -57,6 +57,12 @@ def _choice(key: str, value: str, known: Iterable[str]) -> None:
         raise ConfigError(unknown_choice(key, value, known))
 
 
+def _at_least(key: str, value, low, why: str = "") -> None:
+    """ConfigError for a count below its minimum, naming the key, the value and what the count is."""
+    if value < low:
+        raise ConfigError(f"{key}={value} must be >= {low}" + (f" ({why})" if why else ""))
+
+
 def _moe_layers(hf: Any, model_type: Optional[str]) -> tuple[Optional[int], int]:
     """(number of experts, number of MoE decoder layers) of an HF config object or raw config.json dict.
     Which layers are sparse is the family's knowledge (moe_layer_pattern); an unknown model type counts
@@ -226,12 +232,10 @@ def _check_rollout(cfg, warns: list[str]):
         sg = ro.sglang
         if sg.tp_size < 1 or sg.num_servers < 1:
             raise ConfigError(f"rollout.sglang.tp_size={sg.tp_size} and num_servers={sg.num_servers} must be >= 1")
-        if sg.max_in_flight_per_server < 1:
-            raise ConfigError(f"rollout.sglang.max_in_flight_per_server={sg.max_in_flight_per_server} must be >= 1 "
-                              "(generate requests sent to each server at once)")
-        if sg.decode_concurrency < 1:
-            raise ConfigError(f"rollout.sglang.decode_concurrency={sg.decode_concurrency} must be >= 1 (answers the "
-                              "driver reads and decodes at once)")
+        _at_least("rollout.sglang.max_in_flight_per_server", sg.max_in_flight_per_server, 1,
+                  "generate requests sent to each server at once")
+        _at_least("rollout.sglang.decode_concurrency", sg.decode_concurrency, 1,
+                  "answers the driver reads and decodes at once")
         for key in ("request_timeout", "control_timeout", "hang_timeout", "health_interval", "health_timeout",
                     "startup_timeout"):
             if not getattr(sg, key) > 0:
@@ -354,12 +358,9 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.prompts.oversample < 1:
         raise ConfigError(f"prompts.oversample={cfg.prompts.oversample} must be >= 1")
     ds = cfg.algorithm.dynamic_sampling
-    if ds.max_tries < 1:
-        raise ConfigError(f"algorithm.dynamic_sampling.max_tries={ds.max_tries} must be >= 1 (chunks of prompts per "
-                          "step and engine rank)")
-    if ds.max_carry_steps < 0:
-        raise ConfigError(f"algorithm.dynamic_sampling.max_carry_steps={ds.max_carry_steps} must be >= 0 (0: surplus "
-                          "groups are never carried to a later step)")
+    _at_least("algorithm.dynamic_sampling.max_tries", ds.max_tries, 1, "chunks of prompts per step and engine rank")
+    _at_least("algorithm.dynamic_sampling.max_carry_steps", ds.max_carry_steps, 0,
+              "0: surplus groups are never carried to a later step")
     _check_lr_schedule(cfg)
 
 
