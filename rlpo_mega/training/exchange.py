@@ -125,8 +125,8 @@ def own_share_bytes(samples: Sequence[Sample], mine: Sequence[int], spec: Option
 def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence, spec: Optional[TraceSpec],
            round_bytes: int, shards: Optional[dict] = None) -> list[list[int]]:
     """The exchange's rounds: consecutive runs of the samples (index order) in which no rank sends or receives
-    more than round_bytes (a sample larger than that alone is a round of its own). Every rank computes the same
-    rounds from the scalars alone."""
+    more than round_bytes (a sample larger than that alone is a round of its own; a rank's own samples that it
+    trains itself are neither sent nor received). Every rank computes the same rounds from the scalars alone."""
     with_routes = spec is not None and bool(samples) and all(s.has_routes for s in samples)
     itemsize = compact_dtype(spec.num_experts).itemsize if with_routes else 0
     topk = spec.topk if with_routes else 0
@@ -141,6 +141,8 @@ def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequenc
         base = 4 * (s.prompt_len + 2 * s.response_len)
         cost = []
         for r in by_dp[dp_of[i]]:
+            if r.rank == s.owner:  # taken in place (_own), not sent
+                continue
             (lo, hi), = _rows(samples, [i], shards, r)
             cost.append((r.rank, base + per_row * len(r.layer_cols) * (hi - lo)))
         over = any(sent.get(s.owner, 0) + sum(b for _, b in cost) > round_bytes or got.get(r, 0) + b > round_bytes
@@ -185,7 +187,8 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
 
 def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequence,
                     spec: Optional[TraceSpec], group, shards: Optional[dict]) -> tuple[dict[int, Sample], int]:
-    """One round of `exchange`: one all_to_all of bytes; returns the received samples and the bytes."""
+    """One round of `exchange`: one all_to_all of bytes; returns the received samples and the bytes that crossed
+    the wire. A rank's own samples that it trains itself are taken in place (`_own`), not sent to itself."""
     me, world = dist.get_rank(), dist.get_world_size()
     mine_r = recipients[me]
     with_routes = spec is not None and all(s.has_routes for s in samples) and bool(samples)
@@ -195,7 +198,7 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
     order = sorted(dp_of)  # both sides walk samples in index order
     outgoing = []
     for r in recipients:  # r.rank == its index
-        mine = [i for i in order if samples[i].owner == me and dp_of[i] == r.dp_rank]
+        mine = [i for i in order if samples[i].owner == me and dp_of[i] == r.dp_rank and r.rank != me]
         outgoing.append(_encode([samples[i] for i in mine], list(r.layer_cols), with_routes,
                                 _rows(samples, mine, shards, r)))
     # the world group is NCCL on GPUs: device tensors only (platform.device(); the host on CPU)
@@ -203,7 +206,8 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
     send_sizes = [sum(t.numel() for t in parts) for parts in outgoing]
     n_cols = len(mine_r.layer_cols)
     expected = [i for i in order if dp_of[i] == mine_r.dp_rank]
-    idx_src = [[i for i in expected if samples[i].owner == src] for src in range(world)]
+    out = _own(samples, [i for i in expected if samples[i].owner == me], mine_r, shards, with_routes)
+    idx_src = [[i for i in expected if samples[i].owner == src and src != me] for src in range(world)]
     from_src = [[samples[i] for i in idx] for idx in idx_src]
     rows_src = [_rows(samples, idx, shards, mine_r) for idx in idx_src]
     blocks = [_blocks(f, n_cols, topk, itemsize, with_routes, r) for f, r in zip(from_src, rows_src)]
@@ -213,7 +217,7 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
     recv = recv.cpu()  # one copy; the micro-batches are cut on the host and moved once (MicroBatch.to)
-    out, base = {}, 0
+    base = 0
     for src in range(world):
         got = from_src[src]
         if not got:
@@ -242,3 +246,23 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
             out[i] = replace(samples[i], prompt_ids=x[:p], response_ids=x[p:], logprobs=lp, routes=rt, replaced=rp,
                              routes_from=lo)
     return out, int(recv.numel())
+
+
+def _own(samples: Sequence[Sample], idx: Sequence[int], recipient, shards: Optional[dict],
+         with_routes: bool) -> dict[int, Sample]:
+    """This rank's own samples that it trains, as the wire would deliver them (ids as int64 tensors, its route
+    columns and rows) without the round trip through the collective: views of the owner's payload where they can
+    be (the owner keeps it; nothing downstream writes to it)."""
+    cols = list(recipient.layer_cols)
+    out = {}
+    for i, (lo, hi) in zip(idx, _rows(samples, idx, shards, recipient)):
+        s = samples[i]
+        routes = replaced = None
+        if with_routes:
+            routes = s.routes.cpu()[lo:hi]
+            routes = routes if len(cols) == routes.shape[1] else routes[:, cols]
+            replaced = s.replaced.cpu()[lo:hi, cols] if s.replaced_entries else None
+        ids = s.ids
+        out[i] = replace(s, prompt_ids=ids[:s.prompt_len], response_ids=ids[s.prompt_len:],
+                         logprobs=s.logprobs.cpu().to(torch.float32), routes=routes, replaced=replaced, routes_from=lo)
+    return out

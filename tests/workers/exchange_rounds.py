@@ -35,8 +35,9 @@ n = 40
 truth = [full(i) for i in range(n)]
 samples = [t if t.owner == me else Sample.from_scalars(t.scalars(), t.owner) for t in truth]
 layouts = {
+    # half the samples trained where they were made (taken in place), half sent to the other rank
     "dp2": ([Recipient(0, 0, 2, 0, 1, (0, 1, 2, 3)), Recipient(1, 1, 2, 0, 1, (0, 1, 2, 3))],
-            {i: i % 2 for i in range(n)}),
+            {i: (i // 2) % 2 for i in range(n)}),
     "pp2": ([Recipient(0, 0, 1, 0, 1, (0, 1)), Recipient(1, 0, 1, 0, 1, (2, 3))], {i: 0 for i in range(n)}),
     "sp2": ([Recipient(0, 0, 1, 0, 2, (0, 1, 2, 3)), Recipient(1, 0, 1, 1, 2, (0, 1, 2, 3))], {i: 0 for i in range(n)}),
 }
