@@ -260,7 +260,10 @@ class EmbeddedEngineConfig:
 
 @dataclass
 class SGLangEngineConfig:
-    urls: list[str] = field(default_factory=list)  # attach to running servers (one per engine-TP group)
+    # attach to running servers (one per engine-TP group): the servers themselves, not a router in front of them
+    # (weight sync, digests, aborts by rid and health go to each server; sglang-router 0.3.2 drops
+    # return_routed_experts from /generate)
+    urls: list[str] = field(default_factory=list)
     # start servers (launch/sglang_server.py) when urls is empty: one launcher per node (its local rank 0), each
     # server on its own GPUs after the node's learner ranks'; several nodes need host 0.0.0.0 (URLs name the node)
     launch: bool = False
