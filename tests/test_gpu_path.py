@@ -123,6 +123,7 @@ def test_nccl_versions_are_checked_before_the_weight_update_group(monkeypatch):
     class Engine:  # what the transport asks of the engine before it forms the group
         servers = list(other)
         formed = False
+        driver = 0  # the first rollout driver (its index names the group)
 
         def _check_layout(self):
             pass

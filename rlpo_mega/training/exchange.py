@@ -250,9 +250,9 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
 
 def _own(samples: Sequence[Sample], idx: Sequence[int], recipient, shards: Optional[dict],
          with_routes: bool) -> dict[int, Sample]:
-    """This rank's own samples that it trains, as the wire would deliver them (ids as int64 tensors, its route
-    columns and rows) without the round trip through the collective: views of the owner's payload where they can
-    be (the owner keeps it; nothing downstream writes to it)."""
+    """This rank's own samples that it trains, as the wire would deliver them (ids as int64 host tensors, its
+    route columns and rows) without the round trip through the collective: views of the owner's payload where
+    they can be (the owner keeps it; nothing downstream writes to it)."""
     cols = list(recipient.layer_cols)
     out = {}
     for i, (lo, hi) in zip(idx, _rows(samples, idx, shards, recipient)):
@@ -262,7 +262,7 @@ def _own(samples: Sequence[Sample], idx: Sequence[int], recipient, shards: Optio
             routes = s.routes.cpu()[lo:hi]
             routes = routes if len(cols) == routes.shape[1] else routes[:, cols]
             replaced = s.replaced.cpu()[lo:hi, cols] if s.replaced_entries else None
-        ids = s.ids
+        ids = s.ids.cpu()  # on the host, as the wire delivers (an engine on the GPU returns device tensors)
         out[i] = replace(s, prompt_ids=ids[:s.prompt_len], response_ids=ids[s.prompt_len:],
                          logprobs=s.logprobs.cpu().to(torch.float32), routes=routes, replaced=replaced, routes_from=lo)
     return out
