@@ -4,6 +4,7 @@ the tokenizer, groups of n samples per prompt, and DAPO dynamic sampling streame
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -217,13 +218,11 @@ class GroupCollector:
     def _chunk(self, items, gen, quota, version, score, kept, carry, report, timer) -> int:
         """Run one chunk's stream; returns the number of groups that ended complete."""
         ended, msg = 0, None
+        timer = timer or (lambda phase: nullcontext())
         try:
             while True:
                 try:
-                    if timer is not None:
-                        with timer("rollout"):
-                            i, samples = gen.send(msg)
-                    else:
+                    with timer("rollout"):
                         i, samples = gen.send(msg)
                 except StopIteration:
                     return ended
@@ -231,10 +230,7 @@ class GroupCollector:
                 if any(s.finish_reason == "abort" for s in samples):  # cut short by the finish: not a group
                     continue
                 ended += 1
-                if timer is not None:
-                    with timer("reward"):
-                        scores = [float(x) for x in score(items[i], samples)]
-                else:
+                with timer("reward"):
                     scores = [float(x) for x in score(items[i], samples)]
                 f = filter_groups(torch.tensor(scores), torch.zeros(len(scores), dtype=torch.long))
                 report.dropped_all_zero += f.dropped_all_zero
