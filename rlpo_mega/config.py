@@ -114,6 +114,11 @@ class TrainerConfig:
     # differ from an old-policy forward: training/old_logprobs.old_pass_needed), the old log-probs are the
     # update's own, detached -- no separate forward pass; recompute: always run the old-log-prob pass
     old_logprobs: Literal["auto", "recompute"] = "auto"
+    # per_step: Python's automatic garbage collection is off while the run lasts and every rank collects after
+    # each step, the young generations (everything every gc_full_every steps): no full collection in the middle
+    # of a rollout or a collective (training/garbage.py says what it cost); automatic: Python's own collector
+    gc: Literal["per_step", "automatic"] = "per_step"
+    gc_full_every: int = 10
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
 

@@ -340,7 +340,7 @@ def _check_counts(cfg, warns: list[str]):
                 "prompts.prompts_per_step": cfg.prompts.prompts_per_step, "prompts.n_samples": cfg.prompts.n_samples,
                 "parallel.num_micro_batches": cfg.parallel.num_micro_batches,
                 "parallel.micro_batch_size": cfg.parallel.micro_batch_size,
-                "trainer.max_bad_steps": cfg.trainer.max_bad_steps}
+                "trainer.max_bad_steps": cfg.trainer.max_bad_steps, "trainer.gc_full_every": cfg.trainer.gc_full_every}
     for key, v in positive.items():
         if v < 1:
             raise ConfigError(f"{key}={v} must be >= 1")

@@ -64,6 +64,7 @@ REQUIRED_METRICS: tuple[Metric, ...] = (
     Metric("time/update", "seconds in the optimizer steps"),
     Metric("time/sync", "seconds pushing weights to the rollout engine"),
     Metric("time/step", "seconds for the whole step"),
+    Metric("time/gc", "seconds in the garbage collection after the step (trainer.gc per_step; 0 when automatic)"),
     Metric("perf/tokens_per_s", "prompt + response tokens trained per second of the step"),
     Metric("critic/value_loss", "token-mean of the (clipped) value loss 0.5 (V - R)^2, before vf_coef", when="critic"),
     Metric("critic/vf_clip_frac", "tokens whose clipped value loss is the larger (critic.vf_clip)", when="critic"),

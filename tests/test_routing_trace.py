@@ -125,6 +125,22 @@ def test_validate_batch_one_pass_equals_per_sample():
         validate_batch(traces, SPEC, [5, 1, 17, 8])
 
 
+@pytest.mark.parametrize("row", [0, 3, 4, 5, 39])  # first, last and first of a block, one within, the last
+def test_clean_trace_finds_a_duplicate_in_any_block(monkeypatch, row):
+    """clean_trace checks duplicates block by block (DUPLICATE_BLOCK (token, layer) rows): one in any block,
+    at a block's edge too, is found; a clean trace of many blocks passes."""
+    import moe.routing.trace as trace
+
+    monkeypatch.setattr(trace, "DUPLICATE_BLOCK", 4)
+    ids = torch.rand(20, L, E, generator=torch.Generator().manual_seed(5)).argsort(-1)[..., :K].to(torch.uint8)
+    assert trace.clean_trace(ids, SPEC, 20) is not None  # 40 rows: 10 blocks
+    bad = ids.clone()
+    bad.view(-1, K)[row, K - 1] = bad.view(-1, K)[row, 0]
+    assert trace.clean_trace(bad, SPEC, 20) is None
+    with pytest.raises(RoutingTraceError, match="duplicate"):
+        validate_batch([bad], SPEC, [20])
+
+
 def test_sglang_decode_selects_moe_layers():
     full = torch.randint(0, E, (6, 4, K), dtype=torch.int32)
     full[:, :, 1] = (full[:, :, 0] + 1) % E

@@ -169,6 +169,44 @@ def test_token_ids_outside_the_vocabulary_are_one_engine_error():
         engine.shutdown()
 
 
+def test_connections_bound_their_receive_buffer():
+    """The kernel buffer of each /generate connection is bounded (sglang_client.RECEIVE_BUFFER; Linux reports
+    twice what was set) where net.core.rmem_max allows it, and a keep-alive connection serves the next request."""
+    import socket
+
+    import rlpo_mega.rollout.sglang_client as client
+
+    class KeepAlive(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url, conns = f"http://127.0.0.1:{server.server_address[1]}", client.Connections()
+    try:
+        for _ in range(2):
+            with conns.post(url, "/generate", b"{}", 5.0) as resp:
+                assert resp.read() == b"{}"
+            (conn,) = conns._idle[url]  # the same one both times
+        got = conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        assert client._BOUND_RECEIVE == (client._rmem_max() >= client.RECEIVE_BUFFER)
+        if client._BOUND_RECEIVE:  # this machine's and CI's kernel (rmem_max 4 MB)
+            assert got == 2 * client.RECEIVE_BUFFER, got
+    finally:
+        conns.close()
+        server.shutdown()
+        server.server_close()
+
+
 def test_stop_sends_nothing_more():
     """limit 1 on a hung server: one request in flight, the others wait for its slot; a stop aborts that
     one and the waiting ones are never sent."""
@@ -284,8 +322,34 @@ def test_split_routes_cuts_only_the_routes_string():
     for routes in (None, [[1, 2]]):
         body = json.dumps({"meta_info": {"routed_experts": routes}}).encode()
         assert split_routes(body) == (body, None)
-    escaped = b'{"meta_info": {"routed_experts": "AA\\/A"}}'  # a JSON escape inside: the parser decides
-    assert split_routes(escaped) == (escaped, None)
+    # a JSON escape inside ("\\/" is "/"): cut out as it stands, undone by decode_routes when base64 refuses it
+    routes = torch.tensor([[[0, 1]], [[63, 62]]], dtype=torch.int32)  # 63, 62: bytes that base64 writes with "/"
+    plain = base64.b64encode(routes.numpy().astype("<i4").tobytes())
+    assert b"/" in plain
+    escaped = b'{"meta_info": {"routed_experts": "' + plain.replace(b"/", b"\\/") + b'"}}'
+    rest, b64 = split_routes(escaped)
+    assert json.loads(rest) == {"meta_info": {"routed_experts": None}}
+    assert torch.equal(decode_routes(b64, 1, TraceSpec(64, 2, (0,))), routes.to(torch.uint8))
+    with pytest.raises(RoutingTraceError, match="not valid base64"):
+        decode_routes(memoryview(b"AA\\qA"), 1, TraceSpec(64, 2, (0,)))  # an escape that is no JSON
+
+
+@pytest.mark.parametrize("block", [12, 24, 36, 1 << 18])  # 1, 2 and 3 rows of 3 per block, the whole answer
+def test_decode_routes_in_blocks(monkeypatch, block):
+    """Base64 decoded block by block (DECODE_BLOCK bytes; 3 rows of 4 ids here make 48 bytes) equals the whole
+    decode: MoE layers gathered, uint8; an id out of range in a later block gives the whole answer in int32."""
+    import rlpo_mega.rollout.sglang_client as client
+
+    monkeypatch.setattr(client, "DECODE_BLOCK", block * 4)
+    spec = TraceSpec(8, 2, (1,))  # 2 hidden layers, layer 0 dense
+    full = torch.rand(10, 2, 8, generator=torch.Generator().manual_seed(1)).argsort(-1)[..., :2].to(torch.int32)
+    full[:, 0] = 99  # the dense layer's rows hold garbage: dropped
+    dec = decode_routes(encode_sglang(full), 2, spec, tokens=10)
+    assert dec.dtype == torch.uint8 and torch.equal(dec, full[:, [1]].to(torch.uint8))
+    full[8, 1, 0] = -1  # no data, in the last block
+    dec = decode_routes(encode_sglang(full), 2, spec, tokens=10)
+    assert dec.dtype == torch.int32 and torch.equal(dec, full[:, [1]])
+    assert decode_routes(encode_sglang(full[:7]), 2, spec).shape == (7, 1, 2)  # 7 rows: a short last block
 
 
 def test_stdlib_fallback_decodes_the_same(monkeypatch):

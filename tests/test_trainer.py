@@ -249,6 +249,47 @@ def test_dead_engine_restarted_or_run_stops_with_checkpoint(tmp_path):
     assert rep["dead_steps"] == [1] and rep["dead_latest"].endswith("step_00000001")
 
 
+def test_step_collector_collects_once_per_step():
+    """trainer.gc per_step: no automatic collection while the run lasts (a rollout's millions of containers
+    trigger none), the young generations after each step and everything every gc_full_every steps; the
+    collector is left as it was found (on, or off when the user had turned it off); automatic: untouched."""
+    import gc
+
+    from rlpo_mega.training.garbage import StepCollector
+
+    gens = []
+
+    def seen(phase, info):
+        if phase == "start":
+            gens.append(info["generation"])
+
+    was = gc.isenabled()
+    gc.callbacks.append(seen)
+    try:
+        gc.enable()
+        with StepCollector("per_step", full_every=3) as collector:
+            assert not gc.isenabled()
+            gens.clear()
+            junk = [[i] for i in range(100_000)]  # ~140 automatic collections' worth of containers
+            assert gens == []
+            del junk
+            assert [collector.step(s) >= 0 for s in (1, 2, 3, 4)] == [True] * 4 and gens == [1, 1, 2, 1]
+        assert gc.isenabled()
+        gc.disable()
+        with StepCollector("per_step"):
+            pass
+        assert not gc.isenabled()  # the user's choice stands
+        gc.enable()
+        with StepCollector("automatic") as collector:
+            assert gc.isenabled() and collector.step(10) == 0.0
+        assert gc.isenabled()
+        with pytest.raises(ValueError, match="gc_full_every=0"):
+            StepCollector("per_step", full_every=0)
+    finally:
+        gc.callbacks.remove(seen)
+        (gc.enable if was else gc.disable)()
+
+
 def test_demo_learns_on_a_short_schedule(tmp_path):
     """`make demo`'s config through the real CLI (--nproc-per-node 2), 20 RL steps instead of 80: the
     warm-up's wrong rule gives ~0 greedy accuracy, RL alone lifts reward and accuracy by a clear margin.

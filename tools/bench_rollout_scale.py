@@ -4,8 +4,9 @@ Each fake server is its own process (its CPU is not the driver's): real HTTP, SG
 ids, `output_token_logprobs`, `routed_experts` as base64 of int32 [prompt + response - 1, hidden layers, top-k])
 at the size a real one sends, answered from a body made once per shape (or after `--latency` seconds). The
 driver is the real engine (rlpo_mega.rollout.sglang_engine.SGLangEngine) generating S samples of L new tokens
-(each answer decoded and its trace checked as it arrives), then what its rank does with them, as the trainer
-does: the scalars' gather (training/exchange.gather_scalars) and the exchange of the payloads in bounded rounds
+(each answer decoded and its trace checked as it arrives) in the steady state of a run (after one rollout of the
+same size: connections, worker threads and receive buffers made; the trainer's garbage collection, --gc), then
+what its rank does with them, as the trainer does: the scalars' gather (training/exchange.gather_scalars) and the exchange of the payloads in bounded rounds
 (training/exchange.exchange, a one-rank gloo group whose rank trains every MoE layer).
 
 Per size, one line:
@@ -28,6 +29,7 @@ import base64
 import json
 import multiprocessing as mp
 import os
+import resource
 import sys
 import threading
 import time
@@ -116,7 +118,7 @@ def _reset_peak():
                          "extra_bytes_per_row needs Linux >= 4.0") from None
 
 
-def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: int) -> dict:
+def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: int, gc: str, **engine) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -125,25 +127,32 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
     from rlpo_mega.rollout import SamplingParams
     from rlpo_mega.rollout.sglang_engine import SGLangEngine
     from rlpo_mega.training.exchange import exchange, gather_scalars
+    from rlpo_mega.training.garbage import StepCollector
 
-    engine = SGLangEngine(SGLangEngineConfig(urls=list(urls)), hf)
+    collector = StepCollector(gc)
+
+    engine = SGLangEngine(SGLangEngineConfig(urls=list(urls), **engine), hf)
     prompts = [[5 + (i % 50)] * prompt_tokens for i in range(samples)]
     params = SamplingParams(max_new_tokens=tokens)
     spec = engine.spec
-    engine.generate(prompts[:len(urls)], SamplingParams(max_new_tokens=2), n=1)  # connections, lazy imports
+    # the steady state of a run's steps: one rollout of the same size first (its connections, worker threads and
+    # receive buffers are the next step's; a trainer makes them at its first step, once per run)
+    engine.generate(prompts, params, n=1)
     torch.set_num_threads(1)
+    collector.start()  # the trainer's garbage collection (trainer.gc), from its set-up's end
     me = [Recipient(0, 0, 1, 0, 1, tuple(range(spec.num_layers)))]  # one rank training every MoE layer
     _reset_peak()
     base = _rss("VmRSS")
-    wall0, cpu0 = time.perf_counter(), time.process_time()
+    wall0, cpu0, ru0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
     out = engine.generate(prompts, params, n=1)
-    wall1 = time.perf_counter()
+    wall1, ru1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     # what the rank does next, as the trainer does it: the scalars' gather (checking the traces the engine did
     # not), then the exchange of the payloads in bounded rounds (training/exchange.py)
     out = gather_scalars(out, spec, "error", None)
     received, xstats = exchange(out, {i: 0 for i in range(len(out))}, me, spec, round_bytes=round_mb << 20)
     wall2, cpu1 = time.perf_counter(), time.process_time()
     peak = _rss("VmHWM")
+    collector.close()
     idle = sum(t.is_alive() for t in engine._pool.threads)  # reused by the next rollout: idle, holding nothing
     engine.shutdown()
     left = sum(t.is_alive() for t in threading.enumerate() if t.name.startswith("rlpo-sglang"))
@@ -153,11 +162,14 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
             "cpu_us_per_row": (cpu1 - cpu0) / rows * 1e6, "extra_bytes_per_row": (peak - base) / rows,
             "tail_frac": (wall2 - wall1) / (wall2 - wall0), "rows_per_s": rows / (wall1 - wall0),
             "rollout_s": wall1 - wall0, "tail_s": wall2 - wall1, "exchange_rounds": xstats["rounds"],
-            "compact_bytes_per_row": spec.num_layers * spec.topk, "workers": idle, "workers_after_shutdown": left}
+            "compact_bytes_per_row": spec.num_layers * spec.topk,
+            "rollout_user_us_per_row": (ru1.ru_utime - ru0.ru_utime) / rows * 1e6,
+            "rollout_sys_us_per_row": (ru1.ru_stime - ru0.ru_stime) / rows * 1e6,
+            "context_switches": (ru1.ru_nvcsw - ru0.ru_nvcsw, ru1.ru_nivcsw - ru0.ru_nivcsw), "workers": idle, "workers_after_shutdown": left}
 
 
 def main():
-    from rlpo_mega.config import TrainerConfig
+    from rlpo_mega.config import SGLangEngineConfig, TrainerConfig
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "qwen3_30b_a3b.json"))
@@ -169,6 +181,12 @@ def main():
     ap.add_argument("--latency", type=float, default=0.0, help="seconds each fake answer waits")
     ap.add_argument("--exchange-round-mb", type=int, default=TrainerConfig.exchange_round_mb,
                     help="the exchange's round (trainer.exchange_round_mb)")
+    ap.add_argument("--max-in-flight", type=int, default=SGLangEngineConfig.max_in_flight_per_server,
+                    help="rollout.sglang.max_in_flight_per_server")
+    ap.add_argument("--decode-concurrency", type=int, default=SGLangEngineConfig.decode_concurrency,
+                    help="rollout.sglang.decode_concurrency")
+    ap.add_argument("--gc", choices=["per_step", "automatic"], default=TrainerConfig.gc,
+                    help="the trainer's garbage collection (trainer.gc) while the driver runs")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     samples, tokens = args.samples or [512, 256], args.tokens or [1024, 4096]
@@ -195,7 +213,8 @@ def main():
                 p.start()
             urls = [f"http://127.0.0.1:{q.get(timeout=300)}" for _ in procs]
         try:
-            r = run_size(urls, hf, s, t, args.prompt_tokens, args.exchange_round_mb)
+            r = run_size(urls, hf, s, t, args.prompt_tokens, args.exchange_round_mb, args.gc,
+                         max_in_flight_per_server=args.max_in_flight, decode_concurrency=args.decode_concurrency)
         finally:
             for p in procs:
                 p.terminate()
@@ -204,7 +223,9 @@ def main():
         print(f"rollout-scale: samples={s} tokens={t} servers={r['servers']} cpu_us_per_row={r['cpu_us_per_row']:.2f} "
               f"extra_bytes_per_row={r['extra_bytes_per_row']:.0f} tail_frac={r['tail_frac']:.3f}", flush=True)
         print(f"  rows={r['rows']} rows/s={r['rows_per_s']:.0f} rollout {r['rollout_s']:.1f} s, after the last answer "
-              f"{r['tail_s']:.1f} s ({r['exchange_rounds']} exchange rounds); compact {r['compact_bytes_per_row']} B "
+              f"{r['tail_s']:.1f} s ({r['exchange_rounds']} exchange rounds); during the rollout "
+              f"{r['rollout_user_us_per_row']:.2f} us user + {r['rollout_sys_us_per_row']:.2f} us system per row, "
+              f"{r['context_switches'][0]} + {r['context_switches'][1]} context switches (voluntary + not); compact {r['compact_bytes_per_row']} B "
               f"per row; {r['workers']} worker threads, "
               f"{r['workers_after_shutdown']} left after shutdown", flush=True)
     if args.json:

@@ -173,6 +173,9 @@ def _finish(ids, spec, replaced, problems, sample) -> RoutingTrace:
     return trace
 
 
+DUPLICATE_BLOCK = 1 << 16
+
+
 def clean_trace(ids, spec: TraceSpec, num_tokens: int) -> Optional[RoutingTrace]:
     """The checks of validate_trace for one sample, in its own memory: the compact trace when it is clean, else
     None (then validate_trace names the problem or falls back). No widening beyond the ids' own dtype and no
@@ -192,11 +195,15 @@ def clean_trace(ids, spec: TraceSpec, num_tokens: int) -> Optional[RoutingTrace]
             return None
     compact = torch.from_numpy(ids.astype(torch.empty(0, dtype=compact_dtype(E)).numpy().dtype, copy=False))
     flat = compact.numpy().reshape(-1, k)
-    if k > 1 and flat.shape[0]:
-        cols = np.ascontiguousarray(flat.T)  # [k, T*L]: each compare runs over contiguous memory
-        for a in range(k - 1):  # column a against every later column in one compare
-            if (cols[a + 1:] == cols[a]).any():
-                return None
+    if k > 1:
+        # in blocks of DUPLICATE_BLOCK (token, layer) rows, so that the transposed copy and the compares' outputs
+        # stay in cache and below malloc's mmap threshold: whole-sample temporaries cost twice as much, half of it
+        # page faults on memory fresh from the kernel for every answer
+        for start in range(0, flat.shape[0], DUPLICATE_BLOCK):
+            cols = np.ascontiguousarray(flat[start:start + DUPLICATE_BLOCK].T)  # [k, rows]: contiguous compares
+            for a in range(k - 1):  # column a against every later column in one compare
+                if (cols[a + 1:] == cols[a]).any():
+                    return None
     # top-2 and more: k distinct ids hold a non-zero one, so no layer is all zero once duplicates are excluded
     if num_tokens and k == 1 and num_tokens >= ALL_ZERO_MIN_TOKENS_TOP1:
         if not compact.numpy().reshape(num_tokens, L * k).max(axis=0).reshape(L, k).any(axis=1).all():

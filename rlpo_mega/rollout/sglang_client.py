@@ -76,7 +76,7 @@ class Connections:
             reused = conn is not None
             if conn is None:
                 u = urllib.parse.urlsplit(url)
-                cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+                cls = _HTTPSConnection if u.scheme == "https" else _HTTPConnection
                 conn = cls(u.hostname, u.port, timeout=timeout)
             self._active.add(conn)
         conn.timeout = timeout
@@ -145,6 +145,43 @@ class Connections:
         for conns in idle.values():
             for c in conns:
                 c.close()
+
+
+# Kernel receive buffer per connection (Linux reserves twice this). Without a bound the kernel grows each one to
+# net.ipv4.tcp_rmem's maximum (32 MB here) and hundreds of answers ending at once -- every sample stopped by
+# max_new_tokens ends at the same decode step -- park gigabytes in socket buffers while the driver decodes one at
+# a time: past net.ipv4.tcp_mem every socket of the host slows, and copying an answer out of memory that has gone
+# cold cost the driver ~3x the system time of one read as it arrives (tools/bench_rollout_scale.py). 2 MB still
+# holds a 1k-token answer whole and is above a 200 Gb/s link's bandwidth-delay product; the rest of a longer
+# answer waits on its server. Applied only where net.core.rmem_max allows it (else the kernel would cut it to a
+# fraction of an answer, slower than its own autotuning).
+RECEIVE_BUFFER = 2 << 20
+
+
+def _rmem_max() -> int:
+    try:
+        with open("/proc/sys/net/core/rmem_max") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+_BOUND_RECEIVE = _rmem_max() >= RECEIVE_BUFFER
+
+
+class _Bounded:
+    def connect(self):
+        super().connect()
+        if _BOUND_RECEIVE:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+
+
+class _HTTPConnection(_Bounded, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_Bounded, http.client.HTTPSConnection):
+    pass
 
 
 def _dropped(conn) -> bool:
@@ -290,8 +327,8 @@ def split_routes(body, end: Optional[int] = None) -> tuple[bytes, Optional[memor
     if m is None:
         return body[:end], None  # null or a list: parsed with the rest
     j = body.find(b'"', m.end(), end)
-    if j < 0 or body.find(b"\\", m.end(), j) >= 0:
-        return body[:end], None  # unterminated, or JSON escapes inside: the parser decides
+    if j < 0:
+        return body[:end], None  # unterminated: the parser decides
     return body[:i] + b'"routed_experts":null' + body[j + 1:end], memoryview(body)[m.end():j]
 
 
@@ -338,48 +375,107 @@ def parse_logprobs(entries) -> torch.Tensor:
     return torch.from_numpy(lps.astype(np.float32))  # float64 -> float32: the rounding of torch.tensor(floats)
 
 
+DECODE_BLOCK = 1 << 18  # bytes of int32 ids decoded at once: they stay in cache, and below malloc's mmap threshold
+
+
 def decode_routes(data, num_hidden_layers: int, spec, tokens: int | None = None) -> torch.Tensor:
     """meta_info.routed_experts (base64 of little-endian int32 [rows, num_hidden_layers, topk], see
-    moe.routing.decoders.decode_sglang) -> the MoE layers' ids [rows, spec.num_layers, topk], vectorized:
-    a zero-copy frombuffer view, one numpy index for the MoE layers, one cast to the trace's compact dtype
-    (uint8 up to 256 experts). Same checks and messages as decode_sglang + select_moe_layers. Ids outside
-    [0, num_experts) (-1 = no data) keep int32: narrowing would wrap them into valid-looking ids, and
-    validate_trace must see them to name the token (or fall back). tokens: the rows the sample must have
-    (prompt + completion - 1); a payload of another size names the layer count it implies."""
-    topk = spec.topk
-    if isinstance(data, (str, bytes, memoryview)):
+    moe.routing.decoders.decode_sglang) -> the MoE layers' ids [rows, spec.num_layers, topk] in the trace's
+    compact dtype (uint8 up to 256 experts). Same checks and messages as decode_sglang + select_moe_layers.
+    Base64 is decoded in blocks of DECODE_BLOCK bytes straight into the compact result: per block one decode, a
+    zero-copy frombuffer view, one unsigned max (a negative id, -1 = no data, wraps above any expert count) and
+    one narrowing copy of the MoE layers -- no int32 copy of the whole answer, whose fresh pages cost as much as
+    the decode. Ids outside [0, num_experts) keep int32 (the whole answer then): narrowing would wrap them into
+    valid-looking ids, and validate_trace must see them to name the token (or fall back). tokens: the rows the
+    sample must have (prompt + completion - 1); a payload of another size names the layer count it implies."""
+    topk, per_row = spec.topk, num_hidden_layers * spec.topk
+    layers = np.asarray(spec.moe_layers, dtype=np.intp)
+    if isinstance(data, (str, bytes, bytearray, memoryview)):
         try:
-            raw = b64decode(data, validate=True)
-        except (binascii.Error, ValueError) as e:
+            b64 = memoryview(data.encode("ascii") if isinstance(data, str) else data).cast("B")
+        except (UnicodeEncodeError, TypeError) as e:
             raise RoutingTraceError(f"routed_experts: not valid base64 ({e})") from None
-        if len(raw) % 4:
-            raise RoutingTraceError(f"routed_experts: {len(raw)} bytes is not a whole number of int32")
-        arr = np.frombuffer(raw, dtype="<i4")
+        if len(b64) % 4:
+            return decode_routes(_unescaped(b64, f"{len(b64)} characters, not a multiple of 4"),
+                                 num_hidden_layers, spec, tokens)
+        pad = len(b64) and (b64[-1] == 61) + (b64[-2] == 61)  # "=": 61
+        nbytes = len(b64) // 4 * 3 - pad
+        try:
+            size = _ids(nbytes, per_row, tokens, num_hidden_layers, topk)
+        except RoutingTraceError:
+            try:  # what is not base64 at all says so first (a failure's path only: one whole decode)
+                b64decode(b64, validate=True)
+            except (binascii.Error, ValueError) as err:
+                return decode_routes(_unescaped(b64, str(err)), num_hidden_layers, spec, tokens)
+            raise
     elif isinstance(data, (list, tuple, np.ndarray, torch.Tensor)):
         try:
             arr = np.asarray(data, dtype=np.int64).reshape(-1)
         except (TypeError, ValueError) as e:
             raise RoutingTraceError(f"routed_experts: not an array of expert ids ({e})") from None
+        b64, size = None, _ids(arr.size * 4, per_row, tokens, num_hidden_layers, topk)
     else:
         raise RoutingTraceError(f"routed_experts is {type(data).__name__} {data!r:.40}; expected base64 of int32")
-    per_row = num_hidden_layers * topk
-    if tokens and arr.size != tokens * per_row:
-        raise RoutingTraceError(
-            f"routed_experts holds {arr.size} ids for {tokens} tokens, i.e. {arr.size / tokens / topk:.3g} layers "
-            f"x top-{topk} per token; model.hf_config has num_hidden_layers={num_hidden_layers}: the server "
-            "serves another model than the trainer's")
-    if arr.size % per_row:
-        raise RoutingTraceError(f"routed_experts: {arr.size} ids is not a multiple of num_hidden_layers * "
-                                f"topk = {num_hidden_layers} * {topk}")
-    layers = np.asarray(spec.moe_layers, dtype=np.intp)
     if layers.size and int(layers.max()) >= num_hidden_layers:
         raise RoutingTraceError(f"routes cover {num_hidden_layers} layers; MoE layer {int(layers.max())} is missing")
-    ids = arr.reshape(-1, num_hidden_layers, topk)
-    if layers.size != num_hidden_layers:  # dense layers among them: one gather (a copy) of the MoE columns
-        ids = ids[:, layers]
+    gather = layers.size != num_hidden_layers  # dense layers among them: the MoE columns only
     compact = torch.empty(0, dtype=compact_dtype(spec.num_experts)).numpy().dtype
-    # one unsigned max: a negative id (-1 = no data) wraps above any expert count
-    in_range = ids.size == 0 or int(ids.view(ids.dtype.str.replace("i", "u")).max()) < spec.num_experts
+    rows = size // per_row
+    if b64 is None:
+        ids = arr.reshape(rows, num_hidden_layers, topk)
+        return _narrow(ids[:, layers] if gather else ids, spec.num_experts, compact)
+    out = np.empty((rows, layers.size, topk), dtype=compact)
+    step = max(3, DECODE_BLOCK // (per_row * 4) // 3 * 3)  # rows: 3 rows of int32 are whole base64 quads
+    quad = per_row * 16  # base64 characters of 3 rows (int32: 3 x 4 bytes per id -> 16 characters)
+    for r in range(0, rows, step):
+        e = min(rows, r + step)
+        try:
+            raw = b64decode(b64[r // 3 * quad:(e // 3 * quad if e < rows else len(b64))], validate=True)
+        except (binascii.Error, ValueError) as err:
+            return decode_routes(_unescaped(b64, str(err)), num_hidden_layers, spec, tokens)
+        ids = np.frombuffer(raw, dtype="<i4").reshape(-1, num_hidden_layers, topk)
+        if gather:
+            ids = ids[:, layers]
+        if ids.size and int(ids.view("<u4").max()) >= spec.num_experts:  # out of range: the int32 ids, whole
+            whole = np.frombuffer(b64decode(b64, validate=True), dtype="<i4").reshape(rows, num_hidden_layers, topk)
+            return torch.from_numpy(whole[:, layers] if gather else whole.copy())
+        out[r:e] = ids
+    return torch.from_numpy(out)
+
+
+def _ids(nbytes: int, per_row: int, tokens, num_hidden_layers: int, topk: int) -> int:
+    """The number of int32 ids in `nbytes`, checked: whole ids, whole rows, and the rows the sample must have."""
+    if nbytes % 4:
+        raise RoutingTraceError(f"routed_experts: {nbytes} bytes is not a whole number of int32")
+    size = nbytes // 4
+    if tokens and size != tokens * per_row:
+        raise RoutingTraceError(
+            f"routed_experts holds {size} ids for {tokens} tokens, i.e. {size / tokens / topk:.3g} layers "
+            f"x top-{topk} per token; model.hf_config has num_hidden_layers={num_hidden_layers}: the server "
+            "serves another model than the trainer's")
+    if size % per_row:
+        raise RoutingTraceError(f"routed_experts: {size} ids is not a multiple of num_hidden_layers * "
+                                f"topk = {num_hidden_layers} * {topk}")
+    return size
+
+
+def _unescaped(b64: memoryview, why: str) -> str:
+    """The routes' string as JSON reads it, when its raw bytes are not plain base64: a JSON escape inside (e.g.
+    "\\/", which split_routes leaves in) is undone; anything else is not valid base64."""
+    raw = bytes(b64)  # a failure's path only
+    if b"\\" in raw:
+        try:
+            text = json.loads(b'"' + raw + b'"')
+        except ValueError:
+            text = None
+        if isinstance(text, str) and "\\" not in text:
+            return text
+    raise RoutingTraceError(f"routed_experts: not valid base64 ({why})")
+
+
+def _narrow(ids: np.ndarray, num_experts: int, compact) -> torch.Tensor:
+    """The compact dtype when every id is in [0, num_experts) (one unsigned max), else int32."""
+    in_range = ids.size == 0 or (int(ids.min()) >= 0 and int(ids.max()) < num_experts)
     return torch.from_numpy(ids.astype(compact if in_range else np.int32))
 
 

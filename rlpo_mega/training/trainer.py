@@ -54,6 +54,7 @@ from rlpo_mega.training.batches import plan_and_exchange
 from rlpo_mega.training.collect import PRODUCERS, Rollouts, sampling_params, share
 from rlpo_mega.training.critic import Critic
 from rlpo_mega.training.engines import Engines, StopRequested
+from rlpo_mega.training.garbage import StepCollector
 from rlpo_mega.training.old_logprobs import old_logprobs, old_pass_needed
 from rlpo_mega.training.sync import sync_weights
 from rlpo_mega.training.update import Policy, update_phase
@@ -126,6 +127,7 @@ class Trainer:
         self.reference_loaded = self._resume()
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.stop = ckpt_state.StopSignal()
+        self.collector = StepCollector(cfg.trainer.gc, cfg.trainer.gc_full_every)
         self.engines = Engines(cfg, self.hf, self.sync, should_stop=lambda: self.stop.received is not None,
                                group=distributed.control_group(cfg.rollout.wait_timeout))
         self.rollouts = Rollouts(cfg, self.engines, self.scorer, self.tokenizer, self.spec)
@@ -314,6 +316,10 @@ class Trainer:
         return out
 
     def run(self) -> list[dict]:
+        with self.collector:  # trainer.gc: no automatic collection while the run lasts, one after each step
+            return self._run()
+
+    def _run(self) -> list[dict]:
         c, history = self.cfg, []
         if not self.start():  # SIGTERM during the warm-up
             return history
@@ -327,6 +333,7 @@ class Trainer:
                     metrics = self.train_step()
                     if c.trainer.eval_every and self.step % c.trainer.eval_every == 0:
                         metrics.update(self.evaluate())
+                    metrics["time/gc"] = self.collector.step(self.step)
                 except StopRequested:  # SIGTERM while ranks waited for a rollout: this step never happened
                     if c.checkpoint.save_dir:
                         self.save(on_signal=True)
