@@ -140,6 +140,20 @@ def test_resume_equals_uninterrupted_run(resumed):
     assert resumed["ckpt_dirs"] == ["latest", "step_00000004"]  # keep_last=1 pruned step 2
 
 
+def test_resume_keeps_the_groups_carried_to_the_next_step(resumed):
+    """Dynamic sampling with surplus groups carried one step: each rank's carried groups (and prompts drawn but
+    not sent) are saved with the checkpoint, so the resumed run trains at steps 2-4 exactly what the
+    uninterrupted run does, carried groups included."""
+    full = {h["step"]: h for h in resumed["full_ds"]}
+    second = {h["step"]: h for h in resumed["second_ds"]}
+    assert sorted(second) == [2, 3, 4] and resumed["rank_state"] == ["rank_00000.pt", "rank_00001.pt"]
+    assert full[2]["dynamic_sampling/carried_in"] > 0  # step 2 trains groups that step 1 carried (saved, loaded)
+    for step in (2, 3, 4):
+        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "dynamic_sampling/carried_in",
+                    "dynamic_sampling/kept", "dynamic_sampling/prompts_drawn"):
+            assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
+
+
 def test_resume_with_a_critic_equals_uninterrupted_run(tmp_path):
     r = torchrun("train_scenarios.py", 2, "resume_ppo", str(tmp_path), env={"WANDB_MODE": "disabled"}, timeout=900)
     full = {h["step"]: h for h in r["full"]}
@@ -247,6 +261,13 @@ def test_dead_engine_restarted_or_run_stops_with_checkpoint(tmp_path):
     assert rep["restart"][-1]["engine/restarts"] == 1
     assert "no restarts are left" in rep["dead_error"] and "simulated crash" in rep["dead_error"]
     assert rep["dead_steps"] == [1] and rep["dead_latest"].endswith("step_00000001")
+    # dynamic sampling: the crashed attempt's prompts went to the retry, so the run equals one without the crash
+    assert [h["engine/restarts"] for h in rep["ds_restart"]] == [0, 1, 1]
+    for clean, restarted in zip(rep["ds_clean"], rep["ds_restart"]):
+        for key in ("loss/policy", "reward/mean", "dynamic_sampling/prompts_drawn", "dynamic_sampling/kept"):
+            assert restarted[key] == clean[key], (restarted["step"], key, restarted[key], clean[key])
+    for rank in rep["ds_prompts"]:  # the same prompts, step by step, on every rank
+        assert rank["restart"] == rank["clean"] and len(rank["clean"]) == 3
 
 
 def test_step_collector_collects_once_per_step():

@@ -192,9 +192,11 @@ def _what_failed(e: BaseException, path: str) -> str:
 
 
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
-                    files: dict[str, bytes] | None = None, reference_chunks=None, critic=None, checksums: bool = True):
+                    files: dict[str, bytes] | None = None, reference_chunks=None, critic=None, checksums: bool = True,
+                    rank_files: dict[str, bytes] | None = None):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
-    the checkpoint before the swap (the trainer state), so they exist exactly when the weights do.
+    the checkpoint before the swap (the trainer state), so they exist exactly when the weights do; rank_files:
+    the same, written by the rank that passes them (names distinct across ranks: a rank's own rollout state).
     reference_chunks: a frozen KL reference model of the same layout, saved in the same checkpoint.
     critic: (model_chunks, optimizer or None) of PPO's value model, saved in the same checkpoint.
     A failure on any rank (a full disk included) is agreed by all ranks, `path`.tmp is removed and one
@@ -249,7 +251,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
             raise CheckpointError(err)
 
     def write_files():
-        for name, data in (files or {}).items():
+        for name, data in {**((files or {}) if rank == 0 else {}), **(rank_files or {})}.items():
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
@@ -270,7 +272,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
 
     phase(lambda: dist_checkpointing.save(state, tmp))
-    phase(write_files, on_rank0_only=True)
+    phase(write_files)
     phase(digest)  # collective inside: every rank runs it
     phase(write_meta, on_rank0_only=True)
 

@@ -3,6 +3,8 @@
 Layout under checkpoint.save_dir:
   step_00000012/        a megatron dist checkpoint (rlpo_mega.checkpoint: written to .tmp, swapped in)
     trainer_state.pt    step, prompt cursor, counters and every rank's RNG states (inside the swap)
+    rank_state/rank_<r>.pt  a rank's own state when it has any: the rollout producer's (groups carried to the
+                        next step, prompts drawn and not yet sent), restored when the world size is the same
   latest                the name of the newest complete step directory (replaced atomically)
 
 A crash mid-save leaves `step_<N>.tmp` (ignored and cleaned) and the previous `latest` untouched.
@@ -163,14 +165,19 @@ def prune(save_dir: str, step: int, run_id: str, keep_last: int, stale=()) -> li
     return gone
 
 
+def rank_state_file(rank: int) -> str:
+    return f"rank_state/rank_{rank:05d}.pt"
+
+
 def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
          hf_files: dict[str, bytes] | None = None, reference=None, stale: tuple = (), critic=None,
-         checksums: bool = True) -> str:
+         checksums: bool = True, rank_state: dict | None = None) -> str:
     """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
     hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, then prunes: this run's
     (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
     the `stale` steps the run was told to replace (checkpoint.overwrite). checksums=False: the save on SIGTERM
-    (rlpo_mega.checkpoint.dist.save_checkpoint)."""
+    (rlpo_mega.checkpoint.dist.save_checkpoint). rank_state: this rank's own state (none when empty), loaded back
+    by `load` on the same rank."""
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rng_state())
@@ -181,8 +188,13 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
         files = {STATE_FILE: buf.getvalue(), **{f"{HF_FILES}/{k}": v for k, v in (hf_files or {}).items()}}
         os.makedirs(save_dir, exist_ok=True)
     path = step_dir(save_dir, step)
+    mine = None
+    if rank_state:
+        buf = io.BytesIO()
+        torch.save(rank_state, buf)
+        mine = {rank_state_file(dist.get_rank()): buf.getvalue()}
     save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files, reference_chunks=reference,
-                    critic=critic, checksums=checksums)
+                    critic=critic, checksums=checksums, rank_files=mine)
     problem = [None]
     if dist.get_rank() == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")
@@ -234,11 +246,21 @@ def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=No
                               "earlier step (checkpoint.load_dir)") from None
     state["reference_loaded"] = reference is not None and bool(meta.get("has_reference"))
     state["critic_loaded"] = critic is not None and bool(meta.get("has_critic"))
+    state["rank_state"] = {}
     if state["world_size"] == dist.get_world_size():
         set_rng_state(state["rng"][dist.get_rank()])
+        mine = os.path.join(path, rank_state_file(dist.get_rank()))
+        if os.path.isfile(mine):  # covered by the checksums like every file of the checkpoint
+            try:
+                state["rank_state"] = torch.load(mine, weights_only=False)
+            except Exception as e:
+                raise CheckpointError(f"{mine} is unreadable ({type(e).__name__}: {e}): the checkpoint is damaged; "
+                                      "load an earlier step (checkpoint.load_dir)") from None
     else:
-        log.warning("resuming %d ranks from a %d-rank checkpoint: RNG states start fresh", dist.get_world_size(),
-                    state["world_size"])
+        kept = os.path.isdir(os.path.join(path, os.path.dirname(rank_state_file(0))))
+        log.warning("resuming %d ranks from a %d-rank checkpoint: RNG states start fresh%s", dist.get_world_size(),
+                    state["world_size"], "; the ranks' rollout state (groups carried to the next step, prompts drawn "
+                    "and not yet sent) is dropped, and those prompts are not trained this epoch" if kept else "")
     return state
 
 

@@ -15,6 +15,7 @@ ranks meet once, after, to agree on how many chunks of prompts were drawn (the c
 from __future__ import annotations
 
 import abc
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -28,6 +29,8 @@ from rlpo_mega.rewards import RewardInput
 from rlpo_mega.rollout import Sample, SamplingParams
 from rlpo_mega.rollout.base import share_of
 from rlpo_mega.training.exchange import gather_scalars
+
+log = logging.getLogger("rlpo_mega")
 
 PRODUCERS = Registry("rollout producer")
 
@@ -58,6 +61,13 @@ class RolloutProducer(abc.ABC):
     @abc.abstractmethod
     def collect(self, step: int, timer) -> ScoredGroups:
         """The groups to train on at `step`; none (an empty list) means the step makes no update."""
+
+    def state_dict(self) -> dict:
+        """This rank's own state between steps (saved with each checkpoint, per rank; empty: nothing to save)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` on the same rank of a run of the same world size."""
 
     def close(self):
         pass
@@ -149,6 +159,26 @@ class SyncProducer(RolloutProducer):
         self.groups = GroupCollector(ds.max_tries, ds.max_carry_steps)
         self.pending: list[list] = []  # this rank's shares of chunks drawn to keep the cursors equal, not yet sent
 
+    def state_dict(self) -> dict:
+        """The prompts this rank drew and has not sent (the cursor is past them) and its carried groups: a resumed
+        run trains them where the uninterrupted one would have."""
+        if not self.pending and not self.groups.carry:
+            return {}
+        return {"pending": self.pending, "carry": self.groups.carry}
+
+    def load_state_dict(self, state: dict) -> None:
+        pending, carry = list(state.get("pending", [])), list(state.get("carry", []))
+        fits = [g for g in carry if len(g.samples) == self.cfg.prompts.n_samples]
+        if not self.cfg.algorithm.dynamic_sampling.enabled and (pending or carry):
+            log.warning("the checkpoint holds %d carried groups and %d prompts drawn and not sent by rank %d, but "
+                        "algorithm.dynamic_sampling is off now: they are dropped", len(carry),
+                        sum(map(len, pending)), dist.get_rank())
+            pending, fits = [], []
+        elif len(fits) < len(carry):
+            log.warning("rank %d drops %d carried groups of another size than prompts.n_samples=%d",
+                        dist.get_rank(), len(carry) - len(fits), self.cfg.prompts.n_samples)
+        self.pending, self.groups.carry = pending, fits
+
     def collect(self, step: int, timer) -> ScoredGroups:
         cfg, p = self.cfg, self.cfg.prompts
         if cfg.algorithm.dynamic_sampling.enabled:
@@ -190,12 +220,25 @@ class SyncProducer(RolloutProducer):
         def score_group(item, group):
             return score([item] * len(group), group, self.rollouts.scorer, self.rollouts.tokenizer, step)
 
+        before, attempts = (self.sampler.state_dict(), list(self.pending), list(self.groups.carry)), [0]
+
+        def discard():  # an attempt that does not count: as if it never ran -- the cursor rewound (equal on every
+            self.sampler.load_state_dict(before[0])  # rank again), the prompts it took and its carried groups back
+            self.pending, self.groups.carry, drawn[0] = list(before[1]), list(before[2]), 0
+
         def local():
             if me not in ranks:
                 return [], DynamicSamplingReport(0)
+            if attempts[0]:  # a retry: the engine guard reruns every rank's attempt after a failure on any
+                discard()
+            attempts[0] += 1
             return self.groups.collect(quota, step, draw, stream, score_group, timer)
 
-        kept, report = engines.guard.run(local)
+        try:
+            kept, report = engines.guard.run(local)
+        except BaseException:  # a stop (saved at the step before: this one never happened), or the run's end
+            discard()
+            raise
         # the ranks that drew fewer chunks draw the rest now and keep their shares for their next step
         counts = torch.tensor([drawn[0], *report.counts()], dtype=torch.int64)
         most = counts[:1].clone()

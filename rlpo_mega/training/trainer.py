@@ -123,7 +123,7 @@ class Trainer:
             log.info("old log-probs: %s", "the update's own forward (one optimizer step per rollout batch)"
                      if why is None else f"a separate pass ({why})")
         self.step, self.bad_steps, self.warmup_done, self.stopped, self.started = 0, 0, False, False, False
-        self.critic_loaded = False
+        self.critic_loaded, self.resumed_rank_state = False, {}
         self.reference_loaded = self._resume()
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.stop = ckpt_state.StopSignal()
@@ -132,6 +132,8 @@ class Trainer:
                                group=distributed.control_group(cfg.rollout.wait_timeout))
         self.rollouts = Rollouts(cfg, self.engines, self.scorer, self.tokenizer, self.spec)
         self.producer = producer(cfg, self.sampler, self.rollouts, self._divisor())
+        if self.resumed_rank_state.get("producer"):  # this rank's carried groups and unsent prompts
+            self.producer.load_state_dict(self.resumed_rank_state["producer"])
 
     def start(self) -> bool:
         """The run's phases before RL (once): the supervised warm-up (unless the checkpoint is past it), the KL
@@ -234,6 +236,7 @@ class Trainer:
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
         self.warmup_done = bool(st["warmup_done"])
         self.sampler.load_state_dict(st["sampler"])
+        self.resumed_rank_state = st["rank_state"]
         p.lr_schedule.num_steps = int(st.get("lr_steps", 0))  # checkpoints before the schedule: from 0
         p.lr_schedule.step(0)
         self.critic_loaded = st["critic_loaded"]
@@ -289,7 +292,8 @@ class Trainer:
                                      "run_id": self.run_id, "settings": self._settings()},
                                hf_files=self._hf_files(), reference=self.policy.ref_chunks, stale=self.stale_steps,
                                critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None,
-                               checksums=not on_signal)
+                               checksums=not on_signal, rank_state={k: v for k, v in
+                                                                    {"producer": self.producer.state_dict()}.items() if v})
         self.stale_steps = ()  # replaced (checkpoint.overwrite) once this run has a checkpoint of its own
         if c.export_hf and not on_signal:  # the HF copy is a convenience: `rlpo-mega export` makes it later
             stream = ExportStream(self.policy.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=0,

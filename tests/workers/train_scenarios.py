@@ -77,8 +77,20 @@ def resume(out):
               "checkpoint.resume=true", "checkpoint.export_hf=true", *LR_SCHEDULE))
     train(cfg(out, "tp2", "train_iters=5", f"checkpoint.load_dir={ck}", "parallel.expert=1",
               "parallel.tensor=2", *LR_SCHEDULE))
-    return {run: history(out, run) for run in ("full", "first", "second", "tp2")} | {
-        "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck}
+    # dynamic sampling with groups carried to the next step: each rank's carried groups are saved with the
+    # checkpoint (rank_state/) and trained after the resume where the uninterrupted run trains them
+    ds, ck_ds = DYNAMIC + LR_SCHEDULE, os.path.join(out, "ckpt_ds")
+    train(cfg(out, "full_ds", "train_iters=4", *ds))
+    train(cfg(out, "first_ds", "train_iters=1", f"checkpoint.save_dir={ck_ds}", *ds))  # step 1 carries 4 groups
+    saved = sorted(os.listdir(os.path.join(ck_ds, "step_00000001", "rank_state")))
+    train(cfg(out, "second_ds", "train_iters=4", f"checkpoint.save_dir={ck_ds}", "checkpoint.resume=true", *ds))
+    runs = ("full", "first", "second", "tp2", "full_ds", "first_ds", "second_ds")
+    return {run: history(out, run) for run in runs} | {
+        "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck, "rank_state": saved}
+
+
+DYNAMIC = ("algorithm.loss.name=dapo", "algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0",
+           "algorithm.dynamic_sampling.max_carry_steps=1", "trainer.mini_batches=1")
 
 
 PPO = ("algorithm.loss.name=ppo_clip", "algorithm.advantage.name=gae", "critic.optim.lr_decay_style=cosine",
@@ -179,6 +191,32 @@ def engine(out):
         rep["dead_error"] = str(e)
     rep["dead_latest"] = state.latest_checkpoint(ck)
     rep["dead_steps"] = state.complete_steps(ck)
+    # dynamic sampling: the prompts of the failed attempt are the retry's (not skipped, not re-drawn), so the run
+    # trains what a run without the crash trains
+    ds = DYNAMIC[:3] + ("algorithm.dynamic_sampling.max_carry_steps=0", "trainer.mini_batches=1", "train_iters=3",
+                        "rollout.engine=test_flaky", "trainer.engine_restarts=1")
+    from rlpo_mega.data.sampling import GroupCollector
+
+    trained, collect = {}, GroupCollector.collect
+
+    def recording(self, quota, version, *args, **kw):  # a retry's groups replace its failed attempt's
+        kept, report = collect(self, quota, version, *args, **kw)
+        trained[version] = sorted(tuple(g.item.input_ids) for g in kept)
+        return kept, report
+
+    GroupCollector.collect = recording
+    try:
+        os.environ["RLPO_FAIL_CALL"] = "0"  # never
+        train(cfg(out, "ds_clean", *ds))
+        clean, trained = trained, {}
+        os.environ["RLPO_FAIL_CALL"], hooks.FlakyEngine.calls = "2", 0
+        train(cfg(out, "ds_restart", *ds))
+    finally:
+        GroupCollector.collect = collect
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (clean, trained))
+    rep["ds_clean"], rep["ds_restart"] = history(out, "ds_clean"), history(out, "ds_restart")
+    rep["ds_prompts"] = [{"clean": c, "restart": t} for c, t in every]  # per rank: step -> prompts trained
     return rep
 
 
