@@ -15,6 +15,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from rlpo_mega.algorithms.registry import Registry
@@ -111,6 +112,9 @@ class Sample:
     @property
     def ids(self) -> torch.Tensor:
         """Prompt and response token ids as one int64 tensor (the sample's payload)."""
+        if isinstance(self.prompt_ids, list) and isinstance(self.response_ids, list):
+            # Python ints (the SGLang engine's): numpy reads a list of them ~3x faster than torch does
+            return torch.from_numpy(np.array(self.prompt_ids + self.response_ids, dtype=np.int64))
         return torch.cat([torch.as_tensor(self.prompt_ids, dtype=torch.long),
                           torch.as_tensor(self.response_ids, dtype=torch.long)])
 

@@ -21,6 +21,7 @@ import binascii
 import http.client
 import json
 import operator
+import os
 import queue
 import re
 import select
@@ -58,7 +59,8 @@ class Connections:
     `close_active()` shuts the sockets of the requests in flight, so workers blocked on a stopped or hung
     rollout return at once instead of holding a thread until request_timeout."""
 
-    def __init__(self):
+    def __init__(self, receive_buffer: int = 0):
+        self.receive_buffer = receive_buffer  # bytes per connection (sglang_client.receive_buffer); 0: the kernel's
         self._idle: dict[str, list] = {}
         self._active: set = set()
         self._epoch = 0  # close_active() calls so far: a request failing after one is not retried
@@ -78,6 +80,7 @@ class Connections:
                 u = urllib.parse.urlsplit(url)
                 cls = _HTTPSConnection if u.scheme == "https" else _HTTPConnection
                 conn = cls(u.hostname, u.port, timeout=timeout)
+                conn.receive_buffer = self.receive_buffer
             self._active.add(conn)
         conn.timeout = timeout
         if conn.sock is not None:
@@ -147,33 +150,44 @@ class Connections:
                 c.close()
 
 
-# Kernel receive buffer per connection (Linux reserves twice this). Without a bound the kernel grows each one to
-# net.ipv4.tcp_rmem's maximum (32 MB here) and hundreds of answers ending at once -- every sample stopped by
-# max_new_tokens ends at the same decode step -- park gigabytes in socket buffers while the driver decodes one at
-# a time: past net.ipv4.tcp_mem every socket of the host slows, and copying an answer out of memory that has gone
-# cold cost the driver ~3x the system time of one read as it arrives (tools/bench_rollout_scale.py). 2 MB still
-# holds a 1k-token answer whole and is above a 200 Gb/s link's bandwidth-delay product; the rest of a longer
-# answer waits on its server. Applied only where net.core.rmem_max allows it (else the kernel would cut it to a
-# fraction of an answer, slower than its own autotuning).
-RECEIVE_BUFFER = 2 << 20
+# Kernel receive buffer per /generate connection (Linux reserves twice what is set). Unbounded, the kernel grows
+# each one to net.ipv4.tcp_rmem's maximum (32 MB here), and hundreds of answers ending at once -- every sample
+# stopped by max_new_tokens ends at the same decode step -- park gigabytes in socket buffers while the driver
+# decodes one at a time: copying an answer out of memory gone cold cost ~3x the system time of reading it as it
+# arrives, and past net.ipv4.tcp_mem's pressure threshold (counted over the host's TCP memory: these buffers and
+# the servers' send buffers) the kernel drops packets and every connection crawls on retransmission timeouts.
+# Measured with tools/bench_rollout_scale.py (4 fake servers x 128 requests in flight, this machine's tcp_mem
+# pressure at 1.5 GB): 512 answers of 4k tokens (9 MB each) did not finish in 10 minutes with 1.5 or 2 MB
+# buffers and took 4.7 s with 0.75 or 1 MB; 1k-token answers (3 MB) take about 0.1 us more driver CPU per route
+# row at 1 MB than at 2 MB. So each connection gets a third of the pressure threshold's share per connection,
+# within [RECEIVE_BUFFER_MIN, RECEIVE_BUFFER_MAX]; the rest of a longer answer waits on its server.
+RECEIVE_BUFFER_MIN, RECEIVE_BUFFER_MAX = 256 << 10, 2 << 20
 
 
-def _rmem_max() -> int:
+def _tcp_mem_pressure() -> int:
+    """net.ipv4.tcp_mem's pressure threshold in bytes (0 where unknown)."""
     try:
-        with open("/proc/sys/net/core/rmem_max") as f:
-            return int(f.read())
-    except (OSError, ValueError):
+        with open("/proc/sys/net/ipv4/tcp_mem") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGESIZE")
+    except (OSError, ValueError, IndexError):
         return 0
 
 
-_BOUND_RECEIVE = _rmem_max() >= RECEIVE_BUFFER
+def receive_buffer(connections: int) -> int:
+    """The receive buffer of each of `connections` concurrent /generate connections (the comment above)."""
+    pressure = _tcp_mem_pressure()
+    if not pressure:
+        return RECEIVE_BUFFER_MIN
+    return max(RECEIVE_BUFFER_MIN, min(RECEIVE_BUFFER_MAX, pressure // (3 * max(1, connections))))
 
 
 class _Bounded:
+    receive_buffer = 0  # set per Connections (0: the kernel's autotuning)
+
     def connect(self):
         super().connect()
-        if _BOUND_RECEIVE:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+        if self.receive_buffer:  # above net.core.rmem_max the kernel caps it there: still a bound
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.receive_buffer)
 
 
 class _HTTPConnection(_Bounded, http.client.HTTPConnection):
@@ -480,4 +494,4 @@ def _narrow(ids: np.ndarray, num_experts: int, compact) -> torch.Tensor:
 
 
 __all__ = ["BodyBuffers", "Connections", "ServerSlots", "SlotsClosed", "WorkerPool", "decode_routes", "dumps",
-           "loads", "parse_logprobs", "pool_size", "split_routes"]
+           "loads", "parse_logprobs", "pool_size", "receive_buffer", "split_routes"]

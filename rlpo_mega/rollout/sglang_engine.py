@@ -56,7 +56,7 @@ from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams, share_of
 from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
-                            parse_logprobs, pool_size, split_routes)
+                            parse_logprobs, pool_size, receive_buffer, split_routes)
 
 log = logging.getLogger("rlpo_mega")
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -188,7 +188,8 @@ class SGLangEngine(RolloutEngine):
         self._layout_checked = False
         # generation: keep-alive connections and workers reused across rollouts, ended by shutdown() (or at
         # interpreter exit: no worker thread outlives the engine)
-        self._conns = Connections()
+        # bounded kernel buffers for this engine's requests in flight (sglang_client.receive_buffer says why)
+        self._conns = Connections(receive_buffer(cfg.max_in_flight_per_server * len(self.servers)))
         self._pool = WorkerPool(pool_size(len(self.servers), cfg.max_in_flight_per_server))
         self._decoding = threading.BoundedSemaphore(cfg.decode_concurrency)
         self._buffers = BodyBuffers()
