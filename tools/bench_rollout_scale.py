@@ -6,8 +6,9 @@ at the size a real one sends, answered from a body made once per shape (or after
 driver is the real engine (rlpo_mega.rollout.sglang_engine.SGLangEngine) generating S samples of L new tokens
 (each answer decoded and its trace checked as it arrives) in the steady state of a run (after one rollout of the
 same size: connections, worker threads and receive buffers made; the trainer's garbage collection, --gc), then
-what its rank does with them, as the trainer does: the scalars' gather (training/exchange.gather_scalars) and the exchange of the payloads in bounded rounds
-(training/exchange.exchange, a one-rank gloo group whose rank trains every MoE layer).
+what its rank does with them, as the trainer does: the scalars' gather (training/exchange.gather_scalars) and
+the exchange of the payloads in bounded rounds (training/exchange.exchange, a one-rank gloo group whose rank
+trains every MoE layer).
 
 Per size, one line:
   rollout-scale: samples=S tokens=L servers=N cpu_us_per_row=X extra_bytes_per_row=Y tail_frac=Z
@@ -16,11 +17,13 @@ payloads, per route row (a token position with routes: prompt + response - 1 per
 its peak resident memory over the resident memory before the rollout (Linux VmHWM after clear_refs), per route
 row (the compact form is layers x top-k bytes: 384 for Qwen3-30B-A3B); tail_frac: the time from the last answer
 (generate's return) to the exchanged payloads, over the rollout's wall time. Also printed: rows/s, the exchange's
-rounds, and the engine's worker threads (idle between rollouts; none left after its shutdown).
+rounds, the rollout's user and system CPU per row and context switches, and the engine's worker threads (idle
+between rollouts; none left after its shutdown).
 
   .venv/bin/python tools/bench_rollout_scale.py                       512 x 1k and 256 x 4k, 4 servers
   .venv/bin/python tools/bench_rollout_scale.py --samples 64 --tokens 256 --servers-count 2
   .venv/bin/python tools/bench_rollout_scale.py --servers URL[,URL...]  drive running servers instead
+  .venv/bin/python tools/bench_rollout_scale.py --gc automatic        Python's own garbage collection (before)
 """
 from __future__ import annotations
 
