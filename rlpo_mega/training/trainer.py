@@ -283,6 +283,7 @@ class Trainer:
         """on_signal: the save on SIGTERM, inside the pre-emption window (launch/slurm's --signal lead): file sizes
         are recorded, the checksums' full re-read is left out (`rlpo-mega plan` sizes the window for the save)."""
         c = self.cfg.checkpoint
+        producer = self.producer.state_dict()  # this rank's carried groups and unsent prompts (often none)
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
                  "sampler": self.sampler.state_dict(), "lr_steps": self.policy.lr_schedule.num_steps}
         if self.critic is not None:
@@ -292,8 +293,7 @@ class Trainer:
                                      "run_id": self.run_id, "settings": self._settings()},
                                hf_files=self._hf_files(), reference=self.policy.ref_chunks, stale=self.stale_steps,
                                critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None,
-                               checksums=not on_signal, rank_state={k: v for k, v in
-                                                                    {"producer": self.producer.state_dict()}.items() if v})
+                               checksums=not on_signal, rank_state={"producer": producer} if producer else None)
         self.stale_steps = ()  # replaced (checkpoint.overwrite) once this run has a checkpoint of its own
         if c.export_hf and not on_signal:  # the HF copy is a convenience: `rlpo-mega export` makes it later
             stream = ExportStream(self.policy.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=0,
