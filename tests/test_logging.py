@@ -5,6 +5,9 @@ import os
 import struct
 import subprocess
 import sys
+import traceback
+import warnings
+from collections import Counter
 
 import pytest
 from omegaconf import OmegaConf
@@ -218,8 +221,6 @@ def test_host_sync_count_reads_torchs_sync_warnings(monkeypatch):
     "called a synchronizing CUDA operation"); those are counted per phase and swallowed, every other warning
     passes through, and the previous mode is restored. torch.cuda's mode calls are stood in (no CUDA here);
     tools/gpu_smoke.py reads the real count on a GPU."""
-    import warnings
-
     import torch
 
     from rlpo_mega.logging.metrics import count_host_syncs
@@ -227,16 +228,41 @@ def test_host_sync_count_reads_torchs_sync_warnings(monkeypatch):
     modes = []
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
-    metrics = {}
+    metrics, sites = {}, Counter()
     with warnings.catch_warnings(record=True) as outside:
         warnings.simplefilter("always")
         for _ in range(2):  # a phase entered twice accumulates
-            with count_host_syncs(metrics, "update", True):
+            with count_host_syncs(metrics, "update", True, sites):
                 warnings.warn("called a synchronizing CUDA operation")
                 warnings.warn("something else", DeprecationWarning)
-        with count_host_syncs(metrics, "old_logprob", False):
+        with count_host_syncs(metrics, "old_logprob", False, sites):
             warnings.warn("called a synchronizing CUDA operation")
     assert metrics == {"perf/host_syncs_update": 2}
+    # the place of each: the line that raised it (past the warnings machinery), here this test's
+    (place, n), = sites.items()
+    where, function = place.split(" ")
+    assert n == 2 and function == "test_host_sync_count_reads_torchs_sync_warnings" and where.startswith(
+        "test_logging.py:"), place
+    with open(__file__) as f:
+        assert 'warnings.warn("called a synchronizing' in f.readlines()[int(where.split(":")[1]) - 1]
     assert modes == ["warn", 0, "warn", 0]
     assert [str(w.message) for w in outside] == ["something else", "something else",
                                                  "called a synchronizing CUDA operation"]
+
+
+def test_a_host_sync_is_placed_in_our_code_and_in_the_library(monkeypatch, tmp_path):
+    """A sync inside a library (megatron, torch) is named by the library's file relative to its import root and
+    by the innermost rlpo_mega line that called into it; a sync on our own line by that line alone."""
+    from rlpo_mega.logging import metrics as metrics_mod
+
+    site_packages = tmp_path / "site-packages"
+    monkeypatch.setattr(sys, "path", [str(site_packages), *sys.path])
+    ours = os.path.join(ROOT, "rlpo_mega", "training", "update.py")
+    theirs = str(site_packages / "megatron" / "core" / "transformer" / "moe" / "moe_utils.py")
+    frame = traceback.FrameSummary
+    stack = [frame("/usr/lib/python3/runpy.py", 1, "_run"), frame(ours, 40, "update_phase"),
+             frame(theirs, 7, "permute"), frame(warnings.__file__, 3, "_showwarnmsg"),
+             frame(metrics_mod.__file__, 5, "record")]
+    assert metrics_mod.sync_site(stack) == ("megatron/core/transformer/moe/moe_utils.py:7 permute <- "
+                                            "rlpo_mega/training/update.py:40 update_phase")
+    assert metrics_mod.sync_site(stack[:2]) == "rlpo_mega/training/update.py:40 update_phase"

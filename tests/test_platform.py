@@ -31,6 +31,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from rlpo_mega import platform
 from rlpo_mega.platform import all_patches, cpu_megatron, megatron_fixes
 from tests.dist import ROOT, torchrun
 
@@ -297,6 +298,27 @@ def test_thd_rope_vectorized_equals_megatron_loop():
         ga, = torch.autograd.grad(a.square().sum(), t)
         gb, = torch.autograd.grad(b.square().sum(), t)
         assert torch.equal(ga, gb)
+
+
+def test_grad_norm_on_device_equals_megatron_local_norm():
+    """Without TE and apex, the gradient norm's speed-up gives megatron's local stand-in's value bit for bit
+    (fp32 main grads and bf16 ones, many shapes) as a 1-element float32 tensor on the grads' device, and it is
+    the one clip_grads calls."""
+    from megatron.core import utils as core_utils
+    from megatron.core.optimizer import clip_grads
+
+    platform.apply()  # the CPU patches point megatron's device='cuda' at this CPU; the speed-up is among them
+    megatron_fixes._grad_norm_on_device()  # a second time changes nothing
+    fast = clip_grads.l2_norm_impl
+    assert fast._rlpo_original is core_utils.local_multi_tensor_l2_norm
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = [torch.randn(*shape, generator=g).to(dtype) * scale
+                 for shape, scale in (((64, 32), 1e-3), ((7,), 3.0), ((4, 16, 8), 1e2), ((1,), 0.0))]
+        a, _ = fast(2048 * 32, None, [grads], False)
+        b, _ = core_utils.local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
+        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape == (1,) and torch.equal(a, b), (a, b)
+        assert a.device == grads[0].device
 
 
 def test_selection():

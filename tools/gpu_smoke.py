@@ -59,8 +59,13 @@ def missing() -> dict[str, str]:
     return out
 
 
+MEGATRON_MOE = "megatron/core/transformer/moe/"  # where megatron's dropless MoE layer reads token counts (per layer)
+DEEPER = 4  # run E's layers (configs/gpu_smoke.yaml's model has 2)
+
+
 def plan(out: str) -> dict[str, list[str]]:
     """The runs (in order) and their overrides of configs/gpu_smoke.yaml (tests/test_gpu_path.py runs C and D)."""
+    deeper = f"{out}/E_model/config.json"
     return {"A": [f"logging.dir={out}/A", f"checkpoint.save_dir={out}/A/ckpt", "logging.host_syncs=true"],
             "B": [f"logging.dir={out}/B", f"checkpoint.save_dir={out}/B/ckpt",
                   f"checkpoint.load_dir={out}/A/ckpt/step_00000002"],
@@ -68,7 +73,38 @@ def plan(out: str) -> dict[str, list[str]]:
                   "trainer.warmup.steps=0", "checkpoint.save_every=0"],
             "D": [f"logging.dir={out}/D", f"checkpoint.save_dir={out}/D/ckpt", "train_iters=1",
                   "trainer.warmup.steps=0", "checkpoint.save_every=0", f"checkpoint.load_dir={out}/C/ckpt/step_00000000",
+                  "logging.host_syncs=true"],
+            "E": [f"logging.dir={out}/E", f"model.hf_config={deeper}", "train_iters=2", "trainer.warmup.steps=0",
+                  "checkpoint.save_every=0", f"checkpoint.save_dir={out}/E/ckpt",
                   "logging.host_syncs=true"]}
+
+
+def deeper_model(out: str, config: str = CONFIG) -> str:
+    """Run E's model: the smoke config's model with DEEPER layers, written under the smoke's output."""
+    import yaml  # omegaconf's own dependency; the smoke runs as a script, without the repo on its path
+
+    with open(os.path.join(ROOT, config)) as f:
+        source = os.path.join(ROOT, yaml.safe_load(f)["model"]["hf_config"])
+    with open(source if source.endswith(".json") else os.path.join(source, "config.json")) as f:
+        hf = json.load(f)
+    hf["num_hidden_layers"] = DEEPER
+    os.makedirs(f"{out}/E_model", exist_ok=True)
+    with open(f"{out}/E_model/config.json", "w") as f:
+        json.dump(hf, f, indent=1)
+    return f"{out}/E_model/config.json"
+
+
+def sync_sites(logdir: str) -> dict[str, dict[str, int]]:
+    """The last step's host syncs by place, per phase (host_syncs.jsonl), split into 'ours' (every place not in
+    megatron's MoE layer) and 'megatron_moe'."""
+    with open(os.path.join(logdir, "host_syncs.jsonl")) as f:
+        last = [json.loads(line) for line in f if line.strip()][-1]
+    out = {}
+    for phase in ("old_logprob", "update"):
+        for place, n in last.get(phase, {}).items():
+            kind = "megatron_moe" if place.startswith(MEGATRON_MOE) else "ours"
+            out.setdefault(f"{phase}/{kind}", {})[place] = n
+    return out
 
 
 def run(args: list[str], log: str) -> int:
@@ -116,6 +152,7 @@ def main(argv=None) -> int:
         return 2
     os.makedirs(out, exist_ok=True)
     t0, rcs = time.monotonic(), {}
+    deeper_model(out)
     for name, extra in plan(out).items():
         rcs[name] = run([*extra, *a.overrides], os.path.join(out, f"{name}.log"))
         print(f"run {name}: exit {rcs[name]} ({out}/{name}.log)", flush=True)
@@ -128,7 +165,7 @@ def main(argv=None) -> int:
         for h in hist:
             print(f"{name:<4}{h['step']:>5} " + " ".join(f"{h.get(k, float('nan')):>28.6g}" for k in SHOWN))
     a3, b3 = full[-1], resumed[-1]
-    keys = [k for k in a3 if isinstance(a3[k], (int, float)) and not k.startswith(("time/", "perf/"))]
+    keys = [k for k in a3 if isinstance(a3[k], (int, float)) and k != "time" and not k.startswith(("time/", "perf/"))]
     diff = max((abs(a3[k] - b3.get(k, math.nan)) for k in keys), default=math.nan)
     print(f"\nsteps A {[h['step'] for h in full]}, B {[h['step'] for h in resumed]}; step 3 resumed vs "
           f"uninterrupted: max |diff| over {len(keys)} metrics = {diff:.3g}; wall {time.monotonic() - t0:.0f} s")
@@ -138,9 +175,27 @@ def main(argv=None) -> int:
     print(f"checkpoint before the first step (C, step 0): {'written' if before_first else 'MISSING'}; resumed from it and "
           f"saved after step 1 (D): {'written' if after_first else 'MISSING'}; host syncs per update step (A): {syncs}")
     ok = ([h["step"] for h in full] == [1, 2, 3] and [h["step"] for h in resumed] == [3]
-          and [h["step"] for h in first] == [1] and before_first and after_first)
+          and [h["step"] for h in first] == [1] and before_first and after_first
+          and [h["step"] for h in history(f"{out}/E")] == [1, 2])
+    layers = compare_sync_sites(sync_sites(f"{out}/A"), sync_sites(f"{out}/E"))
+    ok = ok and layers
     print("gpu-smoke:", "PASSED" if ok else "FAILED")
     return 0 if ok else 1
+
+
+def compare_sync_sites(shallow: dict, deep: dict) -> bool:
+    """Prints A's (2 layers) and E's (DEEPER layers) host syncs by place; True when ours are the same in both."""
+    print(f"\nhost syncs of a steady step by place, 2 layers (A) vs {DEEPER} layers (E):")
+    same = True
+    for group in sorted(set(shallow) | set(deep)):
+        a, b = shallow.get(group, {}), deep.get(group, {})
+        print(f"  {group}: {sum(a.values())} vs {sum(b.values())}")
+        for place in sorted(set(a) | set(b), key=lambda k: -max(a.get(k, 0), b.get(k, 0))):
+            print(f"    {a.get(place, 0):>4} {b.get(place, 0):>4}  {place}")
+        if group.endswith("/ours") and a != b:
+            same = False
+    print(f"our host syncs {'do not grow' if same else 'GROW'} with the layers")
+    return same
 
 
 if __name__ == "__main__":

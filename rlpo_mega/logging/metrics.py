@@ -10,7 +10,10 @@ import math
 import os
 import sys
 import time
+import traceback
+import warnings
 import zlib
+from collections import Counter
 from contextlib import contextmanager
 from typing import Mapping, Optional
 
@@ -18,6 +21,8 @@ from rlpo_mega.config import LoggingConfig  # the typed config lives with the ot
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step: {"step", "time", <metric>: value, ...}
 CONFIG_FILE = "config.json"  # the run config, next to it (W&B gets it too)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # rlpo_mega/: sync_site's "ours"
+SYNC_SITES_FILE = "host_syncs.jsonl"  # logging.host_syncs: {"step", <phase>: {place: syncs}} per step
 MODES = ("offline", "online", "disabled")
 
 
@@ -111,30 +116,63 @@ class PhaseTimer:
 
 
 @contextmanager
-def count_host_syncs(into: dict, phase: str, enabled: bool):
+def count_host_syncs(into: dict, phase: str, enabled: bool, sites: Optional[Counter] = None):
     """CUDA (logging.host_syncs): the host syncs of the block as perf/host_syncs_<phase>, counted by torch's own
     sync debug mode (torch.cuda.set_sync_debug_mode, one warning per synchronizing CUDA call: copies to the
-    host, item(), ops sized by values). Off: nothing is counted or logged. Other warnings pass through."""
+    host, item(), ops sized by values). With `sites`, each sync's place is counted there too (sync_site: the
+    count says how many, the place says which to remove). Off: nothing is counted or logged. Other warnings
+    pass through."""
     if not enabled:
         yield
         return
-    import warnings
-
     import torch
 
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings(record=True) as seen:
+    previous, syncs, others = torch.cuda.get_sync_debug_mode(), [], []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" in str(message):
+            syncs.append(sync_site() if sites is not None else "")
+        else:
+            others.append((message, category, filename, lineno))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record  # restored by catch_warnings; called where the warning is raised
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    syncs = [w for w in seen if "synchronizing" in str(w.message)]
     into[f"perf/host_syncs_{phase}"] = into.get(f"perf/host_syncs_{phase}", 0) + len(syncs)
-    for w in seen:
-        if w not in syncs:
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if sites is not None:
+        sites.update(syncs)
+    for message, category, filename, lineno in others:
+        warnings.warn_explicit(message, category, filename, lineno)
+
+
+def sync_site(stack: Optional[list] = None) -> str:
+    """Where a host sync happens: 'file:line function' of the innermost frame outside the warnings machinery,
+    and, when that frame is not rlpo_mega's (torch, megatron), ' <- ' the innermost rlpo_mega frame that led
+    there: the line of our code to change."""
+    machinery = {os.path.abspath(warnings.__file__), os.path.abspath(__file__)}
+    frames = [f for f in (stack if stack is not None else traceback.extract_stack())
+              if os.path.abspath(f.filename) not in machinery]
+    if not frames:
+        return "?"
+
+    def ours(f) -> bool:
+        return os.path.abspath(f.filename).startswith(_PACKAGE + os.sep)
+
+    roots = sorted({os.path.abspath(p) for p in sys.path if p}, key=len, reverse=True)
+
+    def place(f) -> str:  # relative to its import root: rlpo_mega/..., torch/..., megatron/core/...
+        path = os.path.abspath(f.filename)
+        root = os.path.dirname(_PACKAGE) if ours(f) else next(
+            (r for r in roots if path.startswith(r + os.sep)), os.path.dirname(path))
+        return f"{os.path.relpath(path, root)}:{f.lineno} {f.name}"
+
+    inner, caller = frames[-1], next((f for f in reversed(frames) if ours(f)), None)
+    return place(inner) if caller is None or caller is inner else f"{place(inner)} <- {place(caller)}"
 
 
 def progress_bar(iterable=None, *, total: Optional[int] = None, desc: Optional[str] = None,
@@ -229,6 +267,15 @@ class MetricsLogger:
 
             tqdm.write(format_console_line(step, values, self.total_steps), file=sys.stdout)  # keeps bars intact
             sys.stdout.flush()
+
+    def log_sync_sites(self, step: int, sites: Mapping[str, Counter]):
+        """logging.host_syncs: this step's host syncs by place, per phase, most frequent first, one line per
+        step in <run_dir>/host_syncs.jsonl (rank 0's; perf/host_syncs_* are their totals)."""
+        if not self.enabled:
+            return
+        line = {"step": int(step), **{phase: dict(c.most_common()) for phase, c in sites.items()}}
+        with open(os.path.join(self.run_dir, SYNC_SITES_FILE), "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def progress(self, iterable=None, *, total: Optional[int] = None, desc: Optional[str] = None, **kwargs):
         """progress_bar() with this run's rank and progress_bar setting."""

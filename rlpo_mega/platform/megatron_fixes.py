@@ -43,13 +43,21 @@ device; they touch only code that the local spec reaches, so a run with TE gets 
 Each has an ablation test in tests/test_platform.py; tests/test_platform.py also builds the norms of a
 TP2+SP spec with CUDA simulated, apex stood in and TE absent (a GPU node without TE).
 
-SPEEDUPS change no result, only the cost of the same path (applied with and without TE; tested bitwise equal):
+SPEEDUPS change no result, only the cost of the same path (applied with and without TE; tested bitwise equal on
+the CPU):
 - `thd_rope_vectorized`: megatron's unfused RoPE for packed (THD) sequences slices the frequencies sequence
   by sequence in Python, one `.item()` per sequence plus a `.tolist()` of the lengths (rope_utils.py:178-245):
   host syncs twice per layer on a GPU, and for an RL batch of 512 short samples a loop that cost more than
   the attention it feeds. Without context parallelism the slices are `freqs[position within its sequence]`
   (or `freqs[:T]` when freqs already cover every packed position), one gather without a host sync; with
   context parallelism megatron's loop runs as shipped. With TE it serves whenever TE's fused RoPE is off.
+- `grad_norm_on_device`: without TE and apex, the gradient clipping's norm is megatron's local stand-in for
+  apex's multi_tensor_l2norm (utils.py:1197-1207), which builds `torch.tensor(list of per-tensor norms)` and
+  reads the total with float(): a host sync per gradient tensor, every optimizer step (66 per update at 2 layers,
+  126 at 4 on an H100, counted by tools/gpu_smoke.py; tests/test_host_syncs.py's CPU emulation cannot see
+  them: torch.tensor is not dispatched to torch-function modes). The same norms are stacked on the device.
+  With TE or apex their fused kernel is used and this changes nothing. On a GPU the norm of the norms is now
+  summed there instead of on the CPU, so it can differ from megatron's in the last bit (as apex's kernel does).
 """
 from __future__ import annotations
 
@@ -135,6 +143,24 @@ def _thd_rope_vectorized():
     _apply_rotary_pos_emb_thd._rlpo_vectorized = True
     _apply_rotary_pos_emb_thd._rlpo_original = original
     rope_utils._apply_rotary_pos_emb_thd = _apply_rotary_pos_emb_thd
+
+
+def _grad_norm_on_device():
+    import torch
+    from megatron.core import utils as core_utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is not core_utils.local_multi_tensor_l2_norm:
+        return  # TE's or apex's fused kernel, or already replaced
+
+    def local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        # megatron's arithmetic (each tensor's torch.norm, then the norm of those norms, as float32) with the
+        # norms kept on the device: torch.tensor(norms) and float() each copied them to the host
+        norms = torch.stack([torch.norm(t) for tensors in tensor_lists for t in tensors])
+        return torch.norm(norms).to(torch.float).reshape(1), None
+
+    local_multi_tensor_l2_norm._rlpo_original = core_utils.local_multi_tensor_l2_norm
+    clip_grads.l2_norm_impl = local_multi_tensor_l2_norm
 
 
 def _float16_optimizer_fp32_param_ids():
@@ -228,6 +254,13 @@ SPEEDUPS: tuple[Patch, ...] = (
         "the unfused THD RoPE slices frequencies per sequence in a Python loop; one gather gives the same "
         "tensor (context parallel size 1)",
         _thd_rope_vectorized,
+    ),
+    Patch(
+        "grad_norm_on_device",
+        ("utils.py:1197-1207", "optimizer/clip_grads.py:42,108-113"),
+        "without TE and apex the gradient norm's local stand-in reads every per-tensor norm on the host; the "
+        "same norms are stacked on the device (no host sync)",
+        _grad_norm_on_device,
     ),
 )
 

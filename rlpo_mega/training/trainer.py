@@ -25,6 +25,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,7 @@ class Trainer:
         """One RL step: the phases in order, each in the module named after it (the module docstring lists them)."""
         c, p, timer, t0 = self.cfg, self.policy, PhaseTimer(cuda_sync=torch.cuda.is_available()), time.perf_counter()
         syncs = c.logging.host_syncs and torch.cuda.is_available()
+        sites = {"old_logprob": Counter(), "update": Counter()}  # where they happen: host_syncs.jsonl
         # 1. collect: the rollout producer's scored groups (every sample's scalars here, payloads on their owner)
         groups = self.producer.collect(self.step, timer)
         metrics = {**groups.metrics, **report.rollout_metrics(groups.samples)}
@@ -185,7 +187,7 @@ class Trainer:
                                                   self.recipients, self.spec, self.tokenizer.pad_token_id or 0, timer)
         metrics.update(report.advantage_metrics({**stats, **plan_stats}, adv, self.critic is not None))
         # 4. old (and reference) log-probs, before any update
-        with timer("old_logprob"), count_host_syncs(metrics, "old_logprob", syncs):
+        with timer("old_logprob"), count_host_syncs(metrics, "old_logprob", syncs, sites["old_logprob"]):
             prepared, mismatch = old_logprobs(p, minis, c)
         metrics.update(mismatch)
         # 5. with a critic: old values, GAE (the sequence rewards become token advantages), returns
@@ -195,7 +197,7 @@ class Trainer:
                 critic_batches, critic_stats = self.critic.prepare(prepared)
             metrics.update(critic_stats)
         # 6. update: epochs x mini-batches of policy (then critic) optimizer steps
-        with timer("update"), count_host_syncs(metrics, "update", syncs):
+        with timer("update"), count_host_syncs(metrics, "update", syncs, sites["update"]):
             outs, critic_outs = update_phase(p, prepared, c, critic=self.critic, critic_batches=critic_batches,
                                              policy_moves=self.critic is None or self.step >= c.critic.warmup_steps)
         skipped = int(sum(o["skipped"] for o in outs + critic_outs))
@@ -210,6 +212,8 @@ class Trainer:
                                              float(p.optimizer.param_groups[0]["lr"])))
         metrics.update(report.throughput_metrics(groups.samples, c.trainer.epochs, time.perf_counter() - t0, timer))
         metrics["engine/restarts"] = self.engines.guard.restarts
+        if syncs:
+            self.logger.log_sync_sites(self.step, sites)
         return metrics
 
     def evaluate(self) -> dict:
