@@ -328,3 +328,34 @@ def test_launched_servers_get_their_own_gpus_or_are_refused():
         check_run_config(cfg, files=False, log_warnings=False)
     with open(recipe) as f:  # the recipe's comment no longer offers it
         assert "launch: true, num_servers" not in f.read()
+
+
+def test_the_gpu_smoke_reads_sync_places_and_fails_when_ours_grow_with_layers(tmp_path, capsys):
+    """logging.host_syncs' host_syncs.jsonl (MetricsLogger.log_sync_sites) as the smoke reads it: the last step's
+    places, split into megatron's MoE layer and ours; a deeper model may add MoE-layer syncs, never ours."""
+    from collections import Counter
+
+    from rlpo_mega.logging import LoggingConfig, MetricsLogger
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_smoke
+    finally:
+        sys.path.pop(0)
+    moe = "megatron/core/transformer/moe/moe_utils.py:369 permute <- rlpo_mega/training/update.py:61 model_forward"
+    ours = "rlpo_mega/training/update.py:194 reduce_report"
+    per_layer = "megatron/core/utils.py:1206 local_multi_tensor_l2_norm <- rlpo_mega/training/update.py:216 x"
+
+    def run(name: str, layers: int, extra: dict) -> dict:
+        logger = MetricsLogger(LoggingConfig(dir=str(tmp_path / name), mode="disabled", plot=False))
+        for step in (1, 2):  # the last step is the one read
+            sites = {"old_logprob": Counter({ours: 1}), "update": Counter({moe: 4 * layers, ours: 2, **extra})}
+            logger.log_sync_sites(step, sites if step == 2 else {"update": Counter({"first step only": 9})})
+        logger.close()
+        return gpu_smoke.sync_sites(str(tmp_path / name))
+
+    shallow = run("a", 2, {})
+    assert shallow == {"old_logprob/ours": {ours: 1}, "update/megatron_moe": {moe: 8}, "update/ours": {ours: 2}}
+    assert gpu_smoke.compare_sync_sites(shallow, run("e", 4, {}))
+    assert not gpu_smoke.compare_sync_sites(run("a2", 2, {per_layer: 66}), run("e2", 4, {per_layer: 126}))
+    assert "our host syncs GROW with the layers" in capsys.readouterr().out
