@@ -236,3 +236,32 @@ def test_a_sigterm_save_records_sizes_without_reading_files_back(tmp_path, monke
     full = cf.digest_files(str(tmp_path), ["a", "b"])
     (tmp_path / "b").write_bytes(b"z" * 10)
     assert "corrupted" in cf.verify_files(str(tmp_path), full)
+
+
+def test_megatrons_false_corrupted_checkpoint_warning_is_left_out_of_our_saves():
+    """megatron warns "Overwriting old incomplete / corrupted checkpoint..." when the directory it saves into is
+    not empty; ours always holds our PARTIAL marker. Only that record is left out, only while we save, on
+    megatron's own logger (tests/test_gpu_path.py checks a real save's stderr)."""
+    import logging
+
+    from megatron.core.dist_checkpointing import serialization
+
+    from rlpo_mega.checkpoint.dist import MEGATRON_SAVE_LOGGER, fresh_directory_save
+
+    assert serialization.logger.name == MEGATRON_SAVE_LOGGER
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    serialization.logger.addHandler(keep)
+    try:
+        with fresh_directory_save():
+            serialization.logger.warning("Overwriting old incomplete / corrupted checkpoint...")
+            serialization.logger.warning("something else")
+        serialization.logger.warning("Overwriting old incomplete / corrupted checkpoint...")
+    finally:
+        serialization.logger.removeHandler(keep)
+    assert seen == ["something else", "Overwriting old incomplete / corrupted checkpoint..."]

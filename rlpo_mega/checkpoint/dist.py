@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -162,6 +164,28 @@ _CRITIC = "critic."  # and of PPO's value model
 
 
 PARTIAL = ".rlpo_mega_partial"  # in `<path>.tmp` while a save writes it
+MEGATRON_SAVE_LOGGER = "megatron.core.dist_checkpointing.serialization"
+
+
+class _NotAnOldCheckpoint(logging.Filter):
+    """megatron warns "Overwriting old incomplete / corrupted checkpoint..." whenever the directory it saves into
+    is not empty (serialization.py:383-387). Ours is the `.tmp` this save just made, holding only its PARTIAL
+    marker (an old one was cleared or refused by _clear_leftover first): the warning would be false at every
+    save and tell users their checkpoints are corrupted."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Overwriting old incomplete / corrupted checkpoint")
+
+
+@contextmanager
+def fresh_directory_save():
+    """megatron's save into the `.tmp` this save made: its false "corrupted checkpoint" warning left out."""
+    quiet, log = _NotAnOldCheckpoint(), logging.getLogger(MEGATRON_SAVE_LOGGER)
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def _clear_leftover(tmp: str) -> str | None:
@@ -271,7 +295,11 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         os.remove(os.path.join(tmp, PARTIAL))
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
 
-    phase(lambda: dist_checkpointing.save(state, tmp))
+    def save():
+        with fresh_directory_save():
+            dist_checkpointing.save(state, tmp)
+
+    phase(save)
     phase(write_files)
     phase(digest)  # collective inside: every rank runs it
     phase(write_meta, on_rank0_only=True)
