@@ -65,7 +65,6 @@ DEEPER = 4  # run E's layers (configs/gpu_smoke.yaml's model has 2)
 
 def plan(out: str) -> dict[str, list[str]]:
     """The runs (in order) and their overrides of configs/gpu_smoke.yaml (tests/test_gpu_path.py runs C and D)."""
-    deeper = f"{out}/E_model/config.json"
     return {"A": [f"logging.dir={out}/A", f"checkpoint.save_dir={out}/A/ckpt", "logging.host_syncs=true"],
             "B": [f"logging.dir={out}/B", f"checkpoint.save_dir={out}/B/ckpt",
                   f"checkpoint.load_dir={out}/A/ckpt/step_00000002"],
@@ -74,13 +73,17 @@ def plan(out: str) -> dict[str, list[str]]:
             "D": [f"logging.dir={out}/D", f"checkpoint.save_dir={out}/D/ckpt", "train_iters=1",
                   "trainer.warmup.steps=0", "checkpoint.save_every=0", f"checkpoint.load_dir={out}/C/ckpt/step_00000000",
                   "logging.host_syncs=true"],
-            "E": [f"logging.dir={out}/E", f"model.hf_config={deeper}", "train_iters=2", "trainer.warmup.steps=0",
+            "E": [f"logging.dir={out}/E", f"model.hf_config={deeper_path(out)}", "train_iters=2", "trainer.warmup.steps=0",
                   "checkpoint.save_every=0", f"checkpoint.save_dir={out}/E/ckpt",
                   "logging.host_syncs=true"]}
 
 
+def deeper_path(out: str) -> str:
+    return f"{out}/E_model/config.json"
+
+
 def deeper_model(out: str, config: str = CONFIG) -> str:
-    """Run E's model: the smoke config's model with DEEPER layers, written under the smoke's output."""
+    """Run E's model: the smoke config's model with DEEPER layers, written to deeper_path(out)."""
     import yaml  # omegaconf's own dependency; the smoke runs as a script, without the repo on its path
 
     with open(os.path.join(ROOT, config)) as f:
@@ -88,10 +91,11 @@ def deeper_model(out: str, config: str = CONFIG) -> str:
     with open(source if source.endswith(".json") else os.path.join(source, "config.json")) as f:
         hf = json.load(f)
     hf["num_hidden_layers"] = DEEPER
-    os.makedirs(f"{out}/E_model", exist_ok=True)
-    with open(f"{out}/E_model/config.json", "w") as f:
+    path = deeper_path(out)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
         json.dump(hf, f, indent=1)
-    return f"{out}/E_model/config.json"
+    return path
 
 
 def sync_sites(logdir: str) -> dict[str, dict[str, int]]:
