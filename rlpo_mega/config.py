@@ -119,6 +119,11 @@ class TrainerConfig:
     # of a rollout or a collective (training/garbage.py says what it cost); automatic: Python's own collector
     gc: Literal["per_step", "automatic"] = "per_step"
     gc_full_every: int = 10
+    # asynchronous RL (rollout.producer=async): a sample whose oldest token was sampled more than this many
+    # policy versions (weight syncs) before the learner's is not trained on. 0: each step's groups are generated
+    # on the weights of the last sync (today's synchronous step); k >= 1: generation for the next k steps runs
+    # while the learner trains (training/async_collect.py)
+    max_staleness: int = 0
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
 
@@ -304,7 +309,10 @@ class SGLangEngineConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "embedded"  # embedded | sglang (rlpo_mega.rollout ENGINES)
-    producer: str = "sync"  # how a step's scored groups are made (rlpo_mega.training.collect PRODUCERS): sync
+    producer: str = "sync"  # how a step's scored groups are made (rlpo_mega.training.collect PRODUCERS): sync, async
+    # async: tokens a sample got before its last continuation (sampled by an older policy version than its last
+    # tokens, training/async_collect.py) are left out of the loss, as slime's partial-rollout masking
+    partial_rollout_mask: bool = False
     temperature: float = 1.0  # must equal algorithm.temperature (the log-probs are of these logits)
     top_p: float = 1.0
     top_k: int = -1

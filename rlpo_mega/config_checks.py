@@ -358,6 +358,16 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.prompts.oversample < 1:
         raise ConfigError(f"prompts.oversample={cfg.prompts.oversample} must be >= 1")
     ds = cfg.algorithm.dynamic_sampling
+    _at_least("trainer.max_staleness", cfg.trainer.max_staleness, 0, "0: synchronous steps")
+    if cfg.trainer.max_staleness > 0 and cfg.rollout.producer != "async":
+        raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout.producer=async (the "
+                          f"{cfg.rollout.producer} producer generates each step on the weights of the last sync)")
+    if cfg.rollout.producer == "async" and ds.enabled:
+        raise ConfigError("rollout.producer=async does not take algorithm.dynamic_sampling yet: set "
+                          "algorithm.dynamic_sampling.enabled=false or rollout.producer=sync")
+    if cfg.rollout.partial_rollout_mask and cfg.rollout.producer != "async":
+        raise ConfigError("rollout.partial_rollout_mask=true masks the tokens of continued samples, which only "
+                          "rollout.producer=async makes: set rollout.producer=async or leave it false")
     _at_least("algorithm.dynamic_sampling.max_tries", ds.max_tries, 1, "chunks of prompts per step and engine rank")
     _at_least("algorithm.dynamic_sampling.max_carry_steps", ds.max_carry_steps, 0,
               "0: surplus groups are never carried to a later step")

@@ -12,7 +12,7 @@ input position t (the last sampled token never runs a forward); the trainer vali
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -91,9 +91,13 @@ class Sample:
     has_routes: bool = False
     trace_checked: bool = False  # routes already a clean compact trace (the engine checked them as they arrived)
     routes_from: int = 0  # the first trace row `routes` holds (a sequence-parallel rank receives its shard's rows)
+    # the policy version (weight sync) that sampled the oldest token (-1: not tracked, the sync producer's); the
+    # per-token versions are meta["versions"] on the owner (rollout/partial.py)
+    version_min: int = -1
+    masked_prefix: int = 0  # leading response tokens left out of the loss (rollout.partial_rollout_mask)
 
     SCALARS = ("prompt_len", "response_len", "reward", "failed", "correct", "finish_reason", "replaced_entries",
-               "replaced_tokens", "has_routes")
+               "replaced_tokens", "has_routes", "version_min", "masked_prefix")
 
     def __post_init__(self):
         if self.prompt_ids is not None:
@@ -150,16 +154,27 @@ class RolloutEngine(abc.ABC):
         """len(prompts) * n samples, prompt-major (sample i*n + j is prompt i's j-th)."""
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
-               request_ids: Optional[Sequence[str]] = None):
+               request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None):
         """Yields (prompt index, its n samples) as each prompt's group completes, in any order. The caller may
         `send("finish")` to the generator once it has enough: nothing more is started, running requests are
         aborted, and the generator goes on yielding the groups that end meanwhile (complete ones, and ones with
         aborted samples, finish_reason "abort"); groups never started are not yielded. Closing the generator
-        ends everything at once. This default generates the whole call, then yields every group (an engine
-        that batches the call, e.g. the embedded one, has every group at the same time)."""
-        samples = self.generate(prompts, params, n, request_ids)
+        ends everything at once. max_new_tokens: one budget per prompt instead of params' (the continuations
+        of a partial rollout, rollout/partial.py). This default generates the whole call (one generate() per
+        distinct budget), then yields every group (an engine that batches the call, e.g. the embedded one, has
+        every group at the same time)."""
+        budgets = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
+        if len(budgets) != len(prompts):
+            raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts")
+        out: list = [None] * len(prompts)
+        for budget in sorted(set(budgets)):
+            idx = [i for i, b in enumerate(budgets) if b == budget]
+            rids = None if request_ids is None else [request_ids[i * n + j] for i in idx for j in range(n)]
+            got = self.generate([prompts[i] for i in idx], replace(params, max_new_tokens=budget), n, rids)
+            for k, i in enumerate(idx):
+                out[i] = got[k * n:(k + 1) * n]
         for i in range(len(prompts)):
-            yield i, samples[i * n:(i + 1) * n]
+            yield i, out[i]
 
     @abc.abstractmethod
     def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:

@@ -307,13 +307,13 @@ class SGLangEngine(RolloutEngine):
         return out
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
-               request_ids: Optional[Sequence[str]] = None):
+               request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None):
         """Yields (prompt index, its n samples) as each group's last answer is decoded. `send("finish")`
         (RolloutEngine.stream): nothing more is sent, queued requests are dropped, running ones aborted on their
         servers; the groups that end meanwhile are still yielded (aborted samples with finish_reason "abort"),
         groups with a request never sent are not. Leaving the loop early (break, close(), an exception) aborts
         the requests still running and sends nothing more; every request of the call has ended when the
-        generator is closed."""
+        generator is closed. max_new_tokens: one budget per prompt (a partial rollout's continuations)."""
         total = len(prompts) * n
         if request_ids is not None and len(request_ids) != total:
             raise ValueError(f"{len(request_ids)} request_ids for {total} samples (prompts x n)")
@@ -323,6 +323,8 @@ class SGLangEngine(RolloutEngine):
         # the least-loaded server when it is sent (sglang_client.ServerSlots; ties rotate over calls), the
         # group's other samples follow it there (one prefix cache per prompt)
         slots = ServerSlots(len(self.servers), self.cfg.max_in_flight_per_server, start=next(self._rr))
+        if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
+            raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
         futures = {}
         for i, p in enumerate(prompts):
             prompt = list(map(int, p))
@@ -330,7 +332,10 @@ class SGLangEngine(RolloutEngine):
                 k = i * n + j
                 rid = request_ids[k] if request_ids is not None else f"rlpo-{self._prefix}-{next(self._rid)}"
                 seed = None if params.seed is None else (params.seed * 1000003 + k) % (2 ** 31)
-                futures[self._pool.submit(self._one, i, prompt, rid, self._sampling(params, seed), slots)] = i
+                sampling = self._sampling(params, seed)
+                if max_new_tokens is not None:
+                    sampling["max_new_tokens"] = int(max_new_tokens[i])
+                futures[self._pool.submit(self._one, i, prompt, rid, sampling, slots)] = i
         order, left, unsent = list(futures), [n] * len(prompts), [False] * len(prompts)
         try:
             for f in self._completed(order, slots):

@@ -106,7 +106,9 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
     start = (plens - 1)[:, None]  # the input position predicting the first response token
     in_response = (col >= start) & (col < start + rlens[:, None])
     kept = keep[torch.tensor(idx, dtype=torch.long)] if rows else torch.zeros(1, dtype=torch.bool)
-    loss_mask = in_response & kept[:, None]
+    # rollout.partial_rollout_mask: a continued sample's tokens before its last continuation stay out of the loss
+    masked = torch.tensor([s.masked_prefix for _, s, _ in rows] or [0])
+    loss_mask = in_response & kept[:, None] & (col >= start + masked[:, None])
     roll = torch.zeros(n, width)
     adv = torch.zeros(n)
     if rows:

@@ -4,8 +4,8 @@ A producer (PRODUCERS, chosen by rollout.producer) is called collectively on eve
 returns `ScoredGroups`: every sample's scalars on every rank (lengths, reward, flags, owner: all that
 advantages and the step plan need), each sample's payload (tokens, log-probs, routes) on the rank whose engine
 made it. The trainer does not know how the groups were made: synchronous collection (with dynamic sampling
-streamed per engine rank) is the producer here; asynchronous (off-policy by a step) and multi-turn producers are
-other entries.
+streamed per engine rank) is the producer here; asynchronous RL (generation overlapped with training, bounded
+staleness, partial rollouts) is training/async_collect.py; multi-turn producers would be other entries.
 
 SPMD: engine ranks (training/engines.py) each generate a contiguous share of the prompts and score it; the
 scalars' gather (training/exchange.py) then gives every rank every sample, in rank order. With dynamic sampling
@@ -15,6 +15,7 @@ ranks meet once, after, to agree on how many chunks of prompts were drawn (the c
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -61,6 +62,11 @@ class RolloutProducer(abc.ABC):
     @abc.abstractmethod
     def collect(self, step: int, timer) -> ScoredGroups:
         """The groups to train on at `step`; none (an empty list) means the step makes no update."""
+
+    def paused(self, version: Optional[int] = None):
+        """A context in which nothing generates (the trainer's weight syncs and evaluations); on a clean exit after
+        a sync, the engine holds policy `version`. Nothing runs between steps here: a no-op."""
+        return contextlib.nullcontext()
 
     def state_dict(self) -> dict:
         """This rank's own state between steps (saved with each checkpoint, per rank; empty: nothing to save)."""

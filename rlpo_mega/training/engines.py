@@ -7,6 +7,7 @@ engine is rebuilt and the weights re-synced.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -148,6 +149,8 @@ class EngineGuard:
     def __init__(self, slot: EngineSlot, sync, restarts: int, group):
         self.slot, self.sync, self.restarts_left, self.group = slot, sync, restarts, group
         self.restarts = 0
+        # what else uses the engine (the async producer's generation thread): quiesced around a rebuild
+        self.quiesce: list = []  # context-manager factories
 
     def run(self, fn):
         while True:
@@ -172,12 +175,15 @@ class EngineGuard:
             log.warning("rollout engine failed (%s): rebuilding it and re-syncing weights", why)
             self.restarts_left -= 1
             self.restarts += 1
-            try:
-                self.slot.close()
-            except Exception as e:  # a dead engine may fail to shut down; it is replaced anyway
-                log.warning("shutdown of the failed engine raised %s", e)
-            self.slot.build()
-            self.sync()
+            with contextlib.ExitStack() as quiet:
+                for q in self.quiesce:
+                    quiet.enter_context(q())
+                try:
+                    self.slot.close()
+                except Exception as e:  # a dead engine may fail to shut down; it is replaced anyway
+                    log.warning("shutdown of the failed engine raised %s", e)
+                self.slot.build()
+                self.sync()
 
 
 class Engines:

@@ -5,7 +5,8 @@
 sync) then loops `train_step`, evaluating and saving. One step, phase by phase, each in the module named
 after it:
 
-  collect.py        the rollout producer's scored groups (generate on the engine ranks, rewards, dynamic sampling)
+  collect.py        the rollout producer's scored groups (generate on the engine ranks, rewards, dynamic sampling;
+                    async_collect.py: generated while earlier steps train, trainer.max_staleness)
   advantages        shaping + the advantage estimator on every sample's scalars (rlpo_mega.algorithms.advantages)
   batches.py        plan and exchange: where each sample trains, the samples there, this rank's micro-batches
   old_logprobs.py   the old (and reference) log-probs, before any update
@@ -50,6 +51,7 @@ from rlpo_mega.logging import MetricsLogger, PhaseTimer
 from rlpo_mega.logging.metrics import count_host_syncs
 from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps, unwrap
 from rlpo_mega.rewards.scorer import RewardScorer
+from rlpo_mega.training import async_collect  # noqa: F401  (registers the "async" rollout producer)
 from rlpo_mega.training import report
 from rlpo_mega.training.batches import plan_and_exchange
 from rlpo_mega.training.collect import PRODUCERS, Rollouts, sampling_params, share
@@ -153,7 +155,8 @@ class Trainer:
             self._copy_policy_to_reference()
         if self.critic is not None and not self.critic_loaded and not c.critic.init_from_hf:
             self.critic.copy_trunk_from(p.chunks)  # the policy as RL starts (after any warm-up)
-        self.sync()
+        with self.producer.paused(version=self.step):  # the policy version the engine holds: the step
+            self.sync()
         self.started = True
         return True
 
@@ -203,7 +206,7 @@ class Trainer:
         skipped = int(sum(o["skipped"] for o in outs + critic_outs))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
         # 7. sync: the new weights to the engine
-        with timer("sync"):
+        with timer("sync"), self.producer.paused(version=self.step + 1):  # generation ahead pauses, continues after
             self.sync()
         self.step += 1
         # 8. report
@@ -222,7 +225,9 @@ class Trainer:
         items = PromptSampler(records[:c.trainer.eval_size], self.tokenizer, shuffle=False,
                               chat_template=c.prompts.chat_template, system_prompt=c.prompts.system_prompt
                               ).next_prompts(min(len(records), c.trainer.eval_size))
-        scored = self.rollouts(items, 1, sampling_params(c, self.tokenizer, seed=c.seed, greedy=True), PhaseTimer())
+        with self.producer.paused():  # generation ahead (rollout.producer=async) waits for the evaluation
+            scored = self.rollouts(items, 1, sampling_params(c, self.tokenizer, seed=c.seed, greedy=True),
+                                   PhaseTimer())
         return {"eval/reward_mean": sum(s.reward for s in scored) / len(scored),
                 "eval/accuracy": sum(s.correct for s in scored) / len(scored)}
 
@@ -379,8 +384,8 @@ class Trainer:
     def close(self, ok: bool = True):
         self.stop.restore()
         self.logger.close(exit_code=0 if ok else 1)
+        self.producer.close()  # first: its generation thread may be scoring
         self.scorer.close()
-        self.producer.close()
         self.engines.close()
         self.policy.routing.close()
         if self.critic is not None:

@@ -1,0 +1,336 @@
+"""Asynchronous RL (rollout.producer=async): the next steps' rollouts generate while the learner trains.
+
+With trainer.max_staleness = k, the groups of step s may be generated from the moment the engine holds policy
+version s - k (version v: the weights after v optimizer steps' syncs; the run's first sync is its start step).
+A thread on each engine rank (RolloutWorker) generates the planned steps in order, as far ahead as that rule
+allows, and scores each group as it completes; the learner's step takes its groups when they are ready. So at
+most k + 1 steps of samples are in flight or ready (bounded memory), and every token of step s was sampled by a
+version in [s - k, s]. k = 0 is the synchronous step: step s generates on version s, after the sync that ends
+step s - 1, with the prompts and seeds of the sync producer: the same samples.
+
+Every weight sync pauses generation (`paused`): the running requests are aborted and come back with the tokens,
+log-probs and routes they have; the engine is idle while the new weights load and their digests are checked;
+then each interrupted sample continues from its tokens with max_new_tokens reduced (rollout/partial.py: a
+partial rollout), on the new version. Every token carries the version that sampled it (meta["versions"]), each
+sample its oldest (`version_min`, a scalar every rank sees); at the step, a group holding a token older than
+s - k is not trained on (dropped and counted: the schedule above never makes one, a resumed or a held sample
+could). Routes of a continued sample: each token keeps the routes it was sampled under (rollout/partial.py).
+
+The objective on these samples is the configured loss, with the rollout/train mismatch correction
+(algorithm.mismatch) as the off-policy weight. Per response token t of sample i, with mu_v the policy that
+sampled it (version v = v_it, the rollout's log-probs), pi_old the learner as the step starts (the old-log-prob
+pass, or the update's own detached forward) and pi_theta the policy being optimised:
+
+    w_it = pi_old(o_it) / mu_{v_it}(o_it)          the behaviour correction (no gradient)
+    r_it = pi_theta(o_it) / pi_old(o_it)           the ratio the loss clips (GSPO: its sequence mean in log)
+    l_it = -c(w_it) * min(r_it * A_i, clip(r_it, 1 - eps_low, 1 + eps_high) * A_i)
+
+c(w) = min(w, C) with mismatch.mode=tis (the decoupled PPO objective of AReaL, its weight truncated at C);
+c(w) = 1[C_min <= w <= C_max] with mis (the token leaves the loss and its counts); c = 1 with none (trained as
+if on-policy: only the clip around pi_old holds the step). w_it covers both the staleness (pi_old against an
+older version) and the engine's numerics (the same version in another kernel); levels token / sequence /
+geometric as in algorithms/mismatch.py. tests/test_async.py checks this against a float64 transcription.
+
+The engine guard's rebuild pauses the thread (EngineGuard.quiesce); a failure inside the thread reaches the
+step as the engine error it is (rebuilt and re-synced as in a synchronous step); SIGTERM while the step waits
+stops it. A checkpoint saves the prompts of the steps planned and not yet trained (their samples are generated
+again after the resume, on the resumed weights).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlpo_mega.rollout import RolloutInterrupted, Sample
+from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, tag, versions_of
+from rlpo_mega.training.collect import PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, sampling_params, score, share
+from rlpo_mega.training.exchange import gather_scalars
+
+log = logging.getLogger("rlpo_mega")
+
+
+@dataclass
+class _Job:
+    """One step's groups on this rank: its share of the step's prompts, n samples each."""
+    step: int
+    items: list
+    seed: int
+    n: int
+    groups: list = None  # per item: n slots, each a finished Sample or None
+    scored: list = None  # per item: the group has been scored
+    parts: dict = field(default_factory=dict)  # (item, sample) -> interrupted Sample, continuable
+    rounds: int = 0  # engine calls so far (0: the fresh groups, one call as the sync producer's)
+    continued: int = 0  # samples finished by a continuation
+    restarted: int = 0  # samples generated again from their prompt after an interruption
+    generate_s: float = 0.0
+
+    def __post_init__(self):
+        self.groups = [[None] * self.n for _ in self.items]
+        self.scored = [False] * len(self.items)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.scored)
+
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+
+class RolloutWorker:
+    """The generation thread of one engine rank: runs the planned jobs' engine calls (rounds) in step order,
+    each on the engine's current version, while allowed (`lag`), and not while paused."""
+
+    def __init__(self, cfg, engines, scorer, tokenizer, lag: int):
+        self.cfg, self.engines, self.scorer, self.tokenizer, self.lag = cfg, engines, scorer, tokenizer, lag
+        self.cond = threading.Condition()
+        self.jobs: dict[int, _Job] = {}
+        self.version: Optional[int] = None  # the weights the engine holds (None before the first sync)
+        self.pausing = 0
+        self.busy = False
+        self.error: Optional[BaseException] = None
+        self.closing = False
+        self.thread: Optional[threading.Thread] = None
+        r = cfg.rollout
+        self.max_new = r.max_new_tokens
+        self.stops = tuple(sampling_params(cfg, tokenizer, seed=0).stop_token_ids)
+        self.mask = r.partial_rollout_mask
+
+    # --- the learner's side --------------------------------------------------------------------------
+    def add(self, job: _Job):
+        with self.cond:
+            self.jobs[job.step] = job
+            if self.thread is None and job.items:
+                self.thread = threading.Thread(target=self._loop, name="rlpo-rollout", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def take(self, step: int, should_stop) -> list[Sample]:
+        """This rank's samples of `step` once every group is scored (the job stays until `drop`)."""
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                job = self.jobs[step]
+                if job.complete:
+                    return job.samples()
+                if should_stop is not None and should_stop():
+                    raise RolloutInterrupted(f"stop requested while step {step}'s rollout was generating")
+                self.cond.wait(0.2)
+
+    def drop(self, step: int) -> Optional[_Job]:
+        with self.cond:
+            return self.jobs.pop(step, None)
+
+    @contextlib.contextmanager
+    def paused(self, version: Optional[int] = None, clear_error: bool = False):
+        """No engine call runs inside (the running one is aborted: its samples continue after); on a clean exit
+        the engine holds `version` (a weight sync), and clear_error forgets a failure (the engine was rebuilt)."""
+        with self.cond:
+            self.pausing += 1
+        try:
+            self._quiesce()
+            yield
+            with self.cond:
+                if version is not None:
+                    self.version = version
+                if clear_error:
+                    self.error = None
+        finally:
+            with self.cond:
+                self.pausing -= 1
+                self.cond.notify_all()
+
+    def _quiesce(self):
+        while True:
+            with self.cond:
+                if not self.busy:
+                    return
+            engine = self.engines.slot.engine
+            try:  # repeated: a request sent after one abort and before the thread saw the pause is caught next time
+                if engine is not None:
+                    engine.abort()
+            except Exception as e:  # a dead engine: its call fails on its own, within the engine's timeouts
+                log.debug("abort during a pause raised %s", e)
+            with self.cond:
+                if self.busy:
+                    self.cond.wait(0.05)
+
+    def close(self):
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+        self._quiesce()
+        if self.thread is not None:
+            self.thread.join(timeout=60)
+
+    # --- the thread ----------------------------------------------------------------------------------
+    def _next_job(self) -> Optional[_Job]:
+        for step in sorted(self.jobs):
+            job = self.jobs[step]
+            if not job.complete and self.version is not None and step - self.lag <= self.version:
+                return job
+        return None
+
+    def _loop(self):
+        while True:
+            with self.cond:
+                while True:
+                    if self.closing:
+                        return
+                    job = None if (self.pausing or self.error is not None) else self._next_job()
+                    if job is not None:
+                        break
+                    self.cond.wait()
+                self.busy, version = True, self.version
+            try:
+                self._round(job, version)
+            except BaseException as e:  # the step that waits for it raises it (EngineGuard: rebuild, or stop)
+                with self.cond:
+                    self.error = e
+            finally:
+                with self.cond:
+                    self.busy = False
+                    self.cond.notify_all()
+
+    def _round(self, job: _Job, version: int):
+        """One engine call for `job` on `version`: its fresh groups (the first), else every unfinished sample
+        (continued from its part, or from its prompt); stops early when a pause is asked for."""
+        engine, t0 = self.engines.slot.engine, time.perf_counter()
+        if job.rounds == 0:
+            slots = [[(i, j) for j in range(job.n)] for i in range(len(job.items))]
+            gen = engine.stream([it.input_ids for it in job.items],
+                                sampling_params(self.cfg, self.tokenizer, job.seed), n=job.n)
+        else:
+            todo = [(i, j) for i, g in enumerate(job.groups) for j, s in enumerate(g) if s is None]
+            job.restarted += sum(1 for key in todo if key not in job.parts)
+            slots = [[key] for key in todo]
+            prompts = [continuation_prompt(job.parts[k]) if k in job.parts else job.items[k[0]].input_ids
+                       for k in todo]
+            budgets = [self.max_new - (len(job.parts[k].response_ids) if k in job.parts else 0) for k in todo]
+            gen = engine.stream(prompts, sampling_params(self.cfg, self.tokenizer, mix_seed(job.seed, job.rounds)),
+                                n=1, max_new_tokens=budgets)
+        job.rounds += 1
+        try:
+            msg = None
+            while True:
+                try:
+                    k, answers = gen.send(msg)
+                except StopIteration:
+                    break
+                for key, answer in zip(slots[k], answers):
+                    self._settle(job, key, tag(answer, version))
+                for i in sorted({key[0] for key in slots[k]}):
+                    if not job.scored[i] and all(s is not None for s in job.groups[i]):
+                        self._score(job, i)
+                with self.cond:
+                    msg = "finish" if (self.pausing or self.closing) else None
+        finally:
+            gen.close()
+            job.generate_s += time.perf_counter() - t0
+
+    def _settle(self, job: _Job, key, answer: Sample):
+        prev = job.parts.pop(key, None)
+        if prev is not None:
+            if not answer.response_ids or (answer.finish_reason == "abort" and not continuable(answer)):
+                job.parts[key] = prev  # nothing usable came back: continue from the part it had
+                return
+            answer = join(prev, answer, self.max_new, self.stops)
+        if answer.finish_reason != "abort":
+            job.groups[key[0]][key[1]] = answer
+            job.continued += prev is not None
+        elif continuable(answer):
+            job.parts[key] = answer
+        # else: aborted before it had a token (or without its routes): generated again from its prompt
+
+    def _score(self, job: _Job, i: int):
+        group = job.groups[i]
+        score([job.items[i]] * len(group), group, self.scorer, self.tokenizer)
+        for s in group:
+            spans = versions_of(s)
+            s.version_min = min(v for v, _ in spans)
+            s.meta["policy_version"] = spans[-1][0]
+            if self.mask:
+                s.masked_prefix = sum(c for v, c in spans if v < spans[-1][0])
+        job.scored[i] = True
+
+
+@PRODUCERS.register("async")
+class AsyncProducer(RolloutProducer):
+    """Generation overlapped with training, bounded by trainer.max_staleness (the module docstring)."""
+
+    def __init__(self, cfg, sampler, rollouts, divisor: int):
+        super().__init__(cfg, sampler, rollouts, divisor)
+        self.lag = cfg.trainer.max_staleness
+        self.engines = rollouts.engines
+        self.worker = RolloutWorker(cfg, self.engines, rollouts.scorer, rollouts.tokenizer, self.lag)
+        self.planned = None  # the last step whose prompts are drawn
+        self.engines.guard.quiesce.append(lambda: self.worker.paused(clear_error=True))
+
+    def paused(self, version: Optional[int] = None):
+        return self.worker.paused(version)
+
+    def _plan(self, step: int):
+        """Draw the prompts of the steps up to step + k (in step order: the sync producer's prompts per step)."""
+        p = self.cfg.prompts
+        last = min(step + self.lag, self.cfg.train_iters - 1)
+        first = step if self.planned is None else max(step, self.planned + 1)
+        for s in range(first, last + 1):
+            items = share(self.sampler.next_prompts(p.prompts_per_step), self.engines.ranks)
+            self.worker.add(_Job(s, items, mix_seed(self.cfg.seed, s, 0, dist.get_rank()), p.n_samples))
+            self.planned = s
+
+    def collect(self, step: int, timer) -> ScoredGroups:
+        cfg, n = self.cfg, self.cfg.prompts.n_samples
+        self._plan(step)
+        with timer("rollout"):  # the wait for this step's groups (generated meanwhile)
+            local = self.engines.guard.run(lambda: self.worker.take(step, self.engines.slot.should_stop))
+        job = self.worker.drop(step)
+        with timer("gather"):
+            samples = gather_scalars(local, self.rollouts.spec, cfg.routing.on_bad_trace, self.engines.guard.group)
+        counts = torch.tensor([job.continued, job.restarted, job.rounds, len(job.parts)] if job else [0] * 4,
+                              dtype=torch.float64)
+        dist.all_reduce(counts, group=self.engines.guard.group)
+        # the staleness bound, on every rank alike (the versions are scalars): a group with a token sampled more
+        # than k versions before this step's learner is not trained on
+        stale = {g for g in range(len(samples) // n)
+                 if any(0 <= s.version_min < step - self.lag for s in samples[g * n:(g + 1) * n])}
+        if stale:
+            log.warning("step %d: %d groups hold tokens older than trainer.max_staleness=%d allows: not trained on",
+                        step, len(stale), self.lag)
+            samples = [s for k, s in enumerate(samples) if k // n not in stale]
+        ages = [step - s.version_min for s in samples if s.version_min >= 0]
+        metrics = {"async/stale_dropped_groups": len(stale), "async/continued_samples": int(counts[0]),
+                   "async/restarted_samples": int(counts[1]), "async/engine_calls": int(counts[2]),
+                   "async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+                   "async/staleness_max": max(ages, default=0)}
+        if job is not None:
+            metrics["async/generate_s"] = job.generate_s  # this rank's engine calls for the step, end to end
+        unit = self.divisor // math.gcd(self.divisor, n)  # whole groups whose rows split evenly
+        keep = (len(samples) // n) // unit * unit
+        if keep * n < len(samples):
+            metrics["async/trimmed_groups"] = len(samples) // n - keep
+            samples = samples[:keep * n]
+        return ScoredGroups(samples, torch.arange(len(samples) // n).repeat_interleave(n), metrics)
+
+    def state_dict(self) -> dict:
+        """The prompts of the steps planned and not trained (this rank's shares): generated again after a resume."""
+        with self.worker.cond:
+            jobs = [(s, j.items) for s, j in sorted(self.worker.jobs.items())]
+        return {"async_jobs": jobs} if jobs else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        for s, items in state.get("async_jobs", []):
+            self.worker.add(_Job(s, list(items), mix_seed(self.cfg.seed, s, 0, dist.get_rank()),
+                                 self.cfg.prompts.n_samples))
+            self.planned = s if self.planned is None else max(self.planned, s)
+
+    def close(self):
+        self.worker.close()
