@@ -280,7 +280,7 @@ class AsyncProducer(RolloutProducer):
     def _plan(self, step: int):
         """Draw the prompts of the steps up to step + k (in step order: the sync producer's prompts per step)."""
         p = self.cfg.prompts
-        last = min(step + self.lag, self.cfg.train_iters - 1)
+        last = min(step + self.worker.lag, self.cfg.train_iters - 1)  # as far ahead as the thread may generate
         first = step if self.planned is None else max(step, self.planned + 1)
         for s in range(first, last + 1):
             items = share(self.sampler.next_prompts(p.prompts_per_step), self.engines.ranks)

@@ -1,7 +1,9 @@
 """Test-only registrations for trainer scenarios (imported by the workers, never by the product):
 a reward with mixed scores on a random model, an engine that fails on demand, a rollout producer the package
 does not know, a NaN injector."""
+import hashlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -73,3 +75,41 @@ def inject_nan_grad(trainer, steps):
 
     param = next(unwrap(trainer.policy.chunks[0]).parameters())
     return param.register_hook(lambda g: g * float("nan") if trainer.step in steps else g)
+
+
+def weights_digest(model) -> str:
+    h = hashlib.sha256()
+    for _, p in sorted(model.state_dict().items()):
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+@ENGINES.register("test_recorded")
+class RecordedEngine(FlakyEngine):
+    """The embedded engine keeping its own record: every generate() call with the weights it ran on (a digest of
+    the model taken at each weight update, `syncs` in order) and what it returned. RLPO_DECODE_DELAY seconds per
+    forward make a rollout last long enough for a weight sync to land in the middle of it."""
+    record: list = []  # every call of every engine in this process
+    syncs: list = []  # the digest after each weight update
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.weights = None
+        delay = float(os.environ.get("RLPO_DECODE_DELAY", "0"))
+        if delay:
+            self.model.register_forward_pre_hook(lambda module, args: time.sleep(delay))
+
+    def end_weight_update(self):
+        super().end_weight_update()
+        self.weights = weights_digest(self.model)
+        RecordedEngine.syncs.append(self.weights)
+
+    def generate(self, prompts, params, n=1, request_ids=None):
+        weights = self.weights
+        out = super().generate(prompts, params, n=n, request_ids=request_ids)
+        RecordedEngine.record.append({
+            "weights": weights, "n": n, "max_new": params.max_new_tokens,
+            "prompts": [[int(t) for t in p] for p in prompts],
+            "out": [(list(s.response_ids), s.logprobs.clone(), None if s.routes is None else s.routes.clone(),
+                     s.finish_reason) for s in out]})
+        return out
