@@ -180,7 +180,8 @@ class Trainer:
         groups = self.producer.collect(self.step, timer)
         metrics = {**groups.metrics, **report.rollout_metrics(groups.samples)}
         if not groups.samples:
-            log.warning("step %d: no group with mixed rewards after dynamic sampling; no update", self.step)
+            log.warning("step %d: no group to train on (dynamic sampling kept none, or all were older than "
+                        "trainer.max_staleness allows); no update", self.step)
             self.step += 1
             return {**metrics, "train/skipped_step": 1}
         with timer("prepare"):

@@ -210,13 +210,14 @@ def sigterm_and_restart(out):
     prompts, exits with the thread stopped; the resumed run trains those prompts at step 1. Then an engine
     crash on rank 1 during a rollout overlapped with training: rebuilt, re-synced, the run goes on."""
     ck = os.path.join(out, "ckpt")
-    os.environ["RLPO_DECODE_DELAY"] = SLOW
+    os.environ["RLPO_DECODE_DELAY"] = "0.4"  # step 1's rollout (about 3 s) outlasts step 0's training
     step, original = Trainer.train_step, {}
 
     def signalled(self):
         m = step(self)
         if self.step == 1 and dist.get_rank() == 0:
-            original["busy"] = self.producer.worker.busy  # the next step's rollout is generating
+            job = self.producer.worker.jobs.get(1)  # the next step's rollout, still generating
+            original["busy"] = job is not None and not job.complete
             os.kill(os.getpid(), signal.SIGTERM)
         return m
 
@@ -229,6 +230,7 @@ def sigterm_and_restart(out):
                        "checkpoint.save_every=0", *ASYNC))
     finally:
         Trainer.train_step = step
+        os.environ["RLPO_DECODE_DELAY"] = SLOW
     rep = {"stopped_rc": rc, "busy_at_signal": original.get("busy"), "saved": ckpt_state.complete_steps(ck),
            "threads": sorted(t.name for t in __import__("threading").enumerate() if t.name == "rlpo-rollout")}
     saved = trained.copy()

@@ -1,0 +1,174 @@
+"""Asynchronous RL (rollout.producer=async, trainer.max_staleness): the partial-rollout join, the off-policy
+objective against a float64 transcription, and the trainer under torchrun (tests/workers/async_scenarios.py, one
+launch): staleness 0 equals the synchronous step exactly; with staleness 1 every weight sync lands mid-generation
+and every trained sample agrees with the engine's own record; a sample held past the bound is not trained on;
+SIGTERM with requests in flight saves and the resume trains the planned prompts; a crashed engine mid-overlap is
+rebuilt."""
+import math
+
+import pytest
+import torch
+
+from rlpo_mega.config import ConfigError, load_config
+from rlpo_mega.config_checks import check_run_config
+from rlpo_mega.errors import EXIT_STOPPED
+from rlpo_mega.rollout import EngineError, Sample
+from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, span_versions, tag
+from tests.dist import torchrun
+from tests.test_algorithms_losses import algo_cfg, assert_close, make_batch, paper_params, run_impl
+
+SKIP = ("time", "time/", "perf/", "async/")  # wall-clock fields and the producer's own counters
+
+
+def _part(prompt, tokens, finish, version, layers=2, topk=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = len(prompt) + len(tokens) - 1
+    s = Sample(prompt_ids=list(prompt), response_ids=list(tokens), logprobs=-torch.rand(len(tokens), generator=g),
+               finish_reason=finish, routes=torch.randint(0, 8, (rows, layers, topk), generator=g, dtype=torch.int32))
+    return tag(s, version)
+
+
+def test_join_keeps_each_tokens_own_routes_logprobs_and_version():
+    prompt = [5, 6, 7]
+    first = _part(prompt, [1, 2], "abort", version=3, seed=1)
+    assert continuable(first) and continuation_prompt(first) == [5, 6, 7, 1, 2]
+    cont = _part(continuation_prompt(first), [3, 4, 9], "stop", version=4, seed=2)  # its prefill re-routes 0..4
+    out = join(first, cont, max_new_tokens=8, stop_token_ids=(9,))
+    assert out.response_ids == [1, 2, 3, 4, 9] and out.finish_reason == "stop"
+    assert torch.equal(out.logprobs, torch.cat([first.logprobs, cont.logprobs]))
+    assert out.meta["versions"] == [(3, 2), (4, 3)]
+    assert span_versions(out.meta["versions"]).tolist() == [3, 3, 4, 4, 4]
+    P, k = len(prompt), 2
+    assert out.routes.shape[0] == out.span == P + 5 - 1
+    # rows 0..P+k-2 (the prompt and the first part's tokens, whose successors version 3 sampled): the first part's;
+    # from row P+k-1 (the forward that sampled token k+1): the continuation's, never its prefill of the prefix
+    assert torch.equal(out.routes[:P + k - 1], first.routes[:P + k - 1])
+    assert torch.equal(out.routes[P + k - 1:], cont.routes[P + k - 1:])
+    assert not torch.equal(cont.routes[:P + k - 1], first.routes[:P + k - 1])  # the case the rule guards
+
+
+def test_join_cuts_at_the_budget_and_refuses_half_routed_parts():
+    first = _part([5, 6], [1, 2, 3], "abort", version=0)
+    cont = _part(continuation_prompt(first), [4, 4, 4], "length", version=1)  # asked for more than was left
+    out = join(first, cont, max_new_tokens=4)
+    assert out.response_ids == [1, 2, 3, 4] and out.finish_reason == "length" and out.meta["versions"] == [(0, 3), (1, 1)]
+    assert out.routes.shape[0] == 2 + 4 - 1
+    # an aborted part whose routes do not cover its tokens (SGLang: queued or retracted) is restarted instead
+    short = _part([5, 6], [1, 2, 3], "abort", version=0)
+    short.routes = short.routes[:2]
+    assert not continuable(short)
+    assert not continuable(_part([5, 6], [], "abort", version=0))
+    bare = _part(continuation_prompt(first), [4], "stop", version=1)
+    bare.routes = None
+    with pytest.raises(EngineError, match="routes in one part only"):
+        join(first, bare, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("cap", [2.0, 1e9])
+def test_off_policy_objective_matches_float64_decoupled_ppo(cap):
+    """Samples whose tokens come from two policy versions (a continued sample: tokens before its continuation
+    from version v - 1, after from v): the trained loss is the decoupled PPO objective
+    l_it = -min(w_it, C) * min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i), w_it = pi_old / mu_{v_it},
+    r_it = pi_theta / pi_old, token-mean; C = 1e9 is the untruncated form. Written out here in float64 loops."""
+    batch = make_batch(21, "far")
+    mask = batch["loss_mask"]
+    g = torch.Generator().manual_seed(22)
+    older = batch["old_logp"] + 0.5 * torch.randn(mask.shape, generator=g, dtype=torch.float64)  # version v - 1
+    newer = batch["old_logp"] + 0.05 * torch.randn(mask.shape, generator=g, dtype=torch.float64)  # version v
+    cut = torch.tensor([2, 0, 1, 5, 0, 1, 3, 1])  # each row's tokens sampled before its continuation
+    col = torch.arange(mask.shape[1])[None, :] - torch.tensor([0, 2, 4, 1, 0, 6, 3, 0])[:, None]
+    behaviour = torch.where(col < cut[:, None], older, newer)
+    batch["rollout_logp"] = torch.where(mask, behaviour, float("nan"))
+    cfg = algo_cfg("ppo_clip")
+    cfg.mismatch.mode, cfg.mismatch.level, cfg.mismatch.tis_cap = "tis", "token", cap
+    got, got_g, _ = run_impl(batch, cfg)
+    eps_lo, eps_hi = paper_params(cfg)["eps_low"], paper_params(cfg)["eps_high"]
+    lp = batch["logp"].double().clone().requires_grad_()
+    total, count = 0.0, 0
+    for i in range(mask.shape[0]):
+        for t in range(mask.shape[1]):
+            if not mask[i, t]:
+                continue
+            w = math.exp(float(batch["old_logp"][i, t]) - float(behaviour[i, t]))
+            r = torch.exp(lp[i, t] - batch["old_logp"][i, t])
+            adv = batch["advantages"]
+            a = float(adv[i] if adv.dim() == 1 else adv[i, t])
+            total = total - min(w, cap) * torch.minimum(r * a, torch.clamp(r, 1 - eps_lo, 1 + eps_hi) * a)
+            count += 1
+    want = total / count
+    want.backward()
+    assert_close(got, want.detach(), 1e-12, "decoupled objective")
+    assert_close(got_g, torch.nan_to_num(lp.grad), 1e-10, "its gradient")
+
+
+def test_async_config_refusals():
+    def check(*over):
+        check_run_config(load_config("configs/demo_cpu.yaml", over), log_warnings=False)
+
+    check("rollout.producer=async", "trainer.max_staleness=2")
+    with pytest.raises(ConfigError, match="needs rollout.producer=async"):
+        check("trainer.max_staleness=1")
+    with pytest.raises(ConfigError, match="trainer.max_staleness=-1 must be >= 0"):
+        check("rollout.producer=async", "trainer.max_staleness=-1")
+    with pytest.raises(ConfigError, match="dynamic_sampling"):
+        check("rollout.producer=async", "algorithm.dynamic_sampling.enabled=true")
+    with pytest.raises(ConfigError, match="partial_rollout_mask"):
+        check("rollout.partial_rollout_mask=true")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return torchrun("async_scenarios.py", 2, "everything", str(tmp_path_factory.mktemp("async")),
+                    env={"WANDB_MODE": "disabled"}, timeout=900)
+
+
+def test_staleness_zero_is_the_synchronous_step_exactly(runs):
+    r = runs["equal_at_zero"]
+    for rank in r["samples"]:  # each rank's own samples: tokens, log-probs and routes bitwise equal
+        assert rank["samples"] == 24 and rank["differences"] == [], rank
+    assert all(w["sync"] == w["async0"] for w in r["weights"])  # the weights after the last update: same gradients
+    assert len(r["sync"]) == len(r["async0"]) == 3
+    for a, b in zip(r["sync"], r["async0"]):
+        diff = {k: (a[k], b.get(k)) for k in a if not k.startswith(SKIP) and a[k] != b.get(k)}
+        assert not diff, diff  # losses, gradient norms, rewards, routing agreement: identical
+    assert all(h["async/staleness_max"] == 0 for h in r["async0"])
+
+
+def test_weight_update_mid_generation_matches_the_engines_record(runs):
+    for run in ("k1", "k1_mask"):
+        r = runs["mid_generation"][run]
+        hist = r["history"]
+        assert [h["step"] for h in hist] == [1, 2, 3, 4]
+        for rank in r["checks"]:
+            # tokens, log-probs, per-token versions and every routing row as the engine gave them; nothing twice
+            assert rank["problems"] == [] and rank["samples"] == 32 and rank["rows"] > 300, rank
+            assert rank["continued"] >= 8, rank  # the syncs did interrupt generation
+        for h in hist[1:]:
+            assert h["async/staleness_max"] == 1 and h["async/continued_samples"] > 0, h
+            assert h["async/stale_dropped_groups"] == 0 and h["async/restarted_samples"] == 0, h
+        assert hist[0]["async/staleness_max"] == 0
+    assert runs["mid_generation"]["k1"]["masked"] == [0, 0]
+    # partial_rollout_mask: exactly the tokens sampled before each sample's last continuation leave the loss
+    masked = runs["mid_generation"]["k1_mask"]
+    assert masked["masked"] == masked["old_tokens"] and sum(masked["masked"]) > 0
+
+
+def test_a_sample_past_the_staleness_bound_is_not_trained_on(runs):
+    r = runs["held_past_bound"]
+    hist = r["history"]
+    assert r["rc"] == 0 and [h["step"] for h in hist] == [1, 2, 3]
+    assert hist[1]["async/staleness_max"] == 1 and hist[1]["async/stale_dropped_groups"] == 0
+    # step 3's groups were generated on version 0 (two behind): all 4 dropped, no update
+    assert hist[2]["async/stale_dropped_groups"] == 4 and hist[2]["train/skipped_step"] == 1
+    assert "policy_loss" not in hist[2] and "reward/mean" not in hist[2]
+
+
+def test_sigterm_with_requests_in_flight_and_engine_restart(runs):
+    r = runs["sigterm_and_restart"]
+    assert r["stopped_rc"] == EXIT_STOPPED and r["busy_at_signal"] is True, r
+    assert r["saved"] == [1] and r["threads"] == []  # saved after step 1; the generation thread ended
+    assert r["resumed_rc"] == 0 and [h["step"] for h in r["resumed"]] == [2, 3]
+    for rank in r["prompts"]:  # the planned prompts were saved and trained after the resume, where they belong
+        assert rank["resumed_1"] == rank["full_1"] and len(rank["full_1"]) == 8, rank
+    assert r["crash_rc"] == 0 and [h["step"] for h in r["crash"]] == [1, 2, 3, 4]
+    assert r["crash"][-1]["engine/restarts"] == 1
