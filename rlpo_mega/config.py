@@ -310,6 +310,16 @@ class SGLangEngineConfig:
 class RolloutConfig:
     engine: str = "embedded"  # embedded | sglang (rlpo_mega.rollout ENGINES)
     producer: str = "sync"  # how a step's scored groups are made (rlpo_mega.training.collect PRODUCERS): sync, async
+    # async: true: a weight sync aborts the running requests and each continues after it, on the new weights,
+    # from the tokens it has (partial rollout; its tokens carry both versions); false: the sync waits for the
+    # running engine call to finish (every sample from one version). tools/bench_async.py on a CPU SGLang server:
+    # the aborts and re-prefills cost more than the wait saves there; partial rollout pays off when a few long
+    # requests would hold the sync
+    partial_rollout: bool = False
+    # async: Python's thread switch interval (s) while generation overlaps training (sys.setswitchinterval): how
+    # long the rollout client's threads may wait for the GIL the training thread holds. At Python's 0.005 the
+    # overlapped rollout ran 30% slower than alone (tools/bench_async.py); null: leave Python's
+    client_switch_interval: Optional[float] = 0.0005
     # async: tokens a sample got before its last continuation (sampled by an older policy version than its last
     # tokens, training/async_collect.py) are left out of the loss, as slime's partial-rollout masking
     partial_rollout_mask: bool = False

@@ -365,9 +365,12 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.rollout.producer == "async" and ds.enabled:
         raise ConfigError("rollout.producer=async does not take algorithm.dynamic_sampling yet: set "
                           "algorithm.dynamic_sampling.enabled=false or rollout.producer=sync")
-    if cfg.rollout.partial_rollout_mask and cfg.rollout.producer != "async":
+    if cfg.rollout.client_switch_interval is not None and not cfg.rollout.client_switch_interval > 0:
+        raise ConfigError(f"rollout.client_switch_interval={cfg.rollout.client_switch_interval} must be > 0 seconds "
+                          "(or null: Python's own)")
+    if cfg.rollout.partial_rollout_mask and not (cfg.rollout.producer == "async" and cfg.rollout.partial_rollout):
         raise ConfigError("rollout.partial_rollout_mask=true masks the tokens of continued samples, which only "
-                          "rollout.producer=async makes: set rollout.producer=async or leave it false")
+                          "rollout.producer=async with rollout.partial_rollout=true makes: set both or leave it false")
     _at_least("algorithm.dynamic_sampling.max_tries", ds.max_tries, 1, "chunks of prompts per step and engine rank")
     _at_least("algorithm.dynamic_sampling.max_carry_steps", ds.max_carry_steps, 0,
               "0: surplus groups are never carried to a later step")

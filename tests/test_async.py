@@ -114,6 +114,10 @@ def test_async_config_refusals():
         check("rollout.producer=async", "algorithm.dynamic_sampling.enabled=true")
     with pytest.raises(ConfigError, match="partial_rollout_mask"):
         check("rollout.partial_rollout_mask=true")
+    with pytest.raises(ConfigError, match="partial_rollout_mask"):
+        check("rollout.producer=async", "rollout.partial_rollout_mask=true")  # without partial_rollout=true
+    with pytest.raises(ConfigError, match="client_switch_interval"):
+        check("rollout.producer=async", "rollout.client_switch_interval=0")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +139,7 @@ def test_staleness_zero_is_the_synchronous_step_exactly(runs):
 
 
 def test_weight_update_mid_generation_matches_the_engines_record(runs):
-    for run in ("k1", "k1_mask"):
+    for run in ("k1", "k1_mask"):  # partial rollout
         r = runs["mid_generation"][run]
         hist = r["history"]
         assert [h["step"] for h in hist] == [1, 2, 3, 4]
@@ -148,6 +152,13 @@ def test_weight_update_mid_generation_matches_the_engines_record(runs):
             assert h["async/stale_dropped_groups"] == 0 and h["async/restarted_samples"] == 0, h
         assert hist[0]["async/staleness_max"] == 0
     assert runs["mid_generation"]["k1"]["masked"] == [0, 0]
+    # partial_rollout=false (the default): each sync waited for the running call; every sample from one version
+    wait = runs["mid_generation"]["k1_wait"]
+    for rank in wait["checks"]:
+        assert rank["problems"] == [] and rank["samples"] == 32 and rank["continued"] == 0, rank
+    assert wait["old_tokens"] == [0, 0]
+    for h in wait["history"][1:]:
+        assert h["async/staleness_max"] == 1 and h["async/continued_samples"] == 0, h
     # partial_rollout_mask: exactly the tokens sampled before each sample's last continuation leave the loss
     masked = runs["mid_generation"]["k1_mask"]
     assert masked["masked"] == masked["old_tokens"] and sum(masked["masked"]) > 0

@@ -73,3 +73,28 @@ def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
     # (600 s here); the save and the server's shutdown follow
     assert r["sigterm_to_save_s"] < 20 and r["sigterm_to_exit_s"] < 120, r
     print(f"SIGTERM -> save {r['sigterm_to_save_s']:.1f} s, -> exit {r['sigterm_to_exit_s']:.1f} s")
+
+
+def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path):
+    """Asynchronous RL on a launched SGLang server: max_staleness=1 with partial rollout, 4 steps of 40 tokens, so
+    that each sync lands while the next step generates. The server names the weight version of every answer;
+    each matched the version its request was sent on (or the run would have stopped); continued samples keep
+    their routes (every token replayed, no fallback) and carry two versions, the older one step behind."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("train_scenarios.py", 2, "sglang_async", str(tmp_path / "run"), timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    hist = r["history"]
+    assert r["rc"] == 0 and [h["step"] for h in hist] == [1, 2, 3, 4], r
+    for h in hist:
+        assert h["routing/update/fallback_entries"] == 0, h  # every token replayed the server's routes
+        assert h["async/versions_confirmed"] >= 16 and h["async/stale_dropped_groups"] == 0, h
+    assert sum(h["async/continued_samples"] for h in hist) > 0, hist  # the syncs did interrupt generation
+    samples = r["samples"]
+    assert len(samples) == 4 * 16 and all(s["routes"] for s in samples)
+    for s in samples:
+        versions = [v for v, _ in s["versions"]]
+        assert versions == sorted(versions) and s["step"] - 1 <= versions[0] and versions[-1] <= s["step"], s
+        assert sum(n for _, n in s["versions"]) == s["len"], s
+    assert any(len(s["versions"]) == 2 for s in samples)

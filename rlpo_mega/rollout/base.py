@@ -159,7 +159,8 @@ class RolloutEngine(abc.ABC):
         `send("finish")` to the generator once it has enough: nothing more is started, running requests are
         aborted, and the generator goes on yielding the groups that end meanwhile (complete ones, and ones with
         aborted samples, finish_reason "abort"); groups never started are not yielded. Closing the generator
-        ends everything at once. max_new_tokens: one budget per prompt instead of params' (the continuations
+        ends everything at once; `send("stop_sending")` is a finish that leaves the running requests to the
+        caller's abort() (one abort of everything, for a weight update's pause). max_new_tokens: one budget per prompt instead of params' (the continuations
         of a partial rollout, rollout/partial.py). This default generates the whole call (one generate() per
         distinct budget), then yields every group (an engine that batches the call, e.g. the embedded one, has
         every group at the same time)."""
@@ -198,6 +199,10 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def flush_cache(self) -> None: ...
+
+    def set_weight_version(self, version: str) -> None:
+        """Name the weights the engine holds now (after a sync); an engine that records it answers each request
+        with meta["weight_version"], the version it generated with (the asynchronous producer checks it)."""
 
     @abc.abstractmethod
     def health(self) -> bool:

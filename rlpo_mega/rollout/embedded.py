@@ -142,6 +142,7 @@ class EmbeddedEngine(RolloutEngine):
         self._updating = False
         self._dead = False
         self.decode_steps = 0  # decoding steps of the running (or last) generate() call: progress to watch
+        self.weight_version: Optional[str] = None  # set_weight_version: named in each answer's meta
 
     @classmethod
     def from_config(cls, run_cfg, hf_config=None) -> "EmbeddedEngine":
@@ -345,7 +346,7 @@ class EmbeddedEngine(RolloutEngine):
             routes = s.rows.routes[s.row, s.pad:s.pad + len(s.prompt) + n - 1]
         response = s.rows.tokens[s.row, :n].tolist() if s.rows is not None else []
         lp = s.rows.logprobs[s.row, :n] if s.rows is not None else torch.zeros(0, dtype=torch.float32)
-        meta = {"request_id": s.rid}
+        meta = {"request_id": s.rid, "weight_version": self.weight_version}
         if fresh:
             meta["seed"] = base_seed  # replays the call with SamplingParams(seed=...)
         return Sample(prompt_ids=list(s.prompt), response_ids=response, logprobs=lp,
@@ -395,6 +396,9 @@ class EmbeddedEngine(RolloutEngine):
 
     def weight_digests(self, names, algorithm: str) -> dict[str, str]:
         return self.receiver.weight_digests(names, algorithm)
+
+    def set_weight_version(self, version: str) -> None:
+        self.weight_version = str(version)
 
     def flush_cache(self) -> None:
         """Nothing to flush: KV caches exist only inside one generate() batch (a fresh DynamicCache each),

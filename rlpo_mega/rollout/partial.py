@@ -41,8 +41,14 @@ def span_versions(spans: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def tag(sample: Sample, version: int) -> Sample:
-    """A fresh answer: every token sampled by `version`."""
+    """A fresh answer: every token sampled by `version`, which the engine's own record confirms when it keeps one
+    (meta["weight_version"], set by RolloutEngine.set_weight_version; SGLang's spans when it changed mid-request)."""
     n = len(sample.response_ids or ())
+    said, spans = sample.meta.get("weight_version"), sample.meta.get("weight_versions")
+    if (said is not None and said != str(version)) or any(s.get("version") != str(version) for s in spans or ()):
+        raise EngineError(f"the engine answered request {sample.meta.get('rid') or sample.meta.get('request_id')} "
+                          f"with weight version {spans or said}, but it was sent on version {version}: a weight "
+                          "update reached a running request")
     sample.meta["versions"] = [(int(version), n)] if n else []
     return sample
 

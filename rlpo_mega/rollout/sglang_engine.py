@@ -311,7 +311,8 @@ class SGLangEngine(RolloutEngine):
         """Yields (prompt index, its n samples) as each group's last answer is decoded. `send("finish")`
         (RolloutEngine.stream): nothing more is sent, queued requests are dropped, running ones aborted on their
         servers; the groups that end meanwhile are still yielded (aborted samples with finish_reason "abort"),
-        groups with a request never sent are not. Leaving the loop early (break, close(), an exception) aborts
+        groups with a request never sent are not. `send("stop_sending")`: the same, except that the running
+        requests are left to the caller's abort() (a weight update's pause aborts everything at once). Leaving the loop early (break, close(), an exception) aborts
         the requests still running and sends nothing more; every request of the call has ended when the
         generator is closed. max_new_tokens: one budget per prompt (a partial rollout's continuations)."""
         total = len(prompts) * n
@@ -343,17 +344,22 @@ class SGLangEngine(RolloutEngine):
                 left[i] -= 1
                 unsent[i] |= f.cancelled() or f.exception() is not None  # dropped by a finish: never answered
                 if not left[i] and not unsent[i]:
-                    if (yield i, [g.result() for g in order[i * n:(i + 1) * n]]) == "finish" and not slots.closed:
-                        self._finish(futures, slots)
+                    msg = yield i, [g.result() for g in order[i * n:(i + 1) * n]]
+                    if msg in ("finish", "stop_sending") and not slots.closed:
+                        self._finish(futures, slots, abort=msg == "finish")
         finally:  # early exit (a stop, a hang, an error, the caller had enough): nothing left running
             self._end(futures, slots)
 
-    def _finish(self, futures, slots: ServerSlots) -> None:
+    def _finish(self, futures, slots: ServerSlots, abort: bool = True) -> None:
         """The caller has enough groups: send nothing more, drop what waits for a slot, abort what runs (each
-        answers at once with what it generated, finish_reason "abort"; the stream collects those answers)."""
+        answers at once with what it generated, finish_reason "abort"; the stream collects those answers).
+        abort=False ("stop_sending"): the caller aborts what runs itself, all at once (a weight update's pause:
+        abort() with no ids, one request per server instead of one per running request)."""
         slots.close()
         for f in futures:
             f.cancel()
+        if not abort:
+            return
         with self._lock:
             inflight = dict(self._inflight)
         self._abort_quietly(inflight)
@@ -505,7 +511,8 @@ class SGLangEngine(RolloutEngine):
         return Sample(prompt_ids=prompt, response_ids=ids, logprobs=lps, finish_reason=reason, routes=routes,
                       prompt_index=prompt_index, trace_checked=checked,
                       meta={"rid": rid, "server": server.url, "finish": fr,
-                            "weight_version": meta.get("weight_version")})
+                            "weight_version": meta.get("weight_version"),
+                            "weight_versions": meta.get("weight_versions")})
 
     def _abort_quietly(self, inflight: dict):
         """Best-effort aborts, all at once, bounded by health_timeout: a hung server answers none of them."""
@@ -562,6 +569,12 @@ class SGLangEngine(RolloutEngine):
     def _post_ok_all(self, path):
         for s in self.servers:
             self._post_ok(s, path)
+
+    def set_weight_version(self, version: str) -> None:
+        """Every server's weight version (POST /update_weight_version, without aborting anything): each answer's
+        meta_info names the version it was generated with (weight_versions: spans, should one change mid-request)."""
+        for srv in self.servers:
+            self._post_ok(srv, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     def end_weight_update(self) -> None:
         self._post_ok_all("/end_weight_update")

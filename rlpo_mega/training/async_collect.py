@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -71,6 +72,7 @@ class _Job:
     continued: int = 0  # samples finished by a continuation
     restarted: int = 0  # samples generated again from their prompt after an interruption
     generate_s: float = 0.0
+    confirmed: int = 0  # answers whose weight version the engine itself named (checked: partial.tag)
 
     def __post_init__(self):
         self.groups = [[None] * self.n for _ in self.items]
@@ -98,6 +100,7 @@ class RolloutWorker:
         self.error: Optional[BaseException] = None
         self.closing = False
         self.thread: Optional[threading.Thread] = None
+        self.switch_interval: Optional[float] = None  # Python's, while rollout.client_switch_interval applies
         r = cfg.rollout
         self.max_new = r.max_new_tokens
         self.stops = tuple(sampling_params(cfg, tokenizer, seed=0).stop_token_ids)
@@ -108,6 +111,9 @@ class RolloutWorker:
         with self.cond:
             self.jobs[job.step] = job
             if self.thread is None and job.items:
+                if self.cfg.rollout.client_switch_interval is not None:  # restored by close()
+                    self.switch_interval = sys.getswitchinterval()
+                    sys.setswitchinterval(self.cfg.rollout.client_switch_interval)
                 self.thread = threading.Thread(target=self._loop, name="rlpo-rollout", daemon=True)
                 self.thread.start()
             self.cond.notify_all()
@@ -130,14 +136,24 @@ class RolloutWorker:
             return self.jobs.pop(step, None)
 
     @contextlib.contextmanager
-    def paused(self, version: Optional[int] = None, clear_error: bool = False):
-        """No engine call runs inside (the running one is aborted: its samples continue after); on a clean exit
-        the engine holds `version` (a weight sync), and clear_error forgets a failure (the engine was rebuilt)."""
+    def paused(self, version: Optional[int] = None, clear_error: bool = False, abort: bool = True):
+        """No engine call runs inside: the running one is aborted (its samples continue after), or with
+        abort=False waited for. On a clean exit the engine holds `version` (a weight sync), and clear_error
+        forgets a failure (the engine was rebuilt)."""
         with self.cond:
             self.pausing += 1
         try:
-            self._quiesce()
+            if abort:
+                self._quiesce()
+            else:
+                with self.cond:
+                    while self.busy:
+                        self.cond.wait()
             yield
+            engine, named = self.engines.slot.engine, version if version is not None else (
+                self.version if clear_error else None)  # a rebuilt engine holds the re-synced version
+            if named is not None and engine is not None:
+                engine.set_weight_version(str(named))  # each answer then names the version that generated it
             with self.cond:
                 if version is not None:
                     self.version = version
@@ -149,19 +165,23 @@ class RolloutWorker:
                 self.cond.notify_all()
 
     def _quiesce(self):
+        """Abort every running request (one abort of everything per server) until the running call has ended;
+        repeated: a request sent after one abort and before the thread saw the pause is caught by the next."""
+        wait = 0.02
         while True:
             with self.cond:
                 if not self.busy:
                     return
             engine = self.engines.slot.engine
-            try:  # repeated: a request sent after one abort and before the thread saw the pause is caught next time
+            try:
                 if engine is not None:
                     engine.abort()
             except Exception as e:  # a dead engine: its call fails on its own, within the engine's timeouts
                 log.debug("abort during a pause raised %s", e)
             with self.cond:
                 if self.busy:
-                    self.cond.wait(0.05)
+                    self.cond.wait(wait)
+            wait = min(wait * 2, 0.2)
 
     def close(self):
         with self.cond:
@@ -170,6 +190,9 @@ class RolloutWorker:
         self._quiesce()
         if self.thread is not None:
             self.thread.join(timeout=60)
+        if self.switch_interval is not None:
+            sys.setswitchinterval(self.switch_interval)
+            self.switch_interval = None
 
     # --- the thread ----------------------------------------------------------------------------------
     def _next_job(self) -> Optional[_Job]:
@@ -226,12 +249,13 @@ class RolloutWorker:
                 except StopIteration:
                     break
                 for key, answer in zip(slots[k], answers):
+                    job.confirmed += answer.meta.get("weight_version") is not None
                     self._settle(job, key, tag(answer, version))
                 for i in sorted({key[0] for key in slots[k]}):
                     if not job.scored[i] and all(s is not None for s in job.groups[i]):
                         self._score(job, i)
-                with self.cond:
-                    msg = "finish" if (self.pausing or self.closing) else None
+                with self.cond:  # a pause aborts every running request itself (_quiesce): only stop sending
+                    msg = "stop_sending" if (self.pausing or self.closing) else None
         finally:
             gen.close()
             job.generate_s += time.perf_counter() - t0
@@ -259,7 +283,9 @@ class RolloutWorker:
             s.meta["policy_version"] = spans[-1][0]
             if self.mask:
                 s.masked_prefix = sum(c for v, c in spans if v < spans[-1][0])
-        job.scored[i] = True
+        with self.cond:  # the step waiting for its last group wakes now
+            job.scored[i] = True
+            self.cond.notify_all()
 
 
 @PRODUCERS.register("async")
@@ -275,7 +301,9 @@ class AsyncProducer(RolloutProducer):
         self.engines.guard.quiesce.append(lambda: self.worker.paused(clear_error=True))
 
     def paused(self, version: Optional[int] = None):
-        return self.worker.paused(version)
+        """A weight sync (version given) interrupts the running requests with rollout.partial_rollout, else waits
+        for them; an evaluation waits for them."""
+        return self.worker.paused(version, abort=version is not None and self.cfg.rollout.partial_rollout)
 
     def _plan(self, step: int):
         """Draw the prompts of the steps up to step + k (in step order: the sync producer's prompts per step)."""
@@ -295,7 +323,7 @@ class AsyncProducer(RolloutProducer):
         job = self.worker.drop(step)
         with timer("gather"):
             samples = gather_scalars(local, self.rollouts.spec, cfg.routing.on_bad_trace, self.engines.guard.group)
-        counts = torch.tensor([job.continued, job.restarted, job.rounds, len(job.parts)] if job else [0] * 4,
+        counts = torch.tensor([job.continued, job.restarted, job.rounds, job.confirmed] if job else [0] * 4,
                               dtype=torch.float64)
         dist.all_reduce(counts, group=self.engines.guard.group)
         # the staleness bound, on every rank alike (the versions are scalars): a group with a token sampled more
@@ -309,6 +337,7 @@ class AsyncProducer(RolloutProducer):
         ages = [step - s.version_min for s in samples if s.version_min >= 0]
         metrics = {"async/stale_dropped_groups": len(stale), "async/continued_samples": int(counts[0]),
                    "async/restarted_samples": int(counts[1]), "async/engine_calls": int(counts[2]),
+                   "async/versions_confirmed": int(counts[3]),
                    "async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
                    "async/staleness_max": max(ages, default=0)}
         if job is not None:

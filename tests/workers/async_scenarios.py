@@ -166,11 +166,13 @@ def equal_at_zero(out):
 
 def mid_generation(out):
     """max_staleness=1 with a slow engine: every sync lands while the next step generates. The trained samples
-    against the engine's record; the same run with rollout.partial_rollout_mask."""
+    against the engine's record: with partial rollout, then with rollout.partial_rollout_mask, then waiting."""
     rep = {}
     os.environ["RLPO_DECODE_DELAY"] = SLOW
     try:
-        for run, extra in (("k1", ()), ("k1_mask", ("rollout.partial_rollout_mask=true",))):
+        for run, extra in (("k1", ("rollout.partial_rollout=true",)),
+                           ("k1_mask", ("rollout.partial_rollout=true", "rollout.partial_rollout_mask=true")),
+                           ("k1_wait", ())):  # the default: a sync waits for the running call
             trained = {}
             originals = _recording(trained)
             _fresh_record()
@@ -227,7 +229,7 @@ def sigterm_and_restart(out):
     _fresh_record()
     try:
         rc = train(cfg(out, "stopped", "train_iters=3", "trainer.max_staleness=1", f"checkpoint.save_dir={ck}",
-                       "checkpoint.save_every=0", *ASYNC))
+                       "checkpoint.save_every=0", "rollout.partial_rollout=true", *ASYNC))
     finally:
         Trainer.train_step = step
         os.environ["RLPO_DECODE_DELAY"] = SLOW
@@ -258,7 +260,7 @@ def sigterm_and_restart(out):
     _fresh_record()
     try:
         rep["crash_rc"] = train(cfg(out, "crash", "train_iters=4", "trainer.max_staleness=1",
-                                    "trainer.engine_restarts=1", *ASYNC))
+                                    "trainer.engine_restarts=1", "rollout.partial_rollout=true", *ASYNC))
     finally:
         os.environ["RLPO_FAIL_CALL"] = "0"
         os.environ.pop("RLPO_DECODE_DELAY")

@@ -375,6 +375,30 @@ def sglang_hang_sigterm(out):
             "save_on_signal": sent["on_signal"]}
 
 
+def sglang_async(out):
+    """max_staleness=1 with partial rollout on a launched SGLang server (rank 0 drives it): every sync aborts the
+    running requests (one abort per server) and continues them on the new weights. Each answer's weight version,
+    as the server names it (POST /update_weight_version after each sync), must be the one the request was sent
+    on (rollout/partial.tag raises otherwise); rank 0 reports its trained samples' per-token versions."""
+    from rlpo_mega.training.async_collect import AsyncProducer
+
+    original, seen = AsyncProducer.collect, []
+
+    def collect(self, step, timer):
+        groups = original(self, step, timer)
+        seen.extend({"step": step, "versions": s.meta["versions"], "routes": s.routes is not None,
+                     "len": s.response_len} for s in groups.samples if s.prompt_ids is not None)
+        return groups
+
+    AsyncProducer.collect = collect
+    try:
+        rc = train(_sglang_cfg(out, "async", "train_iters=4", "rollout.producer=async", "trainer.max_staleness=1",
+                               "rollout.partial_rollout=true", "rollout.max_new_tokens=40"))
+    finally:
+        AsyncProducer.collect = original
+    return {"rc": rc, "history": history(out, "async"), "samples": seen}
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1:3]
     result = globals()[scenario](out)
