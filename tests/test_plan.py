@@ -152,6 +152,22 @@ def test_rollout_drivers_split_the_driver_rows():
     assert gpu[2]["exchange"] <= gpu[1]["exchange"] == 2 * (256 << 20) and gpu[2]["sync bucket"] == 512 << 20
 
 
+def test_async_holds_the_samples_of_the_steps_ahead():
+    """rollout.producer=async: each driver holds the samples of 1 + trainer.max_staleness steps (the one trained
+    and those generating ahead, training/async_collect.py): its host row grows by one step's samples per step of
+    staleness, the rest (decoding and exchange buffers) stays."""
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml"
+    driver = {}
+    for k in (0, 1, 2):
+        over = ("rollout.producer=async", f"trainer.max_staleness={k}")
+        plan = planning.make_plan(load_config(os.path.join(ROOT, recipe), over), recipe)
+        driver[k] = next(r for r in plan.rows if r.role == "host").parts["rollout driver"]
+    sync = planning.make_plan(load_config(os.path.join(ROOT, recipe)), recipe)
+    assert next(r for r in sync.rows if r.role == "host").parts["rollout driver"] == driver[0]
+    one_step = driver[1] - driver[0]
+    assert one_step > 0 and driver[2] - driver[0] == 2 * one_step, driver
+
+
 def test_lengths_from_a_file(tmp_path):
     arr = tmp_path / "lengths.json"
     arr.write_text(json.dumps([100, 200, 9000]))

@@ -367,7 +367,8 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
             # and log-probs, uint8 routes of every MoE layer), the answers it is decoding
             # (rollout.sglang.decode_concurrency: the body, base64 of int32 rows of every hidden layer, its decoded
             # int32 and the uint8 copies) and one exchange round's send and receive buffers on the host
-            # (training/exchange.py)
+            # (training/exchange.py); asynchronous RL holds the samples of 1 + trainer.max_staleness steps
+            # (training/async_collect.py)
             moe_layers = sum(get_family(hf.model_type).moe_layer_pattern(hf))
             topk = memory.Shape.of(hf, 1, 1).topk
             routes = cfg.routing.mode != "off"
@@ -378,6 +379,8 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
             # up to max_carry_steps chunks' surplus groups carried
             ds, over = cfg.algorithm.dynamic_sampling, max(1.0, cfg.prompts.oversample)
             held = over + ds.max_carry_steps * (over - 1) if ds.enabled else 1.0
+            if cfg.rollout.producer == "async":  # the step trained, and up to max_staleness steps generating ahead
+                held *= 1 + cfg.trainer.max_staleness
             row.parts["rollout driver"] = drivers * (int(steps.driver_tokens * held) * per_token + decoding
                                                      + 2 * (cfg.trainer.exchange_round_mb << 20))
             row.info["drivers"] = drivers
