@@ -76,7 +76,7 @@ def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
 
 
 def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path):
-    """Asynchronous RL on a launched SGLang server: max_staleness=1 with partial rollout, 4 steps of 40 tokens, so
+    """Asynchronous RL on a launched SGLang server: max_staleness=1 with partial rollout, 4 steps of 64 tokens, so
     that each sync lands while the next step generates. The server names the weight version of every answer;
     each matched the version its request was sent on (or the run would have stopped); continued samples keep
     their routes (every token replayed, no fallback) and carry two versions, the older one step behind."""

@@ -393,7 +393,7 @@ def sglang_async(out):
     AsyncProducer.collect = collect
     try:
         rc = train(_sglang_cfg(out, "async", "train_iters=4", "rollout.producer=async", "trainer.max_staleness=1",
-                               "rollout.partial_rollout=true", "rollout.max_new_tokens=40"))
+                               "rollout.partial_rollout=true", "rollout.max_new_tokens=64"))
     finally:
         AsyncProducer.collect = original
     return {"rc": rc, "history": history(out, "async"), "samples": seen}
