@@ -74,7 +74,8 @@ def learn(args):
     synchronous and with max_staleness=1: reward and eval accuracy at the end, per seed and their mean."""
     out = args.out or tempfile.mkdtemp(prefix="learn_async_")
     os.makedirs(out, exist_ok=True)
-    modes = {"sync": ("rollout.producer=sync",), "async": ("rollout.producer=async", "trainer.max_staleness=1")}
+    modes = {"sync": ("rollout.producer=sync", *args.overrides),
+             "async": ("rollout.producer=async", "trainer.max_staleness=1", *args.overrides, *args.async_overrides)}
     rows = {}
     for seed in args.seeds:
         for name, over in modes.items():
@@ -117,6 +118,8 @@ def main():
     ap.add_argument("--port", type=int, default=31700)
     ap.add_argument("--learn", action="store_true", help="the demo task over --seeds, sync vs max_staleness=1")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
+    ap.add_argument("--overrides", nargs="*", default=[], help="--learn: config overrides for both runs")
+    ap.add_argument("--async-overrides", nargs="*", default=[], help="--learn: config overrides for the async runs")
     args = ap.parse_args()
     if args.learn:
         return learn(args)
