@@ -131,9 +131,9 @@ def test_data_file_refused_before_the_model_is_built(case, tmp_path, capsys, mon
 
 
 def test_unknown_rollout_producer_is_one_error_before_the_model_is_built(capsys, monkeypatch):
-    rc, err = run_cli(capsys, monkeypatch, "train", DEMO, *QUICK, "rollout.producer=asynch")
+    rc, err = run_cli(capsys, monkeypatch, "train", DEMO, *QUICK, "rollout.producer=streaming")
     assert rc == 2
-    one_line(err, "train", "rollout.producer='asynch' is not known; known: sync.")
+    one_line(err, "train", "rollout.producer='streaming' is not known; known: async, sync.")
 
 
 @pytest.mark.parametrize("which", ["trainer.warmup.path", "trainer.eval_path"])
