@@ -160,8 +160,8 @@ class RolloutEngine(abc.ABC):
         aborted, and the generator goes on yielding the groups that end meanwhile (complete ones, and ones with
         aborted samples, finish_reason "abort"); groups never started are not yielded. Closing the generator
         ends everything at once; `send("stop_sending")` is a finish that leaves the running requests to the
-        caller's abort() (one abort of everything, for a weight update's pause). max_new_tokens: one budget per prompt instead of params' (the continuations
-        of a partial rollout, rollout/partial.py). This default generates the whole call (one generate() per
+        caller's abort() (one abort of everything, for a weight update's pause). max_new_tokens: one budget per
+        prompt instead of params' (the continuations of a partial rollout, rollout/partial.py). This default generates the whole call (one generate() per
         distinct budget), then yields every group (an engine that batches the call, e.g. the embedded one, has
         every group at the same time)."""
         budgets = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
