@@ -362,6 +362,11 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.trainer.max_staleness > 0 and cfg.rollout.producer != "async":
         raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout.producer=async (the "
                           f"{cfg.rollout.producer} producer generates each step on the weights of the last sync)")
+    if cfg.trainer.max_staleness > 0 and cfg.algorithm.mismatch.mode == "none":
+        warns.append(f"trainer.max_staleness={cfg.trainer.max_staleness} with algorithm.mismatch.mode=none trains "
+                     "tokens sampled by older policy versions as if on-policy: algorithm.mismatch.mode=tis with "
+                     "level=sequence and a high tis_cap weights each sample by pi_old / mu (README, "
+                     "\"Asynchronous RL\")")
     if cfg.rollout.producer == "async" and ds.enabled:
         raise ConfigError("rollout.producer=async does not take algorithm.dynamic_sampling yet: set "
                           "algorithm.dynamic_sampling.enabled=false or rollout.producer=sync")

@@ -15,3 +15,19 @@ def distopt_launch(tmp_path_factory):
     from tests.dist import torchrun
 
     return torchrun("ckpt_distopt.py", 2, str(tmp_path_factory.mktemp("distopt")), "qwen3_moe")
+
+
+# `make test` runs two xdist workers, a file per worker at a time (--dist loadfile), in collection order. The
+# longest files go first, so that the short ones fill the end of both workers instead of one long file running
+# alone at the end (the order of a suite run of 2026-11-27, `--durations`). The files that need the SGLang venv
+# (test_recipes, test_sglang*, test_slurm) start after the first files, by when `make test`'s background build
+# of that venv (~5 minutes) has finished.
+LONGEST_FIRST = ("test_trainer", "test_critic", "test_algorithms_dist", "test_checkpoint", "test_async",
+                 "test_platform", "test_bridge", "test_recipes", "test_sglang_trainer", "test_bad_inputs",
+                 "test_parity", "test_packing", "test_routing_replay", "test_slurm", "test_sglang",
+                 "test_families_sigmoid", "test_device_discipline", "test_plan", "test_host_syncs")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.splitext(os.path.basename(str(item.path)))[0], len(rank)))

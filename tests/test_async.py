@@ -64,12 +64,14 @@ def test_join_cuts_at_the_budget_and_refuses_half_routed_parts():
         join(first, bare, max_new_tokens=8)
 
 
-@pytest.mark.parametrize("cap", [2.0, 1e9])
-def test_off_policy_objective_matches_float64_decoupled_ppo(cap):
+@pytest.mark.parametrize("level,cap", [("token", 2.0), ("token", 1e9), ("sequence", 1.5), ("sequence", 1e9)])
+def test_off_policy_objective_matches_float64_decoupled_ppo(level, cap):
     """Samples whose tokens come from two policy versions (a continued sample: tokens before its continuation
     from version v - 1, after from v): the trained loss is the decoupled PPO objective
-    l_it = -min(w_it, C) * min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i), w_it = pi_old / mu_{v_it},
-    r_it = pi_theta / pi_old, token-mean; C = 1e9 is the untruncated form. Written out here in float64 loops."""
+    l_it = -min(W_it, C) * min(r_it A_i, clip(r_it, 1 - eps, 1 + eps) A_i), r_it = pi_theta / pi_old, token-mean,
+    with W_it = w_it = pi_old(o_it) / mu_{v_it}(o_it) (level token) or W_it = prod_t w_it, the whole sequence's
+    ratio (level sequence: the one the demo learns with, README); C = 1e9 is the untruncated form. Written out
+    here in float64 loops."""
     batch = make_batch(21, "far")
     mask = batch["loss_mask"]
     g = torch.Generator().manual_seed(22)
@@ -80,7 +82,7 @@ def test_off_policy_objective_matches_float64_decoupled_ppo(cap):
     behaviour = torch.where(col < cut[:, None], older, newer)
     batch["rollout_logp"] = torch.where(mask, behaviour, float("nan"))
     cfg = algo_cfg("ppo_clip")
-    cfg.mismatch.mode, cfg.mismatch.level, cfg.mismatch.tis_cap = "tis", "token", cap
+    cfg.mismatch.mode, cfg.mismatch.level, cfg.mismatch.tis_cap = "tis", level, cap
     got, got_g, _ = run_impl(batch, cfg)
     eps_lo, eps_hi = paper_params(cfg)["eps_low"], paper_params(cfg)["eps_high"]
     lp = batch["logp"].double().clone().requires_grad_()
@@ -89,7 +91,8 @@ def test_off_policy_objective_matches_float64_decoupled_ppo(cap):
         for t in range(mask.shape[1]):
             if not mask[i, t]:
                 continue
-            w = math.exp(float(batch["old_logp"][i, t]) - float(behaviour[i, t]))
+            steps = [t] if level == "token" else [u for u in range(mask.shape[1]) if mask[i, u]]
+            w = math.exp(sum(float(batch["old_logp"][i, u]) - float(behaviour[i, u]) for u in steps))
             r = torch.exp(lp[i, t] - batch["old_logp"][i, t])
             adv = batch["advantages"]
             a = float(adv[i] if adv.dim() == 1 else adv[i, t])
@@ -105,7 +108,14 @@ def test_async_config_refusals():
     def check(*over):
         check_run_config(load_config("configs/demo_cpu.yaml", over), log_warnings=False)
 
-    check("rollout.producer=async", "trainer.max_staleness=2")
+    def warnings_of(*over):
+        return check_run_config(load_config("configs/demo_cpu.yaml", over), log_warnings=False)
+
+    assert any("mismatch.mode=none trains tokens sampled by older policy versions" in w
+               for w in warnings_of("rollout.producer=async", "trainer.max_staleness=2"))
+    assert not any("older policy versions" in w for w in warnings_of(
+        "rollout.producer=async", "trainer.max_staleness=1", "algorithm.mismatch.mode=tis",
+        "algorithm.mismatch.level=sequence", "algorithm.mismatch.tis_cap=100"))
     with pytest.raises(ConfigError, match="needs rollout.producer=async"):
         check("trainer.max_staleness=1")
     with pytest.raises(ConfigError, match="trainer.max_staleness=-1 must be >= 0"):

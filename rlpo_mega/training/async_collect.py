@@ -28,8 +28,13 @@ pass, or the update's own detached forward) and pi_theta the policy being optimi
 c(w) = min(w, C) with mismatch.mode=tis (the decoupled PPO objective of AReaL, its weight truncated at C);
 c(w) = 1[C_min <= w <= C_max] with mis (the token leaves the loss and its counts); c = 1 with none (trained as
 if on-policy: only the clip around pi_old holds the step). w_it covers both the staleness (pi_old against an
-older version) and the engine's numerics (the same version in another kernel); levels token / sequence /
-geometric as in algorithms/mismatch.py. tests/test_async.py checks this against a float64 transcription.
+older version) and the engine's numerics (the same version in another kernel). With mismatch.level=sequence the
+weight is the whole sample's, W_i = prod_t w_it, in place of w_it (geometric: its per-token mean in log), as in
+algorithms/mismatch.py. The advantage is the sample's, so only W_i turns an expectation under the versions that
+sampled it into one under pi_old: level=sequence with a high cap (tis_cap=100) is what made one step of
+staleness learn as the synchronous run on the demo (README, "Asynchronous RL"); per-token weights, truncated or
+not, and no weight at all stayed well below it. tests/test_async.py checks both levels against a float64
+transcription.
 
 The engine guard's rebuild pauses the thread (EngineGuard.quiesce); a failure inside the thread reaches the
 step as the engine error it is (rebuilt and re-synced as in a synchronous step); SIGTERM while the step waits
