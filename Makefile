@@ -36,7 +36,7 @@ venv-sglang:
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	PYTHON=$(PYTHON) bash tests/sglang_support/build_env.sh > .venv-sglang.build.log 2>&1 & \
-	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=40 -n $(TEST_WORKERS) --dist loadfile; rc=$$?; wait; \
+	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; wait; \
 	tail -n 1 .venv-sglang.build.log; exit $$rc
 
 # One GPU: the real trainer path (CUDA, NCCL, bf16 + distributed optimizer, GSPO + R3, embedded engine on the

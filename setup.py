@@ -29,7 +29,7 @@ setup(
     ],
     extras_require={
         # pyarrow: the Parquet prompt-file tests run; pytest-xdist: `make test` runs two workers (tests/conftest.py)
-        "test": ["pytest-timeout>=2.3", "pyarrow>=15", "pytest-xdist>=3.5"],
+        "test": ["pytest-timeout>=2.3", "pyarrow>=15", "pytest-xdist>=3.8"],
         "sglang": ["sglang==0.5.23"],
         "parquet": ["pyarrow>=15"],  # Parquet prompt files (JSONL needs nothing)
         # Optional GPU accelerations (never required). apex has no usable PyPI wheel: build it from

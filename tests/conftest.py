@@ -17,7 +17,8 @@ def distopt_launch(tmp_path_factory):
     return torchrun("ckpt_distopt.py", 2, str(tmp_path_factory.mktemp("distopt")), "qwen3_moe")
 
 
-# `make test` runs two xdist workers, a file per worker at a time (--dist loadfile), in collection order. The
+# `make test` runs two xdist workers, a file per worker at a time (--dist loadfile), in collection order
+# (--no-loadscope-reorder: xdist would otherwise order the files by their number of tests). The
 # longest files go first, so that the short ones fill the end of both workers instead of one long file running
 # alone at the end (the order of a suite run of 2026-11-27, `--durations`). The files that need the SGLang venv
 # (test_recipes, test_sglang*, test_slurm) start after the first files, by when `make test`'s background build
