@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
@@ -40,16 +41,24 @@ def free_port(low: int = 20000, high: int = 29999) -> int:
 
 
 def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeout: int = 600,
-             expect_fail: bool = False, json_report: bool = True):
-    """Returns rank 0's JSON report (None if json_report=False), or for expect_fail the process."""
+             expect_fail: bool = False, json_report: bool = True, fresh: bool = False):
+    """Returns rank 0's JSON report (None if json_report=False), or for expect_fail the process.
+
+    The ranks are forked from a warm launcher (tests/warm_launch.py: torch, megatron-core and the trainer
+    already imported; the suite's launches otherwise spend most of their CPU importing them). fresh=True runs
+    `python -m torch.distributed.run` instead, for a launch that needs a fresh interpreter or tests torchrun's
+    own behaviour; so does RLPO_TEST_FRESH_LAUNCH=1 for every launch."""
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--standalone",
-               os.path.join(WORKERS, worker), *args]
+        path = os.path.join(WORKERS, worker)
         full_env = {**os.environ, "RLPO_REPORT": report, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
                     "PYTHONWARNINGS": "ignore", **(env or {})}
-        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if fresh or os.environ.get("RLPO_TEST_FRESH_LAUNCH") == "1":
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
+                   path, *args]
+            proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        else:
+            proc = _warm_launch(path, nproc, list(args), full_env, timeout)
         if expect_fail:
             return proc
         if proc.returncode != 0:
@@ -58,6 +67,43 @@ def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeo
             return None
         with open(report) as f:
             return json.load(f)
+
+
+_IDLE: list[subprocess.Popen] = []  # warm launchers not running a launch
+_IDLE_LOCK = threading.Lock()
+
+
+def _warm_server() -> subprocess.Popen:
+    with _IDLE_LOCK:
+        while _IDLE:
+            server = _IDLE.pop()
+            if server.poll() is None:
+                return server
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    server = subprocess.Popen([sys.executable, "-m", "tests.warm_launch"], cwd=ROOT, env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    ready = server.stdout.readline()
+    if not ready.strip():
+        raise RuntimeError(f"tests/warm_launch.py did not start (rc {server.wait()}); "
+                           "run a worker with RLPO_TEST_FRESH_LAUNCH=1 to see why")
+    return server
+
+
+def _warm_launch(path: str, nproc: int, args: list[str], env: dict, timeout: float):
+    server = _warm_server()
+    server.stdin.write(json.dumps({"worker": path, "nproc": nproc, "args": args, "env": env, "cwd": ROOT,
+                                   "timeout": timeout}) + "\n")
+    server.stdin.flush()
+    line = server.stdout.readline()  # the server enforces the timeout itself
+    if not line:
+        raise RuntimeError(f"tests/warm_launch.py died running {path} (rc {server.wait()})")
+    with _IDLE_LOCK:
+        _IDLE.append(server)
+    reply = json.loads(line)
+    cmd = [path, *args]
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=reply["stdout"], stderr=reply["stderr"])
+    return subprocess.CompletedProcess(cmd, reply["rc"], reply["stdout"], reply["stderr"])
 
 
 def write_report(obj):

@@ -115,9 +115,10 @@ PATCHES = {p.name: p for p in all_patches()}
 def _run(scenario, ablate=None):
     nproc, model, args = SCENARIOS[scenario]
     env = {"RLPO_MEGA_ABLATE_PATCH": ablate or ""}
+    fresh = "--fake-apex" in args  # the stand-in apex must be in place before megatron's first import
     if ablate:
-        return torchrun("platform_scenario.py", nproc, model, *args, env=env, expect_fail=True)
-    return torchrun("platform_scenario.py", nproc, model, *args, env=env)
+        return torchrun("platform_scenario.py", nproc, model, *args, env=env, expect_fail=True, fresh=fresh)
+    return torchrun("platform_scenario.py", nproc, model, *args, env=env, fresh=fresh)
 
 
 _PASSED: dict[str, dict] = {}

@@ -96,7 +96,7 @@ def test_bad_layout_exits_before_any_process_group():
     message on every rank and no process group (no hang on a collective)."""
     t0 = time.time()
     proc = torchrun("validate_layout.py", 2, "configs/demo_cpu.yaml", "parallel.tensor=3", expect_fail=True,
-                    timeout=300)
+                    timeout=300, fresh=True)
     elapsed = time.time() - t0
     assert proc.returncode != 0
     err = proc.stderr
