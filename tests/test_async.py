@@ -155,8 +155,11 @@ def test_weight_update_mid_generation_matches_the_engines_record(runs):
             assert rank["problems"] == [] and rank["samples"] == 32 and rank["rows"] > 300, rank
             assert rank["continued"] >= 8, rank  # the syncs did interrupt generation
         for h in hist[1:]:
-            assert h["async/staleness_max"] == 1 and h["async/continued_samples"] > 0, h
+            assert h["async/staleness_max"] == 1, h
             assert h["async/stale_dropped_groups"] == 0 and h["async/restarted_samples"] == 0, h
+        # the slow engine makes a step's generation outlast the learner's step, by time: a learner slowed by a
+        # loaded machine (the first update, CI's other worker) can let one step's generation end before its sync
+        assert sum(h["async/continued_samples"] > 0 for h in hist[1:]) >= 2, hist
         assert hist[0]["async/staleness_max"] == 0
     assert runs["mid_generation"]["k1"]["masked"] == [0, 0]
     # partial_rollout=false (the default): each sync waited for the running call; every sample from one version

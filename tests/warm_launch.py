@@ -20,6 +20,7 @@ one JSON line on its stdout. One launch at a time per server; tests.dist keeps a
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import runpy
@@ -43,6 +44,10 @@ def _preimport():
 
     import rlpo_mega.training.trainer  # noqa: F401
     from rlpo_mega import platform
+
+    # transformers' model code, which the parity and bridge workers compare against (~1 s)
+    for family in ("qwen3_moe", "mixtral", "glm4_moe", "deepseek_v3"):
+        importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
     # forking is only sound from a quiet process: one thread, nothing patched or initialised
     assert threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1, "warm launcher has threads"
