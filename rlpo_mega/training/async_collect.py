@@ -33,7 +33,8 @@ weight is the whole sample's, W_i = prod_t w_it, in place of w_it (geometric: it
 algorithms/mismatch.py. The advantage is the sample's, so only W_i turns an expectation under the versions that
 sampled it into one under pi_old: on the demo, level=sequence with a high cap (tis_cap=100) raised one step of
 staleness from a reward of 0.53 to 0.81 (synchronous: 0.90; README, "Asynchronous RL"), more than per-token
-weights did; at half the demo's learning rate, 0.88 against 0.90: the weight's variance grows with the step. tests/test_async.py checks both levels against a float64 transcription.
+weights did; at half the demo's learning rate, 0.88 against 0.90 (the weight's variance grows with the step).
+tests/test_async.py checks both levels against a float64 transcription.
 
 The engine guard's rebuild pauses the thread (EngineGuard.quiesce); a failure inside the thread reaches the
 step as the engine error it is (rebuilt and re-synced as in a synchronous step); SIGTERM while the step waits
