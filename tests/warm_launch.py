@@ -144,9 +144,11 @@ def _launch(req: dict, private: list[int]) -> dict:
             for pid in pids:
                 if pid in codes:
                     continue
-                done, status = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    codes[pid] = os.waitstatus_to_exitcode(status)
+                # WNOWAIT: the exited rank stays a zombie, so its pid (its group's id) cannot be reused before
+                # the final SIGKILL to its group below
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                if info is not None and info.si_pid == pid:
+                    codes[pid] = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
                     if codes[pid] != 0 and stop_at is None:  # as torchrun: one rank failed, stop the others
                         _kill([p for p in pids if p not in codes], signal.SIGTERM)
                         stop_at = time.monotonic() + _GRACE_S
@@ -158,6 +160,8 @@ def _launch(req: dict, private: list[int]) -> dict:
                 _kill([p for p in pids if p not in codes], signal.SIGKILL)
             time.sleep(0.02)
         _kill(pids, signal.SIGKILL)  # whatever a rank left running in its group (a server it started)
+        for pid in pids:
+            os.waitpid(pid, 0)
         stdout, stderr = [], []
         for out, err in outs:
             for path, acc in ((out, stdout), (err, stderr)):
