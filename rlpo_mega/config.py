@@ -244,6 +244,21 @@ class RewardConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    """Multi-turn episodes (rlpo_mega.rollout.episode): after each model turn the environment answers with an
+    observation appended in the chat template's turn format, a reward contribution and whether the episode is
+    over; the episode's reward is the sum (reward.* is not used). name null: single-turn samples."""
+    name: Optional[str] = None  # an ENVIRONMENTS entry (rlpo_mega.environments)
+    max_turns: int = 4  # model turns per episode; one still going after them ends truncated ("length")
+    max_tokens: int = 256  # response tokens per episode, the model's and the observations' (rollout.max_new_tokens
+    # is each turn's budget); an episode that reaches it ends truncated
+    timeout: Optional[float] = 30.0  # seconds per environment step; None = no limit
+    num_workers: int = 8  # threads running environment steps concurrently
+    failure_reward: float = 0.0  # reward of an episode whose environment step raised or timed out (flagged)
+    options: dict = field(default_factory=dict)  # the environment's own settings
+
+
+@dataclass
 class PromptDataConfig:
     path: Optional[str] = None  # .jsonl or .parquet file of prompts
     format: Literal["auto", "jsonl", "parquet"] = "auto"  # auto: by the file's extension
@@ -376,6 +391,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     prompts: PromptDataConfig = field(default_factory=PromptDataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)

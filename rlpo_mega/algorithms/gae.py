@@ -1,8 +1,9 @@
 """PPO with a critic: token rewards, generalized advantage estimation, whitening and the clipped value loss.
 
 Tensor math only (the critic model and its trainer wiring live elsewhere). Shapes are the loss side's
-[n, s] view: `mask` marks each sequence's response tokens (one contiguous run per row), values and rewards
-are aligned with them.
+[n, s] view: `mask` marks each sequence's response tokens, values and rewards are aligned with them. A
+multi-turn episode's mask has gaps (the observations between the model's turns): the recursion runs over the
+model's tokens only, as if the gaps were cut out.
 
 - token_rewards: the RLHF-PPO reward (Ziegler et al. 2019, InstructGPT): the sequence reward on the last
   response token, minus kl_coef * KL_t on every token when a per-token KL penalty is folded in.
@@ -25,12 +26,6 @@ def _check_mask(mask: torch.Tensor) -> torch.Tensor:
     mask = mask.bool()
     if mask.dim() != 2:
         raise ValueError(f"mask must be [sequences, positions], got {tuple(mask.shape)}")
-    # one contiguous run per row: the number of 0 -> 1 steps along the row is at most one
-    starts = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0].long()
-    if bool((starts > 1).any()):
-        row = int((starts > 1).nonzero()[0])
-        raise ValueError(f"row {row} of the response mask has gaps; GAE runs over one contiguous run of "
-                         "response tokens per sequence")
     return mask
 
 
@@ -68,8 +63,11 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         delta = r[:, t] + gamma * next_v - v[:, t]
         a = (delta + gamma * lam * next_a) * m[:, t]
         adv[:, t] = a
-        # a position outside the mask passes nothing back: the row's episode ends at its last response token
-        next_v, next_a = v[:, t] * m[:, t], a
+        # a position outside the mask is not an action: V and A pass through it unchanged. After the last
+        # response token that is the zero of the episode's end; across a multi-turn episode's observation tokens
+        # it links a turn's last token to the next turn's first (the environment's step is no decision)
+        on = mask[:, t]
+        next_v, next_a = torch.where(on, v[:, t], next_v), torch.where(on, a, next_a)
     returns = (adv + v) * m
     return adv.to(values.dtype), returns.to(values.dtype)
 

@@ -1,23 +1,18 @@
 """Batched reward scoring on worker threads, with failure isolation.
 
-Reward calls run on `num_workers` threads that pull the next call from a shared counter (math checks and
-HTTP requests release or spend little of the GIL relative to their wait), so a slow sample or reward
-server does not serialise the batch, and a cheap function costs a few microseconds per sample (no task or
-future per call). A call that raises, runs past `timeout` (measured from its start) or returns a
-non-number gives the configured default reward and a flag on that sample; a timed-out call's thread cannot
-be killed, so it is left to finish in the background and a fresh thread takes its place. Failures are
+Reward calls run through rlpo_mega.calls.run_calls (`num_workers` threads, a time limit per call), so a slow
+sample or reward server does not serialise the batch. A call that raises, runs past `timeout` (measured from
+its start) or returns a non-number gives the configured default reward and a flag on that sample. Failures are
 counted per batch and over the run, and logged once per kind.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import math
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from ..calls import run_calls
 from .functions import REWARDS, RewardInput
 
 log = logging.getLogger(__name__)
@@ -66,40 +61,10 @@ class RewardScorer:
 
     def _run_all(self, units: list, sizes: list[int]) -> list[tuple[list[float], Optional[str]]]:
         """Every unit through _call on worker threads; a unit running past cfg.timeout gets the default."""
-        results: list = [None] * len(units)
-        started: list = [None] * len(units)
-        counter = itertools.count()
-        done = threading.Condition()
-
-        def worker():
-            while not self._closed:
-                i = next(counter)  # atomic under the GIL: each unit is taken once
-                if i >= len(units):
-                    return
-                started[i] = time.monotonic()
-                out = self._call(units[i], sizes[i])
-                with done:
-                    if results[i] is None:  # not already given up on (timed out)
-                        results[i] = out
-                    done.notify()
-
-        def spawn():
-            threading.Thread(target=worker, name="reward", daemon=True).start()
-
-        for _ in range(min(max(1, self.cfg.num_workers), len(units))):
-            spawn()
-        timeout = self.cfg.timeout
-        with done:
-            while any(r is None for r in results):
-                now = time.monotonic()
-                running = [i for i, r in enumerate(results) if r is None and started[i] is not None]
-                for i in running:
-                    if timeout and now - started[i] >= timeout:
-                        results[i] = ([self.cfg.default] * sizes[i], f"timed out after {timeout}s")
-                        spawn()  # its thread is stuck in the call: the rest of the batch gets a fresh one
-                waits = [started[i] + timeout - now for i in running if results[i] is None] if timeout else []
-                done.wait(timeout=max(min(waits), 0.001) if waits else (0.05 if timeout else None))
-        return results
+        return run_calls(lambda i: self._call(units[i], sizes[i]), range(len(units)),
+                         num_workers=self.cfg.num_workers, timeout=self.cfg.timeout, name="reward",
+                         on_failure=lambda i, why: ([self.cfg.default] * sizes[i], why),
+                         stopped=lambda: self._closed)
 
     def score(self, samples: Sequence[RewardInput]) -> RewardResult:
         if self.batched:

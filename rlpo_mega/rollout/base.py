@@ -95,9 +95,14 @@ class Sample:
     # per-token versions are meta["versions"] on the owner (rollout/partial.py)
     version_min: int = -1
     masked_prefix: int = 0  # leading response tokens left out of the loss (rollout.partial_rollout_mask)
+    # a multi-turn episode (rollout/episode.py): the response holds the model's turns and, between them, the
+    # observation and template tokens the model did not sample: ((start, count), ...) in response coordinates,
+    # out of the loss (their log-probs are 0). A scalar, so the learner's mask needs no payload of its own.
+    obs_spans: tuple = ()
+    episode: tuple = ()  # a multi-turn episode's (turns, tool calls, failed tool calls)
 
     SCALARS = ("prompt_len", "response_len", "reward", "failed", "correct", "finish_reason", "replaced_entries",
-               "replaced_tokens", "has_routes", "version_min", "masked_prefix")
+               "replaced_tokens", "has_routes", "version_min", "masked_prefix", "obs_spans", "episode")
 
     def __post_init__(self):
         if self.prompt_ids is not None:
@@ -107,6 +112,11 @@ class Sample:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.response_len
+
+    @property
+    def model_tokens(self) -> int:
+        """Response tokens the model sampled (a multi-turn episode's observation tokens not counted)."""
+        return self.response_len - sum(c for _, c in self.obs_spans)
 
     @property
     def span(self) -> int:

@@ -109,6 +109,10 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
     # rollout.partial_rollout_mask: a continued sample's tokens before its last continuation stay out of the loss
     masked = torch.tensor([s.masked_prefix for _, s, _ in rows] or [0])
     loss_mask = in_response & kept[:, None] & (col >= start + masked[:, None])
+    # a multi-turn episode's observation and template tokens: conditioned on, never trained on
+    for k, (_, s, _) in enumerate(rows):
+        for a, c in s.obs_spans:
+            loss_mask[k, int(start[k]) + a:int(start[k]) + a + c] = False
     roll = torch.zeros(n, width)
     adv = torch.zeros(n)
     if rows:

@@ -26,9 +26,11 @@ import torch.distributed as dist
 
 from rlpo_mega.algorithms.registry import Registry
 from rlpo_mega.data.sampling import DynamicSamplingReport, GroupCollector
+from rlpo_mega.environments import EnvRunner
 from rlpo_mega.rewards import RewardInput
 from rlpo_mega.rollout import Sample, SamplingParams
 from rlpo_mega.rollout.base import share_of
+from rlpo_mega.rollout.episode import EpisodeLimits, TurnFormat, run_episodes
 from rlpo_mega.training.exchange import gather_scalars
 
 log = logging.getLogger("rlpo_mega")
@@ -102,25 +104,45 @@ def sampling_params(cfg, tokenizer, seed: int, greedy: bool = False) -> Sampling
                           stop_token_ids=tuple(int(t) for t in stop if t is not None), seed=seed)
 
 
-def generate_local(engine, mine, n: int, params: SamplingParams, scorer, tokenizer, timer) -> list[Sample]:
+def generate_local(engine, mine, n: int, params: SamplingParams, scorer, tokenizer, timer,
+                   episodes: Optional["Episodes"] = None) -> list[Sample]:
     """This rank's share: generate n responses per item and score them (no collective: a failure here
-    is agreed on by EngineGuard before anyone enters the gather)."""
+    is agreed on by EngineGuard before anyone enters the gather). With `episodes`: n multi-turn episodes per
+    item, scored by their environments as they run."""
     if not mine:
         return []
     groups: list = [None] * len(mine)
-    stream = engine.stream([it.input_ids for it in mine], params, n=n)
+    stream = episodes.stream(engine, mine, params, n) if episodes else engine.stream(
+        [it.input_ids for it in mine], params, n=n)
     try:
         while True:
             with timer("rollout"):  # each group is scored as it completes, while the others still generate
                 i, samples = next(stream, (None, None))
             if i is None:
                 break
-            with timer("reward"):
-                score([mine[i]] * n, samples, scorer, tokenizer)
+            if episodes is None:
+                with timer("reward"):
+                    score([mine[i]] * n, samples, scorer, tokenizer)
             groups[i] = samples
     finally:
         stream.close()
     return [s for g in groups for s in g]
+
+
+class Episodes:
+    """Multi-turn generation on an engine rank (environment.name set): n episodes per prompt item, each
+    environment's steps on the runner's threads, observations in the tokenizer's turn format."""
+
+    def __init__(self, cfg, tokenizer):
+        e = cfg.environment
+        self.runner = EnvRunner(e)
+        self.fmt = TurnFormat(tokenizer, sampling_params(cfg, tokenizer, 0).stop_token_ids)
+        self.limits = EpisodeLimits(e.max_turns, e.max_tokens)
+        self.tokenizer = tokenizer
+
+    def stream(self, engine, items, params: SamplingParams, n: int):
+        return run_episodes(engine, [(it.input_ids, it.record) for it in items], n, params, self.runner, self.fmt,
+                            self.limits, self.tokenizer)
 
 
 def score(items, samples: list[Sample], scorer, tokenizer, version: Optional[int] = None,
@@ -142,11 +164,12 @@ class Rollouts:
 
     def __init__(self, cfg, engines, scorer, tokenizer, spec):
         self.cfg, self.engines, self.scorer, self.tokenizer, self.spec = cfg, engines, scorer, tokenizer, spec
+        self.episodes = Episodes(cfg, tokenizer) if cfg.environment.name else None
 
     def __call__(self, items, n: int, params: SamplingParams, timer) -> list[Sample]:
         mine = share(items, self.engines.ranks)
         local = self.engines.guard.run(lambda: generate_local(
-            self.engines.slot.engine, mine, n, params, self.scorer, self.tokenizer, timer))
+            self.engines.slot.engine, mine, n, params, self.scorer, self.tokenizer, timer, self.episodes))
         with timer("gather"):
             return gather_scalars(local, self.spec, self.cfg.routing.on_bad_trace, self.engines.guard.group)
 

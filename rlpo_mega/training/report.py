@@ -55,7 +55,21 @@ def rollout_metrics(scored) -> dict:
             "reward/accuracy": sum(s.correct for s in scored) / len(scored),
             "reward/failed": sum(s.failed for s in scored), "reward/samples": len(scored),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-            "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored)}
+            "response/truncated_frac": sum(s.finish_reason == "length" for s in scored) / len(scored),
+            **episode_metrics(scored)}
+
+
+def episode_metrics(scored) -> dict:
+    """Multi-turn episodes (rollout/episode.py): turns, tool calls and failures per episode, the model's share of
+    the response tokens, environment failures."""
+    eps = [s for s in scored if s.episode]
+    if not eps:
+        return {}
+    turns, calls, errors = (sum(s.episode[k] for s in eps) for k in range(3))
+    return {"episode/turns_mean": turns / len(eps), "episode/tool_calls_mean": calls / len(eps),
+            "episode/tool_errors": errors, "episode/tool_error_frac": errors / calls if calls else 0.0,
+            "episode/model_tokens_mean": sum(s.model_tokens for s in eps) / len(eps),
+            "episode/env_failures": sum(s.failed for s in eps)}
 
 
 def advantage_metrics(stats: dict, advantages: torch.Tensor, with_critic: bool) -> dict:

@@ -1,0 +1,5 @@
+"""Environments of multi-turn episodes (registry), the runner that isolates their failures, and the shipped ones."""
+from .base import ENVIRONMENTS, Action, Environment, Feedback
+from .runner import EnvRunner
+
+__all__ = ["ENVIRONMENTS", "Action", "EnvRunner", "Environment", "Feedback"]

@@ -1,0 +1,184 @@
+"""Multi-turn episodes with tools: token in, token out (rlpo_mega/rollout/episode.py), environments and their
+failures (rlpo_mega/environments), and the learner's view of an episode (observation tokens out of every loss,
+GAE across them)."""
+import os
+import warnings
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rlpo_mega.algorithms.objective import AggregationPitfallWarning, policy_objective
+from rlpo_mega.config import AlgorithmConfig, EnvironmentConfig
+from rlpo_mega.data.dataset import DataError, PromptRecord
+from rlpo_mega.environments import EnvRunner
+from rlpo_mega.rollout import SamplingParams
+from rlpo_mega.rollout.episode import EpisodeLimits, TurnFormat, run_episodes
+from rlpo_mega.training.batches import build_micro_batch
+from tests.dist import ROOT
+from tests.multi_turn_support import ScriptedEngine
+
+TOKENIZERS = os.path.join(ROOT, "configs", "tokenizers")
+LOSSES = ["ppo_clip", "grpo", "dapo", "gspo", "gspo_token", "sapo"]
+
+
+def _tok(name):
+    return AutoTokenizer.from_pretrained(os.path.join(TOKENIZERS, name))
+
+
+def _conversation(system):
+    head = [{"role": "system", "content": "Use the tool."}] if system else []
+    return head + [{"role": "user", "content": "k7?"}, {"role": "assistant", "content": "look k7"},
+                   {"role": "tool", "content": "v=4"}, {"role": "assistant", "content": "look v4"},
+                   {"role": "tool", "content": "v=9"}, {"role": "assistant", "content": "=9"}]
+
+
+def _episodes(tok, conv, env_options=None, max_turns=4, max_tokens=400, stop=None):
+    """The episodes of `conv` with the model 'sampling' the conversation's own assistant turns (their tokens as
+    the template renders them, closed by the end-of-turn token) and the environment answering with its tool
+    messages."""
+    stop = stop or (tok.eos_token_id,)
+    fmt = TurnFormat(tok, stop)
+    replies = [fmt.render([m], False) for m in conv if m["role"] == "assistant"]
+    said = iter(r[r.index(fmt.end_id) - len(tok(m["content"], add_special_tokens=False)["input_ids"]):
+                  r.index(fmt.end_id) + 1] for r, m in zip(replies, [m for m in conv if m["role"] == "assistant"]))
+    engine = ScriptedEngine(lambda prompt: next(said))
+    obs = [m["content"] for m in conv if m["role"] == "tool"]
+    cfg = EnvironmentConfig(name="test_script", options={"observations": obs, **(env_options or {})})
+    first = conv.index(next(m for m in conv if m["role"] == "assistant"))
+    prompt = fmt.render(conv[:first], True)
+    params = SamplingParams(max_new_tokens=64, stop_token_ids=tuple(stop))
+    groups = dict(run_episodes(engine, [(prompt, PromptRecord(0, "k7?", None))], 1, params, EnvRunner(cfg), fmt,
+                               EpisodeLimits(max_turns, max_tokens), tok))
+    return groups[0][0], engine, fmt, prompt
+
+
+@pytest.mark.parametrize("system", [False, True], ids=["no_system", "system"])
+@pytest.mark.parametrize("tokenizer", ["tiny_chatml", "tiny_char"])
+def test_episode_tokens_are_the_engine_tokens_and_the_templates_observations(tokenizer, system):
+    """The episode's tokens equal, token for token, the chat template's rendering of the whole conversation (up
+    to the end token of the model's last turn): the model's tokens as sampled, each observation as the template
+    renders a tool turn, the separator after each end-of-turn token kept (ChatML's "\\n", verl#6921)."""
+    tok = _tok(tokenizer)
+    conv = _conversation(system)
+    s, engine, fmt, prompt = _episodes(tok, conv)
+    full = fmt.render(conv, False)
+    ids = list(s.prompt_ids) + list(s.response_ids)
+    assert ids == full[:len(ids)] and full[len(ids):] == fmt.bridge
+    assert fmt.bridge == (tok("\n", add_special_tokens=False)["input_ids"] if tokenizer == "tiny_chatml" else [])
+    # the model's tokens are exactly those the engine returned, each turn's in order; the rest are observations
+    model = [t for c in engine.calls for t in c.tokens]
+    obs = {p for a, c in s.obs_spans for p in range(a, a + c)}
+    assert [t for j, t in enumerate(s.response_ids) if j not in obs] == model
+    assert s.finish_reason == "stop" and s.episode == (3, 2, 1) and s.reward == 1.5 and s.correct
+    assert len(s.obs_spans) == 2 and s.model_tokens == len(model)
+    # every call continued from the episode's tokens so far: nothing re-tokenised
+    for k, c in enumerate(engine.calls):
+        assert c.prompt == ids[:len(c.prompt)] and ids[len(c.prompt):len(c.prompt) + len(c.tokens)] == c.tokens
+
+
+def test_routes_and_logprobs_are_stitched_from_the_turn_that_sampled_each_token():
+    """R3 across turns: row t of the episode's routes is the engine's row t of the call that first computed
+    position t (the prompt and turn 1 from call 1; the last token of turn k and observation k from turn k + 1's
+    prefill), so each model token is replayed with the routing it was sampled under. Log-probs: the engine's for
+    model tokens, 0 for observations."""
+    tok = _tok("tiny_chatml")
+    s, engine, _, prompt = _episodes(tok, _conversation(True))
+    P = len(prompt)
+    assert s.routes.shape[0] == P + s.response_len - 1
+    held = 0
+    for k, c in enumerate(engine.calls):
+        end = len(c.prompt) + len(c.tokens) - 1
+        assert torch.equal(s.routes[held:end], c.routes[held:end]), k
+        # the forward that produced each of this turn's tokens is this call's
+        first = len(c.prompt) - 1
+        assert torch.equal(s.routes[first:end], c.routes[first:end])
+        assert torch.equal(s.logprobs[first + 1 - P:end + 1 - P], c.logprobs)
+        held = end
+    assert held == s.routes.shape[0]
+    for a, c in s.obs_spans:
+        assert not s.logprobs[a:a + c].any()
+
+
+def test_template_refusals():
+    tok = _tok("tiny_chatml")
+    with pytest.raises(DataError, match="does not close an assistant turn with a stop token"):
+        TurnFormat(tok, (5,))
+    bad = _tok("tiny_chatml")  # a template that rewrites the history when a tool turn follows: not append-only
+    bad.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+                         "{{ '<|im_start|>assistant\\n<|im_end|>\\n' }}{% else %}"
+                         "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+                         "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    with pytest.raises(DataError, match="not append-only"):
+        TurnFormat(bad, (tok.eos_token_id,)).observation([{"role": "tool", "content": "1"}])
+
+
+def test_limits_end_episodes_truncated():
+    tok = _tok("tiny_chatml")
+    s, engine, _, _ = _episodes(tok, _conversation(False), max_turns=2)
+    assert s.finish_reason == "length" and s.episode[0] == 2 and len(engine.calls) == 2
+    s, engine, _, _ = _episodes(tok, _conversation(False), max_tokens=30)  # the first observation does not fit
+    assert s.finish_reason == "length" and s.episode[0] == 1 and not s.obs_spans
+
+
+@pytest.mark.parametrize("fail", ["raise", "sleep", "bad"])
+def test_a_failing_environment_ends_its_episode_flagged_and_counted(fail, caplog):
+    """A step that raises, runs past environment.timeout or answers something else ends that episode (flagged,
+    environment.failure_reward) and no other; counted by the runner and logged once."""
+    tok = _tok("tiny_chatml")
+    fmt = TurnFormat(tok, (tok.eos_token_id,))
+    end = fmt.end_id
+    engine = ScriptedEngine(lambda prompt: tok("go", add_special_tokens=False)["input_ids"] + [end])
+    cfg = EnvironmentConfig(name="test_script", timeout=0.5, failure_reward=-1.0,
+                            options={"observations": ["a", "b"], "fail": fail, "fail_prompt": "p1", "fail_turn": 1})
+    runner = EnvRunner(cfg)
+    items = [(fmt.render([{"role": "user", "content": p}], True), PromptRecord(i, p, None))
+             for i, p in enumerate(["p0", "p1", "p2"])]
+    out = dict(run_episodes(engine, items, 2, SamplingParams(max_new_tokens=8, stop_token_ids=(end,)), runner, fmt,
+                            EpisodeLimits(4, 200), tok))
+    assert sorted(out) == [0, 1, 2]
+    for i, group in out.items():
+        for s in group:
+            if i == 1:
+                assert s.failed and s.reward == -1.0 and s.episode[0] == 2
+            else:
+                assert not s.failed and s.reward == 1.5 and s.episode == (3, 2, 1)
+    assert runner.total_failed == 2
+    assert sum("failed a step" in r.message for r in caplog.records) == 1
+
+
+def _learner_view(s):
+    """The episode through the learner's micro-batch builder (packed and padded layouts)."""
+    out = []
+    for layout in ("packed", "padded"):
+        mb = build_micro_batch([s], {0: s}, [0], torch.tensor([0.7]), torch.tensor([True]), layout=layout,
+                               align=4, pad_id=0, padded_len=s.span)
+        out.append(mb)
+    return out
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_observation_tokens_get_exactly_zero_gradient(loss):
+    """The learner's loss mask holds exactly the model's tokens, its rollout log-probs are the engine's there, and
+    every policy loss (with the sequence-level mismatch correction) gives the observation tokens exactly zero
+    gradient while every model token gets some."""
+    tok = _tok("tiny_chatml")
+    s, engine, _, prompt = _episodes(tok, _conversation(True))
+    P = len(prompt)
+    obs = {P - 1 + p for a, c in s.obs_spans for p in range(a, a + c)}
+    model = [P - 1 + j for j in range(s.response_len) if P - 1 + j not in obs]
+    for mb in _learner_view(s):
+        assert mb.loss_mask[0].nonzero()[:, 0].tolist() == model
+        assert torch.equal(mb.rollout_logp[0, model], torch.cat([c.logprobs for c in engine.calls]))
+        cfg = AlgorithmConfig()
+        cfg.loss.name = loss
+        cfg.mismatch.mode, cfg.mismatch.level = "tis", "sequence"
+        g = torch.Generator().manual_seed(0)
+        mb.old_logp = mb.rollout_logp + 0.01 * torch.randn(mb.rollout_logp.shape, generator=g)
+        logp = (mb.old_logp + 0.02 * torch.randn(mb.old_logp.shape, generator=g)).requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", AggregationPitfallWarning)
+            num, cnt, _ = policy_objective(logp, mb, cfg)
+        (num / cnt).backward()
+        grad = logp.grad[0]
+        assert not grad[sorted(obs)].any() and bool((grad[model] != 0).all()), loss
