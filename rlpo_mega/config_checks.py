@@ -28,6 +28,7 @@ from rlpo_mega.algorithms.advantages import ADVANTAGES, CRITIC_ESTIMATORS
 from rlpo_mega.algorithms.kl import KL_ESTIMATORS
 from rlpo_mega.algorithms.losses import LOSSES
 from rlpo_mega.config import ConfigError, unknown_choice
+from rlpo_mega.environments import ENVIRONMENTS
 from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
 from rlpo_mega.rewards import REWARDS
@@ -370,6 +371,21 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.rollout.producer == "async" and ds.enabled:
         raise ConfigError("rollout.producer=async does not take algorithm.dynamic_sampling yet: set "
                           "algorithm.dynamic_sampling.enabled=false or rollout.producer=sync")
+    env = cfg.environment
+    if env.name is not None:
+        if env.name not in ENVIRONMENTS:
+            raise ConfigError(unknown_choice("environment.name", env.name, ENVIRONMENTS.names()))
+        _at_least("environment.max_turns", env.max_turns, 1, "model turns per episode")
+        _at_least("environment.max_tokens", env.max_tokens, 1, "response tokens per episode")
+        _at_least("environment.num_workers", env.num_workers, 1, "threads running environment steps")
+        if env.timeout is not None and not env.timeout > 0:
+            raise ConfigError(f"environment.timeout={env.timeout} must be > 0 seconds (or null: no limit)")
+        if ds.enabled:
+            raise ConfigError("multi-turn episodes (environment.name) do not take algorithm.dynamic_sampling yet: "
+                              "set algorithm.dynamic_sampling.enabled=false")
+        if cfg.rollout.producer != "sync":
+            raise ConfigError(f"multi-turn episodes (environment.name) run under rollout.producer=sync only, for now; "
+                              f"got {cfg.rollout.producer}")
     if cfg.rollout.client_switch_interval is not None and not cfg.rollout.client_switch_interval > 0:
         raise ConfigError(f"rollout.client_switch_interval={cfg.rollout.client_switch_interval} must be > 0 seconds "
                           "(or null: Python's own)")

@@ -15,7 +15,14 @@ from rlpo_mega.rollout import Sample
 class ScriptEnv(Environment):
     """Observation k of options["observations"] after model turn k; done after len(observations) + 1 turns
     (reward 1 on the last); options["fail"]: "raise" / "sleep" / "bad" on the turn given by options["fail_turn"]
-    for the record whose prompt is options["fail_prompt"]."""
+    for the record whose prompt is options["fail_prompt"]; options["vary_reward"]: the last turn's reward is
+    1, 2 or 3 by the order the episodes were made (mixed rewards in a group: non-zero advantages)."""
+    made = 0
+
+    def __init__(self, record, cfg):
+        super().__init__(record, cfg)
+        ScriptEnv.made += 1
+        self.serial = ScriptEnv.made
 
     def step(self, action):
         o = self.cfg.options
@@ -28,7 +35,7 @@ class ScriptEnv(Environment):
                 return "not feedback"
         obs = o.get("observations", ["x"])
         if action.turn >= len(obs):
-            return Feedback(reward=1.0, done=True, correct=True)
+            return Feedback(reward=1.0 + (self.serial % 3 if o.get("vary_reward") else 0), done=True, correct=True)
         return Feedback([{"role": "tool", "content": obs[action.turn]}], reward=0.25, tool_calls=1,
                         tool_errors=int(action.turn == 1))
 

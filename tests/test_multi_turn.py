@@ -182,3 +182,42 @@ def test_observation_tokens_get_exactly_zero_gradient(loss):
         (num / cnt).backward()
         grad = logp.grad[0]
         assert not grad[sorted(obs)].any() and bool((grad[model] != 0).all()), loss
+
+
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory):
+    """The real trainer on multi-turn episodes: 1 process (ep1), then 2 processes at EP2 and at TP2."""
+    import json
+
+    from tests.dist import torchrun
+
+    data = tmp_path_factory.mktemp("mt_data")
+    with open(data / "prompts.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"k{i}?", "answer": "0"}) + "\n")
+    with open(data / "warmup.jsonl", "w") as f:  # answer and close the turn: episodes then run several turns
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"k{i}?", "answer": "go"}) + "\n")
+    out = tmp_path_factory.mktemp("mt_out")
+    one = torchrun("multi_turn.py", 1, str(out), str(data), "ep1", timeout=600)
+    two = torchrun("multi_turn.py", 2, str(out), str(data), "ep2", "tp2", timeout=900)
+    return {**one, **two}
+
+
+@pytest.mark.parametrize("layout", ["ep1", "ep2", "tp2"])
+def test_trainer_on_episodes_learner_logprobs_equal_the_engines(trainer_runs, layout):
+    """On multi-turn episodes (fp32, embedded engine, R3): the learner's log-probs of the model's tokens equal the
+    engine's (the mismatch metrics are over the loss mask, i.e. the model's tokens), the learner routes every
+    position as the stitched record does (routing agreement 1), and the gradient reaching the log-probs outside
+    the loss mask (observations among them) is exactly zero while every model token gets some."""
+    r = trainer_runs[layout]
+    assert r["rc"] == 0
+    steps = [h for h in r["history"] if "reward/mean" in h]
+    assert [h["step"] for h in steps] == [1, 2]
+    for h in steps:
+        assert h["episode/turns_mean"] > 1.5, h  # the episodes did go on after observations
+        assert h["episode/model_tokens_mean"] < h["response/length_mean"]  # observation tokens in the responses
+        assert h["mismatch/ratio_dev_max"] < 1e-4, h
+        assert h["routing/agreement/mean"] == 1.0
+    outside, inside_nonzero, inside = r["grad"]
+    assert outside == 0.0 and inside > 0 and inside_nonzero == inside

@@ -88,7 +88,8 @@ class PromptSampler:
             self.drawn += 1
         return out
 
-    def check_lengths(self, max_new_tokens: int, context: Optional[int], path: str = "prompts.path") -> None:
+    def check_lengths(self, max_new_tokens: int, context: Optional[int], path: str = "prompts.path",
+                      budget_key: str = "rollout.max_new_tokens") -> None:
         """Every prompt, rendered as the engine will see it, plus max_new_tokens fits the model's context:
         checked once, up front (else the first rollout that draws the prompt fails, hours in)."""
         if not context or self.tokenizer is None:
@@ -96,9 +97,9 @@ class PromptSampler:
         for rec in self.records:
             n = len(render_prompt(self.tokenizer, rec.prompt, self.chat_template, self.system_prompt))
             if n + max_new_tokens > context:
-                raise DataError(f"{path}: record {rec.index} renders to {n} prompt tokens; with rollout.max_new_tokens="
+                raise DataError(f"{path}: record {rec.index} renders to {n} prompt tokens; with {budget_key}="
                                 f"{max_new_tokens} that exceeds the model's context (max_position_embeddings={context}): "
-                                "shorten or drop the prompt, or lower rollout.max_new_tokens")
+                                f"shorten or drop the prompt, or lower {budget_key}")
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "pos": self.pos, "drawn": self.drawn, "seed": self.seed,

@@ -91,8 +91,11 @@ class Trainer:
         # DataError naming file and line, not a failure after minutes of set-up)
         self.tokenizer = load_tokenizer(cfg)
         self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
-        self.sampler.check_lengths(cfg.rollout.max_new_tokens, getattr(self.hf, "max_position_embeddings", None),
-                                   f"prompts.path={cfg.prompts.path}")
+        # a multi-turn episode's whole response (turns and observations) follows its prompt in the context
+        budget = cfg.environment.max_tokens if cfg.environment.name else cfg.rollout.max_new_tokens
+        self.sampler.check_lengths(budget, getattr(self.hf, "max_position_embeddings", None),
+                                   f"prompts.path={cfg.prompts.path}",
+                                   "environment.max_tokens" if cfg.environment.name else "rollout.max_new_tokens")
         self.records = {key: load_prompts(path, "auto", cfg.prompts.prompt_key, cfg.prompts.answer_key)
                         for key, path, used in (("warmup", cfg.trainer.warmup.path, cfg.trainer.warmup.steps > 0),
                                                 ("eval", cfg.trainer.eval_path, cfg.trainer.eval_every > 0))
