@@ -221,3 +221,30 @@ def test_trainer_on_episodes_learner_logprobs_equal_the_engines(trainer_runs, la
         assert h["routing/agreement/mean"] == 1.0
     outside, inside_nonzero, inside = r["grad"]
     assert outside == 0.0 and inside > 0 and inside_nonzero == inside
+
+
+def test_python_tool_runs_code_in_a_sandbox_with_limits():
+    """The `python` environment: a <python> block runs in a subprocess with a time and an address-space limit and
+    no network; its output (or error) is the observation and a failed call is counted as a tool error; a turn
+    without a block is the final answer, scored against the reference."""
+    from rlpo_mega.environments import ENVIRONMENTS, Action
+
+    cfg = EnvironmentConfig(name="python", options={"time_limit": 2, "memory_mb": 256})
+    env = ENVIRONMENTS.get("python")(PromptRecord(0, "What is 6*7?", "42"), cfg)
+
+    def step(text):
+        return env.step(Action((), text, 0))
+
+    fb = step("let me compute <python>print(6*7)</python>")
+    assert fb.messages == [{"role": "tool", "content": "42\n"}] and (fb.tool_calls, fb.tool_errors) == (1, 0)
+    assert not fb.done and fb.reward == 0
+    fb = step("<python>while True: pass</python>")
+    assert fb.tool_errors == 1 and "TimeoutError: the call ran past 2s" in fb.messages[0]["content"]
+    fb = step("<python>x = bytearray(600 << 20)</python>")
+    assert fb.tool_errors == 1 and "MemoryError" in fb.messages[0]["content"]
+    fb = step("<python>import socket\ns = socket.create_connection(('1.1.1.1', 80), timeout=3)</python>")
+    assert fb.tool_errors == 1 and "OSError" in fb.messages[0]["content"]  # no network: unreachable at once
+    fb = step("<python>raise ValueError('bad')</python>")
+    assert fb.tool_errors == 1 and "ValueError: bad" in fb.messages[0]["content"]
+    assert step("The answer is 42").done and step("The answer is 42").reward == 1.0
+    assert step("The answer is 41").reward == 0.0 and not step("The answer is 41").correct
