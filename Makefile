@@ -5,7 +5,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlpo_installed
 
-.PHONY: venv venv-sglang demo demo-ppo test gpu-smoke clean
+.PHONY: venv venv-sglang demo demo-ppo demo-tools test gpu-smoke clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: $(STAMP)
 # PPO with a critic (GAE, value model) on the same task
 demo-ppo: $(STAMP)
 	$(VENV)/bin/rlpo-mega train configs/demo_ppo_cpu.yaml --nproc-per-node 2
+
+# Multi-turn episodes with a tool (environment "lookup"): RL teaches the model to call the tool and use its answer
+demo-tools: $(STAMP)
+	$(VENV)/bin/rlpo-mega train configs/demo_tools_cpu.yaml --nproc-per-node 2
 
 # Separate venv for the real-SGLang tests (tests/test_sglang.py): sglang 0.5.23 --no-deps on the CPU torch.
 venv-sglang:

@@ -70,7 +70,7 @@ def test_episode_tokens_are_the_engine_tokens_and_the_templates_observations(tok
     model = [t for c in engine.calls for t in c.tokens]
     obs = {p for a, c in s.obs_spans for p in range(a, a + c)}
     assert [t for j, t in enumerate(s.response_ids) if j not in obs] == model
-    assert s.finish_reason == "stop" and s.episode == (3, 2, 1) and s.reward == 1.5 and s.correct
+    assert s.finish_reason == "stop" and s.episode == (3, 2, 1, 0) and s.reward == 1.5 and s.correct
     assert len(s.obs_spans) == 2 and s.model_tokens == len(model)
     # every call continued from the episode's tokens so far: nothing re-tokenised
     for k, c in enumerate(engine.calls):
@@ -142,7 +142,7 @@ def test_a_failing_environment_ends_its_episode_flagged_and_counted(fail, caplog
             if i == 1:
                 assert s.failed and s.reward == -1.0 and s.episode[0] == 2
             else:
-                assert not s.failed and s.reward == 1.5 and s.episode == (3, 2, 1)
+                assert not s.failed and s.reward == 1.5 and s.episode == (3, 2, 1, 0)
     assert runner.total_failed == 2
     assert sum("failed a step" in r.message for r in caplog.records) == 1
 

@@ -1,6 +1,6 @@
 """Environments of multi-turn episodes (registry), the runner that isolates their failures, and the shipped ones."""
 from .base import ENVIRONMENTS, Action, Environment, Feedback
 from .runner import EnvRunner
-from . import python_tool  # noqa: F401,E402  (registers "python")
+from . import lookup, python_tool  # noqa: F401,E402  (register "lookup", "python")
 
 __all__ = ["ENVIRONMENTS", "Action", "EnvRunner", "Environment", "Feedback"]

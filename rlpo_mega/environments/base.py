@@ -34,6 +34,7 @@ class Feedback:
     done: bool = False  # the episode is over (no observation is appended then)
     tool_calls: int = 0  # tool calls the turn made (counted: episode/tool_calls)
     tool_errors: int = 0  # of them, the ones whose tool failed (bad call, error, its time or memory limit)
+    useful_tool_calls: int = 0  # tool calls whose output the episode's solution used (the environment judges)
     correct: bool = False  # the episode solved its task (on the last turn: reward/accuracy)
 
 

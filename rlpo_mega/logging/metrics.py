@@ -190,6 +190,10 @@ CONSOLE_FIELDS = (  # (label, metric, format)
     ("reward", "reward/mean", "{:.3f}"),
     ("acc", "reward/accuracy", "{:.3f}"),
     ("len", "response/length_mean", "{:.1f}"),
+    ("turns", "episode/turns_mean", "{:.2f}"),  # multi-turn episodes (environment.name)
+    ("tools", "episode/tool_calls_mean", "{:.2f}"),
+    ("useful", "episode/useful_tool_calls_mean", "{:.2f}"),
+    ("tool_err", "episode/tool_errors", "{:.0f}"),
     ("loss", "loss/policy", "{:.4g}"),
     ("gnorm", "optim/grad_norm", "{:.3g}"),
     ("kl", "kl/policy", "{:.2e}"),
@@ -207,6 +211,9 @@ def format_console_line(step: int, metrics: Mapping[str, float], total_steps: Op
     if failed:  # the reward of these samples is the configured default: never only in the metrics file
         of = f"/{int(metrics['reward/samples'])}" if "reward/samples" in metrics else ""
         parts.append(f"REWARD FAILED {failed}{of} (see the log)")
+    env_failed = int(metrics.get("episode/env_failures", 0))
+    if env_failed:  # episodes whose environment raised or timed out: their reward is environment.failure_reward
+        parts.append(f"ENVIRONMENT FAILED {env_failed} (see the log)")
     return " | ".join(parts)
 
 

@@ -99,7 +99,7 @@ class Sample:
     # observation and template tokens the model did not sample: ((start, count), ...) in response coordinates,
     # out of the loss (their log-probs are 0). A scalar, so the learner's mask needs no payload of its own.
     obs_spans: tuple = ()
-    episode: tuple = ()  # a multi-turn episode's (turns, tool calls, failed tool calls)
+    episode: tuple = ()  # a multi-turn episode's (turns, tool calls, failed tool calls, useful tool calls)
 
     SCALARS = ("prompt_len", "response_len", "reward", "failed", "correct", "finish_reason", "replaced_entries",
                "replaced_tokens", "has_routes", "version_min", "masked_prefix", "obs_spans", "episode")

@@ -85,6 +85,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    useful_tool_calls: int = 0
     reward: float = 0.0
     correct: bool = False
     failed: bool = False
@@ -132,7 +133,7 @@ class Episode:
                    torch.zeros(0), self.finish or "stop", routes=self.routes, prompt_index=self.prompt_index,
                    meta={**self.meta, "turns": self.turns}, reward=self.reward, failed=self.failed,
                    correct=self.correct, obs_spans=tuple(self.obs_spans),
-                   episode=(self.turns, self.tool_calls, self.tool_errors))
+                   episode=(self.turns, self.tool_calls, self.tool_errors, self.useful_tool_calls))
         return s
 
 
@@ -201,6 +202,7 @@ def _settle(e: Episode, answer: Sample, fb, why: str, failure_reward: float, fmt
     e.reward += float(fb.reward)
     e.tool_calls += int(fb.tool_calls)
     e.tool_errors += int(fb.tool_errors)
+    e.useful_tool_calls += int(fb.useful_tool_calls)
     e.correct = bool(fb.correct)
     if fb.done:
         e.finish = answer.finish_reason

@@ -65,8 +65,9 @@ def episode_metrics(scored) -> dict:
     eps = [s for s in scored if s.episode]
     if not eps:
         return {}
-    turns, calls, errors = (sum(s.episode[k] for s in eps) for k in range(3))
+    turns, calls, errors, useful = (sum(s.episode[k] for s in eps) for k in range(4))
     return {"episode/turns_mean": turns / len(eps), "episode/tool_calls_mean": calls / len(eps),
+            "episode/useful_tool_calls_mean": useful / len(eps),
             "episode/tool_errors": errors, "episode/tool_error_frac": errors / calls if calls else 0.0,
             "episode/model_tokens_mean": sum(s.model_tokens for s in eps) / len(eps),
             "episode/env_failures": sum(s.failed for s in eps)}
