@@ -248,3 +248,33 @@ def test_python_tool_runs_code_in_a_sandbox_with_limits():
     assert fb.tool_errors == 1 and "ValueError: bad" in fb.messages[0]["content"]
     assert step("The answer is 42").done and step("The answer is 42").reward == 1.0
     assert step("The answer is 41").reward == 0.0 and not step("The answer is 41").correct
+
+
+def test_demo_tools_learns_to_use_its_tool(tmp_path):
+    """`make demo-tools` (configs/demo_tools_cpu.yaml) through the real CLI at 2 processes: RL raises the reward,
+    the tool calls per episode and the useful ones (the answer is the tool's digit) from the warm-up's start.
+    Seed 3 (the demo was tuned on seeds 1234, 1 and 2)."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_tools_cpu.yaml", "seed=3",
+         f"logging.dir={run}", "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null",
+         "trainer.eval_every=0", "--nproc-per-node", "2"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in line]
+
+    def first_last(key):
+        v = [r[key] for r in rows]
+        return sum(v[:5]) / 5, sum(v[-5:]) / 5
+
+    reward, useful, calls = first_last("reward/mean"), first_last("episode/useful_tool_calls_mean"), \
+        first_last("episode/tool_calls_mean")
+    assert reward[0] <= 0.15 and reward[1] >= reward[0] + 0.4, reward
+    assert useful[0] <= 0.1 and useful[1] >= useful[0] + 0.4, useful
+    assert calls[1] >= 0.9, calls
+    assert "turns" in proc.stdout and "useful" in proc.stdout  # the console shows the episodes' counts

@@ -40,7 +40,7 @@ def history(out, run):
 
 
 def matrix(out):
-    """Every loss with R3 replay on and off (dapo with dynamic sampling): a few steps each."""
+    """Every loss with R3 replay (dapo with dynamic sampling), gspo also with replay off and R2: a few steps each."""
     runs = {}
     for loss, extra in (("gspo", ("parallel.num_micro_batches=2",)), ("sapo", ("trainer.epochs=2",)),
                         ("grpo", ("algorithm.kl.coef=0.04", "trainer.mini_batches=1")),
@@ -48,7 +48,7 @@ def matrix(out):
                         # checks engine/learner agreement); carried groups: test_demo_with_dynamic_sampling_learns
                         ("dapo", ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0",
                                   "algorithm.dynamic_sampling.max_carry_steps=0"))):
-        for mode in ("r3", "off") + (("r2",) if loss == "gspo" else ()):
+        for mode in ("r3", "off", "r2") if loss == "gspo" else ("r3",):
             run = f"{loss}_{mode}"
             rc = train(cfg(out, run, f"algorithm.loss.name={loss}", f"routing.mode={mode}", *extra))
             runs[run] = {"rc": rc, "steps": [h["step"] for h in history(out, run)]}
