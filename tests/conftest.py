@@ -24,8 +24,8 @@ def distopt_launch(tmp_path_factory):
 # (test_recipes, test_sglang*, test_slurm) start after the first files, by when `make test`'s background build
 # of that venv (~5 minutes) has finished.
 LONGEST_FIRST = ("test_trainer", "test_critic", "test_algorithms_dist", "test_checkpoint", "test_async",
-                 "test_platform", "test_bridge", "test_recipes", "test_sglang_trainer", "test_bad_inputs",
-                 "test_parity", "test_packing", "test_routing_replay", "test_slurm", "test_sglang",
+                 "test_multi_turn", "test_platform", "test_bridge", "test_recipes", "test_sglang_trainer",
+                 "test_bad_inputs", "test_parity", "test_packing", "test_routing_replay", "test_slurm", "test_sglang",
                  "test_families_sigmoid", "test_device_discipline", "test_plan", "test_host_syncs")
 
 

@@ -252,8 +252,8 @@ def test_python_tool_runs_code_in_a_sandbox_with_limits():
 
 def test_demo_tools_learns_to_use_its_tool(tmp_path):
     """`make demo-tools` (configs/demo_tools_cpu.yaml) through the real CLI at 2 processes: RL raises the reward,
-    the tool calls per episode and the useful ones (the answer is the tool's digit) from the warm-up's start.
-    Seed 3 (the demo was tuned on seeds 1234, 1 and 2)."""
+    the tool calls per episode and the useful ones (the answer is the tool's digit) from the warm-up's start
+    (measured, seed 3, first/last 5 steps: reward and useful calls 0.004 -> 0.748, tool calls 0.65 -> 0.99)."""
     import json
     import subprocess
     import sys
@@ -274,7 +274,7 @@ def test_demo_tools_learns_to_use_its_tool(tmp_path):
 
     reward, useful, calls = first_last("reward/mean"), first_last("episode/useful_tool_calls_mean"), \
         first_last("episode/tool_calls_mean")
-    assert reward[0] <= 0.15 and reward[1] >= reward[0] + 0.4, reward
-    assert useful[0] <= 0.1 and useful[1] >= useful[0] + 0.4, useful
-    assert calls[1] >= 0.9, calls
+    assert reward[0] <= 0.15 and reward[1] >= reward[0] + 0.3, reward
+    assert useful[0] <= 0.1 and useful[1] >= useful[0] + 0.3, useful
+    assert calls[1] >= 0.9 and calls[1] >= calls[0] + 0.1, calls
     assert "turns" in proc.stdout and "useful" in proc.stdout  # the console shows the episodes' counts

@@ -2,9 +2,11 @@
 
 Each episode hides a random digit, drawn afresh per episode (nothing to memorise from the prompts). A model
 turn "?" calls the lookup tool, whose answer (the digit) comes back as the next user turn; a turn "=d" answers
-and ends the episode, reward 1 when d is the hidden digit. Anything else ends it with reward 0. Answering
-without the tool is right one time in ten; with the tool, always, once the model copies what the tool said.
-A tool call is useful when the answer that ends the episode is the digit it returned.
+and ends the episode, reward 1 when d is the hidden digit and the episode looked it up (an unsupported answer
+does not count: a guess would be right one time in ten, and on the demo's start, where the model reads the
+tool wrongly, guessing paid more than the tool, so RL learned to stop calling it on some seeds). Anything else
+ends the episode with reward 0. A tool call is useful when the answer that ends the episode is the digit it
+returned.
 """
 from __future__ import annotations
 
@@ -29,5 +31,5 @@ class Lookup(Environment):
         if text == "?":
             self.looked = True
             return Feedback([{"role": "user", "content": self.digit}], tool_calls=1)
-        right = text == "=" + self.digit
-        return Feedback(reward=float(right), done=True, correct=right, useful_tool_calls=int(right and self.looked))
+        right = self.looked and text == "=" + self.digit  # an answer counts only with its lookup behind it
+        return Feedback(reward=float(right), done=True, correct=right, useful_tool_calls=int(right))
