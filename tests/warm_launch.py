@@ -20,7 +20,6 @@ one JSON line on its stdout. One launch at a time per server; tests.dist keeps a
 """
 from __future__ import annotations
 
-import gc
 import importlib
 import json
 import os
@@ -184,12 +183,6 @@ def main():
     os.dup2(null, 0)
     os.dup2(2, 1)
     _preimport()
-    if not os.environ.get("RLPO_TEST_NO_GC_FREEZE"):
-        # the imports' ~0.5 M objects go to the collector's permanent generation: a rank's full collections (the
-        # trainer makes one per step) then skip them instead of walking them and writing to every page they sit
-        # on (which forked pages must then copy)
-        gc.collect()
-        gc.freeze()
     replies.write(json.dumps({"ready": True}) + "\n")
     replies.flush()
     private = [requests.fileno(), replies.fileno()]
