@@ -32,3 +32,25 @@ LONGEST_FIRST = ("test_trainer", "test_critic", "test_algorithms_dist", "test_ch
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.splitext(os.path.basename(str(item.path)))[0], len(rank)))
+
+
+# Files whose tests share launches through a per-process cache or a session fixture: one xdist worker runs each
+# group, so each launch happens once per suite (each worker that got one of the files launched them again:
+# the reference and four layout launches, ~4 minutes, ran on both workers in a suite run of 2026-11-27).
+SHARED_LAUNCHES = (("test_critic", "test_parity", "test_plan", "test_bridge"),  # tests/layout_runs.py
+                   ("test_checkpoint", "test_gpu_path"))  # distopt_launch above
+
+
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling  # only under xdist
+
+    class SharedLaunchScheduling(LoadFileScheduling):
+        """--dist loadfile, with each SHARED_LAUNCHES group one unit of work (placed at its first file)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            name = os.path.splitext(os.path.basename(scope))[0]
+            group = next((g for g in SHARED_LAUNCHES if name in g), None)
+            return "+".join(group) if group else scope
+
+    return SharedLaunchScheduling(config, log)
