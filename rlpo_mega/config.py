@@ -451,6 +451,15 @@ def _expected_type(schema, key: str) -> str:
     return f"{name} or null" if optional else name
 
 
+def response_budget(cfg) -> tuple[int, str]:
+    """The longest response a sample can have, and the key that sets it: a multi-turn episode's whole response
+    (its turns and observations: environment.max_tokens), else one generation's (rollout.max_new_tokens). What
+    the context, the micro-batch budget and the plan must hold."""
+    if cfg.environment.name:
+        return cfg.environment.max_tokens, "environment.max_tokens"
+    return cfg.rollout.max_new_tokens, "rollout.max_new_tokens"
+
+
 def unknown_choice(key: str, value, known: Iterable[str]) -> str:
     """`key='value' is not known; known: a, b. Did you mean 'a'?`: the one message for a value outside a closed
     set, a Literal key's (load_config) or a registry's names (config_checks)."""

@@ -27,7 +27,7 @@ from rlpo_mega.algorithms import objective
 from rlpo_mega.algorithms.advantages import ADVANTAGES, CRITIC_ESTIMATORS
 from rlpo_mega.algorithms.kl import KL_ESTIMATORS
 from rlpo_mega.algorithms.losses import LOSSES
-from rlpo_mega.config import ConfigError, unknown_choice
+from rlpo_mega.config import ConfigError, response_budget, unknown_choice
 from rlpo_mega.environments import ENVIRONMENTS
 from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
@@ -226,9 +226,10 @@ def _check_rollout(cfg, warns: list[str]):
         if ro.embedded.batch_size is not None and ro.embedded.batch_size < 1:
             raise ConfigError(f"rollout.embedded.batch_size={ro.embedded.batch_size} must be >= 1 (or null: every "
                               "request of a step in one batch)")
-        if ro.embedded.max_batch_tokens is not None and ro.embedded.max_batch_tokens < ro.max_new_tokens + 1:
+        response, key = response_budget(cfg)
+        if ro.embedded.max_batch_tokens is not None and ro.embedded.max_batch_tokens < response + 1:
             raise ConfigError(f"rollout.embedded.max_batch_tokens={ro.embedded.max_batch_tokens} cannot hold one "
-                              f"prompt + rollout.max_new_tokens={ro.max_new_tokens}; raise it (or null: no cap)")
+                              f"prompt + {key}={response}; raise it (or null: no cap)")
     if ro.engine == "sglang":
         sg = ro.sglang
         if sg.tp_size < 1 or sg.num_servers < 1:
@@ -476,11 +477,11 @@ def _check_batch(cfg, world_size: Optional[int]):
         if cfg.trainer.layout != "packed":
             raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} cuts packed micro-batches; with "
                               "trainer.layout=padded set parallel.num_micro_batches instead (or unset the budget)")
-        longest = cfg.rollout.max_new_tokens + 1
+        response, key = response_budget(cfg)
+        longest = response + 1
         if budget < longest:
             raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is below one sample's length (at least "
-                              f"rollout.max_new_tokens + a prompt token = {longest}); raise it to hold the longest "
-                              "prompt + response")
+                              f"{key} + a prompt token = {longest}); raise it to hold the longest prompt + response")
     if (cfg.trainer.layout == "packed" and par.pipeline > 1 and cfg.model.token_dispatcher == "allgather"):
         raise ConfigError("trainer.layout=packed with parallel.pipeline > 1 needs variable micro-batch shapes, which "
                           "megatron refuses with model.token_dispatcher=allgather; use alltoall (or layout=padded)")
@@ -523,9 +524,10 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
     warns: list[str] = []
     hf = _check_model(cfg, hf)
     context = getattr(hf, "max_position_embeddings", None)
-    if context and cfg.rollout.max_new_tokens >= context:
-        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for a prompt in the "
-                          f"model's context (max_position_embeddings={context} in model.hf_config): lower it")
+    longest, key = response_budget(cfg)
+    if context and longest >= context:
+        raise ConfigError(f"{key}={longest} leaves no room for a prompt in the model's context "
+                          f"(max_position_embeddings={context} in model.hf_config): lower it")
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
     _check_drivers(cfg, world_size, nodes)

@@ -278,3 +278,28 @@ def test_demo_tools_learns_to_use_its_tool(tmp_path):
     assert useful[0] <= 0.1 and useful[1] >= useful[0] + 0.3, useful
     assert calls[1] >= 0.9 and calls[1] >= calls[0] + 0.1, calls
     assert "turns" in proc.stdout and "useful" in proc.stdout  # the console shows the episodes' counts
+
+
+def test_the_episode_budget_is_what_the_context_and_the_micro_batches_must_hold():
+    """With episodes, a sample's response is up to environment.max_tokens (every turn and observation), not one
+    generation's rollout.max_new_tokens: the context check, the micro-batch budget and the plan use it."""
+    from moe.model import load_hf_config
+    from rlpo_mega.config import ConfigError, load_config, response_budget
+    from rlpo_mega.config_checks import check_run_config
+
+    hf = load_hf_config(os.path.join(ROOT, "configs/models/tiny_qwen3_moe.json"))  # context 512
+    cfg = load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"))
+    assert response_budget(cfg) == (32, "environment.max_tokens")
+    check_run_config(cfg, hf, world_size=2, log_warnings=False)
+    with pytest.raises(ConfigError, match="environment.max_tokens=600 leaves no room for a prompt"):
+        check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("environment.max_tokens=600",)),
+                         hf, world_size=2, log_warnings=False)
+    with pytest.raises(ConfigError, match=r"at least environment.max_tokens \+ a prompt token = 33"):
+        check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"),
+                                     ("trainer.max_tokens_per_micro_batch=20",)), hf, world_size=2, log_warnings=False)
+    with pytest.raises(ConfigError, match="run under rollout.producer=sync only"):
+        check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("rollout.producer=async",)),
+                         hf, world_size=2, log_warnings=False)
+    with pytest.raises(ConfigError, match="environment.name=.nope. is not known; known: lookup, python"):
+        check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("environment.name=nope",)),
+                         hf, world_size=2, log_warnings=False)

@@ -27,6 +27,7 @@ from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import compact_dtype
 from rlpo_mega.checkpoint.distopt import dp_shares
+from rlpo_mega.config import response_budget
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
@@ -259,7 +260,8 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
         # (launch/rlpo_sglang_hooks.py) gathers one tensor at a time: TP shards, their concatenation
         "sync bucket": cfg.rollout.sync_bucket_mb << 20, "digest": 2 * largest_tensor,
         "runtime": int(SGLANG_RUNTIME_GB * GB)})
-    need = in_flight * (prompt_tokens + cfg.rollout.max_new_tokens)
+    longest = prompt_tokens + response_budget(cfg)[0]  # a request at its longest (an episode's last turn)
+    need = in_flight * longest
     row.info.update({"KV tokens": pool // kv_per_token, "tokens in flight (worst)": need,
                      "requests in flight": in_flight})
     if pool == 0:
@@ -270,9 +272,9 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
     if need > pool // kv_per_token:
         row.notes.append(f"the requests in flight need {need} KV tokens at their longest, the pool holds "
                          f"{pool // kv_per_token}: SGLang queues or retracts the rest (slower, not an error)")
-    if pool and not pool // kv_per_token >= prompt_tokens + cfg.rollout.max_new_tokens:
+    if pool and not pool // kv_per_token >= longest:
         row.problem = (f"the KV pool ({pool // kv_per_token} tokens) cannot hold one request of "
-                       f"{prompt_tokens + cfg.rollout.max_new_tokens} tokens: raise rollout.sglang.tp_size")
+                       f"{longest} tokens: raise rollout.sglang.tp_size")
     return [row]
 
 
@@ -373,7 +375,7 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
             topk = memory.Shape.of(hf, 1, 1).topk
             routes = cfg.routing.mode != "off"
             per_token = 16 + (moe_layers * topk * (1 if _num_experts(hf) <= 256 else 2) if routes else 0)
-            answer = (prompt_tokens + cfg.rollout.max_new_tokens) * hf.num_hidden_layers * topk * (16 // 3 + 4 + 2)
+            answer = (prompt_tokens + response_budget(cfg)[0]) * hf.num_hidden_layers * topk * (16 // 3 + 4 + 2)
             decoding = cfg.rollout.sglang.decode_concurrency * answer if cfg.rollout.engine == "sglang" and routes else 0
             # dynamic sampling (data.sampling.GroupCollector): a chunk of oversample x the share in flight, and
             # up to max_carry_steps chunks' surplus groups carried
@@ -461,7 +463,7 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     if cfg.rollout.engine == "sglang":
         planned_servers(cfg)  # refused before the meta build
     batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
-    drawn = response_lengths(lengths, cfg.rollout.max_new_tokens, batch, steps, seed)
+    drawn = response_lengths(lengths, response_budget(cfg)[0], batch, steps, seed)
     engine_ranks = ENGINES.get(cfg.rollout.engine).ranks(cfg, world_size)
     summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens, drivers=len(engine_ranks))
     built = meta_run(_request(cfg, layout, value_head=False))

@@ -43,7 +43,7 @@ from rlpo_mega import distributed, platform
 from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS, sequence_advantages
 from rlpo_mega.checkpoint import run as ckpt_state
 from rlpo_mega.checkpoint.files import HF_FILES
-from rlpo_mega.config import ConfigError, to_dict, unknown_choice
+from rlpo_mega.config import ConfigError, response_budget, to_dict, unknown_choice
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data import PromptSampler, load_prompts
 from rlpo_mega.errors import EXIT_STOPPED
@@ -91,11 +91,9 @@ class Trainer:
         # DataError naming file and line, not a failure after minutes of set-up)
         self.tokenizer = load_tokenizer(cfg)
         self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
-        # a multi-turn episode's whole response (turns and observations) follows its prompt in the context
-        budget = cfg.environment.max_tokens if cfg.environment.name else cfg.rollout.max_new_tokens
-        self.sampler.check_lengths(budget, getattr(self.hf, "max_position_embeddings", None),
-                                   f"prompts.path={cfg.prompts.path}",
-                                   "environment.max_tokens" if cfg.environment.name else "rollout.max_new_tokens")
+        longest, key = response_budget(cfg)  # with multi-turn episodes, the whole episode follows the prompt
+        self.sampler.check_lengths(longest, getattr(self.hf, "max_position_embeddings", None),
+                                   f"prompts.path={cfg.prompts.path}", key)
         self.records = {key: load_prompts(path, "auto", cfg.prompts.prompt_key, cfg.prompts.answer_key)
                         for key, path, used in (("warmup", cfg.trainer.warmup.path, cfg.trainer.warmup.steps > 0),
                                                 ("eval", cfg.trainer.eval_path, cfg.trainer.eval_every > 0))
