@@ -39,7 +39,7 @@ venv-sglang:
 # pytest 4262 s against 4760 s in one process). TEST_WORKERS=0: one process, as before. Most of a launch's CPU
 # was imports: tests/dist.py forks the ranks from a launcher that imported them once (tests/warm_launch.py;
 # pytest 2947 s, 787 passed). Files that share launches (tests/layout_runs.py, distopt_launch) run on one worker
-# (tests/conftest.py, SHARED_LAUNCHES).
+# (tests/conftest.py, SHARED_LAUNCHES; pytest 2424 s, 808 passed).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	PYTHON=$(PYTHON) bash tests/sglang_support/build_env.sh > .venv-sglang.build.log 2>&1 & \
