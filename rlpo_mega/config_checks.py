@@ -384,9 +384,6 @@ def _check_counts(cfg, warns: list[str]):
         if ds.enabled:
             raise ConfigError("multi-turn episodes (environment.name) do not take algorithm.dynamic_sampling yet: "
                               "set algorithm.dynamic_sampling.enabled=false")
-        if cfg.rollout.producer != "sync":
-            raise ConfigError(f"multi-turn episodes (environment.name) run under rollout.producer=sync only, for now; "
-                              f"got {cfg.rollout.producer}")
     if cfg.rollout.client_switch_interval is not None and not cfg.rollout.client_switch_interval > 0:
         raise ConfigError(f"rollout.client_switch_interval={cfg.rollout.client_switch_interval} must be > 0 seconds "
                           "(or null: Python's own)")

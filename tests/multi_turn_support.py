@@ -52,15 +52,20 @@ class ScriptedEngine:
     """RolloutEngine.stream's protocol with scripted answers: turn(prompt) -> the tokens to 'sample'. Routes and
     log-probs are made up per call, distinct for every (call, position), and recorded (`calls`)."""
 
-    def __init__(self, turn, layers=2, topk=2):
+    def __init__(self, turn, layers=2, topk=2, abort_at=None):
         self.turn, self.layers, self.topk, self.calls = turn, layers, topk, []
+        self.abort_at = abort_at or {}  # call index -> tokens after which that call's answers are aborted
+        self.budgets = []  # per call: the max_new_tokens asked for
 
     def stream(self, prompts, params, n=1, request_ids=None, max_new_tokens=None):
         assert n == 1
+        self.budgets.append(list(max_new_tokens))
         for i, p in enumerate(prompts):
             toks = list(self.turn(list(p)))[:max_new_tokens[i]]
             finish = "stop" if toks and toks[-1] in params.stop_token_ids else "length"
             k = len(self.calls)
+            if k in self.abort_at:  # a weight update's abort: the tokens so far
+                toks, finish = toks[:self.abort_at[k]], "abort"
             rows = len(p) + len(toks) - 1
             routes = (torch.arange(rows, dtype=torch.int32)[:, None, None] + 1000 * (k + 1)).expand(
                 rows, self.layers, self.topk).contiguous()

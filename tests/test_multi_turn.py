@@ -100,6 +100,51 @@ def test_routes_and_logprobs_are_stitched_from_the_turn_that_sampled_each_token(
         assert not s.logprobs[a:a + c].any()
 
 
+def test_a_turn_interrupted_by_a_weight_update_continues_on_the_new_version():
+    """The asynchronous producer's pause aborts a running turn: the tokens it has are kept (log-probs, routes,
+    tagged with the version that sampled them) and the next call, on the new version, continues the same turn from
+    the episode's tokens with the rest of the turn's budget; the environment sees the whole turn once."""
+    from rlpo_mega.environments import EnvRunner as Runner
+    from rlpo_mega.rollout.episode import EpisodeBatch
+    from rlpo_mega.rollout.partial import span_versions
+
+    tok = _tok("tiny_chatml")
+    conv = _conversation(False)
+    fmt = TurnFormat(tok, (tok.eos_token_id,))
+    full = fmt.render(conv, False)
+    # the model 'samples' the conversation: from any prefix of it, the rest of the assistant turn in progress
+    engine = ScriptedEngine(lambda p: full[len(p):full.index(fmt.end_id, len(p)) + 1], abort_at={1: 2})
+    cfg = EnvironmentConfig(name="test_script", options={"observations": ["v=4", "v=9"]})
+    prompt = fmt.render(conv[:1], True)
+    batch = EpisodeBatch([(prompt, PromptRecord(0, "k7?", None))], 1, Runner(cfg), fmt, EpisodeLimits(4, 400), tok)
+    params = SamplingParams(max_new_tokens=64, stop_token_ids=(tok.eos_token_id,))
+    out, version, turns_seen = [], 0, []
+    env = batch.eps[0].env
+    step = env.step
+    env.step = lambda action: (turns_seen.append(action.text), step(action))[1]
+    while not batch.done:
+        out += batch.call(engine, params, version=version)
+        version += 1  # a weight update after every call
+    s = out[0][1][0]
+    ids = list(s.prompt_ids) + list(s.response_ids)
+    assert ids == full[:len(ids)] and s.episode[0] == 3 and s.meta["parts"] == 2
+    assert turns_seen == ["look k7", "look v4", "=9"]  # turn 2 (calls 1 and 2) seen whole, once
+    assert engine.budgets[2] == [64 - 2]  # the rest of the interrupted turn's budget
+    # per token: the version of the call that sampled it; an observation its turn's
+    calls_of = [c for c in engine.calls]
+    want = []
+    for a, c in zip(range(len(calls_of)), calls_of):
+        want += [a] * len(c.tokens)
+        obs = [n for start, n in s.obs_spans if start == len(want)]
+        want += [a] * (obs[0] if obs else 0)
+    assert span_versions(s.meta["versions"]).tolist() == want
+    # routes: the interrupted part's rows are its call's, the continuation's from its last token on
+    P1 = len(engine.calls[1].prompt)
+    assert torch.equal(s.routes[P1 - 1:P1 + 1], engine.calls[1].routes[P1 - 1:P1 + 1])
+    assert torch.equal(s.routes[P1 + 1:P1 + 1 + len(engine.calls[2].tokens)],
+                       engine.calls[2].routes[P1 + 1:P1 + 1 + len(engine.calls[2].tokens)])
+
+
 def test_template_refusals():
     tok = _tok("tiny_chatml")
     with pytest.raises(DataError, match="does not close an assistant turn with a stop token"):
@@ -200,7 +245,7 @@ def trainer_runs(tmp_path_factory):
             f.write(json.dumps({"prompt": f"k{i}?", "answer": "go"}) + "\n")
     out = tmp_path_factory.mktemp("mt_out")
     one = torchrun("multi_turn.py", 1, str(out), str(data), "ep1", timeout=600)
-    two = torchrun("multi_turn.py", 2, str(out), str(data), "ep2", "tp2", timeout=900)
+    two = torchrun("multi_turn.py", 2, str(out), str(data), "ep2", "async0", "tp2", "async1", timeout=1200)
     return {**one, **two}
 
 
@@ -221,6 +266,32 @@ def test_trainer_on_episodes_learner_logprobs_equal_the_engines(trainer_runs, la
         assert h["routing/agreement/mean"] == 1.0
     outside, inside_nonzero, inside = r["grad"]
     assert outside == 0.0 and inside > 0 and inside_nonzero == inside
+
+
+def test_episodes_under_the_async_producer(trainer_runs):
+    """rollout.producer=async on episodes. At max_staleness 0 it trains exactly the synchronous run's episodes
+    (tokens, log-probs, routes) with the same losses. At max_staleness 1 with partial rollout and a slow engine,
+    weight syncs land while the next step's episodes run; every trained episode is checked against the engine's
+    own record: its model tokens are the answers of the calls that continued from exactly the episode's tokens
+    (turns interrupted mid-way continued on the new version), each token's version is its call's, every routing
+    row the one of the call that sampled the next model token, no answer used twice."""
+    sync, a0 = trainer_runs["ep2"], trainer_runs["async0"]
+    for rank in a0["same_as_ep2"]:
+        assert rank["samples"] == 8 and rank["differences"] == [], rank
+    for h, g in zip([h for h in sync["history"] if "reward/mean" in h], [h for h in a0["history"] if "reward/mean" in h]):
+        diff = {k: (h[k], g.get(k)) for k in h if k != "time" and not k.startswith(("time/", "perf/", "async/", "throughput/"))
+                and h[k] != g.get(k)}
+        assert not diff, diff
+    a1 = trainer_runs["async1"]
+    assert a1["rc"] == 0
+    steps = [h for h in a1["history"] if "reward/mean" in h]
+    assert [h["step"] for h in steps] == [1, 2, 3, 4]
+    for rank in a1["checks"]:
+        assert rank["problems"] == [] and rank["samples"] == 16 and rank["obs_tokens"] > 0 and rank["rows"] > 500, rank
+    assert sum(rank["continued"] for rank in a1["checks"]) > 0  # a sync did interrupt a turn, continued after it
+    for h in steps[1:]:
+        assert h["async/staleness_max"] == 1 and h["async/stale_dropped_groups"] == 0, h
+        assert h["episode/turns_mean"] > 1.5, h
 
 
 def test_python_tool_runs_code_in_a_sandbox_with_limits():
@@ -297,9 +368,8 @@ def test_the_episode_budget_is_what_the_context_and_the_micro_batches_must_hold(
     with pytest.raises(ConfigError, match=r"at least environment.max_tokens \+ a prompt token = 33"):
         check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"),
                                      ("trainer.max_tokens_per_micro_batch=20",)), hf, world_size=2, log_warnings=False)
-    with pytest.raises(ConfigError, match="run under rollout.producer=sync only"):
-        check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("rollout.producer=async",)),
-                         hf, world_size=2, log_warnings=False)
+    check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("rollout.producer=async", "trainer.max_staleness=1")),
+                     hf, world_size=2, log_warnings=False)
     with pytest.raises(ConfigError, match="environment.name=.nope. is not known; known: lookup, python"):
         check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("environment.name=nope",)),
                          hf, world_size=2, log_warnings=False)

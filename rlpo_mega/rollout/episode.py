@@ -33,6 +33,7 @@ import torch
 from rlpo_mega.data.dataset import DataError
 from rlpo_mega.environments import Action
 from rlpo_mega.rollout.base import EngineError, Sample
+from rlpo_mega.rollout.partial import merge_spans, continuable, tag, versions_of
 
 ANCHOR = ({"role": "user", "content": "?"}, {"role": "assistant", "content": "."})
 
@@ -82,6 +83,8 @@ class Episode:
     routes: Optional[torch.Tensor] = None  # [prompt + model-turn end - 1, layers, topk]
     has_routes: bool = False
     obs_spans: list[tuple[int, int]] = field(default_factory=list)
+    versions: list[tuple[int, int]] = field(default_factory=list)  # per response token: the policy version spans
+    turn_start: int = 0  # where the model turn in progress began in `response` (an interrupted turn continues)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -97,13 +100,23 @@ class Episode:
         """What the engine continues from."""
         return self.prompt_ids + self.response
 
-    def add_turn(self, answer: Sample) -> list[int]:
-        """Append the engine's answer to `ids` (tokens, log-probs, routes); returns the turn's tokens."""
+    def budget(self, max_new_tokens: int, max_tokens: int) -> int:
+        """Tokens the next call may sample: the rest of the turn's budget, within the episode's."""
+        return min(max_new_tokens - (len(self.response) - self.turn_start), max_tokens - len(self.response))
+
+    def add_answer(self, answer: Sample) -> Optional[list[int]]:
+        """Append the engine's answer to `ids` (tokens, log-probs, routes, its versions when tagged). Returns the
+        whole turn's tokens once the turn has ended; None while it is open: an answer aborted by a weight update
+        (rollout/partial.py), continued from the episode's ids by the next call, or dropped when it cannot be
+        continued (no tokens, or no routes for them: that piece is sampled again)."""
         new = [int(t) for t in answer.response_ids]
         if list(answer.prompt_ids) != self.ids:
             raise EngineError(f"episode {self.prompt_index}: the engine answered another prompt than the episode's "
                               "tokens")
-        if self.turns and (answer.routes is None) != (self.routes is None):
+        aborted = answer.finish_reason == "abort"
+        if aborted and not continuable(answer):
+            return None
+        if self.has_routes != (answer.routes is not None) and (self.turns or self.response):
             raise EngineError(f"episode {self.prompt_index}: the engine returned routed experts for one turn and not "
                               "for another")
         if answer.routes is not None:
@@ -116,25 +129,34 @@ class Episode:
             self.has_routes = True
         self.response += new
         self.logprobs.append(answer.logprobs.float())
-        self.turns += 1
+        self.versions += versions_of(answer)
         for k in ("weight_version", "server"):
             if k in answer.meta:
                 self.meta[k] = answer.meta[k]
-        return new
+        if aborted:
+            self.meta["parts"] = self.meta.get("parts", 1) + 1
+            return None
+        self.turns += 1
+        return self.response[self.turn_start:]
 
     def add_observation(self, ids: list[int]) -> None:
         if ids:
             self.obs_spans.append((len(self.response), len(ids)))
             self.response += ids
             self.logprobs.append(torch.zeros(len(ids)))
+            if self.versions:  # an observation belongs to the version of the turn it answers (never in the loss)
+                self.versions.append((self.versions[-1][0], len(ids)))
+        self.turn_start = len(self.response)
 
     def sample(self) -> Sample:
-        s = Sample(list(self.prompt_ids), list(self.response), torch.cat(self.logprobs) if self.logprobs else
-                   torch.zeros(0), self.finish or "stop", routes=self.routes, prompt_index=self.prompt_index,
-                   meta={**self.meta, "turns": self.turns}, reward=self.reward, failed=self.failed,
-                   correct=self.correct, obs_spans=tuple(self.obs_spans),
-                   episode=(self.turns, self.tool_calls, self.tool_errors, self.useful_tool_calls))
-        return s
+        meta = {**self.meta, "turns": self.turns}
+        if self.versions:
+            meta["versions"] = merge_spans(self.versions)
+        return Sample(list(self.prompt_ids), list(self.response), torch.cat(self.logprobs) if self.logprobs else
+                      torch.zeros(0), self.finish or "stop", routes=self.routes, prompt_index=self.prompt_index,
+                      meta=meta, reward=self.reward, failed=self.failed, correct=self.correct,
+                      obs_spans=tuple(self.obs_spans),
+                      episode=(self.turns, self.tool_calls, self.tool_errors, self.useful_tool_calls))
 
 
 @dataclass(frozen=True)
@@ -143,53 +165,98 @@ class EpisodeLimits:
     max_tokens: int  # response tokens (the model's and the observations') per episode
 
 
+class EpisodeBatch:
+    """n episodes per prompt item, advanced one engine call at a time (`call`): every live episode's next turn,
+    or the rest of a turn a weight update interrupted, each with its own token budget; then, at once on the
+    runner's threads, the environment steps of the turns that ended. items: (prompt ids, prompt record) pairs.
+    The synchronous producer calls it until done (`run_episodes`); the asynchronous one call by call, each on
+    the engine's current policy version, pausing between calls for weight updates."""
+
+    def __init__(self, items: Sequence, n: int, runner, fmt: TurnFormat, limits: EpisodeLimits, tokenizer):
+        self.n, self.runner, self.fmt, self.limits, self.tokenizer = n, runner, fmt, limits, tokenizer
+        self.eps = [Episode([int(t) for t in ids], i, runner.make(record)) for i, (ids, record) in enumerate(items)
+                    for _ in range(n)]
+        self.open_groups = set(range(len(items)))
+        self.calls = 0
+        self.progressed = True  # the last call appended tokens or ended a turn
+        self.confirmed = 0  # answers whose weight version the engine itself named (checked: partial.tag)
+
+    @property
+    def done(self) -> bool:
+        return not self.open_groups
+
+    def call(self, engine, params, version: Optional[int] = None, interrupt=None) -> list[tuple[int, list[Sample]]]:
+        """One engine call for every live episode; returns (item index, its n episodes as samples) for each group
+        whose episodes have all ended. version: the policy version the engine holds (each answer tagged with it,
+        rollout/partial.tag). interrupt(): a message for the engine's stream after each answer ("stop_sending"
+        when a weight update waits: the episodes not answered, or answered "abort", continue at the next call)."""
+        live = [e for e in self.eps if e.finish is None]
+        budgets = [e.budget(params.max_new_tokens, self.limits.max_tokens) for e in live]
+        answers: list = [None] * len(live)
+        gen = engine.stream([e.ids for e in live], params, n=1, max_new_tokens=budgets)
+        self.calls += 1
+        try:
+            msg = None
+            while True:
+                try:
+                    i, got = gen.send(msg)
+                except StopIteration:
+                    break
+                answers[i] = got[0] if version is None else tag(got[0], version)
+                self.confirmed += got[0].meta.get("weight_version") is not None
+                msg = interrupt() if interrupt is not None else None
+        finally:
+            gen.close()
+        ended, actions, before = [], [], sum(len(e.response) for e in live)
+        for e, a in zip(live, answers):
+            turn = None if a is None else e.add_answer(a)
+            if turn is not None:
+                ended.append((e, a))
+                actions.append(Action(tuple(turn), self.tokenizer.decode(turn, skip_special_tokens=True), e.turns - 1))
+        self.progressed = bool(actions) or sum(len(e.response) for e in live) > before
+        if actions:
+            for (e, a), (fb, why) in zip(ended, self.runner.step([e.env for e, _ in ended], actions)):
+                _settle(e, a, fb, why, self.runner.cfg.failure_reward, self.fmt, self.limits)
+        out = []
+        for i in sorted(self.open_groups):
+            group = self.eps[i * self.n:(i + 1) * self.n]
+            if all(e.finish is not None for e in group):
+                self.open_groups.discard(i)
+                for e in group:
+                    e.env.close()
+                out.append((i, [e.sample() for e in group]))
+        return out
+
+    def close(self) -> None:
+        """Close the environments of the episodes still running (an abandoned batch)."""
+        for e in self.eps:
+            if e.finish is None:
+                e.finish = "abort"
+                e.env.close()
+
+
 def _turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
     return None if seed is None else (seed * 1000003 + turn) % (1 << 62)
+
+
+def with_call_seed(params, call: int):
+    """The sampling seed of an episode batch's `call`-th engine call (each call its own stream)."""
+    return replace(params, seed=_turn_seed(params.seed, call))
 
 
 def run_episodes(engine, items: Sequence, n: int, params, runner, fmt: TurnFormat, limits: EpisodeLimits,
                  tokenizer):
     """Yields (item index, its n episodes as samples) as each group's episodes end, in any order (the protocol of
     RolloutEngine.stream without `send`). items: (prompt ids, prompt record) pairs. The episodes' turns run in
-    lockstep: one engine call for every live episode's next turn (each with its own token budget), then every
-    environment step at once on the runner's threads."""
-    eps = [Episode([int(t) for t in ids], i, runner.make(record)) for i, (ids, record) in enumerate(items)
-           for _ in range(n)]
-    open_groups = set(range(len(items)))
+    lockstep: one engine call for every live episode's next turn (EpisodeBatch.call)."""
+    batch = EpisodeBatch(items, n, runner, fmt, limits, tokenizer)
     try:
-        turn = 0
-        while open_groups:
-            live = [e for e in eps if e.finish is None]
-            budgets = [min(params.max_new_tokens, limits.max_tokens - len(e.response)) for e in live]
-            answers: list = [None] * len(live)
-            gen = engine.stream([e.ids for e in live], _with_seed(params, turn), n=1, max_new_tokens=budgets)
-            try:
-                for i, got in gen:
-                    answers[i] = got[0]
-            finally:
-                gen.close()
-            actions = []
-            for e, a in zip(live, answers):
-                new = e.add_turn(a)
-                actions.append(Action(tuple(new), tokenizer.decode(new, skip_special_tokens=True), e.turns - 1))
-            for e, a, (fb, why) in zip(live, answers, runner.step([e.env for e in live], actions)):
-                _settle(e, a, fb, why, runner.cfg.failure_reward, fmt, limits)
-            for i in sorted(open_groups):
-                group = eps[i * n:(i + 1) * n]
-                if all(e.finish is not None for e in group):
-                    open_groups.discard(i)
-                    for e in group:
-                        e.env.close()
-                    yield i, [e.sample() for e in group]
-            turn += 1
+        while not batch.done:
+            yield from batch.call(engine, with_call_seed(params, batch.calls))
+            if not batch.progressed:  # nothing interrupts this loop: an engine that aborts every request by itself
+                raise EngineError("the engine aborted every request of an episode turn before it sampled a token")
     finally:
-        for e in eps:
-            if e.finish is None:
-                e.env.close()
-
-
-def _with_seed(params, turn: int):
-    return replace(params, seed=_turn_seed(params.seed, turn))
+        batch.close()
 
 
 def _settle(e: Episode, answer: Sample, fb, why: str, failure_reward: float, fmt: TurnFormat,
@@ -206,7 +273,7 @@ def _settle(e: Episode, answer: Sample, fb, why: str, failure_reward: float, fmt
     e.correct = bool(fb.correct)
     if fb.done:
         e.finish = answer.finish_reason
-    elif answer.finish_reason != "stop":  # the turn's budget ran out (or it was aborted): truncated
+    elif answer.finish_reason != "stop":  # the turn's budget ran out: truncated
         e.finish = answer.finish_reason
     elif not answer.response_ids or int(answer.response_ids[-1]) != fmt.end_id:
         e.finish = "stop"  # another stop token (e.g. an end-of-text): the model ended the episode itself

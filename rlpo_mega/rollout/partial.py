@@ -86,7 +86,7 @@ def join(part: Sample, cont: Sample, max_new_tokens: int, stop_token_ids=()) -> 
     if end > max_new_tokens:
         end, finish = max_new_tokens, "length"
     ids, lps = ids[:end], lps[:end]
-    spans = _merged(_cut(spans, end))
+    spans = merge_spans(_cut(spans, end))
     if (part.routes is None) != (cont.routes is None):
         raise EngineError(f"a continued sample (prompt {part.prompt_index}) has routes in one part only: the engine "
                           "returned routed experts for one request and not for the other")
@@ -100,7 +100,7 @@ def join(part: Sample, cont: Sample, max_new_tokens: int, stop_token_ids=()) -> 
                    has_routes=routes is not None, replaced=None)
 
 
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_spans(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for v, c in spans:
         if out and out[-1][0] == v:

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.rollout import RolloutInterrupted, Sample
+from rlpo_mega.rollout.episode import EpisodeBatch, with_call_seed
 from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, tag, versions_of
 from rlpo_mega.training.collect import PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, sampling_params, score, share
 from rlpo_mega.training.exchange import gather_scalars
@@ -78,6 +79,7 @@ class _Job:
     restarted: int = 0  # samples generated again from their prompt after an interruption
     generate_s: float = 0.0
     confirmed: int = 0  # answers whose weight version the engine itself named (checked: partial.tag)
+    batch: Optional[EpisodeBatch] = None  # multi-turn: the job's episodes, advanced one engine call per round
 
     def __post_init__(self):
         self.groups = [[None] * self.n for _ in self.items]
@@ -95,8 +97,9 @@ class RolloutWorker:
     """The generation thread of one engine rank: runs the planned jobs' engine calls (rounds) in step order,
     each on the engine's current version, while allowed (`lag`), and not while paused."""
 
-    def __init__(self, cfg, engines, scorer, tokenizer, lag: int):
+    def __init__(self, cfg, engines, scorer, tokenizer, lag: int, episodes=None):
         self.cfg, self.engines, self.scorer, self.tokenizer, self.lag = cfg, engines, scorer, tokenizer, lag
+        self.episodes = episodes  # training.collect.Episodes: multi-turn (environment.name), else None
         self.cond = threading.Condition()
         self.jobs: dict[int, _Job] = {}
         self.version: Optional[int] = None  # the weights the engine holds (None before the first sync)
@@ -138,7 +141,10 @@ class RolloutWorker:
 
     def drop(self, step: int) -> Optional[_Job]:
         with self.cond:
-            return self.jobs.pop(step, None)
+            job = self.jobs.pop(step, None)
+        if job is not None and job.batch is not None:
+            job.batch.close()
+        return job
 
     @contextlib.contextmanager
     def paused(self, version: Optional[int] = None, clear_error: bool = False, abort: bool = True):
@@ -195,6 +201,10 @@ class RolloutWorker:
         self._quiesce()
         if self.thread is not None:
             self.thread.join(timeout=60)
+        with self.cond:
+            batches = [j.batch for j in self.jobs.values() if j.batch is not None]
+        for b in batches:
+            b.close()
         if self.switch_interval is not None:
             sys.setswitchinterval(self.switch_interval)
             self.switch_interval = None
@@ -231,6 +241,8 @@ class RolloutWorker:
     def _round(self, job: _Job, version: int):
         """One engine call for `job` on `version`: its fresh groups (the first), else every unfinished sample
         (continued from its part, or from its prompt); stops early when a pause is asked for."""
+        if self.episodes is not None:
+            return self._episode_round(job, version)
         engine, t0 = self.engines.slot.engine, time.perf_counter()
         if job.rounds == 0:
             slots = [[(i, j) for j in range(job.n)] for i in range(len(job.items))]
@@ -265,6 +277,29 @@ class RolloutWorker:
             gen.close()
             job.generate_s += time.perf_counter() - t0
 
+    def _episode_round(self, job: _Job, version: int):
+        """Multi-turn: one engine call for the job's live episodes on `version` (each one's next turn, or the rest
+        of the turn a pause interrupted), then their environment steps; a pause stops the sending. An episode's
+        turns may so be sampled by successive versions, each token tagged with its own."""
+        engine, t0 = self.engines.slot.engine, time.perf_counter()
+        if job.batch is None:
+            job.batch = self.episodes.batch(job.items, job.n)
+        params = with_call_seed(sampling_params(self.cfg, self.tokenizer, job.seed), job.batch.calls)
+        job.rounds += 1
+
+        def interrupt():
+            with self.cond:
+                return "stop_sending" if (self.pausing or self.closing) else None
+
+        try:
+            for i, group in job.batch.call(engine, params, version, interrupt):
+                job.groups[i] = group
+                job.continued += sum(s.meta.get("parts", 1) > 1 for s in group)
+                self._score(job, i)
+        finally:
+            job.confirmed = job.batch.confirmed
+            job.generate_s += time.perf_counter() - t0
+
     def _settle(self, job: _Job, key, answer: Sample):
         prev = job.parts.pop(key, None)
         if prev is not None:
@@ -281,9 +316,12 @@ class RolloutWorker:
 
     def _score(self, job: _Job, i: int):
         group = job.groups[i]
-        score([job.items[i]] * len(group), group, self.scorer, self.tokenizer)
+        if self.episodes is None:  # an episode's reward is its environment's
+            score([job.items[i]] * len(group), group, self.scorer, self.tokenizer)
         for s in group:
             spans = versions_of(s)
+            if not spans:  # no token (an episode ended by its environment's failure before it sampled one)
+                continue
             s.version_min = min(v for v, _ in spans)
             s.meta["policy_version"] = spans[-1][0]
             if self.mask:
@@ -301,7 +339,8 @@ class AsyncProducer(RolloutProducer):
         super().__init__(cfg, sampler, rollouts, divisor)
         self.lag = cfg.trainer.max_staleness
         self.engines = rollouts.engines
-        self.worker = RolloutWorker(cfg, self.engines, rollouts.scorer, rollouts.tokenizer, self.lag)
+        self.worker = RolloutWorker(cfg, self.engines, rollouts.scorer, rollouts.tokenizer, self.lag,
+                                    rollouts.episodes)
         self.planned = None  # the last step whose prompts are drawn
         self.engines.guard.quiesce.append(lambda: self.worker.paused(clear_error=True))
 

@@ -30,7 +30,7 @@ from rlpo_mega.environments import EnvRunner
 from rlpo_mega.rewards import RewardInput
 from rlpo_mega.rollout import Sample, SamplingParams
 from rlpo_mega.rollout.base import share_of
-from rlpo_mega.rollout.episode import EpisodeLimits, TurnFormat, run_episodes
+from rlpo_mega.rollout.episode import EpisodeBatch, EpisodeLimits, TurnFormat, run_episodes
 from rlpo_mega.training.exchange import gather_scalars
 
 log = logging.getLogger("rlpo_mega")
@@ -139,6 +139,11 @@ class Episodes:
         self.fmt = TurnFormat(tokenizer, sampling_params(cfg, tokenizer, 0).stop_token_ids)
         self.limits = EpisodeLimits(e.max_turns, e.max_tokens)
         self.tokenizer = tokenizer
+
+    def batch(self, items, n: int) -> EpisodeBatch:
+        """n episodes per item, advanced call by call (the asynchronous producer)."""
+        return EpisodeBatch([(it.input_ids, it.record) for it in items], n, self.runner, self.fmt, self.limits,
+                            self.tokenizer)
 
     def stream(self, engine, items, params: SamplingParams, n: int):
         return run_episodes(engine, [(it.input_ids, it.record) for it in items], n, params, self.runner, self.fmt,

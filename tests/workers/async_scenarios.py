@@ -24,8 +24,9 @@ ASYNC = ("rollout.producer=async", "rollout.engine=test_recorded")
 SLOW = "0.12"  # seconds per forward of the rollout: a step's generation outlasts the learner's step
 
 
-def _recording(trained: dict):
-    """Wrap both producers' collect: per step, this rank's own trained samples (payload and all)."""
+def _recording(trained: dict, extra=lambda s: {}):
+    """Wrap both producers' collect: per step, this rank's own trained samples (payload and all; `extra(sample)`:
+    more fields)."""
     originals = {SyncProducer: SyncProducer.collect, AsyncProducer: AsyncProducer.collect}
 
     def wrap(cls):
@@ -34,7 +35,7 @@ def _recording(trained: dict):
             trained[step] = [{"prompt": [int(t) for t in s.prompt_ids], "response": list(map(int, s.response_ids)),
                               "logprobs": s.logprobs.clone(), "versions": versions_of(s),
                               "routes": None if s.routes is None else s.routes.to(torch.int32).clone(),
-                              "version_min": s.version_min, "masked_prefix": s.masked_prefix}
+                              "version_min": s.version_min, "masked_prefix": s.masked_prefix, **extra(s)}
                              for s in groups.samples if s.prompt_ids is not None]
             return groups
         return collect

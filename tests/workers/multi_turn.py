@@ -1,10 +1,15 @@
 """Multi-turn episodes through the real trainer (embedded engine, fp32, R3), several layouts in one launch.
 
-argv: out_dir data_dir layout... (layouts: "ep1", "ep2", "tp2"). A short supervised warm-up teaches the random
-tiny model to answer and close its turn (so episodes go on for several turns), then 2 RL steps of episodes with
-the scripted tool environment. The policy objective is wrapped (test only) to record the gradient that reaches
-the new log-probs outside the loss mask (the observation, template, prompt and padding positions).
-Rank 0 writes {layout: {"rc", "history", "grad"}}.
+argv: out_dir data_dir layout... (layouts: "ep1", "ep2", "tp2", "async0", "async1"). A short supervised warm-up
+teaches the random tiny model to answer and close its turn (so episodes go on for several turns), then RL steps of
+episodes with the scripted tool environment. The policy objective is wrapped (test only) to record the gradient
+that reaches the new log-probs outside the loss mask (the observation, template, prompt and padding positions).
+
+The rollout engine is test_recorded (tests/workers/train_hooks.py: the embedded engine keeping its own record of
+every call), and each run's trained samples are recorded: "async0" (rollout.producer=async, max_staleness 0) must
+train exactly "ep2"'s samples (run it after ep2); "async1" (max_staleness 1, partial rollout, a slow engine so
+that syncs land mid-turn) is checked against the engine's record, episode-aware (`_check_episodes`).
+Rank 0 writes {layout: {"rc", "history", "grad", ...}}.
 """
 import json
 import os
@@ -13,11 +18,14 @@ import sys
 import torch
 import torch.distributed as dist
 
-import tests.multi_turn_support  # noqa: F401  (registers the test_script environment)
+import tests.workers.train_hooks as hooks
 from rlpo_mega.config import load_config
+from rlpo_mega.rollout.partial import span_versions
 from rlpo_mega.training import update
 from rlpo_mega.training.trainer import train
 from tests.dist import write_report
+from tests.multi_turn_support import ScriptEnv
+from tests.workers.async_scenarios import _fresh_record, _gathered, _recording, _restore, _same
 
 GRAD = {"outside_max": 0.0, "inside_nonzero": 0, "inside": 0}
 _objective = update.policy_objective
@@ -38,8 +46,77 @@ def _recording_objective(logp, batch, *args, **kw):
 
 update.policy_objective = _recording_objective
 
+ASYNC = ("parallel.expert=2", "rollout.producer=async")
 LAYOUTS = {"ep1": ("parallel.expert=1",), "ep2": ("parallel.expert=2",),
-           "tp2": ("parallel.expert=1", "parallel.tensor=2")}
+           "tp2": ("parallel.expert=1", "parallel.tensor=2"),
+           "async0": (*ASYNC, "trainer.max_staleness=0"),
+           "async1": (*ASYNC, "trainer.max_staleness=1", "rollout.partial_rollout=true", "train_iters=4")}
+SLOW = "0.05"  # seconds per forward of the rollout (async1): a step's episodes outlast the learner's step
+TRAINED: dict = {}  # layout -> this rank's trained samples per step
+
+
+def _check_episodes(trained: dict) -> dict:
+    """Every trained episode of this rank against the engine's record. Its model tokens (outside obs_spans) are,
+    region by region, the answers of the calls that continued from exactly the tokens before them (a turn
+    interrupted by a sync: several calls), with their log-probs; each token's version is its call's weights' (an
+    observation: its turn's); routing row t is the one of the call that sampled the next model token at or after
+    t + 1 (the prompt's and an observation's rows: the next turn's prefill); no answer is used twice."""
+    record, syncs = hooks.RecordedEngine.record, hooks.RecordedEngine.syncs
+    version = {}
+    for v, d in enumerate(syncs):
+        version.setdefault(d, v)
+    used, problems, continued, rows, versions_seen = set(), [], 0, 0, set()
+    for step, samples in trained.items():
+        for i, s in enumerate(samples):
+            P, resp, lps = s["prompt"], s["response"], s["logprobs"]
+            obs = {a: c for a, c in s["obs_spans"]}
+            owner, want_v, pos, segs = [None] * len(resp), [], 0, 0
+            while pos < len(resp):
+                if pos in obs:
+                    want_v += [want_v[-1]] * obs[pos]
+                    pos += obs[pos]
+                    continue
+                end = min([a for a in obs if a > pos] + [len(resp)])
+                found = None
+                for c, call in enumerate(record):
+                    for k, (r, lp, _, _) in enumerate(call["out"]):
+                        m = min(len(r), end - pos)
+                        if (c, k) not in used and r and call["prompts"][k // call["n"]] == P + resp[:pos] \
+                                and r[:m] == resp[pos:pos + m] and torch.equal(lp[:m], lps[pos:pos + m]):
+                            found = (c, k, m)
+                            break
+                    if found:
+                        break
+                if found is None:
+                    problems.append(f"step {step} sample {i}: tokens from {pos} are no recorded answer to the episode")
+                    break
+                c, k, m = found
+                used.add((c, k))
+                owner[pos:pos + m] = [(c, k)] * m
+                want_v += [version[record[c]["weights"]]] * m
+                versions_seen.add(version[record[c]["weights"]])
+                continued += pos > 0 and pos not in {a + n for a, n in obs.items()}
+                segs += 1
+                pos += m
+            if problems and problems[-1].startswith(f"step {step} sample {i}:"):
+                continue
+            got = span_versions(s["versions"]).tolist()
+            if got != want_v:
+                problems.append(f"step {step} sample {i}: versions {s['versions']}, the calls' {want_v}")
+            if s["version_min"] != min(want_v) or step - s["version_min"] > 1:
+                problems.append(f"step {step} sample {i}: version_min {s['version_min']} at step {step}")
+            for t in range(s["routes"].shape[0]):
+                j = max(t - len(P) + 1, 0)
+                while owner[j] is None:  # an observation's position: the next turn's call
+                    j += 1
+                c, k = owner[j]
+                if not torch.equal(s["routes"][t], record[c]["out"][k][2][t].to(torch.int32)):
+                    problems.append(f"step {step} sample {i}: routing row {t} is not its call's")
+                    break
+                rows += 1
+    return {"problems": problems[:10], "continued": continued, "rows": rows, "versions": sorted(versions_seen),
+            "samples": sum(len(v) for v in trained.values()),
+            "obs_tokens": sum(c for v in trained.values() for s in v for _, c in s["obs_spans"])}
 
 
 def run(out, data, layout):
@@ -52,14 +129,30 @@ def run(out, data, layout):
         "checkpoint.save_dir=null", f"trainer.warmup.path={data}/warmup.jsonl", "trainer.warmup.steps=40",
         "trainer.warmup.batch_size=8", "trainer.warmup.lr=3e-3", "environment.name=test_script",
         "environment.options.observations=[ab,cd]", "environment.options.vary_reward=true", "environment.max_turns=3", "environment.max_tokens=200",
-        "routing.mode=r3", "algorithm.mismatch.mode=tis", "algorithm.mismatch.level=sequence", *LAYOUTS[layout]))
+        "routing.mode=r3", "algorithm.mismatch.mode=tis", "algorithm.mismatch.level=sequence",
+        "rollout.engine=test_recorded", *LAYOUTS[layout]))
     GRAD.update(outside_max=0.0, inside_nonzero=0, inside=0)
-    rc = train(cfg, keep_world=True)
+    ScriptEnv.made = 0  # the environments' rewards follow their order of creation: the same in every run
+    trained = TRAINED[layout] = {}
+    originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
+    _fresh_record()
+    if layout == "async1":
+        os.environ["RLPO_DECODE_DELAY"] = SLOW
+    try:
+        rc = train(cfg, keep_world=True)
+    finally:
+        _restore(originals)
+        os.environ.pop("RLPO_DECODE_DELAY", None)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         history = [json.loads(line) for line in f]
     grad = torch.tensor([GRAD["outside_max"], GRAD["inside_nonzero"], GRAD["inside"]], dtype=torch.float64)
     dist.all_reduce(grad, op=dist.ReduceOp.MAX)  # each rank's own micro-batches
-    return {"rc": rc, "history": history, "grad": grad.tolist()}
+    rep = {"rc": rc, "history": history, "grad": grad.tolist()}
+    if layout == "async0":
+        rep["same_as_ep2"] = _gathered(_same(TRAINED["ep2"], trained))
+    if layout == "async1":
+        rep["checks"] = _gathered(_check_episodes(trained))
+    return rep
 
 
 if __name__ == "__main__":
