@@ -56,10 +56,12 @@ class ScriptedEngine:
         self.turn, self.layers, self.topk, self.calls = turn, layers, topk, []
         self.abort_at = abort_at or {}  # call index -> tokens after which that call's answers are aborted
         self.budgets = []  # per call: the max_new_tokens asked for
+        self.routes_from = []  # per call: the first routing row asked for (the rows are all returned)
 
-    def stream(self, prompts, params, n=1, request_ids=None, max_new_tokens=None):
+    def stream(self, prompts, params, n=1, request_ids=None, max_new_tokens=None, affinity=None, routes_from=None):
         assert n == 1
         self.budgets.append(list(max_new_tokens))
+        self.routes_from.append(list(routes_from))
         for i, p in enumerate(prompts):
             toks = list(self.turn(list(p)))[:max_new_tokens[i]]
             finish = "stop" if toks and toks[-1] in params.stop_token_ids else "length"

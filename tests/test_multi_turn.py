@@ -96,6 +96,8 @@ def test_routes_and_logprobs_are_stitched_from_the_turn_that_sampled_each_token(
         assert torch.equal(s.logprobs[first + 1 - P:end + 1 - P], c.logprobs)
         held = end
     assert held == s.routes.shape[0]
+    # each call asked only for the rows the episode lacked (SGLang: routed_experts_start_len)
+    assert [r[0] for r in engine.routes_from] == [0] + [len(c.prompt) + len(c.tokens) - 1 for c in engine.calls[:-1]]
     for a, c in s.obs_spans:
         assert not s.logprobs[a:a + c].any()
 

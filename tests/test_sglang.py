@@ -271,6 +271,56 @@ def test_abort_by_rid(family):
     assert engine.generate([PROMPTS[1]], greedy(2))[0].finish_reason == "length"
 
 
+def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family, monkeypatch):
+    """Multi-turn episodes on a real SGLang server (qwen3_moe): each turn continues from the episode's token ids
+    and asks only for the routing rows the episode lacks (routed_experts_start_len), and the stitched routes
+    are the routing of every position: equal to a fresh prefill of the whole episode (cache flushed). A test-only
+    logit bias on the end-of-turn token makes the random model close its turns."""
+    from transformers import AutoTokenizer
+
+    import tests.multi_turn_support  # noqa: F401  (the test_script environment)
+    from rlpo_mega.config import EnvironmentConfig
+    from rlpo_mega.data.dataset import PromptRecord
+    from rlpo_mega.environments import EnvRunner
+    from rlpo_mega.rollout.episode import EpisodeLimits, TurnFormat, run_episodes
+
+    engine, hf, *_ = family
+    if hf.model_type != "qwen3_moe":
+        pytest.skip("one family is enough for the episode mechanics")
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "configs", "tokenizers", "tiny_chatml"))
+    fmt = TurnFormat(tok, (tok.eos_token_id,))
+    sampling, answer, starts = engine._sampling, engine._answer, []
+    monkeypatch.setattr(engine, "_sampling", lambda p, seed: {**sampling(p, seed), "logit_bias": {str(fmt.end_id): 5.0}})
+
+    def recorded(server, prompt_index, prompt, rid, status, body, size, start=0):
+        got = answer(server, prompt_index, prompt, rid, status, body, size, start)
+        starts.append((len(prompt), start, None if got.routes is None else int(got.routes.shape[0]), len(got.response_ids)))
+        return got
+
+    monkeypatch.setattr(engine, "_answer", recorded)
+    runner = EnvRunner(EnvironmentConfig(name="test_script", options={"observations": ["ab", "cd"]}))
+    items = [(fmt.render([{"role": "user", "content": f"k{i}?"}], True), PromptRecord(i, f"k{i}?", None))
+             for i in range(3)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(tok.eos_token_id,), seed=5)
+    out = [s for _, g in run_episodes(engine, items, 2, params, runner, fmt, EpisodeLimits(4, 200), tok) for s in g]
+    assert len(out) == 6 and sum(s.episode[0] == 3 for s in out) >= 4, [s.episode for s in out]
+    # the server stopped each turn at the end-of-turn token (SGLang's ignore_eos would switch stop ids off)
+    for s in out:
+        spans = [0] + [a + c for a, c in s.obs_spans]
+        ends = [a - 1 for a, _ in s.obs_spans]
+        assert all(s.response_ids[e] == fmt.end_id for e in ends) and len(spans) == s.episode[0]
+    later = [(p, st, rows, n) for p, st, rows, n in starts if st > 0]
+    assert len(later) >= 8 and all(rows == p + n - 1 - st for p, st, rows, n in later), starts
+    engine.flush_cache()
+    monkeypatch.setattr(engine, "_answer", answer)
+    fresh = engine.generate([list(s.prompt_ids) + list(s.response_ids) for s in out], greedy(1))
+    for s, f in zip(out, fresh):
+        assert s.routes.shape[0] == s.prompt_len + s.response_len - 1
+        rows = f.routes[:s.routes.shape[0]]
+        same = (torch.sort(rows.long(), -1).values == torch.sort(s.routes.long(), -1).values).all(-1).float().mean()
+        assert same >= 0.98, float(same)  # near-ties in float32 aside, every position's routing
+
+
 def test_killed_server_detected(family):  # last: it kills the family's server
     engine, hf, *_ = family
     server = engine.servers[0]

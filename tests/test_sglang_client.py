@@ -50,7 +50,7 @@ class AbortLog(dict):
 
     def __init__(self):
         super().__init__()
-        self.lock, self.events, self.aborted = threading.Lock(), {}, []
+        self.lock, self.events, self.aborted, self.requests = threading.Lock(), {}, [], []
 
     def wait(self, rid, seconds: float, finishing: bool = False) -> bool:
         """Sleep `seconds` unless aborted first (and not `finishing`); True when aborted."""
@@ -70,12 +70,13 @@ class AbortLog(dict):
 
 @contextlib.contextmanager
 def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, experts=4, first_id=10,
-                finishing=lambda req: False):
-    """A /generate server answering after `delay` s (or delay(request) s) with `new_tokens` tokens, their
-    log-probs and routes over all `layers` hidden layers (SGLang's format); POST /abort_request {"rid"} ends that
-    request's wait at once with finish_reason "abort", as SGLang does (unless finishing(request): a request
-    whose generation ends anyway, answered in full). Yields (url, its Gauge, {rid: routes
-    sent}); `sent.aborted` lists the rids aborted while they waited."""
+                finishing=lambda req: False, tokens=None):
+    """A /generate server answering after `delay` s (or delay(request) s) with `new_tokens` tokens (or
+    tokens(request)), their log-probs and routes over all `layers` hidden layers (SGLang's format; the rows from
+    the request's routed_experts_start_len on, as SGLang); POST /abort_request {"rid"} ends that request's wait
+    at once with finish_reason "abort", as SGLang does (unless finishing(request): a request whose generation
+    ends anyway, answered in full). Yields (url, its Gauge, {rid: routes sent}); `sent.aborted` lists the rids
+    aborted while they waited, `sent.requests` every /generate request."""
     mine, sent = Gauge(), AbortLog()
 
     class Handler(BaseHTTPRequestHandler):
@@ -102,9 +103,12 @@ def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, expert
                 return self._send({})
             mine.enter()
             total.enter()
+            out = list(range(first_id, first_id + new_tokens)) if tokens is None else tokens(req)
+            sent.requests.append({**req, "output_ids": out})
+            stop = out and out[-1] in req["sampling_params"].get("stop_token_ids", ())
             try:
                 aborted = sent.wait(req["rid"], delay(req) if callable(delay) else delay, finishing(req))
-                rows = len(req["input_ids"]) + new_tokens - 1
+                rows = len(req["input_ids"]) + len(out) - 1 - req.get("routed_experts_start_len", 0)
                 rng = np.random.default_rng(abs(hash(req["rid"])) % 2 ** 32)
                 routes = torch.from_numpy(np.argsort(rng.random((rows, layers, experts)), -1)[..., :topk]
                                           .astype(np.int32))
@@ -112,9 +116,9 @@ def fake_sglang(total: Gauge, delay=0.25, new_tokens=3, layers=2, topk=2, expert
             finally:  # before the answer goes out: the client may send its next request as soon as it reads it
                 mine.leave()
                 total.leave()
-            self._send({"output_ids": list(range(first_id, first_id + new_tokens)), "meta_info": {
-                "finish_reason": {"type": "abort" if aborted else "length"}, "weight_version": "w0",
-                "output_token_logprobs": [[-0.5 - t / 8, 10 + t, None] for t in range(new_tokens)],
+            self._send({"output_ids": out, "meta_info": {
+                "finish_reason": {"type": "abort" if aborted else "stop" if stop else "length"}, "weight_version": "w0",
+                "output_token_logprobs": [[-0.5 - t / 8, 10 + t, None] for t in range(len(out))],
                 "routed_experts": encode_sglang(routes)}})
 
     class Server(ThreadingHTTPServer):
@@ -400,6 +404,52 @@ def test_a_group_goes_to_one_server():
         by_prompt.setdefault(s.prompt_index, set()).add(s.meta["server"])
     assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
     assert {next(iter(v)) for v in by_prompt.values()} == {url_a, url_b}
+
+
+def test_episode_turns_go_back_to_their_server_and_ask_only_for_new_routing_rows():
+    """Multi-turn episodes through the SGLang client over two servers: every turn of an episode is sent to the
+    server that holds its prefix (the first turn's), continues from the episode's token ids, and asks only for
+    the routing rows the episode lacks (routed_experts_start_len); the stitched routes are the rows each server
+    sent, in order."""
+    from transformers import AutoTokenizer
+
+    import tests.multi_turn_support  # noqa: F401  (the test_script environment)
+    from rlpo_mega.config import EnvironmentConfig
+    from rlpo_mega.data.dataset import PromptRecord
+    from rlpo_mega.environments import EnvRunner
+    from rlpo_mega.rollout.episode import EpisodeLimits, TurnFormat, run_episodes
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "configs", "tokenizers", "tiny_chatml"))
+    fmt = TurnFormat(tok, (tok.eos_token_id,))
+    total = Gauge()
+    # every turn: two tokens (the first by request: episodes differ), then the end of the turn
+    reply = lambda req: [20 + int(req["rid"].rsplit("-", 1)[1]) % 7, 21, fmt.end_id]  # noqa: E731
+    with fake_sglang(total, delay=0.02, tokens=reply) as (url_a, _, sent_a), \
+            fake_sglang(total, delay=0.02, tokens=reply) as (url_b, _, sent_b):
+        engine = engine_for([url_a, url_b], max_in_flight_per_server=2)
+        runner = EnvRunner(EnvironmentConfig(name="test_script", options={"observations": ["ab", "cd"]}))
+        items = [(fmt.render([{"role": "user", "content": f"k{i}?"}], True), PromptRecord(i, f"k{i}?", None))
+                 for i in range(4)]
+        params = SamplingParams(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,))
+        out = [s for _, g in run_episodes(engine, items, 2, params, runner, fmt, EpisodeLimits(4, 400), tok)
+               for s in g]
+        engine.shutdown()
+    served = {url_a: sent_a, url_b: sent_b}
+    assert len(out) == 8 and {url for url, sent in served.items() if sent.requests} == {url_a, url_b}
+    for s in out:
+        ids = list(s.prompt_ids) + list(s.response_ids)
+        assert s.episode[0] == 3 and len(s.obs_spans) == 2
+        turns = [(url, r) for url, sent in served.items() for r in sent.requests
+                 if r["input_ids"] + r["output_ids"] == ids[:len(r["input_ids"]) + len(r["output_ids"])]]
+        turns.sort(key=lambda t: len(t[1]["input_ids"]))
+        assert len(turns) == 3 and len({url for url, _ in turns}) == 1, turns  # one server for the episode
+        held = 0
+        for url, r in turns:
+            assert r.get("routed_experts_start_len", 0) == held  # only the rows it lacked
+            rows = served[url][r["rid"]]
+            assert torch.equal(s.routes[held:held + rows.shape[0]].to(torch.int32), rows)
+            held += rows.shape[0]
+        assert held == s.routes.shape[0] == len(ids) - 1
 
 
 def test_drivers_each_drive_their_own_servers():

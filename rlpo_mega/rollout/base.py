@@ -164,16 +164,21 @@ class RolloutEngine(abc.ABC):
         """len(prompts) * n samples, prompt-major (sample i*n + j is prompt i's j-th)."""
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
-               request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None):
+               request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None,
+               affinity: Optional[Sequence[Optional[str]]] = None, routes_from: Optional[Sequence[int]] = None):
         """Yields (prompt index, its n samples) as each prompt's group completes, in any order. The caller may
         `send("finish")` to the generator once it has enough: nothing more is started, running requests are
         aborted, and the generator goes on yielding the groups that end meanwhile (complete ones, and ones with
         aborted samples, finish_reason "abort"); groups never started are not yielded. Closing the generator
         ends everything at once; `send("stop_sending")` is a finish that leaves the running requests to the
         caller's abort() (one abort of everything, for a weight update's pause). max_new_tokens: one budget per
-        prompt instead of params' (the continuations of a partial rollout, rollout/partial.py). This default generates the whole call (one generate() per
-        distinct budget), then yields every group (an engine that batches the call, e.g. the embedded one, has
-        every group at the same time)."""
+        prompt instead of params' (the continuations of a partial rollout, rollout/partial.py). Per prompt, for
+        a multi-turn episode's next turn (rollout/episode.py): affinity, the server (an answer's meta["server"])
+        whose prefix cache holds the prompt's tokens; routes_from, the first position whose routing row the
+        caller needs (an engine may return only rows [routes_from, ...): the answer's `routes_from` says from where).
+        An engine of one server, or that returns every row, ignores them. This default generates the whole call
+        (one generate() per distinct budget), then yields every group (an engine that batches the call, e.g. the
+        embedded one, has every group at the same time)."""
         budgets = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else [int(b) for b in max_new_tokens]
         if len(budgets) != len(prompts):
             raise ValueError(f"{len(budgets)} max_new_tokens for {len(prompts)} prompts")

@@ -100,6 +100,11 @@ class Episode:
         """What the engine continues from."""
         return self.prompt_ids + self.response
 
+    @property
+    def held_rows(self) -> int:
+        """Routing rows held: positions [0, held_rows) (the next call need return only the rows from there)."""
+        return 0 if self.routes is None else int(self.routes.shape[0])
+
     def budget(self, max_new_tokens: int, max_tokens: int) -> int:
         """Tokens the next call may sample: the rest of the turn's budget, within the episode's."""
         return min(max_new_tokens - (len(self.response) - self.turn_start), max_tokens - len(self.response))
@@ -120,12 +125,14 @@ class Episode:
             raise EngineError(f"episode {self.prompt_index}: the engine returned routed experts for one turn and not "
                               "for another")
         if answer.routes is not None:
-            want = len(self.ids) + len(new) - 1
-            if int(answer.routes.shape[0]) != want:
+            start, held = answer.routes_from, self.held_rows
+            want = len(self.ids) + len(new) - 1 - start
+            if int(answer.routes.shape[0]) != want or start > held:
                 raise EngineError(f"episode {self.prompt_index}: the engine returned {answer.routes.shape[0]} routing "
-                                  f"rows for {want} positions")
-            held = 0 if self.routes is None else int(self.routes.shape[0])
-            self.routes = answer.routes if self.routes is None else torch.cat([self.routes, answer.routes[held:]])
+                                  f"rows from position {start} for {want} positions after it (the episode holds "
+                                  f"{held} rows)")
+            rows = answer.routes[held - start:]
+            self.routes = rows if self.routes is None else torch.cat([self.routes, rows])
             self.has_routes = True
         self.response += new
         self.logprobs.append(answer.logprobs.float())
@@ -193,7 +200,9 @@ class EpisodeBatch:
         live = [e for e in self.eps if e.finish is None]
         budgets = [e.budget(params.max_new_tokens, self.limits.max_tokens) for e in live]
         answers: list = [None] * len(live)
-        gen = engine.stream([e.ids for e in live], params, n=1, max_new_tokens=budgets)
+        # each episode back to the server whose prefix cache holds it, asking only for the routing rows it lacks
+        gen = engine.stream([e.ids for e in live], params, n=1, max_new_tokens=budgets,
+                            affinity=[e.meta.get("server") for e in live], routes_from=[e.held_rows for e in live])
         self.calls += 1
         try:
             msg = None

@@ -55,13 +55,14 @@ def tag(sample: Sample, version: int) -> Sample:
 
 def continuable(part: Sample) -> bool:
     """An aborted part can continue when it has tokens and routes for exactly prompt + tokens - 1 positions
-    (or no routes at all, when the engine returns none)."""
+    (from part.routes_from, when the engine was asked for the rows from there only), or no routes at all
+    when the engine returns none."""
     k = len(part.response_ids or ())
     if k == 0:
         return False
     if part.routes is None:
         return not part.has_routes
-    return int(part.routes.shape[0]) == len(part.prompt_ids) + k - 1
+    return int(part.routes.shape[0]) == len(part.prompt_ids) + k - 1 - part.routes_from
 
 
 def continuation_prompt(part: Sample) -> list[int]:

@@ -301,6 +301,11 @@ class ServerSlots:
                     return i
                 self._cond.wait()
 
+    def place(self, group, i: int) -> None:
+        """Put `group` on server i before its first request (a multi-turn episode's server: its prefix cache)."""
+        with self._cond:
+            self.groups[group] = i
+
     def release(self, i: int) -> None:
         with self._cond:
             self.counts[i] -= 1

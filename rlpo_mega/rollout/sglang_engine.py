@@ -156,6 +156,7 @@ class SGLangEngine(RolloutEngine):
         if isinstance(hf_config, str):
             hf_config = load_hf_config(hf_config)
         self.cfg, self.hf, self.model_path, self.driver = cfg, hf_config, model_path, driver
+        self._stop_ids, self._stops_seen = set(), set()  # the last call's stop ids; stop tokens already seen
         self.spec = TraceSpec.from_hf(hf_config)
         self.num_hidden_layers = int(hf_config.num_hidden_layers)
         self.vocab_size = int(hf_config.vocab_size)
@@ -292,9 +293,12 @@ class SGLangEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generation
     def _sampling(self, params: SamplingParams, seed: Optional[int]) -> dict:
+        # ignore_eos stays false: SGLang 0.5.23's ignore_eos also switches off stop_token_ids (Req.
+        # _check_token_based_finish returns before reading them), and every response ran to max_new_tokens. So
+        # the server stops at these ids and also at the model's own eos ids (config.json): `_answer` names a stop
+        # at one outside them, once
         sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-              "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
-              "ignore_eos": True}  # the trainer resolved eos into stop_token_ids (RolloutConfig)
+              "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
         if seed is not None and self.cfg.server_args.get("enable_deterministic_inference"):
             sp["sampling_seed"] = seed  # sglang 0.5.23 accepts a per-request seed only in deterministic mode
         return sp
@@ -307,15 +311,20 @@ class SGLangEngine(RolloutEngine):
         return out
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
-               request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None):
+               request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None,
+               affinity: Optional[Sequence[Optional[str]]] = None, routes_from: Optional[Sequence[int]] = None):
         """Yields (prompt index, its n samples) as each group's last answer is decoded. `send("finish")`
         (RolloutEngine.stream): nothing more is sent, queued requests are dropped, running ones aborted on their
         servers; the groups that end meanwhile are still yielded (aborted samples with finish_reason "abort"),
         groups with a request never sent are not. `send("stop_sending")`: the same, except that the running
         requests are left to the caller's abort() (a weight update's pause aborts everything at once). Leaving the loop early (break, close(), an exception) aborts
         the requests still running and sends nothing more; every request of the call has ended when the
-        generator is closed. max_new_tokens: one budget per prompt (a partial rollout's continuations)."""
+        generator is closed. max_new_tokens: one budget per prompt (a partial rollout's continuations).
+        affinity: per prompt, the URL of the server whose prefix cache holds it (an episode's earlier turns): its
+        requests go there (while it is one of this engine's servers). routes_from: per prompt, the first position
+        whose routing row is returned (SGLang's routed_experts_start_len; the answer's routes_from)."""
         total = len(prompts) * n
+        self._stop_ids = set(int(t) for t in params.stop_token_ids)
         if request_ids is not None and len(request_ids) != total:
             raise ValueError(f"{len(request_ids)} request_ids for {total} samples (prompts x n)")
         if not total:
@@ -324,8 +333,14 @@ class SGLangEngine(RolloutEngine):
         # the least-loaded server when it is sent (sglang_client.ServerSlots; ties rotate over calls), the
         # group's other samples follow it there (one prefix cache per prompt)
         slots = ServerSlots(len(self.servers), self.cfg.max_in_flight_per_server, start=next(self._rr))
-        if max_new_tokens is not None and len(max_new_tokens) != len(prompts):
-            raise ValueError(f"{len(max_new_tokens)} max_new_tokens for {len(prompts)} prompts")
+        for name, per in (("max_new_tokens", max_new_tokens), ("affinity", affinity), ("routes_from", routes_from)):
+            if per is not None and len(per) != len(prompts):
+                raise ValueError(f"{len(per)} {name} for {len(prompts)} prompts")
+        if affinity is not None:  # an episode's next turn goes back to the server that holds its prefix
+            where = {s.url: k for k, s in enumerate(self.servers)}
+            for i, url in enumerate(affinity):
+                if url in where:
+                    slots.place(i, where[url])
         futures = {}
         for i, p in enumerate(prompts):
             prompt = list(map(int, p))
@@ -336,7 +351,10 @@ class SGLangEngine(RolloutEngine):
                 sampling = self._sampling(params, seed)
                 if max_new_tokens is not None:
                     sampling["max_new_tokens"] = int(max_new_tokens[i])
-                futures[self._pool.submit(self._one, i, prompt, rid, sampling, slots)] = i
+                start = int(routes_from[i]) if routes_from is not None and self.return_routes else 0
+                if not 0 <= start < max(len(prompt), 1):
+                    raise ValueError(f"routes_from={start} outside prompt {i}'s {len(prompt)} positions")
+                futures[self._pool.submit(self._one, i, prompt, rid, sampling, slots, start)] = i
         order, left, unsent = list(futures), [n] * len(prompts), [False] * len(prompts)
         try:
             for f in self._completed(order, slots):
@@ -426,9 +444,12 @@ class SGLangEngine(RolloutEngine):
                             f"SGLang server {url} has not answered /health for {self.cfg.hang_timeout:g} s while "
                             f"requests are in flight (rollout.sglang.hang_timeout): it is hung; restart it")
 
-    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots) -> Sample:
-        payload = dumps({"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
-                         "return_routed_experts": self.return_routes})
+    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots, start: int = 0) -> Sample:
+        body = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
+                "return_routed_experts": self.return_routes}
+        if start:  # rows [start, seqlen - 1) only: the caller holds the rows before (an episode's earlier turns)
+            body["routed_experts_start_len"] = start
+        payload = dumps(body)
         slot = slots.acquire(group=prompt_index)  # blocks while the server(s) it may use are full
         server = self.servers[slot]
         with self._lock:
@@ -457,13 +478,13 @@ class SGLangEngine(RolloutEngine):
                 self._inflight.pop(rid, None)
             slots.release(slot)  # before decoding: the server takes the next request
         try:
-            return self._answer(server, prompt_index, prompt, rid, status, body, size)
+            return self._answer(server, prompt_index, prompt, rid, status, body, size, start)
         finally:
             self._buffers.give(body)
             self._decoding.release()
 
-    def _answer(self, server: _Server, prompt_index: int, prompt: list, rid: str, status: int, body, size: int
-                ) -> Sample:
+    def _answer(self, server: _Server, prompt_index: int, prompt: list, rid: str, status: int, body, size: int,
+                start: int = 0) -> Sample:
         """One /generate answer (body[:size]) -> a Sample with compact, checked routes (decoded as it arrives,
         while the rest of the batch still generates); nothing returned refers to `body`."""
         rest, b64 = split_routes(body, size) if self.return_routes else (body[:size], None)
@@ -486,6 +507,14 @@ class SGLangEngine(RolloutEngine):
         if reason != "abort" and len(lps) != len(ids):
             raise EngineError(f"SGLang server {server.url} (rid {rid}): {len(lps)} log-probs for {len(ids)} tokens")
         ids = ids[:len(lps)]
+        matched = fr.get("matched") if isinstance(fr, dict) else None
+        if reason == "stop" and isinstance(matched, int) and matched not in self._stops_seen:
+            self._stops_seen.add(matched)
+            if matched not in self._stop_ids:
+                log.warning("SGLang server %s stopped a response at token %d, the model's own end-of-sequence id "
+                            "(its config.json), which the rollout's stop_token_ids %s do not hold: SGLang stops at "
+                            "both (the embedded engine only at the stop ids); add %d to rollout.stop_token_ids to "
+                            "make it explicit", server.url, matched, sorted(self._stop_ids), matched)
         if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):
             bad = next(t for t in ids if not 0 <= t < self.vocab_size)
             # checked here, on the host: on a GPU the learner's embedding would die on a device-side assert
@@ -495,7 +524,7 @@ class SGLangEngine(RolloutEngine):
         routes, checked = None, False
         data = b64 if b64 is not None else meta.get("routed_experts")
         if self.return_routes and data is not None:
-            span = len(prompt) + len(ids) - 1
+            span = len(prompt) + len(ids) - 1 - start  # rows [start, prompt + tokens - 1)
             try:
                 routes = decode_routes(data, self.num_hidden_layers, self.spec,
                                        tokens=span if reason != "abort" else None)
@@ -510,7 +539,7 @@ class SGLangEngine(RolloutEngine):
                               "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")
         return Sample(prompt_ids=prompt, response_ids=ids, logprobs=lps, finish_reason=reason, routes=routes,
                       prompt_index=prompt_index, trace_checked=checked,
-                      meta={"rid": rid, "server": server.url, "finish": fr,
+                      routes_from=start, meta={"rid": rid, "server": server.url, "finish": fr,
                             "weight_version": meta.get("weight_version"),
                             "weight_versions": meta.get("weight_versions")})
 
