@@ -2,6 +2,7 @@
 and an engine that answers with given tokens and records what it returned."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -11,12 +12,16 @@ from rlpo_mega.environments import ENVIRONMENTS, Environment, Feedback
 from rlpo_mega.rollout import Sample
 
 
+STEPPING = threading.Event()
+
+
 @ENVIRONMENTS.register("test_script")
 class ScriptEnv(Environment):
     """Observation k of options["observations"] after model turn k; done after len(observations) + 1 turns
     (reward 1 on the last); options["fail"]: "raise" / "sleep" / "bad" on the turn given by options["fail_turn"]
     for the record whose prompt is options["fail_prompt"]; options["vary_reward"]: the last turn's reward is
-    1, 2 or 3 by the order the episodes were made (mixed rewards in a group: non-zero advantages)."""
+    1, 2 or 3 by the order the episodes were made (mixed rewards in a group: non-zero advantages);
+    options["step_seconds"]: every step takes that long."""
     made = 0
 
     def __init__(self, record, cfg):
@@ -33,6 +38,9 @@ class ScriptEnv(Environment):
                 time.sleep(5)
             if o["fail"] == "bad":
                 return "not feedback"
+        if o.get("step_seconds"):  # a slow tool: STEPPING is set while a step runs
+            STEPPING.set()
+            time.sleep(o["step_seconds"])
         obs = o.get("observations", ["x"])
         if action.turn >= len(obs):
             return Feedback(reward=1.0 + (self.serial % 3 if o.get("vary_reward") else 0), done=True, correct=True)

@@ -193,10 +193,16 @@ class EpisodeBatch:
         return not self.open_groups
 
     def call(self, engine, params, version: Optional[int] = None, interrupt=None) -> list[tuple[int, list[Sample]]]:
-        """One engine call for every live episode; returns (item index, its n episodes as samples) for each group
-        whose episodes have all ended. version: the policy version the engine holds (each answer tagged with it,
-        rollout/partial.tag). interrupt(): a message for the engine's stream after each answer ("stop_sending"
-        when a weight update waits: the episodes not answered, or answered "abort", continue at the next call)."""
+        """One engine call for every live episode, then the environment steps of the turns that ended (`generate`
+        then `settle`); returns (item index, its n episodes as samples) for each group whose episodes have all
+        ended."""
+        return self.settle(self.generate(engine, params, version, interrupt))
+
+    def generate(self, engine, params, version: Optional[int] = None, interrupt=None) -> list[tuple]:
+        """The engine phase of a call: every live episode's answer appended; returns the turns that ended, for
+        `settle`. version: the policy version the engine holds (each answer tagged with it, rollout/partial.tag).
+        interrupt(): a message for the engine's stream after each answer ("stop_sending" when a weight update
+        waits: the episodes not answered, or answered "abort", continue at the next call)."""
         live = [e for e in self.eps if e.finish is None]
         budgets = [e.budget(params.max_new_tokens, self.limits.max_tokens) for e in live]
         answers: list = [None] * len(live)
@@ -216,15 +222,22 @@ class EpisodeBatch:
                 msg = interrupt() if interrupt is not None else None
         finally:
             gen.close()
-        ended, actions, before = [], [], sum(len(e.response) for e in live)
+        ended, before = [], sum(len(e.response) for e in live)
         for e, a in zip(live, answers):
             turn = None if a is None else e.add_answer(a)
             if turn is not None:
-                ended.append((e, a))
-                actions.append(Action(tuple(turn), self.tokenizer.decode(turn, skip_special_tokens=True), e.turns - 1))
-        self.progressed = bool(actions) or sum(len(e.response) for e in live) > before
-        if actions:
-            for (e, a), (fb, why) in zip(ended, self.runner.step([e.env for e, _ in ended], actions)):
+                ended.append((e, a, turn))
+        self.progressed = bool(ended) or sum(len(e.response) for e in live) > before
+        return ended
+
+    def settle(self, ended: list[tuple]) -> list[tuple[int, list[Sample]]]:
+        """The environment phase of a call (no engine: a weight sync may run meanwhile): the steps of the turns
+        that ended, at once on the runner's threads, each episode then ended or given its observation; returns
+        (item index, its n episodes as samples) for each group whose episodes have all ended."""
+        if ended:
+            actions = [Action(tuple(t), self.tokenizer.decode(t, skip_special_tokens=True), e.turns - 1)
+                       for e, _, t in ended]
+            for (e, a, _), (fb, why) in zip(ended, self.runner.step([e.env for e, _, _ in ended], actions)):
                 _settle(e, a, fb, why, self.runner.cfg.failure_reward, self.fmt, self.limits)
         out = []
         for i in sorted(self.open_groups):

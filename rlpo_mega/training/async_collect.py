@@ -279,8 +279,9 @@ class RolloutWorker:
 
     def _episode_round(self, job: _Job, version: int):
         """Multi-turn: one engine call for the job's live episodes on `version` (each one's next turn, or the rest
-        of the turn a pause interrupted), then their environment steps; a pause stops the sending. An episode's
-        turns may so be sampled by successive versions, each token tagged with its own."""
+        of the turn a pause interrupted; a pause stops the sending), then their environment steps, with the engine
+        released: a weight sync need not wait for a tool. An episode's turns may so be sampled by successive
+        versions, each token tagged with its own."""
         engine, t0 = self.engines.slot.engine, time.perf_counter()
         if job.batch is None:
             job.batch = self.episodes.batch(job.items, job.n)
@@ -292,13 +293,17 @@ class RolloutWorker:
                 return "stop_sending" if (self.pausing or self.closing) else None
 
         try:
-            for i, group in job.batch.call(engine, params, version, interrupt):
-                job.groups[i] = group
-                job.continued += sum(s.meta.get("parts", 1) > 1 for s in group)
-                self._score(job, i)
+            ended = job.batch.generate(engine, params, version, interrupt)
         finally:
             job.confirmed = job.batch.confirmed
             job.generate_s += time.perf_counter() - t0
+        with self.cond:  # the engine is idle from here: a pause waiting for it goes ahead
+            self.busy = False
+            self.cond.notify_all()
+        for i, group in job.batch.settle(ended):
+            job.groups[i] = group
+            job.continued += sum(s.meta.get("parts", 1) > 1 for s in group)
+            self._score(job, i)
 
     def _settle(self, job: _Job, key, answer: Sample):
         prev = job.parts.pop(key, None)
