@@ -28,7 +28,7 @@ from rlpo_mega.algorithms.advantages import ADVANTAGES, CRITIC_ESTIMATORS
 from rlpo_mega.algorithms.kl import KL_ESTIMATORS
 from rlpo_mega.algorithms.losses import LOSSES
 from rlpo_mega.config import ConfigError, response_budget, unknown_choice
-from rlpo_mega.environments import ENVIRONMENTS
+from rlpo_mega.environments import ENVIRONMENTS, environment_tools
 from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
 from rlpo_mega.rewards import REWARDS
@@ -381,6 +381,7 @@ def _check_counts(cfg, warns: list[str]):
         _at_least("environment.num_workers", env.num_workers, 1, "threads running environment steps")
         if env.timeout is not None and not env.timeout > 0:
             raise ConfigError(f"environment.timeout={env.timeout} must be > 0 seconds (or null: no limit)")
+        environment_tools(env)  # the environment's own options, read as a run reads them
         if ds.enabled:
             raise ConfigError("multi-turn episodes (environment.name) do not take algorithm.dynamic_sampling yet: "
                               "set algorithm.dynamic_sampling.enabled=false")

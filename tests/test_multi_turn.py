@@ -33,13 +33,13 @@ def _conversation(system):
                    {"role": "tool", "content": "v=9"}, {"role": "assistant", "content": "=9"}]
 
 
-def _episodes(tok, conv, env_options=None, max_turns=4, max_tokens=400, stop=None):
+def _episodes(tok, conv, env_options=None, max_turns=4, max_tokens=400, stop=None, tools=None):
     """The episodes of `conv` with the model 'sampling' the conversation's own assistant turns (their tokens as
     the template renders them, closed by the end-of-turn token) and the environment answering with its tool
     messages."""
     stop = stop or (tok.eos_token_id,)
-    fmt = TurnFormat(tok, stop)
-    replies = [fmt.render([m], False) for m in conv if m["role"] == "assistant"]
+    fmt = TurnFormat(tok, stop, tools)
+    replies = [fmt.render([m], False, tools=None) for m in conv if m["role"] == "assistant"]
     said = iter(r[r.index(fmt.end_id) - len(tok(m["content"], add_special_tokens=False)["input_ids"]):
                   r.index(fmt.end_id) + 1] for r, m in zip(replies, [m for m in conv if m["role"] == "assistant"]))
     engine = ScriptedEngine(lambda prompt: next(said))
@@ -186,6 +186,40 @@ def test_a_weight_sync_does_not_wait_for_the_environment_steps():
     from rlpo_mega.rollout.partial import versions_of
     # turn 1 and its observation on version 0, turn 2 on version 1
     assert [versions_of(s) for s in samples] == [[(0, len(s.response_ids) - 3), (1, 3)] for s in samples]
+
+
+def test_tool_schemas_reach_the_prompt_and_the_turn_format():
+    """An environment's tool schemas (Environment.tools: the python tool with options.format=tool_call) are
+    rendered by the chat template into the prompt (render_prompt, as the sampler, the warm-up and evaluation
+    render it); the episode's tokens still equal the template's rendering of the whole conversation, tools
+    included; a template that ignores `tools=` is refused. The tool-call format is parsed and run."""
+    from rlpo_mega.data.sampling import render_prompt
+    from rlpo_mega.environments import ENVIRONMENTS, Action, environment_tools
+
+    tok = _tok("tiny_chatml")
+    cfg = EnvironmentConfig(name="python", options={"format": "tool_call", "time_limit": 5})
+    tools = environment_tools(cfg)
+    assert tools and tools[0]["function"]["name"] == "python"
+    assert environment_tools(EnvironmentConfig(name="python")) is None  # the <python> tags: nothing declared
+    text = tok.decode(render_prompt(tok, "What is 6*7?", system_prompt="Be brief.", tools=tools))
+    assert '"name": "python"' in text and "Be brief." in text and text.endswith("<|im_start|>assistant\n")
+    # token in, token out with the tools in the prefix: observations render as without them (this template)
+    for system in (False, True):
+        conv = _conversation(system)
+        s, _, fmt, _ = _episodes(tok, conv, tools=tools)
+        full = fmt.render(conv, False)
+        ids = list(s.prompt_ids) + list(s.response_ids)
+        assert ids == full[:len(ids)] and full[len(ids):] == fmt.bridge
+        assert '"name": "python"' in tok.decode(s.prompt_ids)
+    plain = _tok("tiny_char")  # its template knows no tools
+    with pytest.raises(DataError, match="does not render them"):
+        TurnFormat(plain, (plain.eos_token_id,), tools)
+    env = ENVIRONMENTS.get("python")(PromptRecord(0, "What is 6*7?", "42"), cfg)
+    fb = env.step(Action((), '<tool_call>{"name": "python", "arguments": {"code": "print(6*7)"}}</tool_call>', 0))
+    assert fb.messages == [{"role": "tool", "content": "42\n"}] and (fb.tool_calls, fb.tool_errors) == (1, 0)
+    fb = env.step(Action((), '<tool_call>{"name": "python", "arguments": {"code": 7}}</tool_call>', 1))
+    assert fb.tool_errors == 1 and "invalid tool call" in fb.messages[0]["content"] and not fb.done
+    assert env.step(Action((), "<python>print(1)</python> The answer is 42", 2)).done  # tags are not calls here
 
 
 def test_template_refusals():
@@ -421,6 +455,9 @@ def test_the_episode_budget_is_what_the_context_and_the_micro_batches_must_hold(
                                      ("trainer.max_tokens_per_micro_batch=20",)), hf, world_size=2, log_warnings=False)
     check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("rollout.producer=async", "trainer.max_staleness=1")),
                      hf, world_size=2, log_warnings=False)
+    with pytest.raises(ConfigError, match="environment.options.format='json' is not known; known: tags, tool_call"):
+        check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), (
+            "environment.name=python", "environment.options.format=json")), hf, world_size=2, log_warnings=False)
     with pytest.raises(ConfigError, match="environment.name=.nope. is not known; known: lookup, python"):
         check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("environment.name=nope",)),
                          hf, world_size=2, log_warnings=False)

@@ -22,15 +22,20 @@ class PromptItem:
     input_ids: Optional[list[int]]  # None when the sampler has no tokenizer (an engine that takes text)
 
 
-def render_prompt(tokenizer, prompt, chat_template: str = "auto", system_prompt: Optional[str] = None) -> list[int]:
+def render_prompt(tokenizer, prompt, chat_template: str = "auto", system_prompt: Optional[str] = None,
+                  tools: Optional[list] = None) -> list[int]:
     """Token ids of a prompt: through the tokenizer's chat template (with the generation prompt) when
-    chat_template is 'on', or 'auto' and the tokenizer has one; else the plain text tokenized."""
+    chat_template is 'on', or 'auto' and the tokenizer has one; else the plain text tokenized. tools: the
+    environment's tool schemas, rendered by the template (environments.environment_tools)."""
     has = bool(getattr(tokenizer, "chat_template", None))
     if chat_template not in ("auto", "on", "off"):
         raise DataError(f"prompts.chat_template must be auto | on | off, got {chat_template!r}")
     if chat_template == "on" and not has:
         raise DataError("prompts.chat_template=on but the tokenizer has no chat template")
     if chat_template == "off" or not has:
+        if tools:
+            raise DataError("the environment declares tools, which only a chat template renders: use a tokenizer "
+                            "with one (and prompts.chat_template auto or on)")
         if not isinstance(prompt, str):
             raise DataError("a prompt given as chat messages needs a tokenizer with a chat template "
                             "(or prompts.chat_template not 'off')")
@@ -39,7 +44,7 @@ def render_prompt(tokenizer, prompt, chat_template: str = "auto", system_prompt:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt is not None and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": system_prompt}] + messages
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     # the template already holds any BOS / role markers; adding special tokens again would double them
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -49,23 +54,23 @@ class PromptSampler:
     reproducible and a resumed run (load_state_dict) draws exactly the prompts it would have drawn."""
 
     def __init__(self, records: Sequence[PromptRecord], tokenizer=None, *, seed: int = 0, shuffle: bool = True,
-                 chat_template: str = "auto", system_prompt: Optional[str] = None):
+                 chat_template: str = "auto", system_prompt: Optional[str] = None, tools: Optional[list] = None):
         if not records:
             raise DataError("prompt sampler needs at least one record")
         self.records = list(records)
         self.tokenizer = tokenizer
         self.seed, self.shuffle = seed, shuffle
-        self.chat_template, self.system_prompt = chat_template, system_prompt
+        self.chat_template, self.system_prompt, self.tools = chat_template, system_prompt, tools
         self.epoch, self.pos, self.drawn = 0, 0, 0
         self._order = self._permutation(0)
 
     @classmethod
-    def from_config(cls, pcfg, tokenizer=None, run_seed: int = 0) -> "PromptSampler":
+    def from_config(cls, pcfg, tokenizer=None, run_seed: int = 0, tools: Optional[list] = None) -> "PromptSampler":
         if not pcfg.path:
             raise DataError("prompts.path is not set")
         records = load_prompts(pcfg.path, pcfg.format, pcfg.prompt_key, pcfg.answer_key)
         return cls(records, tokenizer, seed=run_seed if pcfg.seed is None else pcfg.seed, shuffle=pcfg.shuffle,
-                   chat_template=pcfg.chat_template, system_prompt=pcfg.system_prompt)
+                   chat_template=pcfg.chat_template, system_prompt=pcfg.system_prompt, tools=tools)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         n = len(self.records)
@@ -82,7 +87,7 @@ class PromptSampler:
             rec = self.records[int(self._order[self.pos])]
             ids = None
             if self.tokenizer is not None:
-                ids = render_prompt(self.tokenizer, rec.prompt, self.chat_template, self.system_prompt)
+                ids = render_prompt(self.tokenizer, rec.prompt, self.chat_template, self.system_prompt, self.tools)
             out.append(PromptItem(self.drawn, rec, ids))
             self.pos += 1
             self.drawn += 1
@@ -95,7 +100,7 @@ class PromptSampler:
         if not context or self.tokenizer is None:
             return
         for rec in self.records:
-            n = len(render_prompt(self.tokenizer, rec.prompt, self.chat_template, self.system_prompt))
+            n = len(render_prompt(self.tokenizer, rec.prompt, self.chat_template, self.system_prompt, self.tools))
             if n + max_new_tokens > context:
                 raise DataError(f"{path}: record {rec.index} renders to {n} prompt tokens; with {budget_key}="
                                 f"{max_new_tokens} that exceeds the model's context (max_position_embeddings={context}): "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
+from typing import Optional
 
 from rlpo_mega.algorithms.registry import Registry
 
@@ -45,9 +46,20 @@ class Environment(abc.ABC):
     def __init__(self, record, cfg):
         self.record, self.cfg = record, cfg
 
+    @classmethod
+    def tools(cls, cfg) -> Optional[list[dict]]:
+        """The tool schemas (function-calling JSON, as transformers' `tools=`) the chat template renders into
+        every prompt of the run, the same for all episodes; None: no tools are declared."""
+        return None
+
     @abc.abstractmethod
     def step(self, action: Action) -> Feedback:
         """The environment's answer to the model's turn."""
 
     def close(self) -> None:
         """The episode is over (called once, also after a failed or timed-out step): free what it holds."""
+
+
+def environment_tools(env_cfg) -> Optional[list[dict]]:
+    """The run's tool schemas (`Environment.tools`): what every prompt render of the run passes as `tools=`."""
+    return ENVIRONMENTS.get(env_cfg.name).tools(env_cfg) if env_cfg.name else None

@@ -41,12 +41,15 @@ ANCHOR = ({"role": "user", "content": "?"}, {"role": "assistant", "content": "."
 class TurnFormat:
     """A chat template's turn format as token ids: the observation tokens of new messages."""
 
-    def __init__(self, tokenizer, stop_token_ids: Sequence[int]):
+    def __init__(self, tokenizer, stop_token_ids: Sequence[int], tools: Optional[list] = None):
         if not getattr(tokenizer, "chat_template", None):
             raise DataError("multi-turn episodes (environment.name) need a tokenizer with a chat template: the "
                             "observations are appended in its turn format")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.tools = tokenizer, tools
         self.anchor = self.render(list(ANCHOR), generation_prompt=False)
+        if tools and self.anchor == self.render(list(ANCHOR), generation_prompt=False, tools=None):
+            raise DataError("the environment declares tools but the chat template does not render them (`tools=`): "
+                            "the model would never see their schemas; use a template that renders tools")
         stops = set(int(t) for t in stop_token_ids)
         ends = [i for i, t in enumerate(self.anchor) if t in stops]
         if not ends:
@@ -56,9 +59,10 @@ class TurnFormat:
         self.end_id = self.anchor[ends[-1]]  # the token that closes a model turn (sampled by the model)
         self.bridge = self.anchor[ends[-1] + 1:]  # what the template puts after it (ChatML: "\n")
 
-    def render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        # text then ids, as data.sampling.render_prompt renders the episode's prompt
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    def render(self, messages: list[dict], generation_prompt: bool, tools="same") -> list[int]:
+        # text then ids, with the run's tools, as data.sampling.render_prompt renders the episode's prompt
+        text = self.tokenizer.apply_chat_template(messages, tools=self.tools if tools == "same" else tools,
+                                                  tokenize=False, add_generation_prompt=generation_prompt)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def observation(self, messages: list[dict]) -> list[int]:

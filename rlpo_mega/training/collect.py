@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from rlpo_mega.algorithms.registry import Registry
 from rlpo_mega.data.sampling import DynamicSamplingReport, GroupCollector
-from rlpo_mega.environments import EnvRunner
+from rlpo_mega.environments import EnvRunner, environment_tools
 from rlpo_mega.rewards import RewardInput
 from rlpo_mega.rollout import Sample, SamplingParams
 from rlpo_mega.rollout.base import share_of
@@ -136,7 +136,7 @@ class Episodes:
     def __init__(self, cfg, tokenizer):
         e = cfg.environment
         self.runner = EnvRunner(e)
-        self.fmt = TurnFormat(tokenizer, sampling_params(cfg, tokenizer, 0).stop_token_ids)
+        self.fmt = TurnFormat(tokenizer, sampling_params(cfg, tokenizer, 0).stop_token_ids, environment_tools(e))
         self.limits = EpisodeLimits(e.max_turns, e.max_tokens)
         self.tokenizer = tokenizer
 

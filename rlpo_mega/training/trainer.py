@@ -46,6 +46,7 @@ from rlpo_mega.checkpoint.files import HF_FILES
 from rlpo_mega.config import ConfigError, response_budget, to_dict, unknown_choice
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.data import PromptSampler, load_prompts
+from rlpo_mega.environments import environment_tools
 from rlpo_mega.errors import EXIT_STOPPED
 from rlpo_mega.logging import MetricsLogger, PhaseTimer
 from rlpo_mega.logging.metrics import count_host_syncs
@@ -90,7 +91,8 @@ class Trainer:
         # every data file is read and validated before a process group or a model exists (a bad record is one
         # DataError naming file and line, not a failure after minutes of set-up)
         self.tokenizer = load_tokenizer(cfg)
-        self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed)
+        self.tools = environment_tools(cfg.environment)  # rendered into every prompt (None: no tools)
+        self.sampler = PromptSampler.from_config(cfg.prompts, self.tokenizer, cfg.seed, self.tools)
         longest, key = response_budget(cfg)  # with multi-turn episodes, the whole episode follows the prompt
         self.sampler.check_lengths(longest, getattr(self.hf, "max_position_embeddings", None),
                                    f"prompts.path={cfg.prompts.path}", key)
@@ -225,8 +227,8 @@ class Trainer:
         c = self.cfg
         records = self.records["eval"]
         items = PromptSampler(records[:c.trainer.eval_size], self.tokenizer, shuffle=False,
-                              chat_template=c.prompts.chat_template, system_prompt=c.prompts.system_prompt
-                              ).next_prompts(min(len(records), c.trainer.eval_size))
+                              chat_template=c.prompts.chat_template, system_prompt=c.prompts.system_prompt,
+                              tools=self.tools).next_prompts(min(len(records), c.trainer.eval_size))
         with self.producer.paused():  # generation ahead (rollout.producer=async) waits for the evaluation
             scored = self.rollouts(items, 1, sampling_params(c, self.tokenizer, seed=c.seed, greedy=True),
                                    PhaseTimer())

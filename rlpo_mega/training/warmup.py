@@ -15,6 +15,7 @@ from megatron.core import parallel_state
 
 from rlpo_mega import platform
 from rlpo_mega.data import load_prompts, render_prompt
+from rlpo_mega.environments import environment_tools
 from rlpo_mega.training.batches import MicroBatch
 from rlpo_mega.training.update import forward_only, reduce_report, update
 
@@ -27,7 +28,8 @@ def _examples(cfg, tokenizer, records):
         records = load_prompts(c.trainer.warmup.path, "auto", c.prompts.prompt_key, c.prompts.answer_key)
     out = []
     for r in records:
-        prompt = render_prompt(tok, r.prompt, c.prompts.chat_template, c.prompts.system_prompt)
+        prompt = render_prompt(tok, r.prompt, c.prompts.chat_template, c.prompts.system_prompt,
+                               environment_tools(c.environment))  # as the RL prompts render
         answer = list(tok(str(r.reference), add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
         out.append((prompt, answer))
     return out
