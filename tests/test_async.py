@@ -47,6 +47,22 @@ def test_join_keeps_each_tokens_own_routes_logprobs_and_version():
     assert not torch.equal(cont.routes[:P + k - 1], first.routes[:P + k - 1])  # the case the rule guards
 
 
+def test_join_takes_a_continuation_that_returned_only_its_new_routing_rows():
+    """A continuation asked for the rows from its part's last token on (SGLang's routed_experts_start_len, the
+    answer's routes_from) joins to the same sample as one that returned every row."""
+    from dataclasses import replace as dc_replace
+
+    first = _part([5, 6, 7], [1, 2], "abort", version=3, seed=1)
+    cont = _part(continuation_prompt(first), [3, 4, 9], "stop", version=4, seed=2)
+    start = len(continuation_prompt(first)) - 1
+    short = dc_replace(cont, routes=cont.routes[start:].clone(), routes_from=start)
+    full, joined = join(first, cont, 8, (9,)), join(first, short, 8, (9,))
+    assert torch.equal(full.routes, joined.routes) and joined.routes_from == 0
+    assert continuable(dc_replace(short, finish_reason="abort"))
+    with pytest.raises(EngineError, match="lacks routing rows"):
+        join(first, dc_replace(cont, routes=cont.routes[start + 1:].clone(), routes_from=start + 1), 8, (9,))
+
+
 def test_join_cuts_at_the_budget_and_refuses_half_routed_parts():
     first = _part([5, 6], [1, 2, 3], "abort", version=0)
     cont = _part(continuation_prompt(first), [4, 4, 4], "length", version=1)  # asked for more than was left

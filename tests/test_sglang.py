@@ -290,11 +290,13 @@ def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "configs", "tokenizers", "tiny_chatml"))
     fmt = TurnFormat(tok, (tok.eos_token_id,))
     sampling, answer, starts = engine._sampling, engine._answer, []
-    monkeypatch.setattr(engine, "_sampling", lambda p, seed: {**sampling(p, seed), "logit_bias": {str(fmt.end_id): 5.0}})
+    bias = {str(fmt.end_id): 5.0}
+    monkeypatch.setattr(engine, "_sampling", lambda p, seed: {**sampling(p, seed), "logit_bias": bias})
 
     def recorded(server, prompt_index, prompt, rid, status, body, size, start=0):
         got = answer(server, prompt_index, prompt, rid, status, body, size, start)
-        starts.append((len(prompt), start, None if got.routes is None else int(got.routes.shape[0]), len(got.response_ids)))
+        rows = None if got.routes is None else int(got.routes.shape[0])
+        starts.append((len(prompt), start, rows, len(got.response_ids)))
         return got
 
     monkeypatch.setattr(engine, "_answer", recorded)

@@ -33,7 +33,7 @@ import torch
 from rlpo_mega.data.dataset import DataError
 from rlpo_mega.environments import Action
 from rlpo_mega.rollout.base import EngineError, Sample
-from rlpo_mega.rollout.partial import merge_spans, continuable, tag, versions_of
+from rlpo_mega.rollout.partial import continuable, merge_spans, tag, versions_of
 
 ANCHOR = ({"role": "user", "content": "?"}, {"role": "assistant", "content": "."})
 

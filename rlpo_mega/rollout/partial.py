@@ -92,12 +92,16 @@ def join(part: Sample, cont: Sample, max_new_tokens: int, stop_token_ids=()) -> 
         raise EngineError(f"a continued sample (prompt {part.prompt_index}) has routes in one part only: the engine "
                           "returned routed experts for one request and not for the other")
     routes: Optional[torch.Tensor] = None
-    if part.routes is not None:
-        routes = torch.cat([part.routes[:p + k - 1], cont.routes[p + k - 1:p + end - 1]])
+    if part.routes is not None:  # the continuation's rows may start at cont.routes_from (asked for from p + k - 1)
+        c0 = cont.routes_from
+        if c0 > p + k - 1 or part.routes_from:
+            raise EngineError(f"a continued sample (prompt {part.prompt_index}) lacks routing rows: the continuation's "
+                              f"start at {c0} (its part's at {part.routes_from}), the rows needed from {p + k - 1}")
+        routes = torch.cat([part.routes[:p + k - 1], cont.routes[p + k - 1 - c0:p + end - 1 - c0]])
     meta = {**part.meta, **cont.meta, "versions": spans,
             "parts": part.meta.get("parts", 1) + cont.meta.get("parts", 1)}
     return replace(cont, prompt_ids=list(part.prompt_ids), response_ids=ids, logprobs=lps, finish_reason=finish,
-                   routes=routes, prompt_index=part.prompt_index, meta=meta, trace_checked=False,
+                   routes=routes, routes_from=0, prompt_index=part.prompt_index, meta=meta, trace_checked=False,
                    has_routes=routes is not None, replaced=None)
 
 

@@ -255,8 +255,10 @@ class RolloutWorker:
             prompts = [continuation_prompt(job.parts[k]) if k in job.parts else job.items[k[0]].input_ids
                        for k in todo]
             budgets = [self.max_new - (len(job.parts[k].response_ids) if k in job.parts else 0) for k in todo]
+            # a continuation needs the routing rows from its part's last token on only (SGLang returns those)
+            held = [len(p) - 1 if k in job.parts else 0 for k, p in zip(todo, prompts)]
             gen = engine.stream(prompts, sampling_params(self.cfg, self.tokenizer, mix_seed(job.seed, job.rounds)),
-                                n=1, max_new_tokens=budgets)
+                                n=1, max_new_tokens=budgets, routes_from=held)
         job.rounds += 1
         try:
             msg = None
