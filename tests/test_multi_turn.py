@@ -2,6 +2,7 @@
 failures (rlpo_mega/environments), and the learner's view of an episode (observation tokens out of every loss,
 GAE across them)."""
 import os
+import re
 import warnings
 
 import pytest
@@ -226,6 +227,12 @@ def test_template_refusals():
     tok = _tok("tiny_chatml")
     with pytest.raises(DataError, match="does not close an assistant turn with a stop token"):
         TurnFormat(tok, (5,))
+    glm = _tok("tiny_chatml")  # GLM-4.5's layout: a turn is opened by its role token, nothing closes it
+    glm.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    start = glm.convert_tokens_to_ids("<|im_start|>")  # the stop: the next turn's opener, also before the turn
+    with pytest.raises(DataError, match=re.escape("GLM-4.5's <|observation|>, are not supported yet")):
+        TurnFormat(glm, (start,))
     bad = _tok("tiny_chatml")  # a template that rewrites the history when a tool turn follows: not append-only
     bad.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
                          "{{ '<|im_start|>assistant\\n<|im_end|>\\n' }}{% else %}"

@@ -51,11 +51,17 @@ class TurnFormat:
             raise DataError("the environment declares tools but the chat template does not render them (`tools=`): "
                             "the model would never see their schemas; use a template that renders tools")
         stops = set(int(t) for t in stop_token_ids)
-        ends = [i for i, t in enumerate(self.anchor) if t in stops]
-        if not ends:
+        opened = self.render([ANCHOR[0]], generation_prompt=True)  # up to where the model's turn starts
+        start = next((i for i, (a, b) in enumerate(zip(opened, self.anchor)) if a != b), min(len(opened),
+                                                                                            len(self.anchor)))
+        ends = [i for i, t in enumerate(self.anchor) if t in stops and i >= start]
+        if not ends:  # no stop token after the assistant's content (a GLM-4.5-style template opens the next turn
+            # with the stop token instead: not supported yet)
             raise DataError("the chat template does not close an assistant turn with a stop token "
-                            f"(rollout.stop_token_ids {sorted(stops)}): a multi-turn episode could not tell where "
-                            "the model's turn ends; set rollout.stop_token_ids to the template's end-of-turn token")
+                            f"(rollout.stop_token_ids {sorted(stops)}) after the turn's content: a multi-turn episode "
+                            "could not tell where the model's turn ends; set rollout.stop_token_ids to the template's "
+                            "end-of-turn token (templates whose next turn's opening token ends the model's turn, as "
+                            "GLM-4.5's <|observation|>, are not supported yet)")
         self.end_id = self.anchor[ends[-1]]  # the token that closes a model turn (sampled by the model)
         self.bridge = self.anchor[ends[-1] + 1:]  # what the template puts after it (ChatML: "\n")
 
