@@ -293,12 +293,13 @@ class SGLangEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- generation
     def _sampling(self, params: SamplingParams, seed: Optional[int]) -> dict:
-        # ignore_eos stays false: SGLang 0.5.23's ignore_eos also switches off stop_token_ids (Req.
-        # _check_token_based_finish returns before reading them), and every response ran to max_new_tokens. So
-        # the server stops at these ids and also at the model's own eos ids (config.json): `_answer` names a stop
-        # at one outside them, once
+        # SGLang 0.5.23's ignore_eos also switches off stop_token_ids (Req._check_token_based_finish returns
+        # before reading them): with it every response ran to max_new_tokens. So it is set only when there is no
+        # stop id (a request that asks for its whole budget); with stop ids the server stops at them and also at
+        # the model's own eos ids (config.json), and `_answer` names a stop at one outside them, once
         sp = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
-              "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids)}
+              "max_new_tokens": params.max_new_tokens, "stop_token_ids": list(params.stop_token_ids),
+              "ignore_eos": not params.stop_token_ids}
         if seed is not None and self.cfg.server_args.get("enable_deterministic_inference"):
             sp["sampling_seed"] = seed  # sglang 0.5.23 accepts a per-request seed only in deterministic mode
         return sp
