@@ -272,7 +272,7 @@ def test_abort_by_rid(family):
 
 
 def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family, monkeypatch):
-    """Multi-turn episodes on a real SGLang server (qwen3_moe): each turn continues from the episode's token ids
+    """Multi-turn episodes on a real SGLang server (each family): each turn continues from the episode's token ids
     and asks only for the routing rows the episode lacks (routed_experts_start_len), and the stitched routes
     are the routing of every position: equal to a fresh prefill of the whole episode (cache flushed). A test-only
     logit bias on the end-of-turn token makes the random model close its turns."""
@@ -285,8 +285,6 @@ def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family
     from rlpo_mega.rollout.episode import EpisodeLimits, TurnFormat, run_episodes
 
     engine, hf, *_ = family
-    if hf.model_type != "qwen3_moe":
-        pytest.skip("one family is enough for the episode mechanics")
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "configs", "tokenizers", "tiny_chatml"))
     fmt = TurnFormat(tok, (tok.eos_token_id,))
     sampling, answer, starts = engine._sampling, engine._answer, []
