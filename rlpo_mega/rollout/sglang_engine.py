@@ -171,6 +171,7 @@ class SGLangEngine(RolloutEngine):
         self.weights_updated = False  # since the servers started: a restart would silently undo it
         self.should_stop: Optional[Callable[[], bool]] = None  # the trainer's stop flag, polled while waiting
         self._store = None  # TCP store hosted here: digest reports, the sglang_distributed rendezvous
+        self._store_lock = threading.Lock()
         self.digest_peak_bytes: dict[str, Optional[int]] = {}  # per server URL: the last digest report's peak
         self._closed = False
         self.servers: list[_Server] = []
@@ -255,6 +256,8 @@ class SGLangEngine(RolloutEngine):
                                "rollout.sglang.request_timeout for generation, control_timeout for other calls)")
         if self._closed:  # a request thread abandoned by a hang or a stop: never restart after shutdown
             return EngineError(f"SGLang server {server.url}: {what} (engine already shut down)")
+        if self.should_stop is not None and self.should_stop():  # the job is stopping: no restart begins now
+            return EngineError(f"SGLang server {server.url}: {what} (a stop is requested: not restarted)")
         if server.node is not None:
             return EngineError(f"SGLang server {server.url}, launched on node {server.node}, is dead or unreachable "
                                f"({what}): the engine is rebuilt and every node restarts its servers "
@@ -423,6 +426,8 @@ class SGLangEngine(RolloutEngine):
                 # slot (SlotsClosed), was never answered: its caller skips it
                 dropped = f.cancelled() or isinstance(f.exception(), SlotsClosed)
                 if not (dropped and slots is not None and slots.closed) and f.exception() is not None:
+                    if self.should_stop is not None and self.should_stop():  # servers stopping with the job
+                        raise RolloutInterrupted(f"stop requested during a rollout (and {f.exception()})")
                     raise f.exception()
                 yield f
             if self.should_stop is not None and self.should_stop():
@@ -594,7 +599,35 @@ class SGLangEngine(RolloutEngine):
     def begin_weight_update(self) -> None:
         self._check_layout()
         for s in self.servers:
-            self._post_ok(s, "/begin_weight_update")
+            self._begin(s)
+
+    def _begin(self, server: _Server) -> None:
+        """POST /begin_weight_update; a session left open (a sync that failed half-way, here or by a learner that
+        died) is closed first: SGLang refuses every begin while one is open, so no retry could succeed."""
+        try:
+            self._post_ok(server, "/begin_weight_update")
+        except EngineError as e:
+            if "already open" not in str(e):
+                raise
+            log.warning("SGLang server %s held a weight-update session left open by a failed sync: closed",
+                        server.url)
+            self._post_ok(server, "/end_weight_update")
+            self._post_ok(server, "/begin_weight_update")
+
+    def abandon_weight_update(self) -> None:
+        """After a failed sync: every reachable server's session closed (quietly; the sync is retried or the run
+        stops), so that the next begin_weight_update is not refused."""
+        self._end_quietly(self.servers)
+
+    def _end_quietly(self, servers) -> None:
+        for s in servers:  # a raw POST: a dead server here is not restarted (_dead), the retry's guard decides
+            req = urllib.request.Request(s.url + "/end_weight_update", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with _OPENER.open(req, timeout=self.cfg.health_timeout * 6) as r:
+                    r.read()
+            except Exception as e:  # no session open (HTTP 400), or the server is gone
+                log.debug("closing %s's weight-update session: %s", s.url, e)
 
     def _post_ok_all(self, path):
         for s in self.servers:
@@ -668,11 +701,16 @@ class SGLangEngine(RolloutEngine):
         driver's index, so drivers sharing a host never collide; 0 = any free port). Hosted directly, not through
         rendezvous(): under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous() turns rank 0 into a client of the
         agent's store and the servers wait for a host that never comes."""
-        if self._store is None:
-            port = self.cfg.store_port + self.driver if self.cfg.store_port else 0
-            self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=self.cfg.control_timeout))
-        return self._store
+        # under a lock: the digest reports of a driver's servers are asked for concurrently (weight_digests), and
+        # two threads that both found no store each created one: the first server was told a port whose store
+        # the second assignment then dropped, its report hook retried that closed port for control_timeout and
+        # the sync failed (two servers per driver; one server never raced)
+        with self._store_lock:
+            if self._store is None:
+                port = self.cfg.store_port + self.driver if self.cfg.store_port else 0
+                self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=self.cfg.control_timeout))
+            return self._store
 
     def _hook_request(self, server: _Server, request: dict, what: str) -> dict:
         """Run launch/rlpo_sglang_hooks.py's loader in every TP rank of `server` with `request`; its TP rank 0's
@@ -682,10 +720,14 @@ class SGLangEngine(RolloutEngine):
                               "timeout": self.cfg.control_timeout})
         # a plain pickle (bytes inline), not shared memory: the server may be on another host
         payload = base64.b64encode(pickle.dumps([(request, torch.zeros(1))])).decode()
-        self._post_ok(server, "/begin_weight_update")
-        status, body = self._http(server, "/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": REPORT_LOADER,
-            "flush_cache": False})
+        self._begin(server)
+        try:
+            status, body = self._http(server, "/update_weights_from_tensor", {
+                "serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": REPORT_LOADER,
+                "flush_cache": False})
+        except BaseException:
+            self._end_quietly([server])
+            raise
         self._post_ok(server, "/end_weight_update")
         if status != 200:
             raise EngineError(f"SGLang server {server.url} could not report its {what} ({status}: "
@@ -855,6 +897,14 @@ class SGLangDistributedTransport:
             _world.pg_group_ranks[self.pg] = {i: i for i in range(world)}  # as sglang does: src=0 resolves
 
     def sync(self, stream) -> dict:
+        try:
+            return self._sync(stream)
+        except BaseException:
+            if stream.receives:
+                self.engine.abandon_weight_update()
+            raise
+
+    def _sync(self, stream) -> dict:
         e = self.engine
         if stream.receives:
             if self.pg is None:

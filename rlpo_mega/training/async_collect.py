@@ -59,6 +59,7 @@ from rlpo_mega.rollout import RolloutInterrupted, Sample
 from rlpo_mega.rollout.episode import EpisodeBatch, with_call_seed
 from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, tag, versions_of
 from rlpo_mega.training.collect import PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, sampling_params, score, share
+from rlpo_mega.training.engines import agree
 from rlpo_mega.training.exchange import gather_scalars
 
 log = logging.getLogger("rlpo_mega")
@@ -351,10 +352,17 @@ class AsyncProducer(RolloutProducer):
         self.planned = None  # the last step whose prompts are drawn
         self.engines.guard.quiesce.append(lambda: self.worker.paused(clear_error=True))
 
+    @contextlib.contextmanager
     def paused(self, version: Optional[int] = None):
         """A weight sync (version given) interrupts the running requests with rollout.partial_rollout, else waits
-        for them; an evaluation waits for them."""
-        return self.worker.paused(version, abort=version is not None and self.cfg.rollout.partial_rollout)
+        for them; an evaluation waits for them. Before a sync every rank agrees it is past its pause: a driver
+        waiting for its running round (partial_rollout=false: up to a whole generation) holds the others on the
+        gloo control group (rollout.wait_timeout, as the sync producer's rollout wait), not in the export's
+        collectives under NCCL's timeout."""
+        with self.worker.paused(version, abort=version is not None and self.cfg.rollout.partial_rollout):
+            if version is not None:
+                agree(0, self.engines.guard.group)
+            yield
 
     def _plan(self, step: int):
         """Draw the prompts of the steps up to step + k (in step order: the sync producer's prompts per step)."""

@@ -126,64 +126,78 @@ class EngineSlot:
 
 
 class StopRequested(Exception):
-    """Every rank: a stop (SIGTERM) interrupted the rollout; the trainer saves and exits."""
+    """Every rank: a stop (SIGTERM) was agreed while ranks waited for the engine (a rollout, an evaluation, a weight
+    sync); the trainer saves its last completed step and exits."""
 
 
 _OK, _FAILED, _STOP = 0, 1, 2
 
 
-def agree(code: int, group) -> int:
-    """The worst outcome over all ranks (max), on the host-side control group: ranks that finished their
-    share wait here while engine ranks generate, under that group's own long timeout (not NCCL's)."""
-    flag = torch.tensor([code], dtype=torch.int64)
+def agree(code: int, group, stop: bool = False) -> tuple[int, bool]:
+    """(the worst outcome over all ranks (max), whether any rank has a stop requested), on the host-side control
+    group: ranks that finished their share wait here while engine ranks generate or load weights, under that
+    group's own long timeout (rollout.wait_timeout), not NCCL's."""
+    flag = torch.tensor([code, int(stop)], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return int(flag.item())
+    return int(flag[0]), bool(flag[1])
 
 
 class EngineGuard:
-    """Runs engine calls so that a failure on any rank is seen by all: the engine (and its transport) is
-    rebuilt on every engine rank and the weights re-synced (collective), up to `restarts` times, else
-    EngineError. A stop requested during the call (RolloutInterrupted) becomes StopRequested everywhere.
-    group: a gloo group with a long timeout (distributed.control_group)."""
+    """Runs engine calls (a rollout, a weight sync) so that a failure on any rank is seen by all: the engine (and
+    its transport) is rebuilt on every engine rank and the weights re-synced (collective; the re-sync itself
+    retried under the same budget), up to `restarts` times, else EngineError. A stop requested on any rank wins
+    over a failure: StopRequested everywhere and no rebuild (the servers may be stopping with the job; the
+    trainer saves what it has). group: a gloo group with a long timeout (distributed.control_group)."""
 
-    def __init__(self, slot: EngineSlot, sync, restarts: int, group):
+    def __init__(self, slot: EngineSlot, sync, restarts: int, group, should_stop=None):
         self.slot, self.sync, self.restarts_left, self.group = slot, sync, restarts, group
+        self.should_stop = should_stop
         self.restarts = 0
         # what else uses the engine (the async producer's generation thread): quiesced around a rebuild
         self.quiesce: list = []  # context-manager factories
 
+    def _attempt(self, fn):
+        """fn() on this rank -> (its result, the worst outcome over all ranks, the failures' text or None)."""
+        err, code, out = None, _OK, None
+        try:
+            out = fn()
+        except RolloutInterrupted as e:
+            err, code = e, _STOP
+        except EngineError as e:
+            err, code = e, _FAILED
+        worst, stopping = agree(code, self.group, self.should_stop is not None and self.should_stop())
+        if worst == _OK:
+            return out, None
+        if worst == _STOP or stopping:
+            raise StopRequested(f"stop requested while waiting for the engine ({err or 'on another rank'})")
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, None if err is None else str(err), group=self.group)
+        return None, "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e is not None)
+
     def run(self, fn):
         while True:
-            err, code = None, _OK
-            try:
-                out = fn()
-            except RolloutInterrupted as e:
-                err, code, out = e, _STOP, None
-            except EngineError as e:
-                err, code, out = e, _FAILED, None
-            worst = agree(code, self.group)
-            if worst == _OK:
+            out, why = self._attempt(fn)
+            if why is None:
                 return out
-            if worst == _STOP:
-                raise StopRequested("stop requested during the rollout")
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, None if err is None else str(err), group=self.group)
-            why = "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e is not None)
-            if self.restarts_left <= 0:
-                raise EngineError(f"rollout engine failed and no restarts are left (trainer.engine_restarts): "
-                                  f"{why}; the last checkpoint is intact")
-            log.warning("rollout engine failed (%s): rebuilding it and re-syncing weights", why)
-            self.restarts_left -= 1
-            self.restarts += 1
             with contextlib.ExitStack() as quiet:
                 for q in self.quiesce:
                     quiet.enter_context(q())
-                try:
-                    self.slot.close()
-                except Exception as e:  # a dead engine may fail to shut down; it is replaced anyway
-                    log.warning("shutdown of the failed engine raised %s", e)
-                self.slot.build()
-                self.sync()
+                while why is not None:  # rebuilt, then re-synced; a failed re-sync takes another restart
+                    self._rebuild(why)
+                    _, why = self._attempt(self.sync)
+
+    def _rebuild(self, why: str):
+        if self.restarts_left <= 0:
+            raise EngineError(f"rollout engine failed and no restarts are left (trainer.engine_restarts): "
+                              f"{why}; the last checkpoint is intact")
+        log.warning("rollout engine failed (%s): rebuilding it and re-syncing weights", why)
+        self.restarts_left -= 1
+        self.restarts += 1
+        try:
+            self.slot.close()
+        except Exception as e:  # a dead engine may fail to shut down; it is replaced anyway
+            log.warning("shutdown of the failed engine raised %s", e)
+        self.slot.build()
 
 
 class Engines:
@@ -194,7 +208,13 @@ class Engines:
     def __init__(self, cfg, hf, sync, should_stop, group):
         self.ranks = engine_ranks(cfg)
         self.slot = EngineSlot(cfg, hf, should_stop=should_stop, group=group)
-        self.guard = EngineGuard(self.slot, sync, cfg.trainer.engine_restarts, group)
+        self.guard = EngineGuard(self.slot, sync, cfg.trainer.engine_restarts, group, should_stop=should_stop)
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank has a stop requested, agreed on the control group (gloo, rollout.wait_timeout): before
+        a weight sync, so that a stop never depends on the servers (which may be stopping with the job)."""
+        stop = self.guard.should_stop
+        return agree(_OK, self.guard.group, stop is not None and stop())[1]
 
     def close(self):
         self.slot.close()

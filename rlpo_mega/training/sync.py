@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from moe.bridge.megatron_io import ExportStream
 from rlpo_mega.model_setup import PARAMS_DTYPES
+from rlpo_mega.rollout import EngineError
 from rlpo_mega.training.engines import engine_ranks
 
 
@@ -26,4 +27,35 @@ def sync_weights(chunks, cfg, slot) -> dict:
         for _ in stream:
             pass
         return {}
-    return slot.transport.sync(stream)
+    stream = Resumable(stream)
+    try:
+        return slot.transport.sync(stream)
+    except EngineError:
+        stream.drain()  # the other ranks' collectives of this export complete; the failure is agreed after
+        raise
+
+
+class Resumable:
+    """An export stream as a transport sees it, its one iterator kept: when a receiving rank's transport fails
+    half-way (a server dead mid-sync), `drain` runs the rest of the same export, so the other ranks' collectives
+    (sends to this rank, all-gathers) complete and the failure is agreed by all on the control group
+    (engines.EngineGuard) instead of leaving them in NCCL until its timeout."""
+
+    def __init__(self, stream):
+        object.__setattr__(self, "_stream", stream)
+        object.__setattr__(self, "_it", None)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def __setattr__(self, name, value):  # the transport's settings (compute_digests, recycle) are the stream's
+        setattr(self._stream, name, value)
+
+    def __iter__(self):
+        if self._it is None:
+            object.__setattr__(self, "_it", iter(self._stream))
+        return self._it
+
+    def drain(self):
+        for _ in self:
+            pass

@@ -15,8 +15,11 @@ after it:
   sync.py           the weights to the engine, digest-verified
   report.py         the step's metrics
 
-A non-finite loss or gradient skips the optimizer step (stop after trainer.max_bad_steps in a row); SIGTERM
-saves at the end of the step and exits; a failed engine is rebuilt and re-synced (engines.py).
+A non-finite loss or gradient skips the optimizer step (stop after trainer.max_bad_steps in a row). A stop
+(SIGTERM, SIGINT) in any phase ends with the last completed step saved and exit 75: during the rollout or an
+evaluation the wait ends (engines.StopRequested); during old log-probs or the update the step completes, the stop
+is agreed before the sync and the sync skipped (it may need servers that are stopping too); during a save, once
+it is written. A failed engine (rollout or sync) is rebuilt and re-synced unless a stop is requested (engines.py).
 """
 from __future__ import annotations
 
@@ -129,6 +132,7 @@ class Trainer:
             log.info("old log-probs: %s", "the update's own forward (one optimizer step per rollout batch)"
                      if why is None else f"a separate pass ({why})")
         self.step, self.bad_steps, self.warmup_done, self.stopped, self.started = 0, 0, False, False, False
+        self.stopping = False  # a stop agreed by all ranks before this step's sync (which it skipped)
         self.critic_loaded, self.resumed_rank_state = False, {}
         self.reference_loaded = self._resume()
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
@@ -159,7 +163,7 @@ class Trainer:
         if self.critic is not None and not self.critic_loaded and not c.critic.init_from_hf:
             self.critic.copy_trunk_from(p.chunks)  # the policy as RL starts (after any warm-up)
         with self.producer.paused(version=self.step):  # the policy version the engine holds: the step
-            self.sync()
+            self.engines.guard.run(self.sync)
         self.started = True
         return True
 
@@ -209,10 +213,17 @@ class Trainer:
                                              policy_moves=self.critic is None or self.step >= c.critic.warmup_steps)
         skipped = int(sum(o["skipped"] for o in outs + critic_outs))
         self.bad_steps = self.bad_steps + 1 if skipped else 0
-        # 7. sync: the new weights to the engine
-        with timer("sync"), self.producer.paused(version=self.step + 1):  # generation ahead pauses, continues after
-            self.sync()
+        # 7. sync: the new weights to the engine, unless a stop is agreed first (on the control group: a stop must
+        # not depend on the servers, which a pre-emption may be stopping too); the step is complete either way, and
+        # a resume's first sync sends the saved weights
         self.step += 1
+        self.stopping = self.engines.stop_agreed()
+        if not self.stopping:
+            try:
+                with timer("sync"), self.producer.paused(version=self.step):  # generation ahead pauses, resumes after
+                    self.engines.guard.run(self.sync)  # a failed sync is rebuilt and retried as a failed rollout
+            except StopRequested:  # agreed while the sync failed (servers stopping with the job): the step stands
+                self.stopping = True
         # 8. report
         metrics.update(report.update_metrics(outs, self.critic.metrics(critic_outs) if critic_batches is not None
                                              else {}, skipped, self.bad_steps, p.old_from_update,
@@ -348,15 +359,16 @@ class Trainer:
             while self.step < c.train_iters:
                 try:
                     metrics = self.train_step()
-                    if c.trainer.eval_every and self.step % c.trainer.eval_every == 0:
+                    if c.trainer.eval_every and self.step % c.trainer.eval_every == 0 and not self.stopping:
                         metrics.update(self.evaluate())
                     metrics["time/gc"] = self.collector.step(self.step)
-                except StopRequested:  # SIGTERM while ranks waited for a rollout: this step never happened
-                    if c.checkpoint.save_dir:
+                except StopRequested:  # agreed while ranks waited for the engine: the last completed step is saved
+                    if c.checkpoint.save_dir and not os.path.isdir(ckpt_state.step_dir(c.checkpoint.save_dir,
+                                                                                       self.step)):
                         self.save(on_signal=True)
                     if self.rank == 0:
-                        log.warning("stopped by signal during the rollout of step %d; saved step %d",
-                                    self.step + 1, self.step)
+                        log.warning("stopped by signal while waiting for the engine (step %d's rollout, an evaluation "
+                                    "or a weight sync); saved step %d", self.step + 1, self.step)
                     self.stopped = True
                     return history
                 self.logger.log(self.step, metrics)
@@ -368,13 +380,16 @@ class Trainer:
                         f"{self.bad_steps} steps in a row had a non-finite loss or gradient (trainer.max_bad_steps="
                         f"{c.trainer.max_bad_steps}); stopping. Lower optim.lr or check the rewards; the last "
                         "checkpoint is intact")
-                stopping = self.stop.any_rank(self.device)
+                stopping = self.stopping or self.stop.any_rank(self.device)
                 if c.checkpoint.save_dir and (stopping or (c.checkpoint.save_every
                                                            and self.step % c.checkpoint.save_every == 0)):
                     self.save(on_signal=stopping)
+                    # a stop that arrived during this save: the step is saved, exit now rather than after another
+                    stopping = stopping or self.stop.any_rank(self.device)
                 if stopping:
                     if self.rank == 0:
-                        log.warning("stopped by signal after step %d", self.step)
+                        log.warning("stopped by signal after step %d%s", self.step,
+                                    " (its weight sync skipped)" if self.stopping else "")
                     self.stopped = True
                     return history
             if c.checkpoint.save_dir and not (c.checkpoint.save_every and self.step % c.checkpoint.save_every == 0):

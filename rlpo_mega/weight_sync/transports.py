@@ -8,6 +8,8 @@ Receiver contract (what an engine implements; SGLang's session API has the same 
                                                   load_weights must copy: the in-process transport
                                                   reuses a bucket's buffers once it returns
   reload_from_disk(hf_dir)                       (disk transport)
+  abandon_weight_update()                        optional: after a failed sync, close what begin opened (SGLang
+                                                  refuses a begin while a session is open)
   weight_digests(names, algorithm) -> {name: digest}   digests of what the engine now holds, computed
                                                   with the sender's algorithm (stream.digest_algorithm)
 
@@ -43,6 +45,14 @@ class InProcessTransport:
         return cls(engine)
 
     def sync(self, stream) -> dict:
+        try:
+            return self._sync(stream)
+        except BaseException:
+            if stream.receives and hasattr(self.receiver, "abandon_weight_update"):
+                self.receiver.abandon_weight_update()  # the next sync's begin must not find a session open
+            raise
+
+    def _sync(self, stream) -> dict:
         # A receiver that can digest while it copies (load_weights_verified) takes the sender's digest
         # from the streamed tensor in the same cache-blocked pass; otherwise the stream digests on export
         # and the receiver re-reads what it holds after the update.

@@ -1,0 +1,172 @@
+"""The fault harness's trainer side (tests/test_faults.py), several runs in one launch (start-up paid once).
+
+A stop (SIGTERM to every rank, as `scancel --signal=TERM` does) in each phase of a step -- rollout, old
+log-probs, update, sync (the servers alive, or dying with the job: the sync fails), evaluation, a save -- under
+the sync and the async producer; a failed weight sync (rebuilt and retried); a resume from a stop. Each run
+records, per rank and step, the prompts it trained (their token ids), the steps saved and how it ended.
+
+argv: out_dir. Rank 0 writes the report: {run: {"rc", "stopped", "steps", "saved", "trained", ...}}.
+"""
+import os
+import signal
+import sys
+
+import torch.distributed as dist
+
+import rlpo_mega.training.trainer as trainer_module
+import tests.workers.train_hooks as hooks  # noqa: F401  (registers the test_flaky engine)
+from rlpo_mega.checkpoint import run as state
+from rlpo_mega.rollout import EngineError
+from rlpo_mega.training.trainer import Trainer
+from tests.dist import write_report
+from tests.workers.train_scenarios import cfg, history, train
+
+STEPS = 3
+
+
+def _term():
+    os.kill(os.getpid(), signal.SIGTERM)  # a real signal through the trainer's handler, on every rank
+
+
+class Faults:
+    """Patches the trainer's phases for one run: a SIGTERM at `phase` of step `at` (1-based, the step being
+    made), and records the prompts each step trained (per rank: the samples whose ids this rank holds)."""
+
+    def __init__(self, phase=None, at=2, sync_fails=False, sync_failures=0, bucket_fails_on=None):
+        self.phase, self.at, self.sync_fails, self.sync_failures = phase, at, sync_fails, sync_failures
+        self.bucket_fails_on = bucket_fails_on  # this rank's receiver fails at the first bucket of step 1's sync
+        self.trained, self.saves, self.syncs = {}, [], 0
+        self.saved = []
+
+    def __enter__(self):
+        self.orig = {"collect_plan": trainer_module.plan_and_exchange, "old": trainer_module.old_logprobs,
+                     "update": trainer_module.update_phase, "sync": Trainer.sync, "eval": Trainer.evaluate,
+                     "save": Trainer.save}
+        f = self
+
+        def plan_and_exchange(samples, *args, **kw):
+            f.step_now = f.trainer.step + 1
+            f.trained[f.step_now] = sorted(list(s.prompt_ids) for s in samples if s.prompt_ids is not None)
+            return f.orig["collect_plan"](samples, *args, **kw)
+
+        def old_logprobs(*args, **kw):
+            f.fire("old_logprob", f.trainer.step + 1)
+            return f.orig["old"](*args, **kw)
+
+        def update_phase(*args, **kw):
+            f.fire("update", f.trainer.step + 1)
+            return f.orig["update"](*args, **kw)
+
+        def sync(self):
+            f.syncs += 1
+            if f.trainer.started:  # not the run's first sync: the step's (or a rebuild's re-sync)
+                f.fire("sync", f.trainer.step)  # the step is counted before its sync
+                if f.sync_failures > 0:  # a server that fails the sync (a dead one, or one that went with the job)
+                    f.sync_failures -= 1
+                    raise EngineError("test: the weight sync failed (server gone)")
+                if f.sync_fails and f.phase == "sync" and f.trainer.step == f.at:
+                    raise EngineError("test: the weight sync failed (servers stopping with the job)")
+            return f.orig["sync"](self)
+
+        def evaluate(self):
+            if self.started:
+                f.fire("eval", self.step)
+            return f.orig["eval"](self)
+
+        def save(self, **kw):
+            f.saves.append({"step": self.step, "on_signal": kw.get("on_signal", False)})
+            f.fire("save", self.step + 1)  # the save of the step before `at`
+            return f.orig["save"](self, **kw)
+
+        trainer_module.plan_and_exchange, trainer_module.old_logprobs = plan_and_exchange, old_logprobs
+        trainer_module.update_phase = update_phase
+        Trainer.sync, Trainer.evaluate, Trainer.save = sync, evaluate, save
+        self.init = Trainer.__init__
+
+        def init(trainer, *args, **kw):
+            f.trainer = trainer
+            self.init(trainer, *args, **kw)
+            collect = trainer.producer.collect
+
+            def rollout(step, timer):
+                f.fire("rollout", step + 1)
+                return collect(step, timer)
+            trainer.producer.collect = rollout
+            receiver = getattr(trainer.engines.slot.transport, "receiver", None)
+            if f.bucket_fails_on == dist.get_rank() and receiver is not None:
+                load = receiver.load_weights_verified
+
+                def failing(*a, **kw):  # half-way through an export the other ranks go on with
+                    if trainer.started and not getattr(f, "bucket_failed", False):
+                        f.bucket_failed = True
+                        raise EngineError("test: this rank's engine failed mid-sync")
+                    return load(*a, **kw)
+                receiver.load_weights_verified = failing
+        Trainer.__init__ = init
+        return self
+
+    def fire(self, phase, step):
+        if phase == self.phase and step == self.at and not getattr(self, "fired", False):
+            self.fired = True
+            _term()
+
+    def __exit__(self, *exc):
+        trainer_module.plan_and_exchange, trainer_module.old_logprobs = self.orig["collect_plan"], self.orig["old"]
+        trainer_module.update_phase = self.orig["update"]
+        Trainer.sync, Trainer.evaluate, Trainer.save = self.orig["sync"], self.orig["eval"], self.orig["save"]
+        Trainer.__init__ = self.init
+
+
+def _run(out, name, extra, **faults):
+    ck = os.path.join(out, f"ckpt_{name}")
+    with Faults(**faults) as f:
+        rc = train(cfg(out, name, f"train_iters={STEPS}", f"checkpoint.save_dir={ck}", *extra))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, f.trained)
+    hist = history(out, name)
+    return {"rc": rc, "stopped": f.trainer.stopped, "steps": [h["step"] for h in hist],
+            "restarts": [h.get("engine/restarts") for h in hist], "saved": state.complete_steps(ck),
+            "saves": f.saves, "trained": every, "syncs": f.syncs, "ckpt": ck}
+
+
+def stops(out):
+    rep = {}
+    save_every = ("checkpoint.save_every=1",)
+    for producer, extra in (("sync", ()), ("async", ("rollout.producer=async", "trainer.max_staleness=1"))):
+        rep[f"{producer}_clean"] = _run(out, f"{producer}_clean", extra + save_every)
+        for phase in ("rollout", "old_logprob", "update", "sync", "sync_dead", "eval", "save"):
+            if producer == "async" and phase in ("eval", "save", "old_logprob"):
+                continue  # the async producer differs from the sync one at the rollout and the sync only
+            more = ("trainer.eval_every=1",) if phase == "eval" else ()
+            p = "sync" if phase == "sync_dead" else phase
+            rep[f"{producer}_{phase}"] = _run(out, f"{producer}_{phase}", extra + save_every + more, phase=p,
+                                              sync_fails=phase == "sync_dead")
+    # a stop during the rollout while the engine fails (a dead server): no rebuild, the last step saved
+    os.environ["RLPO_FAIL_RANK"], os.environ["RLPO_FAIL_CALL"] = "1", "2"
+    hooks.FlakyEngine.calls = 0
+    rep["rollout_dead"] = _run(out, "rollout_dead", ("rollout.engine=test_flaky", "trainer.engine_restarts=2")
+                               + save_every, phase="rollout")
+    os.environ["RLPO_FAIL_CALL"] = "0"
+    # a failed weight sync, twice in a row (the re-sync after the rebuild fails too): rebuilt and retried
+    rep["sync_retry"] = _run(out, "sync_retry", ("trainer.engine_restarts=2",), sync_failures=2)
+    # one rank's engine fails at the first bucket of a sync in small buckets: it drains the rest of the export
+    # (the other rank's collectives complete), the failure is agreed, rebuilt, re-synced
+    rep["sync_mid_bucket"] = _run(out, "sync_mid_bucket", ("trainer.engine_restarts=1", "rollout.sync_bucket_mb=1"),
+                                  bucket_fails_on=1)
+    # the resume of the update-phase stop: the run trains, over both parts, the prompts of the clean run
+    name = "sync_update"
+    ck = rep[name]["ckpt"]
+    with Faults() as f:
+        rc = train(cfg(out, "resumed", f"train_iters={STEPS}", f"checkpoint.save_dir={ck}",
+                       "checkpoint.save_every=1", "checkpoint.resume=true", "checkpoint.overwrite=false"))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, f.trained)
+    rep["resumed"] = {"rc": rc, "steps": [h["step"] for h in history(out, "resumed")], "trained": every,
+                      "saved": state.complete_steps(ck)}
+    return rep
+
+
+if __name__ == "__main__":
+    result = stops(sys.argv[1])
+    if dist.get_rank() == 0:
+        write_report(result)
