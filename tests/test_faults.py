@@ -13,6 +13,7 @@ open by someone else is closed before the next begin.
 """
 import base64
 import json
+import os
 import pickle
 import threading
 import time
@@ -232,3 +233,22 @@ def test_a_failed_sync_closes_every_session_and_the_next_sync_succeeds(stubs):
         assert transport.sync(Stream(named))["tensors"] == 1
     finally:
         engine.shutdown()
+
+
+def test_a_resume_that_moves_the_engine_ranks_is_refused_before_anything_loads(runs, monkeypatch):
+    """async_update's checkpoint (step 2) holds each rank's planned prompts of step 3 (rank_state/): a resume
+    driving the engine from other ranks (SGLang with one driver of two ranks) is refused with one line naming
+    the change; the same checkpoint resumes with the settings that saved it (test above: sync_update)."""
+    from rlpo_mega.config import ConfigError
+    from rlpo_mega.training.trainer import Trainer
+    from tests.workers.train_scenarios import cfg
+
+    ck = runs["async_update"]["ckpt"]
+    assert os.path.isdir(os.path.join(ck, "step_00000002", "rank_state")), os.listdir(ck)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    c = cfg(str(os.path.dirname(ck)), "moved", f"checkpoint.save_dir={ck}", "checkpoint.resume=true",
+            "checkpoint.overwrite=false", "rollout.engine=sglang", "rollout.sglang.drivers=1",
+            "rollout.sglang.urls=[http://127.0.0.1:9,http://127.0.0.1:10]", "train_iters=3")
+    with pytest.raises(ConfigError, match=r"engine ranks \[0, 1\].*from ranks \[0\].*rollout.sglang.drivers=1"):
+        Trainer(c)

@@ -55,6 +55,7 @@ from rlpo_mega.logging import MetricsLogger, PhaseTimer
 from rlpo_mega.logging.metrics import count_host_syncs
 from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps, unwrap
 from rlpo_mega.rewards.scorer import RewardScorer
+from rlpo_mega.rollout import ENGINES
 from rlpo_mega.training import async_collect  # noqa: F401  (registers the "async" rollout producer)
 from rlpo_mega.training import report
 from rlpo_mega.training.batches import plan_and_exchange
@@ -91,6 +92,7 @@ class Trainer:
         # where the run starts and what in its save_dir is not its own: refused here, before anything is built
         self.identity = get_family(self.hf.model_type).identity(self.hf)
         self.plan = ckpt_state.plan_checkpoints(cfg.checkpoint, self.identity)
+        self._check_engine_ranks(world)
         # every data file is read and validated before a process group or a model exists (a bad record is one
         # DataError naming file and line, not a failure after minutes of set-up)
         self.tokenizer = load_tokenizer(cfg)
@@ -282,13 +284,31 @@ class Trainer:
                             "the reference is the policy as loaded", path)
         return st["reference_loaded"]
 
+    def _check_engine_ranks(self, world: int):
+        """A checkpoint's per-rank rollout state (groups carried by dynamic sampling, the async producer's planned
+        prompts) belongs to the ranks that drove the engine when it was saved: a resume that moves them (another
+        rollout.sglang.drivers, engine or world size) is refused here, before anything is built or loaded. Without
+        such state a resume may change them (every rank's prompt cursor is the same)."""
+        start, c = self.plan.start, self.cfg
+        if start is None or not os.path.isdir(os.path.join(start, os.path.dirname(ckpt_state.rank_state_file(0)))):
+            return
+        saved = (ckpt_state.read_meta(start).get("settings") or {}).get("engine_ranks")
+        now = ENGINES.get(c.rollout.engine).ranks(c, world)
+        if saved is not None and list(saved) != now:
+            raise ConfigError(
+                f"{start} holds rollout state of engine ranks {saved} (carried groups or planned prompts) but this run "
+                f"drives the engine from ranks {now} (rollout.engine={c.rollout.engine}, rollout.sglang.drivers="
+                f"{c.rollout.sglang.drivers}, world size {world}): resume with the settings that saved it, or start "
+                "from its weights in a new run (checkpoint.load_dir and a new checkpoint.save_dir)")
+
     def _settings(self) -> dict:
         """The run's key settings, recorded in each checkpoint; a resume that changes one is told so."""
         c = self.cfg
         return {"algorithm.loss.name": c.algorithm.loss.name, "algorithm.advantage.name": c.algorithm.advantage.name,
                 "routing.mode": c.routing.mode,
                 "algorithm.kl.coef": c.algorithm.kl.coef, "model.params_dtype": c.model.params_dtype,
-                "rollout.engine": c.rollout.engine, "world_size": dist.get_world_size()}
+                "rollout.engine": c.rollout.engine, "world_size": dist.get_world_size(),
+                "engine_ranks": ENGINES.get(c.rollout.engine).ranks(c, dist.get_world_size())}
 
     def _build_reference(self):
         """A frozen model of the policy's layout for the KL reference (filled by a checkpoint or a copy)."""
