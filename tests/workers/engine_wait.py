@@ -18,7 +18,7 @@ report = {}
 t0 = time.monotonic()
 if rank == 0:
     time.sleep(6)
-code = agree(1 if rank == 0 else 0, group)
+code, _ = agree(1 if rank == 0 else 0, group)
 report["control_group"] = {"code": code, "waited_s": round(time.monotonic() - t0, 1)}
 if rank == 0:
     time.sleep(6)
