@@ -218,24 +218,47 @@ def test_optimizer_param_types_patch_is_needed(distopt):
         assert got["site"] in sites, (name, got["site"], patch.answers)
 
 
-def test_a_sigterm_save_records_sizes_without_reading_files_back(tmp_path, monkeypatch):
-    """checksums=False (the save on SIGTERM): no file is read back; the load still refuses a truncated file by its
-    recorded size. A regular save records checksums that catch a changed byte."""
+def test_sizes_only_and_checksum_meta_files_are_verified(tmp_path):
+    """A meta file with sizes only (checksums=False, and saves on SIGTERM before checksums were taken as written)
+    still refuses a truncated file by its recorded size; a checksum catches a changed byte."""
     from rlpo_mega.checkpoint import files as cf
 
     (tmp_path / "a").write_bytes(b"x" * 1000)
     (tmp_path / "b").write_bytes(b"y" * 10)
-    reads = []
-    real = cf.file_digest
-    monkeypatch.setattr(cf, "file_digest", lambda path: reads.append(path) or real(path))
-    sizes = cf.digest_files(str(tmp_path), ["a", "b"], checksums=False)
-    assert sizes == {"a": [1000, None], "b": [10, None]} and reads == []
+    sizes = {"a": [1000, None], "b": [10, None]}
     assert cf.verify_files(str(tmp_path), sizes) is None
     (tmp_path / "a").write_bytes(b"x" * 999)
     assert "truncated or changed" in cf.verify_files(str(tmp_path), sizes)
     full = cf.digest_files(str(tmp_path), ["a", "b"])
     (tmp_path / "b").write_bytes(b"z" * 10)
     assert "corrupted" in cf.verify_files(str(tmp_path), full)
+
+
+def test_writes_hashed_in_a_forked_writer_reach_the_saver(tmp_path):
+    """The mechanism megatron's writer processes go through (rlpo_mega.checkpoint.writes.SharedDigests): a process
+    forked after the table was made writes a planned file in pieces; this one reads its size and digest, equal to a
+    hash of the file. A file not planned passes through unhashed (the save then reads it back, with a warning)."""
+    import xxhash
+
+    from rlpo_mega.checkpoint.writes import SharedDigests
+
+    planned, other = str(tmp_path / "__0_0.distcp"), str(tmp_path / "other")
+    shared = SharedDigests([planned])
+    pid = os.fork()
+    if pid == 0:  # the writer: only os._exit leaves it (no pytest teardown in the fork)
+        try:
+            with open(planned, "wb") as f:
+                for i in range(3):  # one stream per item, as torch's _write_item makes them
+                    shared.stream(f).write(memoryview(bytes(range(256)) * (i + 1)))
+            with open(other, "wb") as f:
+                assert shared.stream(f) is f
+                f.write(b"not planned")
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    assert shared.get(planned) == (len(data), xxhash.xxh3_64_hexdigest(data)) and len(data) == 6 * 256
+    assert shared.get(other) is None
 
 
 def test_megatrons_false_corrupted_checkpoint_warning_is_left_out_of_our_saves():
@@ -265,3 +288,49 @@ def test_megatrons_false_corrupted_checkpoint_warning_is_left_out_of_our_saves()
     finally:
         serialization.logger.removeHandler(keep)
     assert seen == ["something else", "Overwriting old incomplete / corrupted checkpoint..."]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checksums taken as a save writes its files (rlpo_mega.checkpoint.writes): tests/workers/ckpt_digests.py, one
+# 2-process launch at EP2 (both ranks write megatron shards), trainer saves through rlpo_mega.checkpoint.run.save.
+READ_BACK = ["common.pt", "metadata.json"]  # megatron-core writes them from a path: read once, on rank 0
+
+
+@pytest.fixture(scope="module")
+def digests(tmp_path_factory):
+    return torchrun("ckpt_digests.py", 2, str(tmp_path_factory.mktemp("digests")))
+
+
+def test_recorded_checksums_are_the_files_hashes(digests):
+    """Every file of the step but the meta file itself, with its size and the hash of its bytes on disk: both ranks'
+    shards (written by megatron's forked writer processes), torch's .metadata, megatron's two files, ours."""
+    step = digests["step1"]
+    on_disk = {n: v for n, v in step["on_disk"].items() if n != "rlpo_meta.json"}
+    assert step["meta_files"] == on_disk
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", *READ_BACK, "trainer_state.pt", "hf/config.json",
+            "rank_state/rank_00000.pt", "rank_state/rank_00001.pt"} <= set(on_disk), sorted(on_disk)
+
+
+def test_a_save_reads_no_checkpoint_file_back(digests):
+    """Files of the step being saved opened for reading during the save, per rank (an audit hook on every open):
+    megatron's two small files on rank 0, nothing else -- the regular save and the sizes-only one alike."""
+    for save, step in (("regular", 1), ("sigterm", 2)):
+        name = f"step_{step:08d}"
+        read = [[f for f in rank if f.split("/")[0] in (name, name + ".tmp")] for rank in digests[save]["read"]]
+        assert read == [[f"{name}.tmp/{n}" for n in READ_BACK], []], (save, digests[save]["read"])
+    sizes = digests["step1"]["on_disk"]
+    assert sum(sizes[n][0] for n in READ_BACK) < 0.01 * sum(size for size, _ in sizes.values())
+
+
+def test_a_sizes_only_save_records_the_sizes(digests):
+    """checksums=False (the trainer's save on SIGTERM): the sizes of every file, no digest."""
+    step = digests["step2"]
+    assert step["meta_files"] == {n: [size, None] for n, (size, _) in step["on_disk"].items() if n != "rlpo_meta.json"}
+
+
+def test_a_corrupted_file_is_refused_at_load_and_older_meta_files_load(digests):
+    assert digests["loads"] is None
+    msg = digests["corrupted"]  # one byte flipped in a shard, its size kept
+    assert msg and "\n" not in msg and f"{digests['shard']} is corrupted" in msg, msg
+    # the byte restored, the meta file as older saves wrote it: sizes only, and no file list (before checksums)
+    assert digests["sizes_only_loads"] is None and digests["no_files_loads"] is None

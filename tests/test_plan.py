@@ -2,6 +2,7 @@
 megatron-core allocates, the planner at every recipe's full size over many draws, and the refusals."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -42,7 +43,11 @@ def test_every_recipe_plans_at_its_real_size(recipe):
             assert g["total"] == sum(g[k] for k in ("params", "grads", "optimizer", "activations", "exchange",
                                                     "sync bucket", "reserved", "logits", "logprob chunk", "routes")
                                      if k in g)
-        assert out["checkpoint"]["sigterm_save_s"] <= out["checkpoint"]["window_s"]
+        ck = out["checkpoint"]
+        assert ck["sigterm_save_s"] <= ck["window_s"]
+        # a save's time is its busiest node's writes, on SIGTERM too: the checksums are taken as it writes
+        assert ck["sigterm_save_s"] == ck["save_s"] == ck["largest_node_write_bytes"] / (ck["storage_gb_per_s"] * 1e9)
+        assert "checksum_s" not in ck
         if lengths == "all-max":  # every micro-batch holds as many full-length samples as the budget allows
             assert out["steps"]["largest_micro_tokens"] <= cfg.trainer.max_tokens_per_micro_batch
 
@@ -54,6 +59,10 @@ def test_plan_tables_name_each_role():
     for head in ("learner GPU (GB)", "server GPU (GB)", "host (GB)", "stage 0", "stage 1", "node 7", "4 x TP4",
                  "checkpoint:", "pre-emption window"):
         assert head in text, head
+    # the save's time is its writes alone, no re-read for checksums (GLM: the busiest node's 221.6 GB at 2 GB/s)
+    save = re.search(r"a save needs (\d+) s \(([\d.]+) GB from the busiest node at ([\d.]+) GB/s, checksums taken "
+                     r"as it writes\); pre-emption window", text)
+    assert save and abs(int(save[1]) - float(save[2]) / float(save[3])) <= 1, text[-600:]
 
 
 def test_planner_at_every_recipe_full_size_over_many_draws():

@@ -4,6 +4,7 @@ dist.py      megatron distributed checkpoints: model (+ optimizer) at one layout
              to `<dir>.tmp` and swapped in, the meta file last
 distopt.py   the distributed optimizer's state, each rank its own share (no gathers on one host)
 files.py     what a checkpoint promises about itself: every file's checksum, the model it was written for
+writes.py    those checksums taken as a save writes its files (megatron's writer processes included): no read back
 run.py       a run's timeline under checkpoint.save_dir: step directories, `latest`, keep-last-K, RNG states,
              the trainer state, SIGTERM
 """

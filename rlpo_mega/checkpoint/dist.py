@@ -36,10 +36,11 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from moe.bridge.outputs import swap_in
 from rlpo_mega.checkpoint.distopt import load_state, save_state
-from rlpo_mega.checkpoint.files import checkpoint_files, digest_files, disk_full, verify_files
+from rlpo_mega.checkpoint.files import checkpoint_files, disk_full, verify_files
 from rlpo_mega.model_setup import unwrap
 from rlpo_mega.processes import in_process_checkpoint_queue
 
@@ -224,9 +225,12 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     reference_chunks: a frozen KL reference model of the same layout, saved in the same checkpoint.
     critic: (model_chunks, optimizer or None) of PPO's value model, saved in the same checkpoint.
     A failure on any rank (a full disk included) is agreed by all ranks, `path`.tmp is removed and one
-    CheckpointError says what happened; `path` and anything before it are untouched. checksums=False (the save
-    on SIGTERM): record each file's size, not its checksum (no second read of the whole checkpoint)."""
+    CheckpointError says what happened; `path` and anything before it are untouched. Every file's checksum is
+    taken from its bytes as they are written (rlpo_mega.checkpoint.writes): the save reads nothing back but two
+    small files of megatron's. checksums=False records the sizes only (it saves no time any more)."""
     from megatron.core import dist_checkpointing
+
+    from rlpo_mega.checkpoint.writes import HashingSaveStrategy, written
 
     in_process_checkpoint_queue()
     path = os.path.abspath(path)
@@ -274,16 +278,24 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
             dist.barrier()
             raise CheckpointError(err)
 
+    mine = {}  # this rank's files: {relative name: [size, xxh3-64]}, each hashed as it was written
+
     def write_files():
         for name, data in {**((files or {}) if rank == 0 else {}), **(rank_files or {})}.items():
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             with open(os.path.join(tmp, name), "wb") as f:
                 f.write(data)
+            mine[name] = [len(data), xxhash.xxh3_64_hexdigest(data)]
 
     digests = {}
 
     def digest():  # every file's size and checksum, verified at load (rlpo_mega/checkpoint/files.py)
-        digests.update(digest_files(tmp, checkpoint_files(tmp, skip=(PARTIAL,)), checksums))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            digests.update(complete(tmp, {n: v for part in every for n, v in part.items()}))
+            if not checksums:
+                digests.update({n: [size, None] for n, (size, _) in digests.items()})
 
     def write_meta():
         with open(os.path.join(tmp, META), "w") as f:
@@ -296,13 +308,28 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
 
     def save():
+        strategy = HashingSaveStrategy()  # megatron-core's default, hashing what it writes
         with fresh_directory_save():
-            dist_checkpointing.save(state, tmp)
+            dist_checkpointing.save(state, tmp, sharded_strategy=strategy)
+        mine.update(written(strategy, tmp, rank))
 
     phase(save)
     phase(write_files)
     phase(digest)  # collective inside: every rank runs it
     phase(write_meta, on_rank0_only=True)
+
+
+def complete(root: str, hashed: dict[str, list]) -> dict[str, list]:
+    """The digests of every file under root (but PARTIAL): those hashed as written, and any file the save wrote
+    around the hooks read back and hashed (writes.checked warns). A digest of a file that is not there is a
+    failed save."""
+    from rlpo_mega.checkpoint.writes import checked
+
+    names = checkpoint_files(root, skip=(PARTIAL,))
+    gone = sorted(set(hashed) - set(names))
+    if gone:
+        raise OSError(f"{os.path.join(root, gone[0])} was written by this save and is gone")
+    return {n: hashed[n] if n in hashed else checked(root, n, None) for n in names}
 
 
 def read_meta(path: str) -> dict:

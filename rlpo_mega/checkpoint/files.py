@@ -1,7 +1,8 @@
 """What a checkpoint promises about itself: a checksum of every file, and the model it was written for.
 
 Integrity: at save, every file of the checkpoint (megatron's shards and metadata, the trainer state, the HF
-files) gets its size and XXH3-64 digest in the meta file. At load, each rank checks a disjoint share of the
+files) gets its size and XXH3-64 digest in the meta file, taken from its bytes as they are written
+(rlpo_mega.checkpoint.writes: a save reads nothing back). At load, each rank checks a disjoint share of the
 files (files sorted, the i-th on rank i mod world: a shared filesystem is read in parallel, as the load
 itself needs) and all ranks agree on the first problem; a truncated or changed file is one error naming the
 file, before megatron reads it. checkpoint.verify=false skips it (tools/bench_checkpoint.py measures the cost).
@@ -50,12 +51,10 @@ def _mine(names: list[str]) -> list[str]:
     return names[rank::world]
 
 
-def digest_files(root: str, names: list[str], checksums: bool = True) -> dict[str, list]:
-    """Collective when a process group exists: {relative name: [size, xxh3-64]} of every name, each hashed
-    by one rank. checksums=False (a save on SIGTERM, whose pre-emption window has no time to read the whole
-    checkpoint back): [size, None], from the file system's metadata; a load then checks the sizes."""
-    mine = {n: list(file_digest(os.path.join(root, n)) if checksums else (os.path.getsize(os.path.join(root, n)), None))
-            for n in _mine(names)}
+def digest_files(root: str, names: list[str]) -> dict[str, list]:
+    """Collective when a process group exists: {relative name: [size, xxh3-64]} of every name, read back and
+    hashed, each by one rank (what a save cost before it hashed as it wrote: tools/bench_checkpoint.py)."""
+    mine = {n: list(file_digest(os.path.join(root, n))) for n in _mine(names)}
     if not dist.is_initialized():
         return mine
     every = [None] * dist.get_world_size()
@@ -67,7 +66,7 @@ def verify_files(root: str, recorded: dict[str, list]) -> str | None:
     """Collective when a process group exists: the first problem (a sentence naming the file), or None."""
     problems = []
     for n in _mine(sorted(recorded)):
-        size, digest = recorded[n]
+        size, digest = recorded[n]  # digest None: a save that recorded sizes only (checksums=False)
         path = os.path.join(root, n)
         if not os.path.isfile(path):
             problems.append(f"{path} is missing")

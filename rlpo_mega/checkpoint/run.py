@@ -175,9 +175,9 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
     """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
     hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, then prunes: this run's
     (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
-    the `stale` steps the run was told to replace (checkpoint.overwrite). checksums=False: the save on SIGTERM
-    (rlpo_mega.checkpoint.dist.save_checkpoint). rank_state: this rank's own state (none when empty), loaded back
-    by `load` on the same rank."""
+    the `stale` steps the run was told to replace (checkpoint.overwrite). Every file's checksum is taken as it is
+    written (no read back); checksums=False records the sizes only (rlpo_mega.checkpoint.dist.save_checkpoint).
+    rank_state: this rank's own state (none when empty), loaded back by `load` on the same rank."""
 
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, rng_state())
