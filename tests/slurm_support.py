@@ -13,20 +13,32 @@ request them (`--gpus-per-node`, `--gres=gpu:k`) and get CUDA_VISIBLE_DEVICES, n
 
 `slurm_unavailable()` returns None when SLURM can be used (installing it first if needed), otherwise the
 exact reason (for pytest.skip). Set RLPO_SLURM_NO_INSTALL=1 to never run apt-get.
+
+`FakeSlurm` runs the batch scripts without SLURM, with tests/fake_slurm.py as srun, squeue and scancel (what it
+models is in its docstring: srun's options from the environment, the GPU options Slurm refuses together, each
+step's GPUs, signals to steps), and gives them the environment sbatch exports for a way of asking for GPUs
+(SUBMIT_STYLES):
+
+    fake = FakeSlurm(tmp_path, ["node-a", "node-b"], gpus_per_node=8)
+    env = fake.batch_env("--gpus=16", CONFIG=...)      # then `bash launch/slurm/...sbatch` with it
+    fake.steps()                                       # every step: its name, GPUs per node, exit code, ...
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator, Optional
 
 from tests.dist import free_port
+from tests.fake_slurm import load_steps
 
 APT_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "srun", "scancel", "sinfo", "squeue", "scontrol", "munged", "mungekey"]
@@ -290,3 +302,70 @@ def slurm_cluster(root, gpus: int = 0) -> Iterator[SlurmCluster]:
         yield cluster.start()
     finally:
         cluster.stop()
+
+
+# -- without SLURM: tests/fake_slurm.py as srun, squeue, scancel -------------------------------------------
+FAKE_SLURM = Path(__file__).resolve().with_name("fake_slurm.py")
+
+# What sbatch exports for each way of asking for GPUs, beside SLURM_GPUS_ON_NODE and SLURM_JOB_GPUS (src/common/
+# env.c set_env_from_opts): --gpus-per-node and --gpus as the variables srun reads back as those options;
+# --gres exports no such variable (a step without a GPU option gets the job's GRES anyway).
+SUBMIT_STYLES = ("--gpus-per-node", "--gres", "--gpus")
+
+
+class FakeSlurm:
+    """A job on made-up `nodes` with `gpus_per_node` GPUs each, its state under `root` (see the module doc)."""
+
+    def __init__(self, root: Path, nodes: list[str], gpus_per_node: int = 8, job_id: str = "4242"):
+        self.root = Path(root)
+        self.nodes, self.gpus_per_node, self.job_id = list(nodes), gpus_per_node, job_id
+        self.state = self.root / "fake-slurm"
+        self.bin = self.root / "fake-slurm-bin"
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.bin.mkdir(parents=True, exist_ok=True)
+        for tool in ("srun", "squeue", "scancel"):
+            f = self.bin / tool
+            # -S: no site packages to import, a fresh interpreter per call stays cheap
+            f.write_text(f'#!/bin/sh\nexec {sys.executable} -S {FAKE_SLURM} {tool} "$@"\n')
+            f.chmod(0o755)
+
+    def submit_env(self, style: str) -> dict:
+        """The GPU variables sbatch exports for `style` (SUBMIT_STYLES) over the whole job."""
+        g, n = self.gpus_per_node, len(self.nodes)
+        env = {"SLURM_GPUS_ON_NODE": str(g), "SLURM_JOB_GPUS": ",".join(map(str, range(g)))}
+        if style == "--gpus-per-node":
+            env["SLURM_GPUS_PER_NODE"] = str(g)
+        elif style == "--gpus":
+            env["SLURM_GPUS"] = str(g * n)
+        elif style != "--gres":
+            raise ValueError(f"unknown submission style {style!r}; one of {SUBMIT_STYLES}")
+        return env
+
+    def batch_env(self, style: Optional[str] = None, **extra) -> dict:
+        """The environment of a batch script sbatch started (`style`: its GPU request, None: none), plus the
+        fake's own variables and `extra`."""
+        env = clean_env({"SLURM_JOB_ID": self.job_id, "SLURM_JOB_NAME": "rlpo-test",
+                         "SLURM_JOB_NUM_NODES": str(len(self.nodes)), "SLURM_NNODES": str(len(self.nodes)),
+                         "SLURM_NTASKS_PER_NODE": "1",  # the scripts' #SBATCH --ntasks-per-node=1
+                         "RLPO_HOSTNAMES": " ".join(self.nodes), "FAKE_SLURM_DIR": str(self.state),
+                         "FAKE_SLURM_NODES": " ".join(self.nodes), "FAKE_SLURM_GPUS_PER_NODE": str(self.gpus_per_node)})
+        env["PATH"] = f"{self.bin}{os.pathsep}{env['PATH']}"
+        env.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+        if style is not None:
+            env.update(self.submit_env(style))
+        env.update(extra)
+        return env
+
+    def steps(self) -> list[dict]:
+        return load_steps(str(self.state))
+
+    def signals(self) -> list[dict]:
+        f = self.state / "signals.jsonl"
+        return [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+
+    def cleanup(self) -> None:
+        """SIGKILL to the process groups of every task the fake srun started (each task leads its own)."""
+        for step in self.steps():
+            for task in step["tasks"]:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(task["pid"], signal.SIGKILL)

@@ -6,7 +6,12 @@
 - train_disaggregated.sbatch: its server steps run concurrently, each with its own CPUs and fake GPUs
   (stand-in servers); and the real thing: one learner step (2 ranks) and two CPU SGLang server steps on
   the one node, 2 RL steps with sglang_distributed weight syncs (skipped without the SGLang venv);
-- both scripts under DRY_RUN=1 for made-up node lists, and launch/sglang_server.py's flag pass-through.
+- both scripts under DRY_RUN=1 for made-up node lists, and launch/sglang_server.py's flag pass-through;
+- without SLURM (tests/fake_slurm.py as srun, squeue, scancel; what it models is in its docstring): both
+  scripts' dry-run commands replayed in order under each way of submitting GPUs (`--gpus-per-node=8`,
+  `--gres=gpu:8`, `--gpus=16`): every step gets exactly its own GPUs; CUDA_DEVICE_MAX_CONNECTIONS reaches the
+  learners only; and a stop signal to the batch shell reaches the learners first, the servers once the learner
+  step has ended, with the learners' exit code as the job's.
 The SLURM tests skip (with the reason) only when slurm-wlm/munge are absent and cannot be apt-installed.
 """
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +31,8 @@ from pathlib import Path
 import pytest
 
 from launch.sglang_server import SGLangServer, server_args_to_cli
-from tests.slurm_support import clean_env, install_time, slurm_cluster, slurm_unavailable
+from tests.slurm_support import (SUBMIT_STYLES, FakeSlurm, clean_env, install_time, slurm_cluster,
+                                 slurm_unavailable)
 from tests.test_sglang import FAMILIES, SERVER_ARGS, SUPPORT, sglang_python  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,7 +152,7 @@ def test_sigterm_reaches_ranks(cluster, tmp_path, via):
     finally:
         cluster.run(["scancel", "--full", job], check=False)
     if via == "batch_trap":
-        assert "forwarding TERM to all job steps" in _read(batch_out), diag()
+        assert "batch shell got TERM: TERM to the learner step only" in _read(batch_out), diag()
 
 
 def _free_ports(n: int) -> int:
@@ -177,19 +184,22 @@ p = argparse.ArgumentParser()
 p.add_argument("--port", type=int)
 a, _ = p.parse_known_args()
 out = os.environ["FAKE_SGLANG_OUT"]
+healthy = 200 if os.environ.get("FAKE_SGLANG_HEALTH", "200") == "200" else 503
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200 if self.path == "/health" else 404)
+        self.send_response(healthy if self.path == "/health" else 404)
         self.end_headers()
     def log_message(self, *args):
         pass
 srv = http.server.HTTPServer(("0.0.0.0", a.port), Health)
 def on_term(sig, frame):
-    open(os.path.join(out, f"stopped-{a.port}"), "w").close()
+    with open(os.path.join(out, f"stopped-{a.port}"), "w") as f:
+        f.write(repr(time.time()))
     os._exit(0)
 signal.signal(signal.SIGTERM, on_term)
 rec = {"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "step": os.environ.get("SLURM_STEP_ID"),
-       "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"), "start": time.time()}
+       "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"), "start": time.time(),
+       "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
 with open(os.path.join(out, f"server-{a.port}.json"), "w") as f:
     json.dump(rec, f)
 srv.serve_forever()
@@ -315,12 +325,29 @@ def test_disaggregated_sglang_training(cluster, tmp_path, sglang_python):  # noq
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
 
 
-def _dry_run(script: Path, hosts: str, **env) -> list[list[str]]:
-    e = clean_env({"DRY_RUN": "1", "RLPO_HOSTNAMES": hosts, "SLURM_JOB_ID": "4242", "RLPO_ROOT": str(ROOT),
-                   "PYTHON": "python3", "LOG_DIR": "/logs", **env})
+def _dry_run(script: Path, hosts: str, base_env=None, **env) -> list[list[str]]:
+    e = dict(base_env) if base_env is not None else clean_env()
+    e.update({"DRY_RUN": "1", "RLPO_HOSTNAMES": hosts, "SLURM_JOB_ID": "4242", "RLPO_ROOT": str(ROOT),
+              "PYTHON": "python3", "LOG_DIR": "/logs", **env})
     r = subprocess.run(["bash", str(script)], env=e, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr + r.stdout
     return [shlex.split(line[2:]) for line in r.stdout.splitlines() if line.startswith("+ ")]
+
+
+def _srun_at(cmd: list[str]) -> int:
+    """Where `srun` starts in a printed command (after an `env -u NAME ... NAME=VALUE` prefix), else -1."""
+    if cmd[:1] == ["srun"]:
+        return 0
+    if cmd[:1] == ["env"]:
+        i = 1
+        while i < len(cmd) and (cmd[i] == "-u" or cmd[i - 1] == "-u" or "=" in cmd[i]):
+            i += 1
+        return i if cmd[i:i + 1] == ["srun"] else -1
+    return -1
+
+
+def _kind(cmd: list[str]) -> str:
+    return "srun" if _srun_at(cmd) >= 0 else ("torchrun" if cmd[0] == "python3" else cmd[0])
 
 
 def _flag(cmd: list[str], name: str) -> str:
@@ -344,7 +371,7 @@ def test_disaggregated_dry_run_commands():
                     SGLANG_PYTHON="/opt/sglang/bin/python", SGLANG_ENV="SGLANG_FLAG=1 OTHER=x y",
                     SGLANG_ARGS="--enable-return-routed-experts --mem-fraction-static 0.8",
                     SLURM_GPUS_ON_NODE="8", SLURM_CPUS_ON_NODE="96")
-    kinds = [c[0] if c[0] != "python3" else "torchrun" for c in cmds]
+    kinds = [_kind(c) for c in cmds]
     # per server: its srun step, then (dry run only) the sglang command launch.sglang_server would run there
     assert kinds == ["srun", "/opt/sglang/bin/python", "srun", "/opt/sglang/bin/python", "rlpo_wait_health",
                      "rlpo_wait_health", "srun", "torchrun", "torchrun", "rlpo_stop_steps"], cmds
@@ -394,7 +421,7 @@ def test_disaggregated_dry_run_shared_node_cpu():
     cmds = _dry_run(DISAGG, "node-a", LEARNER_NODES="1", ROLLOUT_ON_LEARNER_NODES="1", NPROC_PER_NODE="2",
                     CONFIG="c.yaml", SGLANG_MODEL="/m", SERVERS_PER_NODE="2", SLURM_CPUS_ON_NODE="2",
                     SGLANG_LAUNCHER="sglang.launch_server", SGLANG_ARGS="--device cpu")
-    kinds = [c[0] if c[0] != "python3" else "torchrun" for c in cmds]
+    kinds = [_kind(c) for c in cmds]
     assert kinds == ["srun", "srun", "rlpo_wait_health", "rlpo_wait_health", "srun", "torchrun", "rlpo_stop_steps"], cmds
     for k, s in enumerate(cmds[:2]):
         assert _flag(s, "--nodelist") == "node-a" and _flag(s, "--cpus-per-task") == "1" and "--exact" in s
@@ -445,3 +472,229 @@ def test_colocated_dry_run_two_nodes():
     assert {_flag(t, "--master-addr") for t in (t0, t1)} == {"gpu-01"}
     assert t0[-5:] == ["-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "parallel.expert=16"]
     assert re.fullmatch(r"\d+", _flag(t0, "--shutdown-timeout"))
+
+
+# -- without SLURM: tests/fake_slurm.py ---------------------------------------------------------------------
+def _replay(fake: FakeSlurm, env: dict, cmds: list[list[str]]) -> list[dict]:
+    """Run a dry run's srun steps, in its order, through the fake srun with FAKE_SRUN_NOEXEC=1 (each step takes
+    its GPUs and keeps them, as a server does while the learners start); the steps as it recorded them."""
+    steps = [c[:-1] if c[-1] == "&" else c for c in cmds if _srun_at(c) >= 0]
+    for c in steps:
+        r = subprocess.run(c, env=dict(env, FAKE_SRUN_NOEXEC="1"), capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, (c, r.stderr)
+    recorded = fake.steps()
+    assert len(recorded) == len(steps), recorded
+    return recorded
+
+
+def _no_shared_gpus(steps: list[dict]) -> None:
+    held: dict = {}
+    for s in steps:
+        for node, gpus in s["gpus"].items():
+            for g in gpus:
+                assert (node, g) not in held, f"GPU {g} of {node}: steps {held[(node, g)]} and {s['name']}"
+                held[(node, g)] = s["name"]
+
+
+@pytest.mark.parametrize("style", SUBMIT_STYLES)
+def test_disaggregated_steps_get_their_gpus(tmp_path, style):
+    """Under sbatch --gpus-per-node=8, --gres=gpu:8 or --gpus=16 (2 nodes): each TP4 server step gets exactly
+    its 4 GPUs (none shared), the learner step all 8 of its node; the steps' inherited GPU options are gone,
+    so srun neither refuses the server steps' --gres nor asks the learner step for the job's 16."""
+    fake = FakeSlurm(tmp_path, ["node-a", "node-b"], gpus_per_node=8)
+    env = fake.batch_env(style, SLURM_CPUS_ON_NODE="96", SLURM_CPUS_PER_TASK="96", SLURM_TRES_PER_TASK="cpu=96")
+    cmds = _dry_run(DISAGG, "node-a node-b", base_env=env, LEARNER_NODES="1", ROLLOUT_NODES="1", NPROC_PER_NODE="8",
+                    CONFIG="c.yaml", SGLANG_MODEL="/m", SGLANG_TP="4", SERVERS_PER_NODE="2",
+                    SGLANG_LAUNCHER="sglang.launch_server")
+    steps = _replay(fake, env, cmds)
+    servers, learners = steps[:2], steps[2]
+    assert [s["name"] for s in servers] == ["rlpo-sglang-node-b-0", "rlpo-sglang-node-b-1"], servers
+    assert [s["gpus"] for s in servers] == [{"node-b": [0, 1, 2, 3]}, {"node-b": [4, 5, 6, 7]}], servers
+    assert learners["name"] == "rlpo-learner" and learners["gpus"] == {"node-a": list(range(8))}, learners
+    _no_shared_gpus(steps)
+    for s in servers:  # one GPU option, from the command line; nothing inherited
+        assert s["options"]["gres"] == "gpu:4" and s["sources"]["gres"] == "cli", s["options"]
+        assert not {"gpus", "gpus-per-node", "gpus-per-task"} & set(s["options"]), s["options"]
+        assert s["task_env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, s["gpus"]["node-b"]))
+    assert not {"gres", "gpus", "gpus-per-node", "gpus-per-task"} & set(learners["options"]), learners["options"]
+    # the CPU request the job made stays with the steps (only GPU entries leave SLURM_TRES_PER_TASK)
+    assert learners["options"]["tres-per-task"] == "cpu=96", learners["options"]
+
+
+@pytest.mark.parametrize("style", SUBMIT_STYLES)
+def test_colocated_steps_get_their_gpus(tmp_path, style):
+    """The colocated learner step gets all 8 GPUs of both nodes whichever way the job asked for 16."""
+    fake = FakeSlurm(tmp_path, ["gpu-01", "gpu-02"], gpus_per_node=8)
+    env = fake.batch_env(style)
+    cmds = _dry_run(COLOCATED, "gpu-01 gpu-02", base_env=env, NPROC_PER_NODE="8", CONFIG="c.yaml")
+    (step,) = _replay(fake, env, cmds)
+    assert step["name"] == "rlpo-learner", step
+    assert step["gpus"] == {"gpu-01": list(range(8)), "gpu-02": list(range(8))}, step["gpus"]
+    assert not {"gres", "gpus", "gpus-per-node"} & set(step["options"]), step["options"]
+    assert step["task_env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+def test_fake_srun_models_inherited_gpu_options(tmp_path):
+    """What the server and learner steps met before they dropped the job's GPU options: srun reads
+    SLURM_GPUS_PER_NODE as --gpus-per-node and refuses it beside --gres=gpu (Slurm 26.05+); an inherited
+    --gpus=16 asks a one-node step for 16 GPUs. An explicit option wins over its own variable only, and
+    --gpus on the command line drops an inherited SLURM_GPUS_PER_NODE."""
+    fake = FakeSlurm(tmp_path, ["node-a", "node-b"], gpus_per_node=8)
+
+    def srun(style, *args):
+        env = dict(fake.batch_env(style), FAKE_SRUN_NOEXEC="1")
+        return subprocess.run(["srun", *args, "true"], env=env, capture_output=True, text=True, timeout=30)
+
+    r = srun("--gpus-per-node", "--nodes=1", "--nodelist=node-b", "--exact", "--gres=gpu:4")
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.strip() == "srun: fatal: --gpus-per-node and --gres=gpu are mutually exclusive."
+    r = srun("--gpus", "--nodes=1", "--nodelist=node-b", "--exact", "--gres=gpu:4")
+    assert r.returncode == 1 and "Requested node configuration is not available" in r.stderr, r.stderr
+    r = srun("--gpus", "--nodes=1", "--nodelist=node-a")  # a learner step on one node of the two
+    assert r.returncode == 1 and "16 GPUs asked on node-a, the job has 8" in r.stderr, r.stderr
+    assert fake.steps() == []
+    assert srun("--gpus-per-node", "--nodes=1", "--nodelist=node-b", "--gpus-per-node=2").returncode == 0
+    assert srun("--gpus-per-node", "--nodes=1", "--nodelist=node-b", "--gpus=2").returncode == 0
+    assert srun("--gres", "--nodes=1", "--nodelist=node-b", "--gres=gpu:2").returncode == 0
+    assert [s["gpus"] for s in fake.steps()] == [{"node-b": [0, 1]}, {"node-b": [2, 3]}, {"node-b": [4, 5]}]
+    r = srun("--gres", "--nodes=1", "--nodelist=node-b", "--gres=gpu:4")  # 2 left: real srun would wait
+    assert r.returncode == 1 and "Requested nodes are busy" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("user_value", [None, "1"])
+def test_cuda_device_max_connections_learners_only(tmp_path, user_value):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 reaches the learner step (Megatron-Core's overlap) and not the server
+    steps, also when the user exported it before sbatch."""
+    fake = FakeSlurm(tmp_path, ["node-a", "node-b"], gpus_per_node=8)
+    extra = {} if user_value is None else {"CUDA_DEVICE_MAX_CONNECTIONS": user_value}
+    env = fake.batch_env("--gpus-per-node", **extra)
+    cmds = _dry_run(DISAGG, "node-a node-b", base_env=env, LEARNER_NODES="1", CONFIG="c.yaml", SGLANG_MODEL="/m",
+                    SGLANG_TP="8", SGLANG_LAUNCHER="sglang.launch_server")
+    server, learner = _replay(fake, env, cmds)
+    assert learner["name"] == "rlpo-learner" and learner["task_env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert server["name"].startswith("rlpo-sglang-") and "CUDA_DEVICE_MAX_CONNECTIONS" not in server["task_env"]
+
+
+STOP_LEARNER = """\
+import json, os, signal, sys, time, urllib.request
+out, overrides = sys.argv[1], sys.argv[2:]
+urls = [o.split("=", 1)[1].strip("[]").split(",") for o in overrides if o.startswith("rollout.sglang.urls=")][0]
+def on_term(sig, frame):
+    rec = {"term": time.time(), "health": []}
+    for u in urls:  # the last sync still reaches the servers
+        try:
+            with urllib.request.urlopen(u + "/health", timeout=5) as r:
+                rec["health"].append(r.status)
+        except OSError as e:
+            rec["health"].append(str(e))
+    time.sleep(0.3)  # the save
+    rec["exit"] = time.time()
+    with open(os.path.join(out, "learner-stop.json"), "w") as f:
+        json.dump(rec, f)
+    sys.exit(75)
+signal.signal(signal.SIGTERM, on_term)
+open(os.path.join(out, "learner-ready"), "w").close()
+time.sleep(60)
+sys.exit(3)
+"""
+
+# launch/torchrun.sh's `$PYTHON -m torch.distributed.run --flag=value... ENTRY...` without torchrun: the entry as
+# the one rank, its exit code passed through (real torchrun exits 1 on a TERM whatever its ranks did, and costs
+# a torch import)
+TORCHRUN_SHIM = """\
+#!/bin/bash
+if [[ "$1" == -m && "$2" == torch.distributed.run ]]; then
+    shift 2
+    while [[ "$1" == --* ]]; do shift; done
+    RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 exec {python} "$@"
+fi
+exec {python} "$@"
+"""
+
+
+def _stop_job(tmp_path: Path, health: str = "200"):
+    """train_disaggregated.sbatch run for real under the fake SLURM (2 stand-in servers on one node, the
+    stand-in learner on the other; the node names are loopback addresses, so the URLs work here)."""
+    (tmp_path / "fake_sglang.py").write_text(FAKE_SERVER)
+    learner = tmp_path / "stop_learner.py"
+    learner.write_text(STOP_LEARNER)
+    shim = tmp_path / "python-torchrun"
+    shim.write_text(TORCHRUN_SHIM.format(python=sys.executable))
+    shim.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _free_ports(2)
+    fake = FakeSlurm(tmp_path, ["127.0.0.2", "127.0.0.3"], gpus_per_node=2)
+    env = fake.batch_env("--gpus-per-node", RLPO_ROOT=str(ROOT), LOG_DIR=str(tmp_path / "logs"), PYTHON=str(shim),
+                         SGLANG_PYTHON=sys.executable, LEARNER_NODES="1", SERVERS_PER_NODE="2", SGLANG_TP="1",
+                         SGLANG_MODEL="/no/model", SGLANG_LAUNCHER="fake_sglang", SGLANG_PORT=str(port),
+                         SGLANG_ENV=f"PYTHONPATH={tmp_path} FAKE_SGLANG_OUT={out} FAKE_SGLANG_HEALTH={health}",
+                         SGLANG_STARTUP_TIMEOUT="30", SGLANG_HEALTH_POLL="0.1", SGLANG_STOP_TIMEOUT="5",
+                         TRAIN_ENTRY=f"{learner} {out}", PYTHONWARNINGS="ignore")
+    (tmp_path / "logs").mkdir()
+    batch_out = open(tmp_path / "batch.out", "w")
+    batch = subprocess.Popen(["bash", str(DISAGG)], env=env, cwd=ROOT, stdout=batch_out, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    batch_out.close()
+    return fake, batch, out, port
+
+
+def _diag(tmp_path: Path, fake: FakeSlurm, out: Path):
+    logs = tmp_path / "logs"
+    return lambda: (f"--- batch\n{_read(tmp_path / 'batch.out')}\n"
+                    + "\n".join(f"--- {p.name}\n{_read(p)[-2000:]}" for p in sorted(logs.glob("*.log")))
+                    + f"\nout: {sorted(os.listdir(out))}\nsignals: {fake.signals()}\n"
+                    + "\n".join(f"step {s['id']} {s['name']} {s['state']} rc {s['rc']}" for s in fake.steps()))
+
+
+def test_stop_reaches_learners_before_servers(tmp_path):
+    """TERM to the batch shell (what `#SBATCH --signal=B:TERM@600` sends): TERM to the learner step only; the
+    servers answer /health while the learners stop (their last sync), get TERM only after the learner step has
+    ended, and the job exits with the learners' code (75: stopped and saved)."""
+    fake, batch, out, port = _stop_job(tmp_path)
+    diag = _diag(tmp_path, fake, out)
+    try:
+        _wait_for(lambda: (out / "learner-ready").exists(), 30, "the learner to start", diag)
+        os.kill(batch.pid, signal.SIGTERM)
+        rc = batch.wait(30)
+    finally:
+        if batch.poll() is None:
+            os.killpg(batch.pid, signal.SIGKILL)
+        fake.cleanup()
+    assert rc == 75, (rc, diag())
+    steps = {s["name"]: s for s in fake.steps()}
+    learner = steps["rlpo-learner"]
+    assert learner["rc"] == 75 and not learner["killed_by_srun"], diag()
+    sent = fake.signals()
+    # the first TERM: the learner step alone; the next: the servers, after the learner step had ended
+    assert sent[0]["signal"] == "TERM" and sent[0]["names"] == ["rlpo-learner"], sent
+    assert sorted(sent[1]["names"]) == ["rlpo-sglang-127.0.0.3-0", "rlpo-sglang-127.0.0.3-1"], sent
+    assert len(sent) == 2 and sent[1]["time"] >= learner["end"], (sent, learner["end"])
+    stop = json.loads((out / "learner-stop.json").read_text())
+    assert stop["health"] == [200, 200], stop  # both servers still up while the learner stopped
+    for k in range(2):
+        assert float((out / f"stopped-{port + k}").read_text()) > stop["exit"], diag()  # TERM handler ran
+        assert json.loads((out / f"server-{port + k}.json").read_text())["max_connections"] is None
+    text = _read(tmp_path / "batch.out")
+    assert "batch shell got TERM: TERM to the learner step only" in text, diag()
+    assert "learners exited with code 75; stopping the rollout servers" in text, diag()
+
+
+def test_stop_before_learners_start(tmp_path):
+    """A stop while the servers start (never healthy here): the servers are stopped, no learner step is
+    started, and the job exits 75."""
+    fake, batch, out, port = _stop_job(tmp_path, health="503")
+    diag = _diag(tmp_path, fake, out)
+    try:
+        _wait_for(lambda: all((out / f"server-{port + k}.json").exists() for k in range(2)), 30,
+                  "both servers to start", diag)
+        os.kill(batch.pid, signal.SIGTERM)
+        rc = batch.wait(30)
+    finally:
+        if batch.poll() is None:
+            os.killpg(batch.pid, signal.SIGKILL)
+        fake.cleanup()
+    assert rc == 75, (rc, diag())
+    assert sorted(s["name"] for s in fake.steps()) == ["rlpo-sglang-127.0.0.3-0", "rlpo-sglang-127.0.0.3-1"], diag()
+    assert all((out / f"stopped-{port + k}").exists() for k in range(2)), diag()
+    assert "stopped (TERM) before the learners started; stopping the rollout servers" in _read(tmp_path / "batch.out")
