@@ -52,7 +52,9 @@ if [[ $# -eq 0 ]]; then
         "${overrides[@]}"
 fi
 
-cmd=("$PYTHON" -m torch.distributed.run
+# torchrun's flags run by rlpo-mega's agent (torch.distributed.run in its process): a stop after which the workers
+# saved exits 75, which sbatch passes on as the job's code; plain torchrun exits 1 on a TERM whatever its ranks did
+cmd=("$PYTHON" -m rlpo_mega.cli torchrun
      --nnodes="$nnodes" --nproc-per-node="${NPROC_PER_NODE:-1}" --node-rank="$NODE_RANK"
      --master-addr="${MASTER_ADDR:-127.0.0.1}" --master-port="${MASTER_PORT:-29500}"
      --rdzv-id="${SLURM_JOB_ID:-local}" --max-restarts=0

@@ -308,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true",
                      help="replace --hf-out if an earlier export wrote it (never a checkpoint, a save_dir or "
                           "other files)")
+    agent = sub.add_parser("torchrun", help="torch.distributed.run's own arguments, run by rlpo-mega's agent "
+                                            "(launch/torchrun.sh): a stop (SIGTERM/SIGINT, the workers saved) exits 75 "
+                                            "where plain torchrun exits 1, and a worker's user error is one line")
+    agent.add_argument("argv", nargs="*", help="torchrun's flags, then the entry point (passed on as they are)")
     for p in (train, check, plan, conv, exp):
         p.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its line")
     return parser
@@ -317,6 +321,9 @@ def parse(argv=None):
     """argparse, except that dotted overrides may also follow the options (`train C --nproc-per-node 2 a=1`):
     argparse alone stops collecting positionals at the first option."""
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["torchrun"]:  # torchrun's own flags, passed on untouched (argparse would take them as ours)
+        return argparse.Namespace(command="torchrun", argv=argv[1:])
     args, extra = parser.parse_known_args(argv)
     stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
     if stray:
@@ -347,6 +354,8 @@ def main(argv=None) -> int:
         return _plan(args)
     if args.command == "plot":
         return _plot(args)
+    if args.command == "torchrun":  # --shutdown-timeout among the flags wins over the default
+        return _agent(args.argv, "train", False, 300)
     return 1
 
 

@@ -306,6 +306,9 @@ class SGLangEngineConfig:
     health_interval: float = 10.0  # is hung; /health is polled this often while a rollout waits
     startup_timeout: float = 300.0  # seconds to wait for /health after launch
     max_restarts: int = 1  # a dead launched server is restarted this many times, then the run stops
+    # a dead server's requests go to the driver's other servers and it leaves the weight group (rejoining at a
+    # sync once it answers again); below this many live servers per driver the rollout fails (guard: rebuild/stop)
+    min_servers: int = 1
     health_timeout: float = 5.0  # seconds for GET /health (and short control calls: x6)
     # how servers reach a driver on node 0 (None: MASTER_ADDR, else loopback); drivers on other nodes: their hostname
     learner_address: Optional[str] = None

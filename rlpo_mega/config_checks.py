@@ -300,6 +300,11 @@ def _check_drivers(cfg, world_size: Optional[int], nodes: Optional[int]):
     if servers is not None and sg.drivers > servers:
         raise ConfigError(f"rollout.sglang.drivers={sg.drivers} but {servers} SGLang server(s) {where}: each driver "
                           f"drives its own servers; set rollout.sglang.drivers <= {servers} or add servers")
+    fewest = servers // sg.drivers if servers is not None else None  # the smallest driver's share
+    if sg.min_servers < 1 or (fewest is not None and sg.min_servers > fewest):
+        raise ConfigError(f"rollout.sglang.min_servers={sg.min_servers}: each driver keeps generating while at least "
+                          f"this many of its servers live, so it must be between 1 and the servers of its share"
+                          + (f" ({fewest}: {servers} server(s) {where} over {sg.drivers} driver(s))" if fewest else ""))
 
 
 def _existing_file(key: str, path: Optional[str], why: str) -> None:

@@ -394,8 +394,9 @@ def test_sigterm_to_the_launcher_saves_and_resumes(tmp_path):
 
     meta = read_meta(str(ck / f"step_{saved[0]:08d}"))  # the model and the run's key settings are recorded
     assert meta["model"]["model_type"] == "qwen3_moe" and meta["settings"]["algorithm.loss.name"] == "gspo"
-    # the pre-emption window holds the save, not a second read of it: sizes recorded, no checksums
-    assert meta["files"] and all(size > 0 and digest is None for size, digest in meta["files"].values())
+    # the pre-emption window holds the save and nothing more: each checksum taken as its file was written
+    assert meta["files"] and all(size > 0 and isinstance(digest, str) and len(digest) == 16
+                                 for size, digest in meta["files"].values())
     args[1] = f"train_iters={saved[0] + 1}"
     done = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "train", *args, "algorithm.loss.name=sapo",
                            "--nproc-per-node", "2"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)

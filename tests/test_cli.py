@@ -118,3 +118,27 @@ def test_plot_command(tmp_path, capsys):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli.main(["plot", str(run), "--metrics", "reward/nope"]) == 2
     assert "rlpo-mega plot: " in capsys.readouterr().err
+
+
+def test_torchrun_under_the_agent_exits_75_on_a_stop(tmp_path):
+    """launch/torchrun.sh runs `rlpo-mega torchrun <torchrun's flags> ENTRY`: a SIGTERM to it reaches the workers,
+    which save and exit 75, and so does the launcher (plain torchrun exits 1 whatever its workers did)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    worker = tmp_path / "w.py"
+    worker.write_text("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(75))\n"
+                      "open(sys.argv[1] + '.' + __import__('os').environ['RANK'], 'w').close()\ntime.sleep(60)\n")
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-m", "rlpo_mega.cli", "torchrun", "--standalone", "--nproc-per-node=2",
+                             str(worker), str(ready)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-2000:]
+    assert "stopped by SIGTERM" in err

@@ -25,10 +25,12 @@ import torch
 import rlpo_mega.rollout.sglang_engine as sglang_engine
 from moe.bridge.digest import tensor_digest
 from rlpo_mega.errors import EXIT_STOPPED
-from rlpo_mega.rollout import EngineError
-from rlpo_mega.rollout.sglang_engine import REPORT_LOADER
+from moe.model import load_hf_config
+from rlpo_mega.config import SGLangEngineConfig
+from rlpo_mega.rollout import EngineError, SamplingParams
+from rlpo_mega.rollout.sglang_engine import REPORT_LOADER, SGLangEngine
 from rlpo_mega.weight_sync.transports import InProcessTransport
-from tests.dist import torchrun
+from tests.dist import ROOT, torchrun
 from tests.test_engine_timeouts import engine_for
 
 STEPS = 3
@@ -252,3 +254,96 @@ def test_a_resume_that_moves_the_engine_ranks_is_refused_before_anything_loads(r
             "rollout.sglang.urls=[http://127.0.0.1:9,http://127.0.0.1:10]", "train_iters=3")
     with pytest.raises(ConfigError, match=r"engine ranks \[0, 1\].*from ranks \[0\].*rollout.sglang.drivers=1"):
         Trainer(c)
+
+
+# --- a dead server costs its requests (fake servers in their own processes: tools/bench_rollout_scale.serve) ---
+@pytest.fixture
+def fake_servers():
+    import multiprocessing as mp
+
+    from tools.bench_rollout_scale import serve
+
+    ctx, procs = mp.get_context("spawn"), []
+
+    def start(count, latency=0.2, port=0):
+        q = ctx.Queue()
+        mine = [ctx.Process(target=serve, args=(q, 8, 4, BENCH_HF.num_hidden_layers, BENCH_HF.num_experts_per_tok,
+                                                BENCH_HF.num_experts, latency, port), daemon=True)
+                for _ in range(count)]
+        urls = []
+        for p in mine:  # one at a time: each URL is its process's
+            p.start()
+            urls.append(f"http://127.0.0.1:{q.get(timeout=120)}")
+        procs.extend(mine)
+        return mine, urls
+    yield start
+    for p in procs:
+        p.kill()
+        p.join(10)
+
+
+BENCH_HF = load_hf_config(os.path.join(ROOT, "configs", "models", "qwen3_30b_a3b.json"))  # the bench's model
+
+
+def _engine(urls, **kw):
+    settings = dict(request_timeout=600.0, control_timeout=60.0, health_timeout=0.5, health_interval=0.25,
+                    hang_timeout=600.0, max_in_flight_per_server=4)
+    return SGLangEngine(SGLangEngineConfig(urls=list(urls), **{**settings, **kw}), BENCH_HF)
+
+
+def _kill_after(engine, prompts, after, proc):
+    """Generate one sample per prompt, SIGKILLing `proc` once `after` answers are back -> the samples."""
+    out, killed = [None] * len(prompts), False
+    for i, group in engine.stream(prompts, SamplingParams(max_new_tokens=4), n=1):
+        out[i] = group[0]
+        if not killed and sum(x is not None for x in out) >= after:
+            proc.kill()
+            killed = True
+    return out
+
+
+def test_a_dead_server_costs_its_requests_and_rejoins_after_it_answers(fake_servers):
+    procs, urls = fake_servers(3)
+    engine = _engine(urls)
+    prompts = [[5 + i % 7] * 8 for i in range(36)]
+    try:
+        out = _kill_after(engine, prompts, 4, procs[0])
+        # every prompt answered once (a full answer: 4 tokens, routes for every row), the dead server's on others
+        assert all(s is not None and len(s.response_ids) == 4 and s.finish_reason == "length" for s in out)
+        assert engine.faults["requests_resent"] >= 1 and engine.faults["servers_lost"] == 1, engine.faults
+        assert [s.url for s in engine.live] == urls[1:]
+        served = [sum(s.meta["server"] == u for s in out) for u in urls]
+        assert served[0] < min(served[1:]), served  # the dead one only until the kill
+        engine.refresh()  # before a sync: still dead, still out
+        assert len(engine.live) == 2 and engine.faults["server_rejoins"] == 0
+        fake_servers(1, port=int(urls[0].rsplit(":", 1)[1]))  # the server comes back (same address)
+        engine.refresh()
+        assert [s.url for s in engine.live] == urls and engine.faults["server_rejoins"] == 1
+        again = engine.generate(prompts[:12], SamplingParams(max_new_tokens=4), n=1)
+        assert urls[0] in {s.meta["server"] for s in again}  # back in the pool
+    finally:
+        engine.shutdown()
+
+
+def test_below_min_servers_the_rollout_fails_naming_them(fake_servers):
+    procs, urls = fake_servers(2)
+    engine = _engine(urls, min_servers=2)
+    try:
+        with pytest.raises(EngineError, match=r"(dead or unreachable|min_servers)"):
+            _kill_after(engine, [[5] * 8 for _ in range(24)], 2, procs[1])
+    finally:
+        engine.shutdown()
+    with pytest.raises(EngineError, match="min_servers=3 but driver 0 drives 2 server"):
+        _engine(urls, min_servers=3)
+
+
+def test_min_servers_is_checked_against_each_drivers_share():
+    from rlpo_mega.config import ConfigError, load_config
+    from rlpo_mega.config_checks import check_run_config
+
+    urls = "rollout.sglang.urls=[http://a:1,http://b:1,http://c:1,http://d:1]"
+    c = load_config("configs/demo_cpu.yaml", ("rollout.engine=sglang", urls, "rollout.sglang.drivers=2",
+                                               "rollout.sglang.min_servers=3"))
+    hf = load_hf_config(os.path.join(ROOT, c.model.hf_config))
+    with pytest.raises(ConfigError, match=r"min_servers=3.*between 1 and the servers of its share \(2: 4 server"):
+        check_run_config(c, hf, world_size=2, nodes=1)

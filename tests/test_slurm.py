@@ -408,7 +408,7 @@ def test_disaggregated_dry_run_commands():
                     "rollout.engine=sglang", "rollout.sglang.urls=[http://node-c:30000,http://node-c:30001]",
                     "rollout.sglang.tp_size=4"]
     for rank, (node, t) in enumerate(zip(["node-a", "node-b"], trs)):
-        assert t[1:3] == ["-m", "torch.distributed.run"], t
+        assert t[1:4] == ["-m", "rlpo_mega.cli", "torchrun"], t  # torchrun under rlpo-mega's agent: a stop exits 75
         assert _flag(t, "--nnodes") == "2" and _flag(t, "--nproc-per-node") == "8"
         assert _flag(t, "--node-rank") == str(rank) and _flag(t, "--master-addr") == "node-a"
         assert _flag(t, "--master-port") == str(20000 + 4242) and _flag(t, "--log-dir") == f"/logs/torchrun/{node}"
@@ -598,13 +598,13 @@ time.sleep(60)
 sys.exit(3)
 """
 
-# launch/torchrun.sh's `$PYTHON -m torch.distributed.run --flag=value... ENTRY...` without torchrun: the entry as
-# the one rank, its exit code passed through (real torchrun exits 1 on a TERM whatever its ranks did, and costs
-# a torch import)
+# launch/torchrun.sh's `$PYTHON -m rlpo_mega.cli torchrun --flag=value... ENTRY...` without torchrun: the entry as
+# the one rank, its exit code passed through (as rlpo-mega's agent does for a stop: tests/test_cli.py; this
+# saves a torch import)
 TORCHRUN_SHIM = """\
 #!/bin/bash
-if [[ "$1" == -m && "$2" == torch.distributed.run ]]; then
-    shift 2
+if [[ "$1" == -m && "$2" == rlpo_mega.cli && "$3" == torchrun ]]; then
+    shift 3
     while [[ "$1" == --* ]]; do shift; done
     RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 exec {python} "$@"
 fi

@@ -57,7 +57,8 @@ def _reply(prompt_len: int, new_tokens: int, layers: int, topk: int, experts: in
     return json.dumps({"text": "", "output_ids": ids, "meta_info": meta}).encode()
 
 
-def serve(port_out, prompt_tokens: int, new_tokens: int, layers: int, topk: int, experts: int, latency: float):
+def serve(port_out, prompt_tokens: int, new_tokens: int, layers: int, topk: int, experts: int, latency: float,
+          port: int = 0):
     """A fake SGLang server (run in its own process): /generate at wire speed, /health, /server_info. The body of
     the bench's shape is made before the server listens; another shape once, under a lock."""
     import threading
@@ -99,7 +100,7 @@ def serve(port_out, prompt_tokens: int, new_tokens: int, layers: int, topk: int,
         request_queue_size = 4096  # the driver opens up to max_in_flight_per_server connections at once
         daemon_threads = True
 
-    server = Server(("127.0.0.1", 0), Handler)
+    server = Server(("127.0.0.1", port), Handler)
     port_out.put(server.server_address[1])
     server.serve_forever()
 
@@ -122,7 +123,10 @@ def _reset_peak():
                          "extra_bytes_per_row needs Linux >= 4.0") from None
 
 
-def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: int, gc: str, **engine) -> dict:
+def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: int, gc: str, kill=None,
+             **engine) -> dict:
+    """kill: called once half of the samples have come back (one server SIGKILLed: its requests are sent again to
+    the others); the rows/s before and after it are reported."""
     import torch
     import torch.distributed as dist
 
@@ -148,7 +152,15 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
     _reset_peak()
     base = _rss("VmRSS")
     wall0, cpu0, ru0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
-    out = engine.generate(prompts, params, n=1)
+    if kill is None:
+        out = engine.generate(prompts, params, n=1)
+    else:
+        out, killed_at, rows_before = [None] * len(prompts), None, 0
+        for i, group in engine.stream(prompts, params, n=1):
+            out[i] = group[0]
+            if killed_at is None and sum(x is not None for x in out) >= len(prompts) // 2:
+                rows_before, killed_at = sum(x.span for x in out if x is not None), time.perf_counter()
+                kill()
     wall1, ru1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
     # what the rank does next, as the trainer does it: the scalars' gather (checking the traces the engine did
     # not), then the exchange of the payloads in bounded rounds (training/exchange.py)
@@ -162,7 +174,12 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
     left = sum(t.is_alive() for t in threading.enumerate() if t.name.startswith("rlpo-sglang"))
     rows = sum(s.span for s in out)
     assert len(received) == samples and dist.get_world_size() == 1
-    return {"samples": samples, "tokens": tokens, "servers": len(urls), "rows": rows,
+    faults = {}
+    if kill is not None:
+        faults = {"rows_per_s_before_kill": rows_before / (killed_at - wall0),
+                  "rows_per_s_after_kill": (rows - rows_before) / (wall1 - killed_at),
+                  "servers_alive": len(engine.live), **engine.faults}
+    return {**faults, "delivered": len(received), "samples": samples, "tokens": tokens, "servers": len(urls), "rows": rows,
             "cpu_us_per_row": (cpu1 - cpu0) / rows * 1e6, "extra_bytes_per_row": (peak - base) / rows,
             "tail_frac": (wall2 - wall1) / (wall2 - wall0), "rows_per_s": rows / (wall1 - wall0),
             "rollout_s": wall1 - wall0, "tail_s": wall2 - wall1, "exchange_rounds": xstats["rounds"],
@@ -191,6 +208,8 @@ def main():
                     help="rollout.sglang.decode_concurrency")
     ap.add_argument("--gc", choices=["per_step", "automatic"], default=TrainerConfig.gc,
                     help="the trainer's garbage collection (trainer.gc) while the driver runs")
+    ap.add_argument("--kill-one-half-way", action="store_true",
+                    help="SIGKILL one fake server once half of the samples are back: its requests go to the others")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args()
     samples, tokens = args.samples or [512, 256], args.tokens or [1024, 4096]
@@ -207,6 +226,9 @@ def main():
     for s, t in zip(samples, tokens):
         procs = []
         if args.servers:
+            if args.kill_one_half_way:
+                raise SystemExit("bench_rollout_scale: --kill-one-half-way kills a fake server it started; "
+                                 "leave out --servers")
             urls = args.servers.split(",")
         else:
             ctx = mp.get_context("spawn")
@@ -218,6 +240,7 @@ def main():
             urls = [f"http://127.0.0.1:{q.get(timeout=300)}" for _ in procs]
         try:
             r = run_size(urls, hf, s, t, args.prompt_tokens, args.exchange_round_mb, args.gc,
+                         kill=procs[-1].kill if args.kill_one_half_way else None,
                          max_in_flight_per_server=args.max_in_flight, decode_concurrency=args.decode_concurrency)
         finally:
             for p in procs:
@@ -232,6 +255,11 @@ def main():
               f"{r['context_switches'][0]} + {r['context_switches'][1]} context switches (voluntary + not); compact {r['compact_bytes_per_row']} B "
               f"per row; {r['workers']} worker threads, "
               f"{r['workers_after_shutdown']} left after shutdown", flush=True)
+        if args.kill_one_half_way:
+            print(f"  one of {r['servers']} servers killed half-way: {r['delivered']} of {s} samples delivered, "
+                  f"{r['requests_resent']} requests sent again, {r['servers_alive']} servers alive; rows/s "
+                  f"{r['rows_per_s_before_kill']:.0f} before the kill, {r['rows_per_s_after_kill']:.0f} after "
+                  f"({r['rows_per_s_after_kill'] / r['rows_per_s_before_kill']:.2f}x)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -53,6 +53,11 @@ except ImportError:  # pragma: no cover
     b64decode = base64.b64decode
 
 
+def _host_port(url: str) -> tuple:
+    u = urllib.parse.urlsplit(url)
+    return u.hostname, u.port
+
+
 class Connections:
     """Keep-alive HTTP/1.1 connections per server, reused across requests and steps: no TCP handshake per
     request, and http.client reads no proxy environment (a server address never goes through http_proxy).
@@ -128,6 +133,20 @@ class Connections:
             idle = self._idle.pop(url, [])
         for c in idle:
             c.close()
+
+    def close_url(self, url: str) -> None:
+        """Shut the sockets of the requests in flight to `url` (a server declared dead or hung): their workers
+        return at once with an error, and the engine sends those requests elsewhere."""
+        self._drop_idle(url)
+        with self._lock:
+            active = [c for c in self._active if (c.host, c.port) == _host_port(url)]
+        for conn in active:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def close_active(self) -> None:
         with self._lock:
@@ -270,12 +289,13 @@ class ServerSlots:
     over calls), or the server of the request's group, and blocks while that is full; `close` wakes the
     blocked workers and refuses the rest, so that nothing is sent after the call gave up."""
 
-    def __init__(self, num_servers: int, limit: int, start: int = 0):
+    def __init__(self, num_servers: int, limit: int, start: int = 0, out=None):
         if limit < 1:
             raise ValueError(f"max_in_flight_per_server={limit} must be >= 1")
         self.limit, self.counts, self.peak = limit, [0] * num_servers, [0] * num_servers
         self._next, self._closed = start % num_servers, False
         self.groups: dict = {}  # group -> its server
+        self.out = out or (lambda i: False)  # server i is out of the pool (dead): never picked
         self._cond = threading.Condition()
 
     def acquire(self, group=None) -> int:
@@ -287,9 +307,14 @@ class ServerSlots:
                 if self._closed:
                     raise SlotsClosed("the rollout this request belonged to has ended")
                 i = self.groups.get(group) if group is not None else None
+                if i is not None and self.out(i):  # the group's server died: the group goes where the next request lands
+                    del self.groups[group]
+                    i = None
                 placed = i is not None
                 if not placed:
-                    order = [(self._next + j) % n for j in range(n)]
+                    order = [k for k in ((self._next + j) % n for j in range(n)) if not self.out(k)]
+                    if not order:
+                        raise SlotsClosed("every server of this rollout is out")
                     i = min(order, key=lambda s: self.counts[s])  # first of the least loaded from the cursor
                 if self.counts[i] < self.limit:
                     self.counts[i] += 1

@@ -89,6 +89,9 @@ class _Server:
         self.launched = launched  # launch/sglang_server.SGLangServer when this process started it
         self.node = node  # launched by this run on another node (EngineSlot): that node's launcher restarts it
         self.restarts = 0
+        # in the generation pool and the weight-update group: a dead server leaves both (its requests are sent to
+        # the others) and rejoins at a sync, after a full, digest-verified load (SGLangEngine.refresh)
+        self.alive = True
 
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -186,6 +189,11 @@ class SGLangEngine(RolloutEngine):
             self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
+        if not 1 <= cfg.min_servers <= len(self.servers):
+            raise EngineError(f"rollout.sglang.min_servers={cfg.min_servers} but driver {driver} drives "
+                              f"{len(self.servers)} server(s): set it between 1 and {len(self.servers)}")
+        # the driver's fault counters (EngineSlot shares one dict across rebuilds: a run's totals)
+        self.faults = {"requests_resent": 0, "server_rejoins": 0, "servers_lost": 0}
         self._rr = itertools.cycle(range(len(self.servers)))
         self._layout_checked = False
         # generation: keep-alive connections and workers reused across rollouts, ended by shutdown() (or at
@@ -204,7 +212,7 @@ class SGLangEngine(RolloutEngine):
         not depend on it)."""
         if self._layout_checked:
             return
-        for s in self.servers:
+        for s in self.live:
             status, body = self._http(s, "/server_info", method="GET")
             try:
                 info = json.loads(body) if status == 200 else None
@@ -292,7 +300,57 @@ class SGLangEngine(RolloutEngine):
             return False
 
     def health(self) -> bool:
-        return all(self._healthy(s) for s in self.servers)
+        return all(self._healthy(s) for s in self.live)
+
+    @property
+    def live(self) -> list:
+        """The servers in the generation pool and the weight-update group (all but the dead ones)."""
+        return [s for s in self.servers if s.alive]
+
+    def _retire(self, server: "_Server", what: str) -> Optional[EngineError]:
+        """`server` failed (`what`): out of the pool and the weight group while at least rollout.sglang.min_servers
+        stay; None when it is out (its requests go to the others), else the error that ends the call (fewer than
+        min_servers would be left: the guard rebuilds, or the run stops naming them)."""
+        with self._lock:
+            if not server.alive:
+                return None
+            left = [s for s in self.servers if s.alive and s is not server]
+            if len(left) >= self.cfg.min_servers and not self._closed:
+                server.alive = False
+                self.faults["servers_lost"] += 1
+        if not server.alive:
+            log.warning("SGLang server %s is out (%s): its requests go to %s; it rejoins at a sync once it answers "
+                        "/health%s", server.url, what, ", ".join(s.url for s in left),
+                        " (relaunched there)" if server.launched is not None else "")
+            self._conns.close_url(server.url)  # its requests in flight fail now and are sent again
+            return None
+        dead = [s.url for s in self.servers if not s.alive] + [server.url]
+        return EngineError(f"SGLang driver {self.driver}: {len(left)} live server(s) left, fewer than "
+                           f"rollout.sglang.min_servers={self.cfg.min_servers} ({what}); out: {', '.join(dead)}")
+
+    def refresh(self) -> None:
+        """Before a weight sync (between steps): a server that is out rejoins if it answers /health (one this
+        process launched is relaunched first, within rollout.sglang.max_restarts), and the sync gives it the full
+        weights, digest-verified; a live one that no longer answers leaves (down to min_servers)."""
+        for s in self.servers:
+            if s.alive:
+                if not self._healthy(s):
+                    err = self._retire(s, "no answer to /health before a weight sync")
+                    if err is not None:
+                        raise err
+                continue
+            if s.launched is not None and not s.launched.alive() and s.restarts < self.cfg.max_restarts:
+                s.restarts += 1
+                s.launched.stop()
+                try:
+                    s.launched.start(self.cfg.startup_timeout)
+                except Exception as e:
+                    log.warning("SGLang server %s: relaunch %d failed (%s); it stays out", s.url, s.restarts, e)
+                    continue
+            if self._healthy(s):
+                s.alive = True
+                self.faults["server_rejoins"] += 1
+                log.warning("SGLang server %s rejoins: it receives the full weights in this sync", s.url)
 
     # ---------------------------------------------------------------- generation
     def _sampling(self, params: SamplingParams, seed: Optional[int]) -> dict:
@@ -336,12 +394,13 @@ class SGLangEngine(RolloutEngine):
         # per-server limit (rollout.sglang.max_in_flight_per_server): a group's first request takes a slot on
         # the least-loaded server when it is sent (sglang_client.ServerSlots; ties rotate over calls), the
         # group's other samples follow it there (one prefix cache per prompt)
-        slots = ServerSlots(len(self.servers), self.cfg.max_in_flight_per_server, start=next(self._rr))
+        slots = ServerSlots(len(self.servers), self.cfg.max_in_flight_per_server, start=next(self._rr),
+                            out=lambda k: not self.servers[k].alive)
         for name, per in (("max_new_tokens", max_new_tokens), ("affinity", affinity), ("routes_from", routes_from)):
             if per is not None and len(per) != len(prompts):
                 raise ValueError(f"{len(per)} {name} for {len(prompts)} prompts")
         if affinity is not None:  # an episode's next turn goes back to the server that holds its prefix
-            where = {s.url: k for k, s in enumerate(self.servers)}
+            where = {s.url: k for k, s in enumerate(self.servers) if s.alive}
             for i, url in enumerate(affinity):
                 if url in where:
                     slots.place(i, where[url])
@@ -440,15 +499,17 @@ class SGLangEngine(RolloutEngine):
                 with self._lock:
                     busy = {s.url: s for s in self._inflight.values()}
                 for s in self.servers:
-                    if s.url not in busy:
-                        last_ok[s.url] = now  # idle servers are not on the clock
+                    if s.url not in busy or not s.alive:
+                        last_ok[s.url] = now  # idle servers (and those already out) are not on the clock
                 for url, s in busy.items():
                     if self._healthy(s):
                         last_ok[url] = time.monotonic()
                     elif time.monotonic() - last_ok[url] >= self.cfg.hang_timeout:
-                        raise EngineError(
-                            f"SGLang server {url} has not answered /health for {self.cfg.hang_timeout:g} s while "
-                            f"requests are in flight (rollout.sglang.hang_timeout): it is hung; restart it")
+                        what = (f"no answer to /health for {self.cfg.hang_timeout:g} s while requests are in flight "
+                                "(rollout.sglang.hang_timeout): it is hung")
+                        err = self._retire(s, what)  # out: its requests fail now and go to the other servers
+                        if err is not None:
+                            raise EngineError(f"SGLang server {url}: {what}; restart it ({err})")
 
     def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots, start: int = 0) -> Sample:
         body = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
@@ -456,38 +517,61 @@ class SGLangEngine(RolloutEngine):
         if start:  # rows [start, seqlen - 1) only: the caller holds the rows before (an episode's earlier turns)
             body["routed_experts_start_len"] = start
         payload = dumps(body)
-        slot = slots.acquire(group=prompt_index)  # blocks while the server(s) it may use are full
-        server = self.servers[slot]
-        with self._lock:
-            self._inflight[rid] = server
-        if slots.closed:  # a finish or an end came between the slot and the registration its abort reads
-            with self._lock:
-                self._inflight.pop(rid, None)
-            slots.release(slot)
-            raise SlotsClosed(f"request {rid} not sent: its rollout has ended")
-        held = False  # a decode permit: answers read and decoded at once are bounded (rollout.sglang.decode_concurrency)
-        try:
-            with self._conns.post(server.url, "/generate", payload, self.cfg.request_timeout) as resp:
-                self._decoding.acquire()
-                held = True
-                status, (body, size) = resp.status, self._buffers.read(resp)
-        except BaseException as e:
-            if held:
+        while True:  # once per server tried: a dead or failing one's request is sent again to another of this driver's
+            server, (status, raw, size) = self._send(prompt_index, rid, payload, slots)
+            try:
+                return self._answer(server, prompt_index, prompt, rid, status, raw, size, start)
+            except EngineError as e:
+                # a 5xx without an answer (an OOM, a scheduler crash): the server is out, the request sent again
+                if status < 500 or self._retire(server, f"/generate answered {status}") is not None:
+                    raise
+                log.debug("request %s sent again after %s", rid, e)
+                self.faults["requests_resent"] += 1
+            finally:
+                self._buffers.give(raw)
                 self._decoding.release()
-            if not isinstance(e, (OSError, http.client.HTTPException)):
-                raise
-            if slots.closed:  # this rollout was ended (stop, hang, enough groups): its sockets were shut
-                raise SlotsClosed(f"request {rid} ended with its rollout") from None
-            raise self._dead(server, f"/generate failed after at most {self.cfg.request_timeout:g} s: {e}") from e
-        finally:
+
+    def _send(self, prompt_index, rid, payload, slots: ServerSlots):
+        """One POST /generate on a slot -> (server, (status, body, size)), a decode permit held. A connection that
+        fails because its server died (refused, reset, closed mid-body) is sent again to another server here (the
+        dead one leaves the pool: _retire); a timeout, or a failure with too few servers left, ends the request."""
+        while True:
+            slot = slots.acquire(group=prompt_index)  # blocks while the server(s) it may use are full
+            server = self.servers[slot]
             with self._lock:
-                self._inflight.pop(rid, None)
-            slots.release(slot)  # before decoding: the server takes the next request
-        try:
-            return self._answer(server, prompt_index, prompt, rid, status, body, size, start)
-        finally:
-            self._buffers.give(body)
-            self._decoding.release()
+                self._inflight[rid] = server
+            if slots.closed:  # a finish or an end came between the slot and the registration its abort reads
+                with self._lock:
+                    self._inflight.pop(rid, None)
+                slots.release(slot)
+                raise SlotsClosed(f"request {rid} not sent: its rollout has ended")
+            held = False  # a decode permit: answers read and decoded at once are bounded (decode_concurrency)
+            try:
+                with self._conns.post(server.url, "/generate", payload, self.cfg.request_timeout) as resp:
+                    self._decoding.acquire()
+                    held = True
+                    status, (body, size) = resp.status, self._buffers.read(resp)
+            except BaseException as e:
+                if held:
+                    self._decoding.release()
+                if not isinstance(e, (OSError, http.client.HTTPException)):
+                    raise
+                if slots.closed:  # this rollout was ended (stop, hang, enough groups): its sockets were shut
+                    raise SlotsClosed(f"request {rid} ended with its rollout") from None
+                what = f"/generate failed after at most {self.cfg.request_timeout:g} s: {e}"
+                stopping = self.should_stop is not None and self.should_stop()
+                # a timeout is a slow server, not a dead one (request_timeout); refused, reset or closed mid-body:
+                # the server is out and the request goes to another (none: the old way, _dead)
+                if not isinstance(e, TimeoutError) and not stopping:
+                    if self._retire(server, what) is None:
+                        self.faults["requests_resent"] += 1
+                        continue
+                raise self._dead(server, what) from e
+            finally:
+                with self._lock:
+                    self._inflight.pop(rid, None)
+                slots.release(slot)  # before decoding: the server takes the next request
+            return server, (status, body, size)
 
     def _answer(self, server: _Server, prompt_index: int, prompt: list, rid: str, status: int, body, size: int,
                 start: int = 0) -> Sample:
@@ -567,13 +651,13 @@ class SGLangEngine(RolloutEngine):
 
     def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:
         if request_ids is None:
-            for s in self.servers:
+            for s in self.live:
                 self._post_ok_empty(s, "/abort_request", {"abort_all": True})
             return
         with self._lock:
             owners = {rid: self._inflight.get(rid) for rid in request_ids}
         for rid, s in owners.items():
-            for srv in [s] if s is not None else self.servers:  # unknown owner (not yet sent): ask all
+            for srv in [s] if s is not None else self.live:  # unknown owner (not yet sent): ask all
                 self._post_ok_empty(srv, "/abort_request", {"rid": rid})
 
     def _post_ok_empty(self, server, path, payload):
@@ -583,7 +667,7 @@ class SGLangEngine(RolloutEngine):
 
     def flush_cache(self) -> None:
         # SGLang refuses while requests are queued or running, sometimes just after generate() returned
-        for s in self.servers:
+        for s in self.live:
             delay, last = 0.05, b""
             for _ in range(self.cfg.flush_retries):
                 status, last = self._http(s, "/flush_cache", {}, timeout=self.cfg.health_timeout * 6)
@@ -596,9 +680,13 @@ class SGLangEngine(RolloutEngine):
                                   f"tries ({last[:200]!r}): requests are still running; abort() them first")
 
     # ---------------------------------------------------------------- weights
-    def begin_weight_update(self) -> None:
+    def begin_weight_update(self, refresh: bool = True) -> None:
+        """Opens the update session on every live server; first (refresh) the servers out rejoin if they answer
+        and the live ones that do not leave: the weights that follow go to exactly the servers that generate."""
+        if refresh:
+            self.refresh()
         self._check_layout()
-        for s in self.servers:
+        for s in self.live:
             self._begin(s)
 
     def _begin(self, server: _Server) -> None:
@@ -617,7 +705,7 @@ class SGLangEngine(RolloutEngine):
     def abandon_weight_update(self) -> None:
         """After a failed sync: every reachable server's session closed (quietly; the sync is retried or the run
         stops), so that the next begin_weight_update is not refused."""
-        self._end_quietly(self.servers)
+        self._end_quietly(self.live)
 
     def _end_quietly(self, servers) -> None:
         for s in servers:  # a raw POST: a dead server here is not restarted (_dead), the retry's guard decides
@@ -630,13 +718,13 @@ class SGLangEngine(RolloutEngine):
                 log.debug("closing %s's weight-update session: %s", s.url, e)
 
     def _post_ok_all(self, path):
-        for s in self.servers:
+        for s in self.live:
             self._post_ok(s, path)
 
     def set_weight_version(self, version: str) -> None:
         """Every server's weight version (POST /update_weight_version, without aborting anything): each answer's
         meta_info names the version it was generated with (weight_versions: spans, should one change mid-request)."""
-        for srv in self.servers:
+        for srv in self.live:
             self._post_ok(srv, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     def end_weight_update(self) -> None:
@@ -665,14 +753,15 @@ class SGLangEngine(RolloutEngine):
             # sglang's Mixtral (0.5.23) ignores tie_word_embeddings and keeps its own lm_head: send it too
             named_tensors.append((self._head, dict(named_tensors)[self._embed]))
         payload, keep = self._tensor_payload(named_tensors)
-        for s in self.servers:
+        for s in self.live:
             self._post_ok(s, "/update_weights_from_tensor",
                           {"serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": load_format,
                            "flush_cache": False})
         del keep
 
     def reload_from_disk(self, path: str) -> None:
-        for s in self.servers:
+        self.refresh()
+        for s in self.live:
             self._post_ok(s, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
                                                            "flush_cache": False})
         if self.tied:  # see load_weights: a tied checkpoint has no lm_head.weight for sglang's Mixtral
@@ -756,23 +845,24 @@ class SGLangEngine(RolloutEngine):
         CUDA), as launch/rlpo_sglang_hooks.py reports it from inside the server."""
         self._check_layout()
         return {s.url: self._hook_request(s, {"what": "environment"}, "environment")["environment"]
-                for s in self.servers}
+                for s in self.live}
 
     def weight_digests(self, names, algorithm: str) -> dict[str, str]:
         """{HF name: digest} of what the servers hold, digested inside each server; servers must agree."""
-        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
-            per_server = list(pool.map(lambda server: self._digest_request(server, algorithm), self.servers))
+        servers = self.live
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            per_server = list(pool.map(lambda server: self._digest_request(server, algorithm), servers))
         if self.tied:
-            for s, d in zip(self.servers, per_server):
+            for s, d in zip(servers, per_server):
                 if self._head in d and d[self._head] != d.get(self._embed):
                     raise DigestMismatchError(
                         f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
                         "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "
                         "(it sends lm_head too) or serve an untied checkpoint")
-        for s, d in zip(self.servers[1:], per_server[1:]):
+        for s, d in zip(servers[1:], per_server[1:]):
             try:
                 verify({n: per_server[0][n] for n in names if n in per_server[0]}, d,
-                       where=f"SGLang server {s.url} (vs {self.servers[0].url})")
+                       where=f"SGLang server {s.url} (vs {servers[0].url})")
             except DigestMismatchError as e:
                 raise DigestMismatchError(f"SGLang servers disagree: {e}") from e
         return {n: per_server[0][n] for n in names if n in per_server[0]}
@@ -857,7 +947,7 @@ class SGLangDistributedTransport:
         # one name per transport: a rebuilt engine's group never meets the old one's leftovers (each driver's
         # servers and store are its own; the driver index keeps the names apart in the logs too)
         self.group_name = f"rlpo_weight_sync_d{engine.driver}_{os.getpid()}_{next(self._instances)}"
-        self.pg = None
+        self.pg, self.members = None, []  # the group, and the servers in it (URLs)
 
     @classmethod
     def from_config(cls, cfg, engine, hf):
@@ -882,12 +972,13 @@ class SGLangDistributedTransport:
             problem = nccl_mismatch(torch.cuda.nccl.version(), torch.__version__, e.environments())
             if problem:
                 raise EngineError(problem)
-        world = 1 + len(e.servers) * e.cfg.tp_size
+        servers = e.live
+        world = 1 + len(servers) * e.cfg.tp_size
         store = e.store()  # hosted by this rank: see SGLangEngine.store
         calls = [lambda s=s, i=i: e._post_ok(s, "/init_weights_update_group", {
             "master_address": e.learner_address(), "master_port": store.port, "rank_offset": 1 + i * e.cfg.tp_size,
             "world_size": world, "group_name": self.group_name, "backend": self.backend},
-            timeout=self.timeout_s) for i, s in enumerate(e.servers)]
+            timeout=self.timeout_s) for i, s in enumerate(servers)]
         for _ in self._concurrently(calls):
             # what sglang's init_custom_process_group does on its side: the group-name prefix on the store
             timeout = timedelta(seconds=self.timeout_s)
@@ -895,6 +986,7 @@ class SGLangDistributedTransport:
                                                    PrefixStore(self.group_name, store), group_name=self.group_name,
                                                    timeout=timeout)
             _world.pg_group_ranks[self.pg] = {i: i for i in range(world)}  # as sglang does: src=0 resolves
+        self.members = [s.url for s in servers]
 
     def sync(self, stream) -> dict:
         try:
@@ -907,9 +999,14 @@ class SGLangDistributedTransport:
     def _sync(self, stream) -> dict:
         e = self.engine
         if stream.receives:
+            e.refresh()  # servers out rejoin, dead ones leave: the group is the live servers
+            if self.pg is not None and self.members != [s.url for s in e.live]:
+                log.warning("SGLang driver %d: the weight-update group changes (%s -> %s): made anew", e.driver,
+                            ", ".join(self.members), ", ".join(s.url for s in e.live))
+                self.close()
             if self.pg is None:
                 self._init_group()
-            e.begin_weight_update()
+            e.begin_weight_update(refresh=False)
         dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         for bucket in stream:
             if not stream.receives or not bucket:
@@ -917,7 +1014,7 @@ class SGLangDistributedTransport:
             meta = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                     "flush_cache": False}
-            calls = [lambda s=s: e._post_ok(s, "/update_weights_from_distributed", meta) for s in e.servers]
+            calls = [lambda s=s: e._post_ok(s, "/update_weights_from_distributed", meta) for s in e.live]
             for _ in self._concurrently(calls):
                 for _, t in bucket:
                     torch.distributed.broadcast(t.contiguous().to(dev), src=0, group=self.pg)
@@ -932,7 +1029,7 @@ class SGLangDistributedTransport:
             return
         e = self.engine
         for s in e.servers:
-            if not e._healthy(s):
+            if s.url not in self.members or not e._healthy(s):
                 continue  # dead or hung: no group left to destroy, and no reply to wait for
             try:
                 e._post_ok(s, "/destroy_weights_update_group", {"group_name": self.group_name},

@@ -53,6 +53,9 @@ class EngineSlot:
         self.cfg, self.hf, self.should_stop, self.group = cfg, hf, should_stop, group
         self.engine = self.transport = None
         self.node_servers: list = []  # this node's launched servers (its local rank 0 only)
+        # an SGLang driver's fault counters (requests sent again, rejoins, servers lost), shared by the engines
+        # this slot builds: the run's totals across rebuilds
+        self.faults = {"requests_resent": 0, "server_rejoins": 0, "servers_lost": 0}
         self.build()
 
     def _launches(self) -> bool:
@@ -102,6 +105,8 @@ class EngineSlot:
             self.engine.adopt(launched)
         if hasattr(self.engine, "should_stop"):
             self.engine.should_stop = self.should_stop
+        if hasattr(self.engine, "faults"):
+            self.engine.faults = self.faults
         try:
             self.transport = make_transport(self.cfg, self.engine, self.hf)
         except BaseException:
@@ -209,6 +214,20 @@ class Engines:
         self.ranks = engine_ranks(cfg)
         self.slot = EngineSlot(cfg, hf, should_stop=should_stop, group=group)
         self.guard = EngineGuard(self.slot, sync, cfg.trainer.engine_restarts, group, should_stop=should_stop)
+
+    def fault_metrics(self) -> dict:
+        """The run's server faults so far, summed over the driver ranks (one gloo all-reduce): servers alive now
+        (of all), requests sent again to another server, servers that left the pool, rejoins after a reload."""
+        e, f = self.slot.engine, self.slot.faults
+        live = getattr(e, "live", None)
+        mine = [len(live) if live is not None else 0, len(getattr(e, "servers", ()) or ()),
+                f["requests_resent"], f["servers_lost"], f["server_rejoins"]]
+        t = torch.tensor(mine, dtype=torch.int64)
+        dist.all_reduce(t, group=self.guard.group)
+        if not int(t[1]):  # no server-backed engine (the embedded one): nothing to report
+            return {}
+        return {"engine/servers_alive": int(t[0]), "engine/servers": int(t[1]), "engine/requests_resent": int(t[2]),
+                "engine/servers_lost": int(t[3]), "engine/server_rejoins": int(t[4])}
 
     def stop_agreed(self) -> bool:
         """Whether any rank has a stop requested, agreed on the control group (gloo, rollout.wait_timeout): before

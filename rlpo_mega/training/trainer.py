@@ -232,6 +232,7 @@ class Trainer:
                                              float(p.optimizer.param_groups[0]["lr"])))
         metrics.update(report.throughput_metrics(groups.samples, c.trainer.epochs, time.perf_counter() - t0, timer))
         metrics["engine/restarts"] = self.engines.guard.restarts
+        metrics.update(self.engines.fault_metrics())
         if syncs:
             self.logger.log_sync_sites(self.step, sites)
         return metrics
@@ -324,8 +325,8 @@ class Trainer:
                 q.copy_(p)
 
     def save(self, on_signal: bool = False):
-        """on_signal: the save on SIGTERM, inside the pre-emption window (launch/slurm's --signal lead): file sizes
-        are recorded, the checksums' full re-read is left out (`rlpo-mega plan` sizes the window for the save)."""
+        """on_signal: the save on SIGTERM, inside the pre-emption window (launch/slurm's --signal lead): the same save,
+        every file's checksum taken as it is written (nothing read back), without the optional HF export."""
         c = self.cfg.checkpoint
         producer = self.producer.state_dict()  # this rank's carried groups and unsent prompts (often none)
         state = {"step": self.step, "bad_steps": self.bad_steps, "warmup_done": self.warmup_done,
@@ -337,7 +338,7 @@ class Trainer:
                                      "run_id": self.run_id, "settings": self._settings()},
                                hf_files=self._hf_files(), reference=self.policy.ref_chunks, stale=self.stale_steps,
                                critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None,
-                               checksums=not on_signal, rank_state={"producer": producer} if producer else None)
+                               rank_state={"producer": producer} if producer else None)
         self.stale_steps = ()  # replaced (checkpoint.overwrite) once this run has a checkpoint of its own
         if c.export_hf and not on_signal:  # the HF copy is a convenience: `rlpo-mega export` makes it later
             stream = ExportStream(self.policy.chunks, bucket_bytes=self.cfg.rollout.sync_bucket_mb << 20, dst=0,
