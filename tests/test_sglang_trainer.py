@@ -98,3 +98,44 @@ def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path):
         assert versions == sorted(versions) and s["step"] - 1 <= versions[0] and versions[-1] <= s["step"], s
         assert sum(n for _, n in s["versions"]) == s["len"], s
     assert any(len(s["versions"]) == 2 for s in samples)
+
+
+def test_two_external_servers_on_one_driver_failover_and_rejoin(sglang_python, tmp_path):
+    """The issue's first-sync failure, as a new user meets it: the demo (in_process sync) with
+    `rollout.engine=sglang rollout.sglang.urls=[two servers]` and one driver, the servers started as the sbatch
+    starts them (launch/sglang_server.py). Before the per-driver TCP store was made once, the digest reports of
+    the two servers raced to create it and the first sync failed after control_timeout. Then one server is
+    SIGKILLed after step 1: step 2's requests to it go to the other and it leaves the weight group (no rebuild,
+    no restart: engine_restarts=0); started again after step 2, it rejoins at step 3's sync with the full weights,
+    digest-verified, and step 4 generates on both. Every step's learner log-probs equal the servers' (fp32): every
+    sample came from synced weights, the rejoined server's included."""
+    from launch.sglang_server import SGLangServer
+
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    servers = [SGLangServer(ckpt, port=free_port(), server_args=SERVER_ARGS, python=sglang_python,
+                            log_dir=str(tmp_path / "logs"),
+                            env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")})
+               for _ in range(2)]
+    try:
+        for s in servers:
+            s.start(240)
+        urls = [s.url for s in servers]
+        r = torchrun("train_scenarios.py", 2, "sglang_external_failover", str(tmp_path / "run"), timeout=900,
+                     env=_trainer_env(sglang_python, ckpt, RLPO_SGLANG_URLS=",".join(urls),
+                                      RLPO_SGLANG_PIDS=",".join(str(s.proc.pid) for s in servers)))
+    finally:
+        for s in servers:
+            s.stop()
+    hist = r["history"]
+    assert r["rc"] == 0 and not r["stopped"] and [h["step"] for h in hist] == [1, 2, 3, 4], r
+    assert [h["engine/servers_alive"] for h in hist] == [2, 1, 2, 2], hist
+    assert hist[-1]["engine/servers_lost"] == 1 and hist[-1]["engine/server_rejoins"] == 1, hist[-1]
+    assert all(h["engine/restarts"] == 0 for h in hist)  # no rebuild: the failover is the engine's
+    answers = r["answers"]
+    assert set(answers["1"]) == set(urls) and set(answers["4"]) == set(urls), answers  # both generate
+    assert set(answers["2"]) == {urls[0]} and set(answers["3"]) == {urls[0]}, answers  # the dead one's out
+    for h in hist:
+        assert h["routing/update/fallback_entries"] == 0, h  # every token replayed SGLang's routes
+        assert h["mismatch/ratio_dev_max"] < 1e-4, h  # the servers held the synced weights

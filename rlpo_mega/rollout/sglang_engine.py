@@ -739,7 +739,11 @@ class SGLangEngine(RolloutEngine):
         import torch.multiprocessing as tmp
 
         tmp.set_sharing_strategy("file_system")  # fd passing cannot cross HTTP
-        keep = [(n, t.detach().to("cpu").contiguous()) for n, t in named_tensors]
+        # a fresh copy each time: pickling moves a storage into shared memory by file name, and the stream's
+        # recycled buffers (InProcessTransport) would send the next sync the name of a file the server already
+        # closed and the shm manager unlinked ("unable to open shared memory object": the server crashed at the
+        # second sync of a trainer run)
+        keep = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in named_tensors]
         buf = io.BytesIO()
         multiprocessing.reduction.ForkingPickler(buf).dump(keep)
         return base64.b64encode(buf.getvalue()).decode(), keep  # keep: alive until the server has loaded

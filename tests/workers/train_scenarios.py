@@ -333,6 +333,56 @@ def sglang_distributed_run(out):
     return {"rc": 0, "history": history(out, "sgl"), "drivers": every}
 
 
+def sglang_external_failover(out):
+    """Two external servers on one driver (rank 0), started as the sbatch starts them (launch/sglang_server.py, by
+    the test: RLPO_SGLANG_URLS, their process groups RLPO_SGLANG_PIDS), the demo's in_process sync (the first sync
+    with two servers per driver failed before the per-driver store was made once). 4 steps: after step 1 the
+    second server is SIGKILLed (step 2's requests to it are sent to the first; it leaves the weight group); after
+    step 2 it is started again on its port (an operator's restart), and the sync after step 3 takes it back with
+    the full weights, digest-verified; step 4 generates on both. Rank 0 reports its answers per server and step."""
+    import signal
+
+    from launch.sglang_server import SGLangServer
+
+    env = os.environ
+    urls, pids = env["RLPO_SGLANG_URLS"].split(","), [int(p) for p in env["RLPO_SGLANG_PIDS"].split(",")]
+    answers, original_answer = {}, SGLangEngine._answer
+    restarted = []
+
+    def answer(self, server, *args):
+        step = answers.setdefault(str(current["step"] + 1), {})
+        step[server.url] = step.get(server.url, 0) + 1
+        return original_answer(self, server, *args)
+
+    current = {"step": 0}
+
+    def faults(trainer):
+        current["step"] = trainer.step
+        if trainer.rank != 0:
+            return
+        if trainer.step == 1:
+            os.killpg(pids[1], signal.SIGKILL)
+        if trainer.step == 2:
+            port = int(urls[1].rsplit(":", 1)[1])
+            server = SGLangServer(env["RLPO_SGLANG_HF"], port=port, server_args=json.loads(env["RLPO_SGLANG_SERVER_ARGS"]),
+                                  python=env["RLPO_SGLANG_PYTHON"], log_dir=os.path.join(out, "sglang_logs"),
+                                  env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": env["RLPO_SGLANG_PATH"]})
+            restarted.append(server.start(240))
+
+    SGLangEngine._answer = answer
+    try:
+        config = cfg(out, "ext", "algorithm.loss.name=gspo", "routing.mode=r3", "train_iters=4",
+                     f"model.init_from_hf={env['RLPO_SGLANG_HF']}", "rollout.engine=sglang",
+                     f"rollout.sglang.urls=[{','.join(urls)}]", "rollout.sglang.drivers=1",
+                     "rollout.sglang.health_timeout=2", "trainer.engine_restarts=0")
+        trainer = _run_with(config, faults)
+    finally:
+        SGLangEngine._answer = original_answer
+        for server in restarted:
+            server.stop()
+    return {"rc": 0, "stopped": trainer.stopped, "history": history(out, "ext"), "answers": answers}
+
+
 def sglang_hang_sigterm(out):
     """After step 1 rank 0 freezes the server (SIGSTOP), then SIGTERMs itself 3 s into step 2's rollout."""
     import signal
