@@ -1,4 +1,5 @@
-"""Benchmark the cost of checkpoint integrity: the checksums at save and their verification at load.
+"""Benchmark the cost of checkpoint integrity: the checksums at save (taken as the files are written) and their
+verification at load.
 
 A Qwen3-MoE model widened to ~30M parameters (fp32 weights, ~0.1 GB of checkpoint) is saved through
 the trainer's path (rlpo_mega.checkpoint.dist.save_checkpoint, which hashes every file), verified (what
@@ -6,7 +7,7 @@ load_checkpoint runs first unless checkpoint.verify=false) and loaded without it
 verification cost is hashing, not disk; on a cold parallel filesystem reading dominates and the share is
 smaller). Prints one line:
 
-  checkpoint: S MB; save X s (checksums C s of it); load U s + verification V s (+P%)
+  checkpoint: S MB; save X s (checksums taken while writing; a read-back would add C s); load U s + verification V s (+P%)
 
     .venv/bin/python tools/bench_checkpoint.py [--reps 3]
 """
@@ -61,7 +62,8 @@ def worker(out_dir: str, reps: int):
     med = statistics.median
     v, u = med(verified), med(unverified)
     print(f"model: {params / 1e6:.1f}M parameters; reps {reps} (medians)")
-    print(f"checkpoint: {size:.0f} MB; save {med(saves):.2f} s (checksums {med(hashes):.2f} s of it); "
+    print(f"checkpoint: {size:.0f} MB; save {med(saves):.2f} s (checksums taken while writing; a read-back, as "
+          f"saves did before, would add {med(hashes):.2f} s); "
           f"load {u:.2f} s + verification {v:.2f} s (+{100 * v / u:.0f}%)", flush=True)
     distributed.destroy()
 
