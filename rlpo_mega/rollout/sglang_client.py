@@ -53,6 +53,17 @@ except ImportError:  # pragma: no cover
     b64decode = base64.b64decode
 
 
+def _shutdown(conns) -> None:
+    """Shut each connection's socket: a worker blocked reading it returns at once with an error."""
+    for conn in conns:
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 def _host_port(url: str) -> tuple:
     u = urllib.parse.urlsplit(url)
     return u.hostname, u.port
@@ -140,25 +151,13 @@ class Connections:
         self._drop_idle(url)
         with self._lock:
             active = [c for c in self._active if (c.host, c.port) == _host_port(url)]
-        for conn in active:
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        _shutdown(active)
 
     def close_active(self) -> None:
         with self._lock:
             self._epoch += 1
             active = list(self._active)
-        for conn in active:
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+        _shutdown(active)
 
     def close(self) -> None:
         self.close_active()
