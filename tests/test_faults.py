@@ -12,6 +12,7 @@ report their digests through one store; a failed sync closes every server's upda
 open by someone else is closed before the next begin.
 """
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -347,3 +348,97 @@ def test_min_servers_is_checked_against_each_drivers_share():
     hf = load_hf_config(os.path.join(ROOT, c.model.hf_config))
     with pytest.raises(ConfigError, match=r"min_servers=3.*between 1 and the servers of its share \(2: 4 server"):
         check_run_config(c, hf, world_size=2, nodes=1)
+
+
+@contextlib.contextmanager
+def failing_server(mode: str):
+    """A server that accepts /generate and fails it: "500" answers 500 without an answer (its /health says 200),
+    "close" sends half a body and closes, "hang" never answers (nor /health)."""
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            if mode == "hang":
+                release.wait(60)
+            body = b"{}"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if mode == "hang":
+                release.wait(60)
+                return
+            body = json.dumps({"error": "test: out of memory"}).encode()
+            self.send_response(500 if mode == "500" else 200)
+            self.send_header("Content-Length", str(len(body) + (1000 if mode == "close" else 0)))
+            self.end_headers()
+            self.wfile.write(body)
+            if mode == "close":
+                self.close_connection = True
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+
+    httpd = Server(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        release.set()
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("mode", ["500", "close", "hang"])
+def test_a_failing_server_costs_its_requests(mode):
+    """A server that answers 500, closes mid-body or hangs (no /health within hang_timeout) beside a good one:
+    every sample comes from the good one, the failing one is out, the requests it held were sent again."""
+    from tests.test_sglang_client import Gauge, fake_sglang
+
+    with fake_sglang(Gauge(), delay=0.05) as (good, _, _), failing_server(mode) as bad:
+        engine = engine_for([bad, good], hang_timeout=1.5, max_in_flight_per_server=4)
+        try:
+            t0 = time.monotonic()
+            out = engine.generate([[5, 6, 7]] * 6, SamplingParams(max_new_tokens=3), n=2)
+            took = time.monotonic() - t0
+        finally:
+            engine.shutdown()
+    assert len(out) == 12 and all(s.meta["server"] == good and s.finish_reason == "length" for s in out)
+    assert [s.url for s in engine.live] == [good] and engine.faults["servers_lost"] == 1, engine.faults
+    assert engine.faults["requests_resent"] >= 1, engine.faults
+    assert took < 10, took  # a hang costs hang_timeout (1.5 s) and a health poll, not request_timeout (600 s)
+
+
+def test_a_server_dead_during_the_sync_leaves_the_group_at_the_retry(stubs):
+    """One of two servers dies between the session's begin and its load: the sync fails (the live server's
+    session closed); the guard's retry (a rebuilt engine over the same servers) finds it dead before the begin,
+    leaves it out, and syncs and verifies the other."""
+    servers = stubs(2)
+    engine = engine_for([s.url for s in servers], control_timeout=5.0, health_timeout=0.5)
+    named = [("model.embed_tokens.weight", torch.ones(2, 3))]
+    answer = servers[1].answer
+
+    def dies_at_load(path, body):
+        if path == "/update_weights_from_tensor":
+            threading.Thread(target=servers[1].close).start()  # gone before it answers
+            time.sleep(0.5)
+        return answer(path, body)
+    servers[1].answer = dies_at_load
+    try:
+        with pytest.raises(EngineError):
+            InProcessTransport(engine).sync(Stream(named))
+        assert not servers[0].session  # closed after the failure
+    finally:
+        engine.shutdown()
+    retry = engine_for([s.url for s in servers], control_timeout=5.0, health_timeout=0.5)
+    try:
+        assert InProcessTransport(retry).sync(Stream(named))["tensors"] == 1
+        assert [s.url for s in retry.live] == [servers[0].url] and retry.faults["servers_lost"] == 1
+    finally:
+        retry.shutdown()
