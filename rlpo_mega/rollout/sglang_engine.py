@@ -334,10 +334,9 @@ class SGLangEngine(RolloutEngine):
         weights, digest-verified; a live one that no longer answers leaves (down to min_servers)."""
         for s in self.servers:
             if s.alive:
-                if not self._healthy(s):
-                    err = self._retire(s, "no answer to /health before a weight sync")
-                    if err is not None:
-                        raise err
+                what = "no answer to /health before a weight sync"
+                if not self._healthy(s) and self._retire(s, what) is not None:
+                    raise self._dead(s, what)  # too few would be left: as before (a launched one restarted here)
                 continue
             if s.launched is not None and not s.launched.alive() and s.restarts < self.cfg.max_restarts:
                 s.restarts += 1
