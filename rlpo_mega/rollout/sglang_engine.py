@@ -299,6 +299,22 @@ class SGLangEngine(RolloutEngine):
         except Exception:
             return False
 
+    def _gone(self, server: _Server) -> bool:
+        """Certainly dead: its process (launched here) has exited, or its port refuses or resets a connection. A
+        server that is only slow to answer /health (busy, or hung: the next call's own timeout names that) is not
+        taken out of the weight group for it."""
+        if server.launched is not None and not server.launched.alive():
+            return True
+        try:
+            with _OPENER.open(urllib.request.Request(server.url + "/health"), timeout=self.cfg.health_timeout) as r:
+                r.read()
+            return False
+        except urllib.error.HTTPError:
+            return False  # it answered
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            return isinstance(reason, (ConnectionRefusedError, ConnectionResetError))
+
     def health(self) -> bool:
         return all(self._healthy(s) for s in self.live)
 
@@ -334,8 +350,8 @@ class SGLangEngine(RolloutEngine):
         weights, digest-verified; a live one that no longer answers leaves (down to min_servers)."""
         for s in self.servers:
             if s.alive:
-                what = "no answer to /health before a weight sync"
-                if not self._healthy(s) and self._retire(s, what) is not None:
+                what = "refuses connections before a weight sync"
+                if self._gone(s) and self._retire(s, what) is not None:
                     raise self._dead(s, what)  # too few would be left: as before (a launched one restarted here)
                 continue
             if s.launched is not None and not s.launched.alive() and s.restarts < self.cfg.max_restarts:
