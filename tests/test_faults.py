@@ -442,3 +442,11 @@ def test_a_server_dead_during_the_sync_leaves_the_group_at_the_retry(stubs):
         assert [s.url for s in retry.live] == [servers[0].url] and retry.faults["servers_lost"] == 1
     finally:
         retry.shutdown()
+
+
+def test_async_pause_waits_on_the_control_group_not_in_the_export(tmp_path):
+    """rollout.partial_rollout=false: each sync waits for the driver's running round (6 s here) while the world
+    group's collectives time out after 3 s (NCCL's 30 minutes at the recipes' scale): the other rank waits for the
+    pause on the gloo control group (rollout.wait_timeout), so all 3 steps train."""
+    r = torchrun("async_wait.py", 2, str(tmp_path), env={"WANDB_MODE": "disabled"}, timeout=600)
+    assert r["rc"] == 0 and r["steps"] == [1, 2, 3], r

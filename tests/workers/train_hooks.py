@@ -113,3 +113,14 @@ class RecordedEngine(FlakyEngine):
             "out": [(list(s.response_ids), s.logprobs.clone(), None if s.routes is None else s.routes.clone(),
                      s.finish_reason) for s in out]})
         return out
+
+
+@ENGINES.register("test_slow")
+class SlowEngine(EmbeddedEngine):
+    """The embedded engine, except that every generate() call on global rank RLPO_SLOW_RANK first sleeps
+    RLPO_SLOW_S seconds (a long generation on one driver)."""
+
+    def generate(self, prompts, params, n=1, request_ids=None):
+        if dist.get_rank() == int(os.environ.get("RLPO_SLOW_RANK", "0")):
+            time.sleep(float(os.environ.get("RLPO_SLOW_S", "0")))
+        return super().generate(prompts, params, n=n, request_ids=request_ids)
