@@ -255,6 +255,16 @@ def test_a_resume_that_moves_the_engine_ranks_is_refused_before_anything_loads(r
             "rollout.sglang.urls=[http://127.0.0.1:9,http://127.0.0.1:10]", "train_iters=3")
     with pytest.raises(ConfigError, match=r"engine ranks \[0, 1\].*from ranks \[0\].*rollout.sglang.drivers=1"):
         Trainer(c)
+    # the same ranks driving another server list (one server fewer: 2 drivers of 3 servers -> of 2) resume
+    from types import SimpleNamespace
+
+    from rlpo_mega.checkpoint import run as state
+
+    for urls in ("[http://127.0.0.1:9,http://127.0.0.1:10,http://127.0.0.1:11]", "[http://127.0.0.1:9,http://127.0.0.1:10]"):
+        same = cfg(str(os.path.dirname(ck)), "same", "rollout.engine=sglang", "rollout.sglang.drivers=2",
+                   f"rollout.sglang.urls={urls}")
+        plan = SimpleNamespace(start=state.latest_checkpoint(ck))
+        Trainer._check_engine_ranks(SimpleNamespace(plan=plan, cfg=same), 2)  # no refusal
 
 
 # --- a dead server costs its requests (fake servers in their own processes: tools/bench_rollout_scale.serve) ---
@@ -450,3 +460,34 @@ def test_async_pause_waits_on_the_control_group_not_in_the_export(tmp_path):
     pause on the gloo control group (rollout.wait_timeout), so all 3 steps train."""
     r = torchrun("async_wait.py", 2, str(tmp_path), env={"WANDB_MODE": "disabled"}, timeout=600)
     assert r["rc"] == 0 and r["steps"] == [1, 2, 3], r
+
+
+def test_a_launched_server_that_died_is_relaunched_at_the_sync_and_rejoins(fake_servers):
+    """A server this process launched (its handle: alive/stop/start, as launch/sglang_server.SGLangServer) dies:
+    out at once; the next sync's refresh relaunches it (rollout.sglang.max_restarts) and it rejoins."""
+    procs, urls = fake_servers(2)
+    port = int(urls[1].rsplit(":", 1)[1])
+
+    class Launched:  # the fake server's process as a launched server's handle
+        proc = procs[1]
+
+        def alive(self):
+            return self.proc.is_alive()
+
+        def stop(self):
+            self.proc.kill()
+
+        def start(self, timeout):
+            (self.proc,), _ = fake_servers(1, port=port)
+
+    engine = _engine(urls)
+    engine.servers[1].launched = Launched()
+    try:
+        _kill_after(engine, [[5] * 8 for _ in range(24)], 2, procs[1])
+        assert [s.url for s in engine.live] == urls[:1]
+        engine.refresh()
+        assert [s.url for s in engine.live] == urls and engine.servers[1].restarts == 1, engine.faults
+        assert engine.faults["server_rejoins"] == 1
+    finally:
+        engine.servers[1].launched = None  # the fixture stops the processes
+        engine.shutdown()
