@@ -110,8 +110,9 @@ class StubSGLang:
     is open is refused), the report hook (REPORT_LOADER) writes its digests to the driver's TCP store, and
     /update_weights_from_tensor fails (500) `fail_loads` times."""
 
-    def __init__(self, fail_loads: int = 0):
+    def __init__(self, fail_loads: int = 0, fail_reports: int = 0):
         self.session, self.fail_loads, self.weights, self.calls = False, fail_loads, {}, []
+        self.fail_reports = fail_reports  # the digest report hook answers 500 this many times
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -155,6 +156,9 @@ class StubSGLang:
         if path == "/update_weights_from_tensor":
             named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
             if body.get("load_format") == REPORT_LOADER:
+                if self.fail_reports > 0:
+                    self.fail_reports -= 1
+                    return 500, {"success": False, "message": "test: the digest hook failed"}
                 req = json.loads(named[0][0])
                 store = torch.distributed.TCPStore(*req["store"][:1], int(req["store"][1]), is_master=False,
                                                    timeout=__import__("datetime").timedelta(seconds=req["timeout"]))
@@ -490,4 +494,21 @@ def test_a_launched_server_that_died_is_relaunched_at_the_sync_and_rejoins(fake_
         assert engine.faults["server_rejoins"] == 1
     finally:
         engine.servers[1].launched = None  # the fixture stops the processes
+        engine.shutdown()
+
+
+def test_a_failed_digest_check_fails_the_sync_and_the_retry_passes(stubs):
+    """The digest check is the sync's last phase: a server whose report fails (500) fails the sync, with every
+    session closed (the report's own too), and the next sync (the guard's retry) verifies both."""
+    servers = stubs(2)
+    servers[1].fail_reports = 1
+    engine = engine_for([s.url for s in servers], control_timeout=5.0)
+    named = [("model.embed_tokens.weight", torch.ones(2, 3))]
+    transport = InProcessTransport(engine)
+    try:
+        with pytest.raises(EngineError, match="could not report its weight digests"):
+            transport.sync(Stream(named))
+        assert not any(s.session for s in servers)
+        assert transport.sync(Stream(named))["tensors"] == 1
+    finally:
         engine.shutdown()

@@ -339,15 +339,25 @@ def sglang_external_failover(out):
     with two servers per driver failed before the per-driver store was made once). 4 steps: after step 1 the
     second server is SIGKILLed (step 2's requests to it are sent to the first; it leaves the weight group); after
     step 2 it is started again on its port (an operator's restart), and the sync after step 3 takes it back with
-    the full weights, digest-verified; step 4 generates on both. Rank 0 reports its answers per server and step."""
+    the full weights, digest-verified; step 4 generates on both, and its sync kills it again half-way (after the
+    first server's load): the sync fails, the guard rebuilds the engine (trainer.engine_restarts=1) and the
+    re-sync leaves the dead one out; step 5 generates on the first. Rank 0 reports its answers per server and
+    step."""
     import signal
 
     from launch.sglang_server import SGLangServer
 
     env = os.environ
     urls, pids = env["RLPO_SGLANG_URLS"].split(","), [int(p) for p in env["RLPO_SGLANG_PIDS"].split(",")]
-    answers, original_answer = {}, SGLangEngine._answer
+    answers, original_answer, original_load = {}, SGLangEngine._answer, SGLangEngine.load_weights
     restarted = []
+
+    def load_weights(self, named_tensors, load_format=None):
+        # step 4's sync: the restarted server is SIGKILLed half-way through (after the first server's load)
+        if current["step"] == 3 and restarted and restarted[0].proc.poll() is None and len(self.live) == 2:
+            os.killpg(restarted[0].proc.pid, signal.SIGKILL)
+            restarted[0].proc.wait(30)
+        return original_load(self, named_tensors, load_format)
 
     def answer(self, server, *args):
         step = answers.setdefault(str(current["step"] + 1), {})
@@ -369,15 +379,15 @@ def sglang_external_failover(out):
                                   env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": env["RLPO_SGLANG_PATH"]})
             restarted.append(server.start(240))
 
-    SGLangEngine._answer = answer
+    SGLangEngine._answer, SGLangEngine.load_weights = answer, load_weights
     try:
-        config = cfg(out, "ext", "algorithm.loss.name=gspo", "routing.mode=r3", "train_iters=4",
+        config = cfg(out, "ext", "algorithm.loss.name=gspo", "routing.mode=r3", "train_iters=5",
                      f"model.init_from_hf={env['RLPO_SGLANG_HF']}", "rollout.engine=sglang",
                      f"rollout.sglang.urls=[{','.join(urls)}]", "rollout.sglang.drivers=1",
-                     "rollout.sglang.health_timeout=2", "trainer.engine_restarts=0")
+                     "rollout.sglang.health_timeout=2", "trainer.engine_restarts=1")
         trainer = _run_with(config, faults)
     finally:
-        SGLangEngine._answer = original_answer
+        SGLangEngine._answer, SGLangEngine.load_weights = original_answer, original_load
         for server in restarted:
             server.stop()
     return {"rc": 0, "stopped": trainer.stopped, "history": history(out, "ext"), "answers": answers}
