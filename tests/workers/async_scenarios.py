@@ -4,9 +4,11 @@ Every run uses the test_recorded engine (tests/workers/train_hooks.py): the embe
 record of each call (the weights it ran on, what it returned), which the checks compare the trained samples to.
 Rank 0 writes the report; the checks that need a rank's own samples run on every rank and are all-gathered.
 """
+import contextlib
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -165,11 +167,33 @@ def equal_at_zero(out):
             "samples": _gathered(_same(runs["sync"], runs["async0"])), "weights": _gathered(weights)}
 
 
+def _sync_after_first_tokens(forwards: int = 3):
+    """A weight sync's pause first waits until the running engine call has made `forwards` forwards (its prefill
+    and first decoding steps: every sample holds tokens), so that it lands mid-generation by construction, not by
+    the race of the slow engine against a learner's step (0.12 s on a fast machine: inside the prefill)."""
+    original = AsyncProducer.paused
+
+    @contextlib.contextmanager
+    def paused(self, version=None):
+        deadline = time.monotonic() + 30
+        while version is not None and time.monotonic() < deadline:
+            with self.worker.cond:
+                if not self.worker.busy or hooks.RecordedEngine.forwards >= forwards:
+                    break
+            time.sleep(0.005)
+        with original(self, version):
+            yield
+
+    AsyncProducer.paused = paused
+    return original
+
+
 def mid_generation(out):
     """max_staleness=1 with a slow engine: every sync lands while the next step generates. The trained samples
     against the engine's record: with partial rollout, then with rollout.partial_rollout_mask, then waiting."""
     rep = {}
     os.environ["RLPO_DECODE_DELAY"] = SLOW
+    original_pause = _sync_after_first_tokens()
     try:
         for run, extra in (("k1", ("rollout.partial_rollout=true",)),
                            ("k1_mask", ("rollout.partial_rollout=true", "rollout.partial_rollout_mask=true")),
@@ -187,6 +211,7 @@ def mid_generation(out):
                                                     for v in trained.values() for s in v if s["versions"]))}
     finally:
         os.environ.pop("RLPO_DECODE_DELAY")
+        AsyncProducer.paused = original_pause
     return rep
 
 

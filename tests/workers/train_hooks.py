@@ -88,16 +88,23 @@ def weights_digest(model) -> str:
 class RecordedEngine(FlakyEngine):
     """The embedded engine keeping its own record: every generate() call with the weights it ran on (a digest of
     the model taken at each weight update, `syncs` in order) and what it returned. RLPO_DECODE_DELAY seconds per
-    forward make a rollout last long enough for a weight sync to land in the middle of it."""
+    forward make a rollout last long enough for a weight sync to land in the middle of it; `forwards` counts the
+    running call's forwards (0 between calls), for a test that must interrupt a call after its first tokens."""
     record: list = []  # every call of every engine in this process
     syncs: list = []  # the digest after each weight update
+    forwards: int = 0
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
         self.weights = None
         delay = float(os.environ.get("RLPO_DECODE_DELAY", "0"))
+        self.model.register_forward_pre_hook(lambda module, args: self._forward(delay))
+
+    @staticmethod
+    def _forward(delay: float):
+        RecordedEngine.forwards += 1
         if delay:
-            self.model.register_forward_pre_hook(lambda module, args: time.sleep(delay))
+            time.sleep(delay)
 
     def end_weight_update(self):
         super().end_weight_update()
@@ -106,7 +113,11 @@ class RecordedEngine(FlakyEngine):
 
     def generate(self, prompts, params, n=1, request_ids=None):
         weights = self.weights
-        out = super().generate(prompts, params, n=n, request_ids=request_ids)
+        RecordedEngine.forwards = 0
+        try:
+            out = super().generate(prompts, params, n=n, request_ids=request_ids)
+        finally:
+            RecordedEngine.forwards = 0
         RecordedEngine.record.append({
             "weights": weights, "n": n, "max_new": params.max_new_tokens,
             "prompts": [[int(t) for t in p] for p in prompts],
