@@ -8,6 +8,7 @@ import os
 import pytest
 
 from moe.model import load_hf_config
+from rlpo_mega.errors import EXIT_STOPPED
 from tests.dist import ROOT, free_port, torchrun
 from tests.test_sglang import FAMILIES, SERVER_ARGS, SUPPORT, sglang_python  # noqa: F401  (a fixture)
 from tests.workers.bridge import make_hf_checkpoint
@@ -57,6 +58,35 @@ def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
         assert 0.5 < h["routing/update/agreement"] <= 1.0, h
         # learner log-probs of SGLang's samples equal the server's (fp32) only if the synced weights took effect
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+
+
+def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_python, tmp_path):
+    """Two servers the trainer launched on its one driver (num_servers=2, drivers=1) pass the first sync and train;
+    a SIGTERM to the learners and the servers together (scancel --signal=TERM) in step 2's sync, with the servers
+    dead when it runs, saves step 2 and exits 75 with no rebuild; the resume with one server fewer is stopped the
+    same way in step 3's rollout (at the driver's first answer; step 2 is not saved again); the next resume
+    trains step 3 on the prompts the stopped rollout was sent. Every step trained once, none lost; every
+    step's learner log-probs equal the servers' (the resumed server was given the checkpoint's weights)."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("faults.py", 2, str(tmp_path / "run"), "sglang", timeout=900, env=_trainer_env(sglang_python, ckpt))
+    a, b, c = r["a"], r["b"], r["c"]
+    assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
+    # both launched servers trained step 1; step 2's metrics are taken after its sync met them dead; no rebuild
+    assert a["alive"][0] == 2 and a["restarts"] == [0, 0], a
+    assert b["rc"] == EXIT_STOPPED and b["stopped"] and b["steps"] == [] and b["saved"] == [1, 2], b
+    assert b["saves"] == [], b  # the last completed step was on disk already
+    assert c["rc"] == 0 and c["steps"] == [3] and c["alive"] == [1] and c["saved"][-1] == 3, c  # (keep_last 2)
+    trained = {}
+    for run in (a, b, c):
+        for per_rank in run["trained"]:
+            for step, prompts in per_rank.items():
+                trained.setdefault(int(step), []).extend(tuple(p) for p in prompts)
+    assert sorted(trained) == [1, 2, 3] and all(len(p) == 16 for p in trained.values()), trained  # once each
+    assert b["sent"]["3"] == c["sent"]["3"], (b["sent"], c["sent"])  # the stopped rollout's prompts, trained
+    assert set(trained[3]) == set(map(tuple, c["sent"]["3"])), trained[3]
+    assert all(m < 1e-4 for m in a["mismatch"] + c["mismatch"]), (a, c)
 
 
 def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):

@@ -347,12 +347,16 @@ class SGLangEngine(RolloutEngine):
     def refresh(self) -> None:
         """Before a weight sync (between steps): a server that is out rejoins if it answers /health (one this
         process launched is relaunched first, within rollout.sglang.max_restarts), and the sync gives it the full
-        weights, digest-verified; a live one that no longer answers leaves (down to min_servers)."""
+        weights, digest-verified; a live one that no longer answers leaves (down to min_servers). Once a stop is
+        requested nothing is relaunched (the job's servers are stopping with it)."""
+        stopping = self.should_stop is not None and self.should_stop()
         for s in self.servers:
             if s.alive:
                 what = "refuses connections before a weight sync"
                 if self._gone(s) and self._retire(s, what) is not None:
                     raise self._dead(s, what)  # too few would be left: as before (a launched one restarted here)
+                continue
+            if stopping:
                 continue
             if s.launched is not None and not s.launched.alive() and s.restarts < self.cfg.max_restarts:
                 s.restarts += 1

@@ -9,6 +9,7 @@ argv: out_dir. Rank 0 writes the report: {run: {"rc", "stopped", "steps", "saved
 """
 import os
 import signal
+import subprocess
 import sys
 
 import torch.distributed as dist
@@ -17,9 +18,10 @@ import rlpo_mega.training.trainer as trainer_module
 import tests.workers.train_hooks as hooks  # noqa: F401  (registers the test_flaky engine)
 from rlpo_mega.checkpoint import run as state
 from rlpo_mega.rollout import EngineError
+from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import Trainer
 from tests.dist import write_report
-from tests.workers.train_scenarios import cfg, history, train
+from tests.workers.train_scenarios import _sglang_cfg, cfg, history, train
 
 STEPS = 3
 
@@ -166,7 +168,83 @@ def stops(out):
     return rep
 
 
+class StopsWithServers(Faults):
+    """A stop as `scancel --signal=TERM` makes it with servers the trainer launched: the SIGTERM reaches each
+    rank and the servers together (each rank TERMs the servers it launched, waits for them to exit, then itself:
+    the phase meets dead servers). With `first_answer`, rank 0 (the driver) fires at its first /generate answer of
+    the rollout, the other ranks at the rollout's start. Records the prompts each engine call was sent per step."""
+
+    def __init__(self, *args, first_answer=False, **kw):
+        super().__init__(*args, **kw)
+        self.first_answer, self.sent = first_answer, {}
+
+    def __enter__(self):
+        super().__enter__()
+        f, self.orig_stream, self.orig_answer = self, SGLangEngine.stream, SGLangEngine._answer
+
+        def stream(engine, prompts, *a, **kw):
+            f.sent.setdefault(f.trainer.step + 1, []).extend(tuple(int(t) for t in p) for p in prompts)
+            return f.orig_stream(engine, prompts, *a, **kw)
+
+        def answer(engine, *a):
+            if f.first_answer and f.phase == "rollout":
+                f.fire("answer", f.trainer.step + 1)
+            return f.orig_answer(engine, *a)
+        SGLangEngine.stream, SGLangEngine._answer = stream, answer
+        return self
+
+    def __exit__(self, *exc):
+        SGLangEngine.stream, SGLangEngine._answer = self.orig_stream, self.orig_answer
+        return super().__exit__(*exc)
+
+    def fire(self, phase, step):
+        if self.first_answer and self.phase == "rollout" and dist.get_rank() == 0:
+            phase = "rollout" if phase == "answer" else None  # the driver: at its first answer
+        if phase != self.phase or step != self.at or getattr(self, "fired", False):
+            return
+        self.fired = True
+        engine = self.trainer.engines.slot.engine
+        launched = [s.launched for s in (engine.servers if isinstance(engine, SGLangEngine) else [])
+                    if s.launched is not None and s.launched.alive()]
+        _term()  # first, as the job's TERM reaches everyone at once: the learner knows of the stop when its
+        for server in launched:  # servers' deaths show
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        for server in launched:
+            try:
+                server.proc.wait(60)
+            except subprocess.TimeoutExpired:  # SGLang ignored TERM for a minute: as the job's KILL would end it
+                os.killpg(server.proc.pid, signal.SIGKILL)
+                server.proc.wait(30)
+
+
+def sglang_launched_stops(out):
+    """Real SGLang, two servers the trainer launched on its one driver (rollout.sglang.num_servers=2, drivers=1;
+    the first sync with several servers per driver), the recipes' sglang_distributed sync; 3 steps, each saved:
+    a: SIGTERM to learners and servers during step 2's sync (the servers dead when it runs): step 2 saved, 75.
+    b: resumed with one server fewer (num_servers=1); SIGTERM to learners and server in step 3's rollout (the
+       driver at its first answer): nothing newer to save, 75.
+    c: resumed again with one server: step 3 trained, on the prompts b's rollout was sent."""
+    ck, rep = os.path.join(out, "ckpt"), {}
+    for run, servers, faults in (("a", 2, {"phase": "sync", "at": 2}),
+                                 ("b", 1, {"phase": "rollout", "at": 3, "first_answer": True}),
+                                 ("c", 1, {})):
+        resume = ("checkpoint.resume=true", "checkpoint.overwrite=false") if run != "a" else ()
+        with StopsWithServers(**faults) as f:
+            rc = train(_sglang_cfg(out, run, f"train_iters={STEPS}", f"checkpoint.save_dir={ck}",
+                                   "checkpoint.save_every=1", "rollout.sglang.drivers=1",
+                                   f"rollout.sglang.num_servers={servers}", *resume))
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, f.trained)
+        hist = history(out, run) if os.path.exists(os.path.join(out, run, "metrics.jsonl")) else []
+        rep[run] = {"rc": rc, "stopped": f.trainer.stopped, "steps": [h["step"] for h in hist], "trained": every,
+                    "alive": [h.get("engine/servers_alive") for h in hist],
+                    "restarts": [h.get("engine/restarts") for h in hist], "saved": state.complete_steps(ck),
+                    "saves": f.saves, "sent": f.sent,
+                    "mismatch": [h.get("mismatch/ratio_dev_max") for h in hist]}
+    return rep
+
+
 if __name__ == "__main__":
-    result = stops(sys.argv[1])
+    result = (sglang_launched_stops if sys.argv[2:] == ["sglang"] else stops)(sys.argv[1])
     if dist.get_rank() == 0:
         write_report(result)
