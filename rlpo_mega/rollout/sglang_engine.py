@@ -41,12 +41,13 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from moe.bridge.digest import DigestMismatchError, verify
 from moe.families import get_family
@@ -788,12 +789,10 @@ class SGLangEngine(RolloutEngine):
             self._post_ok(s, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
                                                            "flush_cache": False})
         if self.tied:  # see load_weights: a tied checkpoint has no lm_head.weight for sglang's Mixtral
-            from safetensors import safe_open
-
             for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
                 with safe_open(os.path.join(path, file), "pt") as f:
                     if self._embed in f.keys():
-                        self.begin_weight_update()
+                        self.begin_weight_update(refresh=False)  # refreshed above
                         self.load_weights([(self._embed, f.get_tensor(self._embed))])
                         self._post_ok_all("/end_weight_update")
         self.weights_updated = True
@@ -967,10 +966,13 @@ class SGLangDistributedTransport:
         self.engine = engine
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.timeout_s = timeout_s or engine.cfg.control_timeout
-        # one name per transport: a rebuilt engine's group never meets the old one's leftovers (each driver's
-        # servers and store are its own; the driver index keeps the names apart in the logs too)
-        self.group_name = f"rlpo_weight_sync_d{engine.driver}_{os.getpid()}_{next(self._instances)}"
+        self.group_name = self._new_name()
         self.pg, self.members = None, []  # the group, and the servers in it (URLs)
+
+    def _new_name(self) -> str:
+        # one name per group: a rebuilt engine's group, or the one after a group broken mid-sync (left on the
+        # servers' side), never meets an old one's leftovers; the driver index keeps the names apart in the logs
+        return f"rlpo_weight_sync_d{self.engine.driver}_{os.getpid()}_{next(self._instances)}"
 
     @classmethod
     def from_config(cls, cfg, engine, hf):
@@ -985,6 +987,38 @@ class SGLangDistributedTransport:
             yield
             for f in futures:
                 f.result()
+
+    def _bucket(self, calls, send):
+        """One bucket: the servers' update calls (each returns once its server has received the bucket) while
+        `send` broadcasts it. A failure on either side -- the broadcast's, or a call's (a member dead mid-sync) --
+        drops our side of the group at once, so that the live members' receives fail and their calls return,
+        instead of waiting out the group's timeout (a server SIGKILLed mid-sync otherwise held the other's
+        scheduler in its receive for control_timeout)."""
+        failure = None
+        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+            futures = [pool.submit(f) for f in calls]
+            try:
+                send()
+            except RuntimeError as err:  # gloo: closed or reset by a peer; NCCL: its error. Only its text is
+                failure = f"the broadcast failed: {str(err).splitlines()[0]}"  # kept: its frames hold the group
+            if failure is None:
+                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+                failure = next((str(f.exception()) for f in done if f.exception() is not None), None)
+            if failure is not None:
+                members = ", ".join(self.members)
+                self._drop_group()
+        if failure is not None:  # (the pool's exit waited for the other calls: they failed with the group)
+            raise EngineError(f"SGLang driver {self.engine.driver}: a weight-update bucket to {members} failed "
+                              f"({failure}): a server left mid-sync")
+        for f in futures:
+            f.result()
+
+    def _drop_group(self):
+        """Our side of a group broken mid-sync, gone without the servers' (they may be dead): destroyed and no
+        longer referenced, which closes its connections; the next group gets a new name (the servers may still
+        hold this one)."""
+        torch.distributed.destroy_process_group(self.pg)
+        self.pg, self.members, self.group_name = None, [], self._new_name()
 
     def _init_group(self):
         from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
@@ -1038,9 +1072,8 @@ class SGLangDistributedTransport:
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
                     "flush_cache": False}
             calls = [lambda s=s: e._post_ok(s, "/update_weights_from_distributed", meta) for s in e.live]
-            for _ in self._concurrently(calls):
-                for _, t in bucket:
-                    torch.distributed.broadcast(t.contiguous().to(dev), src=0, group=self.pg)
+            self._bucket(calls, lambda: [torch.distributed.broadcast(t.contiguous().to(dev), src=0, group=self.pg)
+                                         for _, t in bucket])
         if not stream.receives:
             return {}
         e.end_weight_update()

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -174,13 +175,36 @@ class StopsWithServers(Faults):
     the phase meets dead servers). With `first_answer`, rank 0 (the driver) fires at its first /generate answer of
     the rollout, the other ranks at the rollout's start. Records the prompts each engine call was sent per step."""
 
-    def __init__(self, *args, first_answer=False, **kw):
+    def __init__(self, *args, first_answer=False, kill_in_sync=None, **kw):
         super().__init__(*args, **kw)
         self.first_answer, self.sent = first_answer, {}
+        self.kill_in_sync, self.killed = kill_in_sync, []  # a step whose sync SIGKILLs the last server mid-bucket
+        self.failed_syncs = []  # seconds each failed Trainer.sync took
 
     def __enter__(self):
         super().__enter__()
         f, self.orig_stream, self.orig_answer = self, SGLangEngine.stream, SGLangEngine._answer
+        self.orig_post = SGLangEngine._post_ok
+
+        def post_ok(engine, server, path, *a, **kw):
+            # the last server dies as its bucket's update is asked for: the driver's broadcast meets a dead member
+            if (path == "/update_weights_from_distributed" and f.trainer.started and f.trainer.step == f.kill_in_sync
+                    and not f.killed and server is engine.servers[-1] and server.launched is not None):
+                f.killed.append(server.url)
+                os.killpg(server.launched.proc.pid, signal.SIGKILL)
+                server.launched.proc.wait(30)
+            return f.orig_post(engine, server, path, *a, **kw)
+        SGLangEngine._post_ok = post_ok
+        self.faulted_sync = Trainer.sync
+
+        def sync(trainer):
+            t0 = time.monotonic()
+            try:
+                return f.faulted_sync(trainer)
+            except EngineError:
+                f.failed_syncs.append(time.monotonic() - t0)
+                raise
+        Trainer.sync = sync
 
         def stream(engine, prompts, *a, **kw):
             f.sent.setdefault(f.trainer.step + 1, []).extend(tuple(int(t) for t in p) for p in prompts)
@@ -195,6 +219,8 @@ class StopsWithServers(Faults):
 
     def __exit__(self, *exc):
         SGLangEngine.stream, SGLangEngine._answer = self.orig_stream, self.orig_answer
+        SGLangEngine._post_ok = self.orig_post
+        Trainer.sync = self.faulted_sync
         return super().__exit__(*exc)
 
     def fire(self, phase, step):
@@ -220,18 +246,20 @@ class StopsWithServers(Faults):
 def sglang_launched_stops(out):
     """Real SGLang, two servers the trainer launched on its one driver (rollout.sglang.num_servers=2, drivers=1;
     the first sync with several servers per driver), the recipes' sglang_distributed sync; 3 steps, each saved:
-    a: SIGTERM to learners and servers during step 2's sync (the servers dead when it runs): step 2 saved, 75.
+    a: the second server SIGKILLed in step 1's sync, as its bucket is sent (the driver's broadcast meets a dead
+       member: the sync fails, is retried under the guard); then SIGTERM to learners and servers during step 2's
+       sync (the servers dead when it runs): step 2 saved, 75.
     b: resumed with one server fewer (num_servers=1); SIGTERM to learners and server in step 3's rollout (the
        driver at its first answer): nothing newer to save, 75.
     c: resumed again with one server: step 3 trained, on the prompts b's rollout was sent."""
     ck, rep = os.path.join(out, "ckpt"), {}
-    for run, servers, faults in (("a", 2, {"phase": "sync", "at": 2}),
+    for run, servers, faults in (("a", 2, {"phase": "sync", "at": 2, "kill_in_sync": 1}),
                                  ("b", 1, {"phase": "rollout", "at": 3, "first_answer": True}),
                                  ("c", 1, {})):
         resume = ("checkpoint.resume=true", "checkpoint.overwrite=false") if run != "a" else ()
         with StopsWithServers(**faults) as f:
             rc = train(_sglang_cfg(out, run, f"train_iters={STEPS}", f"checkpoint.save_dir={ck}",
-                                   "checkpoint.save_every=1", "rollout.sglang.drivers=1",
+                                   "checkpoint.save_every=1", "rollout.sglang.drivers=1", "trainer.engine_restarts=1",
                                    f"rollout.sglang.num_servers={servers}", *resume))
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, f.trained)
@@ -239,7 +267,8 @@ def sglang_launched_stops(out):
         rep[run] = {"rc": rc, "stopped": f.trainer.stopped, "steps": [h["step"] for h in hist], "trained": every,
                     "alive": [h.get("engine/servers_alive") for h in hist],
                     "restarts": [h.get("engine/restarts") for h in hist], "saved": state.complete_steps(ck),
-                    "saves": f.saves, "sent": f.sent,
+                    "saves": f.saves, "sent": f.sent, "killed": f.killed, "failed_syncs": f.failed_syncs,
+                    "lost": [h.get("engine/servers_lost") for h in hist],
                     "mismatch": [h.get("mismatch/ratio_dev_max") for h in hist]}
     return rep
 

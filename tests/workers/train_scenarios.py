@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import tests.workers.train_hooks as hooks
 from rlpo_mega.config import load_config
+from rlpo_mega.rollout import EngineError
 from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import Trainer
 from rlpo_mega.training.trainer import train as _train
@@ -173,7 +174,6 @@ def nan(out):
 def engine(out):
     """A crash of rank 1's engine in step 2: rebuilt and re-synced with a restart left; without one the run
     stops with EngineError and the step-1 checkpoint intact."""
-    from rlpo_mega.rollout import EngineError
     from rlpo_mega.checkpoint import run as state
 
     os.environ["RLPO_FAIL_RANK"] = "1"
@@ -295,14 +295,22 @@ def _run_with(config, after_step):
 
 def sglang_distributed_run(out):
     """3 steps with 2 rollout drivers (ranks 0 and 1), each driving one of the 2 servers rank 0 launched, dynamic
-    sampling streamed on each; driver 0's server is killed after step 1 (EngineGuard rebuilds every engine + transport, both re-sync). Every rank
-    reports its syncs (with the servers it drove then) and the /generate answers it got from each server."""
-    syncs, answers = [], {}
-    original_sync, original_answer = Trainer.sync, SGLangEngine._answer
+    sampling streamed on each; driver 0's server is killed after step 1 (EngineGuard rebuilds every engine +
+    transport, both re-sync), and again in step 2's sync as its bucket is sent (driver 0's sync fails, driver 1's
+    completes; the failure is agreed, every engine rebuilt again, both re-sync). Every rank reports its syncs
+    (with the servers it drove then; a failed one as "failed") and the /generate answers it got from each
+    server."""
+    syncs, answers, now = [], {}, {"step": 0}
+    original_sync, original_answer, original_post = Trainer.sync, SGLangEngine._answer, SGLangEngine._post_ok
 
     def sync(self):
-        got = original_sync(self)
+        now["step"] = self.step
         slot = self.engines.slot
+        try:
+            got = original_sync(self)
+        except EngineError:
+            syncs.append({"failed": True, "group": slot.transport.group_name})
+            raise
         if slot.engine is not None:
             syncs.append({**got, "group": slot.transport.group_name, "servers": [s.url for s in slot.engine.servers]})
         return got
@@ -311,23 +319,31 @@ def sglang_distributed_run(out):
         answers[server.url] = answers.get(server.url, 0) + 1
         return original_answer(self, server, *args)
 
+    def post_ok(engine, server, path, *args, **kw):
+        if (path == "/update_weights_from_distributed" and now["step"] == 2 and engine.driver == 0
+                and server.launched is not None and server.launched.alive() and not now.get("killed")):
+            now["killed"] = True  # driver 0's server dies as the bucket is sent
+            server.launched.kill()
+            server.launched.proc.wait(30)
+        return original_post(engine, server, path, *args, **kw)
+
     def kill_after_first(trainer):
         if trainer.step == 1 and trainer.rank == 0:
             server = trainer.engines.slot.engine.servers[0].launched
             server.kill()
             server.proc.wait(30)
 
-    Trainer.sync, SGLangEngine._answer = sync, answer
+    Trainer.sync, SGLangEngine._answer, SGLangEngine._post_ok = sync, answer, post_ok
     try:
         # with streaming dynamic sampling: each driver sends 2x its share of prompts and ends its rollout (the
         # rest aborted on its server) once its groups are complete; no carry-over, so that every step trains on
         # the weights it synced (the mismatch check)
-        _run_with(_sglang_cfg(out, "sgl", "train_iters=3", "trainer.engine_restarts=1", "rollout.sglang.drivers=2",
+        _run_with(_sglang_cfg(out, "sgl", "train_iters=3", "trainer.engine_restarts=2", "rollout.sglang.drivers=2",
                               "rollout.sglang.num_servers=2", "algorithm.dynamic_sampling.enabled=true",
                               "algorithm.dynamic_sampling.max_carry_steps=0", "prompts.oversample=2.0"),
                   kill_after_first)
     finally:
-        Trainer.sync, SGLangEngine._answer = original_sync, original_answer
+        Trainer.sync, SGLangEngine._answer, SGLangEngine._post_ok = original_sync, original_answer, original_post
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, {"syncs": syncs, "answers": answers})
     return {"rc": 0, "history": history(out, "sgl"), "drivers": every}
