@@ -87,8 +87,10 @@ def test_a_stop_while_the_engine_fails_starts_no_rebuild(runs):
 def test_a_failed_sync_is_rebuilt_and_retried(runs):
     r = runs["sync_retry"]  # every rank's step-1 sync fails, then its re-sync after the rebuild fails too
     assert r["rc"] == 0 and r["steps"] == [1, 2, 3] and r["restarts"][-1] == 2, r
+    # start, step 1's (failed), the re-syncs (failed, then done: the step's sync, not followed by another), 2, 3
+    assert r["syncs"] == 6, r
     r = runs["sync_mid_bucket"]  # rank 1 fails at the first bucket; rank 0's export collectives complete
-    assert r["rc"] == 0 and r["steps"] == [1, 2, 3] and r["restarts"][-1] == 1, r
+    assert r["rc"] == 0 and r["steps"] == [1, 2, 3] and r["restarts"][-1] == 1 and r["syncs"] == 5, r
     for name in ("sync_retry", "sync_mid_bucket"):
         trained = _trained(runs[name])
         assert {s: sorted(p) for s, p in trained.items()} == {s: sorted(p) for s, p in

@@ -79,7 +79,6 @@ def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_
     r = torchrun("faults.py", 2, str(tmp_path / "run"), "sglang", timeout=900, env=_trainer_env(sglang_python, ckpt))
     a, b, c = r["a"], r["b"], r["c"]
     assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
-    print({k: a[k] for k in ("alive", "restarts", "lost", "killed", "failed_syncs")})
     # step 1's sync: the second server died as its bucket was sent; the bucket failed at once on the driver's side
     # (it dropped the group: the live server's receive failed instead of holding the call for control_timeout,
     # 300 s) and the sync was retried under the guard

@@ -180,6 +180,8 @@ class EngineGuard:
         return None, "; ".join(f"rank {r}: {e}" for r, e in enumerate(every) if e is not None)
 
     def run(self, fn):
+        """fn() under the guard; after a failure the rebuild and its re-sync, then fn() again -- unless fn is the
+        weight sync itself, which the re-sync has just done (not a second full transfer)."""
         while True:
             out, why = self._attempt(fn)
             if why is None:
@@ -189,7 +191,9 @@ class EngineGuard:
                     quiet.enter_context(q())
                 while why is not None:  # rebuilt, then re-synced; a failed re-sync takes another restart
                     self._rebuild(why)
-                    _, why = self._attempt(self.sync)
+                    out, why = self._attempt(self.sync)
+            if fn == self.sync:
+                return out
 
     def _rebuild(self, why: str):
         if self.restarts_left <= 0:
