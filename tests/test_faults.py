@@ -24,12 +24,14 @@ import pytest
 import torch
 
 import rlpo_mega.rollout.sglang_engine as sglang_engine
+import rlpo_mega.training.engines as engines_module
 from moe.bridge.digest import tensor_digest
 from rlpo_mega.errors import EXIT_STOPPED
 from moe.model import load_hf_config
-from rlpo_mega.config import SGLangEngineConfig
+from rlpo_mega.config import SGLangEngineConfig, load_config
 from rlpo_mega.rollout import EngineError, SamplingParams
 from rlpo_mega.rollout.sglang_engine import REPORT_LOADER, SGLangEngine
+from rlpo_mega.training.engines import EngineSlot
 from rlpo_mega.weight_sync.transports import InProcessTransport
 from tests.dist import ROOT, torchrun
 from tests.test_engine_timeouts import engine_for
@@ -110,15 +112,19 @@ def test_the_resumed_run_trains_what_an_uninterrupted_run_trains(runs):
 class StubSGLang:
     """A server answering the weight-update calls as SGLang 0.5.23 does: one session at a time (a begin while one
     is open is refused), the report hook (REPORT_LOADER) writes its digests to the driver's TCP store, and
-    /update_weights_from_tensor fails (500) `fail_loads` times."""
+    /update_weights_from_tensor fails (500) `fail_loads` times; while `hung` is set its loads and /health do not
+    answer (a stuck scheduler)."""
 
     def __init__(self, fail_loads: int = 0, fail_reports: int = 0):
         self.session, self.fail_loads, self.weights, self.calls = False, fail_loads, {}, []
         self.fail_reports = fail_reports  # the digest report hook answers 500 this many times
+        self.hung = threading.Event()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
+                if self.path == "/health":
+                    stub.wait_while_hung()
                 if self.path == "/server_info":
                     return self._send(200, {"tp_size": 1})
                 self._send(200 if self.path == "/health" else 404, {})
@@ -167,6 +173,7 @@ class StubSGLang:
                 store.set(req["key"], json.dumps({"digests": {n: tensor_digest(t, req["algorithm"])
                                                               for n, t in self.weights.items()}}))
                 return 200, {"success": True}
+            self.wait_while_hung()
             if self.fail_loads > 0:
                 self.fail_loads -= 1
                 return 500, {"success": False, "message": "test: load failed"}
@@ -174,7 +181,12 @@ class StubSGLang:
             return 200, {"success": True}
         return 404, {}
 
+    def wait_while_hung(self):
+        while self.hung.is_set():
+            time.sleep(0.02)
+
     def close(self):
+        self.hung.clear()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -458,6 +470,37 @@ def test_a_server_dead_during_the_sync_leaves_the_group_at_the_retry(stubs):
         assert [s.url for s in retry.live] == [servers[0].url] and retry.faults["servers_lost"] == 1
     finally:
         retry.shutdown()
+
+
+def test_a_server_hung_in_the_sync_is_left_out_of_the_rebuild_and_rejoins_once_it_answers(stubs, monkeypatch):
+    """A server whose load hangs, its /health too (a stuck scheduler): the sync fails after control_timeout with
+    the other server's session closed and the hung one out. The guard's rebuild (EngineSlot: a new engine over the
+    same URLs) starts without it, so the retry syncs and verifies the other instead of hanging again; once it
+    answers /health, a sync's refresh takes it back with the full weights."""
+    servers = stubs(2)
+    urls = [s.url for s in servers]
+    monkeypatch.setattr(engines_module, "build_engine",
+                        lambda cfg, hf: engine_for(urls, control_timeout=1.0, health_timeout=0.3))
+    monkeypatch.setattr(engines_module, "make_transport", lambda cfg, engine, hf: InProcessTransport(engine))
+    slot = EngineSlot(load_config(None, ("rollout.engine=sglang",)), None)
+    named = [("model.embed_tokens.weight", torch.arange(6.0).reshape(2, 3))]
+    servers[1].hung.set()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="is out"):
+            slot.transport.sync(Stream(named))
+        assert time.monotonic() - t0 < 10 and not servers[0].session  # control_timeout (1 s) and a health poll
+        slot.close()
+        slot.build()  # the guard's rebuild
+        assert [s.url for s in slot.engine.live] == urls[:1]
+        assert slot.transport.sync(Stream(named))["tensors"] == 1  # the retry: verified on the other, no hang
+        servers[1].hung.clear()
+        assert slot.transport.sync(Stream(named))["tensors"] == 1  # refresh: it answers again, and rejoins
+        assert [s.url for s in slot.engine.live] == urls and slot.faults["server_rejoins"] == 1, slot.faults
+        assert torch.equal(servers[1].weights["model.embed_tokens.weight"], named[0][1])
+    finally:
+        servers[1].hung.clear()
+        slot.close()
 
 
 def test_async_pause_waits_on_the_control_group_not_in_the_export(tmp_path):

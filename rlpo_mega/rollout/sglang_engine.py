@@ -267,6 +267,9 @@ class SGLangEngine(RolloutEngine):
             return EngineError(f"SGLang server {server.url}: {what} (engine already shut down)")
         if self.should_stop is not None and self.should_stop():  # the job is stopping: no restart begins now
             return EngineError(f"SGLang server {server.url}: {what} (a stop is requested: not restarted)")
+        if self._retire(server, what) is None:  # dead or hung, and enough stay: the retry goes on without it
+            return EngineError(f"SGLang server {server.url} is out ({what}; it answers no /health): the call is "
+                               "retried on this driver's other servers; it rejoins at a sync once it answers")
         if server.node is not None:
             return EngineError(f"SGLang server {server.url}, launched on node {server.node}, is dead or unreachable "
                                f"({what}): the engine is rebuilt and every node restarts its servers "
@@ -344,6 +347,14 @@ class SGLangEngine(RolloutEngine):
         dead = [s.url for s in self.servers if not s.alive] + [server.url]
         return EngineError(f"SGLang driver {self.driver}: {len(left)} live server(s) left, fewer than "
                            f"rollout.sglang.min_servers={self.cfg.min_servers} ({what}); out: {', '.join(dead)}")
+
+    def leave_out(self, urls) -> None:
+        """Servers the engine this one replaces had taken out (dead, or hung: a rebuild after a failed call) start
+        out of the pool and the weight group, down to min_servers: they rejoin at a sync's refresh once they
+        answer /health, as any server that left."""
+        for s in self.servers:
+            if s.url in urls and len(self.live) > self.cfg.min_servers:
+                s.alive = False
 
     def refresh(self) -> None:
         """Before a weight sync (between steps): a server that is out rejoins if it answers /health (one this

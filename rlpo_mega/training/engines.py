@@ -56,6 +56,7 @@ class EngineSlot:
         # an SGLang driver's fault counters (requests sent again, rejoins, servers lost), shared by the engines
         # this slot builds: the run's totals across rebuilds
         self.faults = {"requests_resent": 0, "server_rejoins": 0, "servers_lost": 0}
+        self.out: set = set()  # external servers the closed engine had taken out: a rebuild starts without them
         self.build()
 
     def _launches(self) -> bool:
@@ -107,6 +108,8 @@ class EngineSlot:
             self.engine.should_stop = self.should_stop
         if hasattr(self.engine, "faults"):
             self.engine.faults = self.faults
+        if self.out and not launched and hasattr(self.engine, "leave_out"):  # (launched ones start afresh)
+            self.engine.leave_out(self.out)
         try:
             self.transport = make_transport(self.cfg, self.engine, self.hf)
         except BaseException:
@@ -117,6 +120,7 @@ class EngineSlot:
     def close(self):
         transport, engine = self.transport, self.engine
         self.engine = self.transport = None
+        self.out = {s.url for s in getattr(engine, "servers", ()) if not s.alive}
         try:
             if transport is not None and hasattr(transport, "close"):
                 transport.close()
