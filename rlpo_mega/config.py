@@ -64,6 +64,19 @@ class OptimConfig:
     adam_eps: float = 1.0e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = False
+    # megatron-core's optimizer CPU offload (HybridDeviceOptimizer; needs use_distributed_optimizer): the fp32 master
+    # weights and Adam moments of `offload_fraction` of each rank's optimizer shard live and step in host memory
+    # (torch AdamW on the CPU), the rest on the accelerator; gradients go to the host and weights come back each step.
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0  # megatron-core's own default is 0.0 (nothing offloaded); Megatron-LM's CLI 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False  # one host optimizer per param, copies on side streams (CUDA)
+    # megatron's use_precision_aware_optimizer (needs use_distributed_optimizer): the optimizer holds the main
+    # weights, so the accelerator keeps no fp32 main shard of its own: with cpu_offload the master copy is only on
+    # the host (slime's one-node flags). Without cpu_offload it needs Transformer Engine's FusedAdam, which also
+    # takes the moment dtypes below; the host optimizer keeps its moments in fp32.
+    precision_aware: bool = False
+    exp_avg_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    exp_avg_sq_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 @dataclass

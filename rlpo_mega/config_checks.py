@@ -22,7 +22,7 @@ import warnings as _warnings
 from typing import Any, Iterable, Optional
 
 from moe.families import FAMILIES, UnsupportedModelError
-from moe.model import load_hf_config
+from moe.model import have_transformer_engine, load_hf_config
 from rlpo_mega.algorithms import objective
 from rlpo_mega.algorithms.advantages import ADVANTAGES, CRITIC_ESTIMATORS
 from rlpo_mega.algorithms.kl import KL_ESTIMATORS
@@ -402,10 +402,44 @@ def _check_counts(cfg, warns: list[str]):
     _check_lr_schedule(cfg)
 
 
+def _check_offload(o, key: str = "optim") -> None:
+    """Optimizer CPU offload and the precision-aware optimizer: what megatron-core 0.16.1 builds, in one line each
+    (its own checks are asserts, some only at the first step)."""
+    if o.cpu_offload and not o.use_distributed_optimizer:
+        # the bf16/fp32 optimizers swap their params into the HybridDeviceOptimizer's groups after building it
+        # (optimizer.py), whose maps then miss them: KeyError at the first step (hybrid_optimizer.py:339); only the
+        # distributed optimizer rebuilds it over its shards (distrib_optimizer.py:603)
+        raise ConfigError(f"{key}.cpu_offload=true needs {key}.use_distributed_optimizer=true (megatron-core offloads "
+                          "the distributed optimizer's shards only)")
+    if o.cpu_offload and not 0 < o.offload_fraction <= 1:
+        raise ConfigError(f"{key}.offload_fraction={o.offload_fraction} must be in (0, 1]: the share of each rank's "
+                          "optimizer state kept and stepped on the host")
+    if not o.cpu_offload and (o.overlap_cpu_optimizer_d2h_h2d or o.offload_fraction != 1.0):
+        raise ConfigError(f"{key}.overlap_cpu_optimizer_d2h_h2d / {key}.offload_fraction are set without "
+                          f"{key}.cpu_offload=true, where they do nothing: set {key}.cpu_offload=true or unset them")
+    if o.precision_aware and not o.use_distributed_optimizer:
+        raise ConfigError(f"{key}.precision_aware=true needs {key}.use_distributed_optimizer=true (megatron-core's "
+                          "precision-aware optimizer is the distributed optimizer's)")
+    moments = {n: getattr(o, n) for n in ("exp_avg_dtype", "exp_avg_sq_dtype") if getattr(o, n) != "float32"}
+    if moments and not o.precision_aware:
+        raise ConfigError(f"{key}.{'/'.join(moments)}={'/'.join(moments.values())} needs {key}.precision_aware=true "
+                          "(other optimizers keep fp32 moments)")
+    if moments and o.cpu_offload:
+        # megatron/core/optimizer/__init__.py:336-346 passes no moment dtype to the HybridDeviceOptimizer: its
+        # AdamW keeps the moments in the fp32 master's dtype
+        raise ConfigError(f"{key}.{'/'.join(moments)} other than float32 with {key}.cpu_offload=true: the host "
+                          "optimizer keeps fp32 moments (megatron-core passes it no moment dtype): set them to float32")
+    if o.precision_aware and not o.cpu_offload and not have_transformer_engine():
+        raise ConfigError(f"{key}.precision_aware=true without {key}.cpu_offload needs Transformer Engine's FusedAdam, "
+                          "which is not installed: pip install -e '.[gpu]', or set "
+                          f"{key}.cpu_offload=true (the host optimizer needs no TE)")
+
+
 def _check_lr_schedule(cfg, o=None, key: str = "optim"):
     """What megatron's OptimizerParamScheduler would otherwise stop with a bare assert (the policy's optim, or
     the critic's critic.optim: both step once per mini-batch and epoch)."""
     o = cfg.optim if o is None else o
+    _check_offload(o, key)
     _choice(f"{key}.lr_decay_style", o.lr_decay_style, LR_DECAY_STYLES)
     if not 0 <= o.min_lr <= o.lr:
         raise ConfigError(f"{key}.min_lr={o.min_lr} must be in [0, {key}.lr={o.lr}]")

@@ -9,6 +9,7 @@ from moe.model import build_gpt_model, transformer_config
 from rlpo_mega import platform
 
 PARAMS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, routing_replay: bool = False,
@@ -64,6 +65,13 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
         bf16=dtype == torch.bfloat16,
         params_dtype=dtype,
         use_distributed_optimizer=use_dist_opt,
+        optimizer_cpu_offload=optim_cfg.cpu_offload,
+        # core's default fraction is 0.0 (nothing offloaded); the config's only applies with cpu_offload
+        optimizer_offload_fraction=optim_cfg.offload_fraction if optim_cfg.cpu_offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=optim_cfg.overlap_cpu_optimizer_d2h_h2d,
+        use_precision_aware_optimizer=optim_cfg.precision_aware,
+        exp_avg_dtype=MOMENT_DTYPES[optim_cfg.exp_avg_dtype],
+        exp_avg_sq_dtype=MOMENT_DTYPES[optim_cfg.exp_avg_sq_dtype],
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     config.grad_scale_func = optimizer.scale_loss

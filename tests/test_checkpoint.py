@@ -203,6 +203,24 @@ def test_distributed_optimizer_state_is_held_in_shares_not_gathered(distopt, dty
           [s for s, _ in ours], "megatron", theirs_save, "; load", [load for _, load in ours], "megatron", theirs_load)
 
 
+def test_optimizer_cpu_offload_checkpoints_load_with_and_without_offload_at_another_layout(distopt):
+    """optim.cpu_offload (+ precision_aware, overlap: slime's one-node flags): megatron's HybridDeviceOptimizer holds
+    the fp32 masters and Adam moments on the host; its checkpoints are the same reshardable tensors. Saved offloaded
+    at EP2/DP2 (before any step and after one), loaded offloaded; loaded without offload at TP2+SP/DP1 and saved
+    there; loaded offloaded at EP2/DP2 again: bit-equal state and weights, and the same steps after."""
+    r = distopt["offload"]
+    ref, fresh, plain, back = r["ref"], r["fresh"], r["plain"], r["back"]
+    assert r["optimizer"] == ["HybridDeviceOptimizer"] and plain["optimizer"] == ["AdamW"]
+    assert fresh["layout"] == back["layout"] == EP2_DP2 and plain["layout"] == TP2_DP1
+    # never stepped: loaded without megatron's dummy_step (random gradients), so the weights are the saved ones
+    assert fresh["eval0"] == ref["eval0"] and fresh["loss1"] == ref["loss1"]
+    assert fresh["weights_equal"] and fresh["state_equal"] and fresh["eval1"] == ref["eval1"]
+    assert plain["meta"]["layout"] == EP2_DP2 and back["meta"]["layout"] == TP2_DP1
+    assert back["state_equal"] and back["weights_equal"]  # offloaded -> plain at TP2 -> offloaded: unchanged
+    same_steps(back, ref, tol=0.0)
+    same_steps(plain, ref, tol=5e-4)  # bf16 at TP2 rounds differently (as test_bf16_fp32_main_params...)
+
+
 def test_optimizer_param_types_patch_is_needed(distopt):
     """CPU patch optimizer_param_types: without it neither the bf16 nor the distributed optimizer
     can be built, failing at a megatron-core line the patch names."""

@@ -222,6 +222,34 @@ def test_counts(tiny_hf, override, message):
     assert message in _err(tiny_hf, override)
 
 
+DIST_OPT = "optim.use_distributed_optimizer=true"
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("optim.cpu_offload=true",), "optim.cpu_offload=true needs optim.use_distributed_optimizer=true"),
+    ((DIST_OPT, "optim.cpu_offload=true", "optim.offload_fraction=0"), "optim.offload_fraction=0.0 must be in (0, 1]"),
+    ((DIST_OPT, "optim.overlap_cpu_optimizer_d2h_h2d=true"), "without optim.cpu_offload=true, where they do nothing"),
+    ((DIST_OPT, "optim.offload_fraction=0.5"), "without optim.cpu_offload=true"),
+    (("optim.precision_aware=true", "optim.cpu_offload=true"), "needs optim.use_distributed_optimizer=true"),
+    ((DIST_OPT, "optim.exp_avg_dtype=bfloat16"), "needs optim.precision_aware=true"),
+    ((DIST_OPT, "optim.precision_aware=true", "optim.cpu_offload=true", "optim.exp_avg_sq_dtype=bfloat16"),
+     "the host optimizer keeps fp32 moments"),
+    ((DIST_OPT, "optim.precision_aware=true"), "needs Transformer Engine's FusedAdam"),
+    (("critic.optim.cpu_offload=true", "algorithm.advantage.name=gae"), "critic.optim.cpu_offload=true needs"),
+])
+def test_optimizer_offload_combinations_megatron_does_not_build(tiny_hf, overrides, message):
+    """optim.cpu_offload / precision_aware: what megatron-core 0.16.1 refuses (asserts, or a KeyError at the first
+    step for offload without the distributed optimizer) is refused in one line naming the keys."""
+    msg = _err(tiny_hf, *overrides)
+    assert message in msg and "\n" not in msg, msg
+
+
+def test_optimizer_offload_with_slimes_flags_passes(tiny_hf):
+    cfg = _cfg(DIST_OPT, "optim.cpu_offload=true", "optim.precision_aware=true",
+               "optim.overlap_cpu_optimizer_d2h_h2d=true", "optim.offload_fraction=0.5")
+    assert check_run_config(cfg, tiny_hf) == []
+
+
 def test_lr_schedule(tiny_hf):
     assert "optim.min_lr=0.1 must be in [0, optim.lr=0.0001]" in _err(tiny_hf, "optim.min_lr=0.1")
     assert "optim.lr_warmup_init=-1.0 must be in" in _err(tiny_hf, "optim.lr_warmup_init=-1.0")

@@ -1,6 +1,6 @@
 """The CPU platform layer: every patch is needed, the patched runs are right, and a GPU run gets none of it.
 
-Ablation: for each patch (cpu_megatron.PATCHES and megatron_fixes.FIXES) the smallest training scenario
+Ablation: for each patch (cpu_megatron.PATCHES, megatron_fixes.FIXES and OFFLOAD_FIXES) the smallest training scenario
 that takes the megatron path it answers is run with only that patch left out (RLPO_MEGA_ABLATE_PATCH);
 it must fail with the expected error, raised at a megatron-core file:line listed in the patch's
 `answers`. The same scenario with every patch must train (2 optimizer steps, loss going down).
@@ -64,6 +64,11 @@ SCENARIOS = {
                                       "--save-optimizer")),
     # multi-latent attention (deepseek_v3) on the local spec
     "mla": (1, DEEPSEEK, ()),
+    # optimizer CPU offload (megatron's HybridDeviceOptimizer) with slime's one-node flags, bf16 (the local spec's
+    # norms stay fp32), saved with the optimizer and loaded into a fresh model and optimizer after the steps
+    "tp1_bf16_offload": (1, QWEN, ("model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
+                                   "optim.cpu_offload=true", "optim.precision_aware=true",
+                                   "optim.overlap_cpu_optimizer_d2h_h2d=true", "--save-optimizer")),
 }
 
 CUDA_MISSING = "Torch not compiled with CUDA enabled"
@@ -104,6 +109,14 @@ ABLATIONS = {
     "distributed_optimizer_without_params": ("pp2_glm_bf16_distopt", "AssertionError"),
     # multi_latent_attention.py:185 isinstance(self.linear_proj, TELinear) with a MagicMock as TELinear
     "mla_have_te_flag": ("mla", "isinstance() arg 2 must be a type"),
+    # utils.py:348 from optimizer_config.py:383 (TE's version, None, compared with 2.1.0) building the config
+    "te_min_version_without_te": ("tp1_bf16_offload", "'>=' not supported between instances of 'NoneType'"),
+    # hybrid_optimizer.py:57 (torch.optim.Optimizer.__init__ -> add_param_group) rebuilding the HDO over the shards
+    "hybrid_optimizer_fp32_shards_as_leaves": ("tp1_bf16_offload", "can't optimize a non-leaf Tensor"),
+    # hybrid_optimizer.py:101: on CPU no param is taken for a device one, and the first step's copy-back lookup fails
+    "hybrid_optimizer_host": ("tp1_bf16_offload", "KeyError: tensor("),
+    # hybrid_optimizer.py:373 in the load after the steps: an fp32 norm looked up among the 16-bit params' copies
+    "hybrid_optimizer_fp32_params_load": ("tp1_bf16_offload", "KeyError: tensor("),
 }
 
 # patch -> the megatron-core site whose wrong answer an rlpo_mega check catches first (the message names it)
@@ -328,12 +341,13 @@ def test_selection():
     from rlpo_mega.platform import select
 
     fast = megatron_fixes.SPEEDUPS
-    local = megatron_fixes.FIXES + fast
+    offload = megatron_fixes.OFFLOAD_FIXES  # defects of megatron's optimizer CPU offload that TE runs reach too
+    local = megatron_fixes.FIXES + offload + fast
     assert select(have_transformer_engine=False, have_cuda=False) == local + cpu_megatron.PATCHES
     assert select(have_transformer_engine=False, have_cuda=True) == local
-    assert select(have_transformer_engine=True, have_cuda=True) == fast
-    assert select(have_transformer_engine=True, have_cuda=False) == fast + cpu_megatron.PATCHES
-    assert set(all_patches()) == set(megatron_fixes.FIXES + cpu_megatron.PATCHES)
+    assert select(have_transformer_engine=True, have_cuda=True) == offload + fast
+    assert select(have_transformer_engine=True, have_cuda=False) == offload + fast + cpu_megatron.PATCHES
+    assert set(all_patches()) == set(megatron_fixes.FIXES + offload + cpu_megatron.PATCHES)
     # The two norm fixes act on the local spec, which a GPU without TE builds too: not CPU patches.
     fixes = {p.name for p in megatron_fixes.FIXES}
     assert {"torch_norm_sequence_parallel", "final_norm_rmsnorm_apex"} <= fixes
@@ -424,7 +438,8 @@ def _cuda_present(ablate: str = "") -> dict:
 
 def test_nothing_cpu_specific_runs_when_cuda_is_present():
     result = _cuda_present()
-    fixes = [p.name for p in ([] if result["te"] else megatron_fixes.FIXES) + megatron_fixes.SPEEDUPS]
+    fixes = [p.name for p in ([] if result["te"] else megatron_fixes.FIXES) + megatron_fixes.OFFLOAD_FIXES
+             + megatron_fixes.SPEEDUPS]
     # Only the device-independent megatron fixes (without Transformer Engine) and speed-ups; no version check.
     assert result["applied"] == fixes
     assert not set(result["applied"]) & {p.name for p in cpu_megatron.PATCHES}
@@ -455,8 +470,8 @@ def test_gpu_without_te_norms_fail_without_the_fixes():
     result = _cuda_present(ablate=",".join(sorted(left_out)))
     if result["te"]:
         pytest.skip("Transformer Engine is installed: the local spec and its fixes are not used")
-    assert result["applied"] == [p.name for p in megatron_fixes.FIXES + megatron_fixes.SPEEDUPS
-                                 if p.name not in left_out]
+    assert result["applied"] == [p.name for p in megatron_fixes.FIXES + megatron_fixes.OFFLOAD_FIXES
+                                 + megatron_fixes.SPEEDUPS if p.name not in left_out]
     norms = result["norms"]
     assert {"input", "pre_mlp", "final"} <= set(norms), norms
     for name, (kind, message) in norms.items():

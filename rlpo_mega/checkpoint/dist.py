@@ -80,8 +80,11 @@ def _zero_state(sub) -> bool:
     Adam takes exactly this state for a fresh one. (Apex/TE FusedAdam keep the step in the param groups
     and need nothing.) Returns whether it did."""
     from megatron.core.optimizer import distrib_optimizer
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
     inner = sub.optimizer
+    if isinstance(inner, HybridDeviceOptimizer):  # torch AdamW inside, with or without Apex/TE
+        return _zero_hybrid_state(inner)
     if inner.state or distrib_optimizer.HAVE_APEX_OR_TE:
         return False
     for group in inner.param_groups:
@@ -89,6 +92,28 @@ def _zero_state(sub) -> bool:
             inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                               "exp_avg_sq": torch.zeros_like(p)}
     return True
+
+
+def _zero_hybrid_state(hdo) -> bool:
+    """_zero_state of optimizer CPU offload's HybridDeviceOptimizer: its host and device AdamWs take the initial
+    state, and the HDO's own view of it gains each param's fp32 master (`master_param`), which megatron reads as the
+    main param (distrib_optimizer.py:904). Megatron's own answer to a fresh HDO, dummy_step() (hybrid_optimizer.py:
+    453), steps the weights with random gradients."""
+    if hdo.state:
+        return False
+    for opt in hdo.sub_optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                opt.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    hdo._sync_sub_optimizers_state_to_hdo()
+    return True
+
+
+def _clear_state(inner) -> None:
+    for opt in getattr(inner, "sub_optimizers", [inner]):  # a HybridDeviceOptimizer's host and device AdamWs
+        opt.state.clear()
+    inner.state.clear()
 
 
 def _distributed_state(sub, model_sd, is_loading: bool):
@@ -101,7 +126,7 @@ def _distributed_state(sub, model_sd, is_loading: bool):
     sd["param_state"] = (load_state if is_loading else save_state)(sub, model_sd)
     sd["param_state_sharding_type"] = "fully_reshardable"
     if fresh and not is_loading:
-        sub.optimizer.state.clear()  # leave it as it was: the save copied what it needed
+        _clear_state(sub.optimizer)  # leave it as it was: the save copied what it needed
     if not any(g["params"] for g in sub.optimizer.param_groups):
         return sd, None  # nothing here to step (a pipeline stage without MoE layers: its expert optimizer)
     steps = {float(g.get("step") or 0) for g in sd["optimizer"]["param_groups"]}  # FusedAdam: none yet

@@ -74,11 +74,11 @@ def apply() -> list[str]:
 
 
 def select(have_transformer_engine: bool, have_cuda: bool):
-    """The patches a platform needs: the local-spec fixes without TE (any device), the speed-ups always (they
-    replace megatron code that both specs reach), the CPU patches without CUDA."""
-    return ((() if have_transformer_engine else megatron_fixes.FIXES) + megatron_fixes.SPEEDUPS
-            + (() if have_cuda else cpu_megatron.PATCHES))
+    """The patches a platform needs: the local-spec fixes without TE (any device), the offload fixes and the speed-ups
+    always (they answer or replace megatron code that both specs reach), the CPU patches without CUDA."""
+    return ((() if have_transformer_engine else megatron_fixes.FIXES) + megatron_fixes.OFFLOAD_FIXES
+            + megatron_fixes.SPEEDUPS + (() if have_cuda else cpu_megatron.PATCHES))
 
 
 def all_patches():
-    return cpu_megatron.PATCHES + megatron_fixes.FIXES
+    return cpu_megatron.PATCHES + megatron_fixes.FIXES + megatron_fixes.OFFLOAD_FIXES

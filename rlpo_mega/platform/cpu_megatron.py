@@ -326,6 +326,95 @@ def _patch_optimizer_param_types():
         cls.__init__ = with_cuda_type_names(cls.__init__)
 
 
+# 12. The HybridDeviceOptimizer (optimizer CPU offload) tells device params from host copies by `is_cuda`.
+HOST_MARK = "_rlpo_host"  # on a tensor that a CUDA run holds in host memory (HDO's offloaded copies)
+
+
+def on_host(t: torch.Tensor) -> bool:
+    """Whether a CUDA run would hold `t` in host memory: on CPU, a tensor the HybridDeviceOptimizer offloaded
+    (its fp32 master and, through its state, the Adam moments). Used to count the accelerator's bytes."""
+    return getattr(t, HOST_MARK, False)
+
+
+@contextlib.contextmanager
+def _host_copies_marked():
+    # On CPU every tensor answers is_cuda=False, so HDO (hybrid_optimizer.py:256,273,285) would take every
+    # param for a host one: nothing offloaded, every param in its CPU optimizer, and the copy-back hook's
+    # lookup (:101) failing. Here a tensor is on the accelerator unless it descends from a `.pin_memory()`
+    # host copy (:274): pinning marks it (CPU torch has no pinned allocator; on CPU every page is alike), and
+    # detach/clone/float of a marked tensor stay marked (:278), so the placement is megatron's own.
+    saved = {name: getattr(torch.Tensor, name) for name in ("detach", "clone", "float")}
+
+    def inherit(name):
+        def method(t, *args, **kwargs):
+            out = saved[name](t, *args, **kwargs)
+            if on_host(t):
+                setattr(out, HOST_MARK, True)
+            return out
+        return method
+
+    def pin_memory(t, *args, **kwargs):
+        setattr(t, HOST_MARK, True)
+        return t
+
+    torch.Tensor.is_cuda = property(lambda t: not on_host(t))
+    torch.Tensor.pin_memory = pin_memory
+    for name in saved:
+        setattr(torch.Tensor, name, inherit(name))
+    try:
+        yield
+    finally:
+        del torch.Tensor.is_cuda, torch.Tensor.pin_memory
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _patch_hybrid_optimizer():
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as hdo
+
+    cls = hdo.HybridDeviceOptimizer
+    placement = cls._get_sub_optimizer_param_groups
+
+    @functools.wraps(placement)
+    def _get_sub_optimizer_param_groups(self, offload_fraction):
+        with _host_copies_marked():
+            return placement(self, offload_fraction)
+
+    move = cls._move_new_state_to_right_device
+
+    @functools.wraps(move)
+    def _move_new_state_to_right_device(self):
+        # :365-367 moves loaded state to "cpu" or "cuda" by sub-optimizer: on CPU both are this device, and
+        # the state of the offloaded (host) sub-optimizers keeps the host mark
+        saved_to = torch.Tensor.to
+
+        def to(t, *args, **kwargs):
+            if args and args[0] in ("cuda", "cpu"):
+                out = t.detach().clone() if args[0] == "cpu" else t
+                if args[0] == "cpu":
+                    setattr(out, HOST_MARK, True)
+                return out
+            return saved_to(t, *args, **kwargs)
+
+        torch.Tensor.to = to
+        try:
+            return move(self)
+        finally:
+            torch.Tensor.to = saved_to
+
+    cls._get_sub_optimizer_param_groups = _get_sub_optimizer_param_groups
+    cls._move_new_state_to_right_device = _move_new_state_to_right_device
+    # :109-111 allocates the host gradient copies with pin_memory=True, which CPU torch refuses
+    empty = torch.empty
+    _torch_proxy_for(hdo)._overrides["empty"] = (
+        lambda *args, pin_memory=False, **kwargs: _marked(empty(*args, **kwargs)))
+
+
+def _marked(t: torch.Tensor) -> torch.Tensor:
+    setattr(t, HOST_MARK, True)
+    return t
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "current_device",
@@ -388,5 +477,12 @@ PATCHES: tuple[Patch, ...] = (
         "the bf16 (Float16OptimizerWithFloat16Params) and distributed optimizers accept only params "
         "whose type() is 'torch.cuda.*Tensor' and raise TypeError for CPU ones",
         _patch_optimizer_param_types,
+    ),
+    Patch(
+        "hybrid_optimizer_host",
+        ("optimizer/cpu_offloading/hybrid_optimizer.py:101,109-111,256,273-285,365-367",),
+        "the HybridDeviceOptimizer (optimizer CPU offload) places params by is_cuda, pins host copies and "
+        "moves loaded state with .to('cuda'); on CPU every tensor reads is_cuda=False and nothing can be pinned",
+        _patch_hybrid_optimizer,
     ),
 )

@@ -3,6 +3,8 @@
 Without TE, `moe.model` builds megatron's local layer spec, on a CPU and on a GPU alike (TE is an
 optional extra, `pip install -e ".[gpu]"`). These fixes make that spec work for our models on any
 device; they touch only code that the local spec reaches, so a run with TE gets none of them.
+OFFLOAD_FIXES (at the end) answer defects of the optimizer CPU offload that a run with TE reaches too, and are
+applied with or without it.
 
 - `te_general_gemm_undefined`: moe_utils.py imports `te_general_gemm` only inside its
   `try: import transformer_engine` block, then tests `te_general_gemm is not None` (moe_utils.py:1192,
@@ -238,6 +240,71 @@ def _distributed_optimizer_without_params():
     cls.state_dict = state_dict
 
 
+def _hybrid_optimizer_fp32_shards_as_leaves():
+    from megatron.core import tensor_parallel
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    cls = dopt.DistributedOptimizer
+    if getattr(cls._build_model_and_main_param_groups, "_rlpo_fixed", False):
+        return
+    original = cls._build_model_and_main_param_groups.__func__
+
+    def build(klass, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        groups = original(klass, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        # An fp32 param's shard is `model_param.view(-1)[a:b]` (distrib_optimizer.py:420): a view of a param
+        # that requires grad, so not a leaf. torch's Adam takes it (the groups are assigned, :606), but the
+        # HybridDeviceOptimizer is rebuilt through torch.optim.Optimizer.__init__ (:603), whose
+        # add_param_group refuses non-leaves. A detached view is the same memory (the optimizer's in-place
+        # update still lands in the model param) and a leaf; it replaces the view everywhere it is held.
+        shard_fp32_groups = groups[3]
+        for g, shards in enumerate(shard_fp32_groups):
+            leaves = {}
+            for i, shard in enumerate(shards):
+                leaf = shard.detach()
+                tensor_parallel.copy_tensor_model_parallel_attributes(leaf, shard)
+                if hasattr(shard, "shared"):
+                    leaf.shared = shard.shared
+                leaves[id(shard)] = leaf
+                shards[i] = leaf
+            params = opt_group_ranges[g]["orig_group"]["params"]
+            opt_group_ranges[g]["orig_group"]["params"] = [leaves.get(id(p), p) for p in params]
+        return groups
+
+    build._rlpo_fixed = True
+    cls._build_model_and_main_param_groups = classmethod(build)
+
+
+def _te_min_version_without_te():
+    from megatron.core.optimizer import optimizer_config
+
+    # optimizer_config.py:383 asks is_te_min_version("2.1.0") of every precision-aware config, before its own
+    # "CPU offload needs no TE FusedAdam" return (:390); without TE the version is None and the comparison
+    # raises TypeError ('>=' between NoneType and Version). No TE is older than any version.
+    optimizer_config.is_te_min_version = lambda version, check_equality=True: False
+
+
+def _hybrid_optimizer_fp32_params_load():
+    from megatron.core.optimizer.cpu_offloading import hybrid_optimizer as hdo
+
+    cls = hdo.HybridDeviceOptimizer
+    if getattr(cls._update_fp32_params_by_new_state, "_rlpo_fixed", False):
+        return
+
+    def _update_fp32_params_by_new_state(self):
+        # hybrid_optimizer.py:372-374 looks every param up in param_to_fp32_param, which holds only the 16-bit ones:
+        # loading any state with an fp32 param (the local spec's norms under bf16, every param of an fp32 model)
+        # raised KeyError. An fp32 param's master is its inner param, which the state already carries.
+        if not self.param_update_in_fp32:
+            return
+        for param, v in self.state.items():
+            fp32_param = self.param_to_fp32_param.get(param)
+            if fp32_param is not None:
+                fp32_param.data.copy_(v["master_param"])
+
+    _update_fp32_params_by_new_state._rlpo_fixed = True
+    cls._update_fp32_params_by_new_state = _update_fp32_params_by_new_state
+
+
 def _mla_have_te_flag():
     from megatron.core.transformer import multi_latent_attention as mla
 
@@ -310,10 +377,38 @@ FIXES: tuple[Patch, ...] = (
         _distributed_optimizer_without_params,
     ),
     Patch(
+        "te_min_version_without_te",
+        ("optimizer/optimizer_config.py:383", "utils.py:348"),
+        "use_precision_aware_optimizer (with optimizer CPU offload, which needs no TE) raised TypeError without "
+        "TE: the TE version check compares None with a Version; no TE counts as older than any",
+        _te_min_version_without_te,
+    ),
+    Patch(
         "mla_have_te_flag",
         ("transformer/multi_latent_attention.py:54-65,183-185",),
         "multi_latent_attention.py believes TE is installed (its import of megatron's TE extension succeeds "
         "with MagicMock stand-ins), so building MLA's output projection fails in isinstance(x, TELinear)",
         _mla_have_te_flag,
+    ),
+)
+
+# Defects of megatron-core 0.16.1's optimizer CPU offload (HybridDeviceOptimizer under the distributed optimizer),
+# reached with or without TE, on any device, whenever a model has fp32 params (the local spec's norms under bf16, or
+# an fp32 model). Both are fixed upstream (Megatron-LM#6212, #5929).
+OFFLOAD_FIXES: tuple[Patch, ...] = (
+    Patch(
+        "hybrid_optimizer_fp32_shards_as_leaves",
+        ("optimizer/distrib_optimizer.py:420,603", "optimizer/cpu_offloading/hybrid_optimizer.py:57"),
+        "with optimizer CPU offload the distributed optimizer rebuilds its HybridDeviceOptimizer through "
+        "torch.optim.Optimizer, which refuses the local spec's fp32 norm shards (views of params that require "
+        "grad: 'can't optimize a non-leaf Tensor', Megatron-LM#6212); they are passed as detached views",
+        _hybrid_optimizer_fp32_shards_as_leaves,
+    ),
+    Patch(
+        "hybrid_optimizer_fp32_params_load",
+        ("optimizer/cpu_offloading/hybrid_optimizer.py:372-374",),
+        "loading optimizer-offload state with any fp32 param raised KeyError: the master lookup holds only the "
+        "16-bit params' fp32 copies; an fp32 param is its own master",
+        _hybrid_optimizer_fp32_params_load,
     ),
 )

@@ -16,6 +16,8 @@ bfloat16 params (fp32 main params inside the optimizer, the recipes' precision),
 lazy     : EP2, the distributed optimizer over a FusedAdam-like optimizer (state created at its first step, the
            step count in its param groups): saved before the first step and after it, each resumed exactly.
 ablation : the bf16 plain and the distributed optimizer built without the optimizer_param_types patch.
+offload  : bf16 with optimizer CPU offload (megatron's HybridDeviceOptimizer): saved offloaded before and after a
+           step, loaded offloaded; loaded without offload at TP2, saved there, loaded offloaded at EP2 (`offload`).
 memory   : float32 at TP1 (DP2) and bf16 at EP2 (dense DP2): the host bytes of optimizer state a save hands to dist_checkpointing and a load
            asks it for, per rank; what rlpo-mega plan predicts for the same buffers; what megatron-core's own
            fully_reshardable gather holds (the format as megatron writes it); a checkpoint megatron writes loads
@@ -353,6 +355,63 @@ def ablation(family):
     return out
 
 
+OFFLOAD = ("optim.cpu_offload=true", "optim.precision_aware=true", "optim.overlap_cpu_optimizer_d2h_h2d=true")
+
+
+def _weights(run) -> list:
+    from rlpo_mega.model_setup import unwrap
+
+    return [p.detach().clone() for p in unwrap(run.chunks[0]).parameters()]
+
+
+def offload(family, d):
+    """Optimizer CPU offload (megatron's HybridDeviceOptimizer, slime's one-node flags) in the same format, bf16:
+      ref   : EP2, offloaded: save `o0` before any step, step 1, save `o1`, eval, steps 2, 3
+      fresh : EP2, offloaded, other seed: load `o0` (never stepped), eval, step 1; load `o1`: weights, eval
+      plain : TP2+SP (EP1, DP1), not offloaded: load `o1`, save `p1`, steps 2, 3
+      back  : EP2, offloaded, other seed: load `p1`: its optimizer state bit-equal to ref's after step 1, steps 2, 3
+    """
+    from ckpt_common import SEED, Run
+
+    r = {k: {} for k in ("ref", "fresh", "plain", "back")}
+    o0, o1, p1 = (os.path.join(d, n) for n in ("o0", "o1", "p1"))
+    run = Run(family, EP2 + DIST + BF16 + OFFLOAD, SEED)
+    r["optimizer"] = sorted({type(sub.optimizer).__name__ for sub in run.opt.chained_optimizers})
+    t = r["ref"]
+    save(run, o0, 0)
+    t["eval0"] = run.eval()
+    t["loss1"] = run.step("train1")
+    save(run, o1, 1)
+    state1, weights1 = _state_of(run.opt), _weights(run)
+    t["eval1"] = run.eval()
+    done(steps23(run, t))
+
+    run = Run(family, EP2 + DIST + BF16 + OFFLOAD, SEED + 1)
+    t = r["fresh"]
+    load(run, o0, t)
+    t["eval0"] = run.eval()
+    t["loss1"] = run.step("train1")
+    load(run, o1, t)
+    t["weights_equal"] = all(torch.equal(a, b) for a, b in zip(weights1, _weights(run)))
+    t["state_equal"] = all(torch.equal(a, b) for a, b in zip(state1, _state_of(run.opt)))
+    t["eval1"] = run.eval()
+    done(run)
+
+    run = Run(family, TP2 + DIST + BF16, SEED + 1)
+    r["plain"]["optimizer"] = sorted({type(sub.optimizer).__name__ for sub in run.opt.chained_optimizers})
+    load(run, o1, r["plain"])
+    save(run, p1, 1)
+    done(steps23(run, r["plain"]))
+
+    run = Run(family, EP2 + DIST + BF16 + OFFLOAD, SEED + 2)
+    t = r["back"]
+    load(run, p1, t)
+    t["state_equal"] = all(torch.equal(a, b) for a, b in zip(state1, _state_of(run.opt)))
+    t["weights_equal"] = all(torch.equal(a, b) for a, b in zip(weights1, _weights(run)))
+    done(steps23(run, t))
+    return r
+
+
 def main():
     from ckpt_common import finish, fork_checkpoint_queue
 
@@ -363,6 +422,7 @@ def main():
     report["bfloat16"] = bfloat16(family, os.path.join(out, "bfloat16"))
     report["memory"] = memory(family, os.path.join(out, "memory"))
     report["lazy"] = lazy(family, os.path.join(out, "lazy"))
+    report["offload"] = offload(family, os.path.join(out, "offload"))
     report["ablation"] = ablation(family)
     report["seconds"] = time.time() - t0
     finish(report, manager)
