@@ -11,7 +11,7 @@ import pytest
 from rlpo_mega.config import load_config
 from rlpo_mega.distributed import resolve_layout
 from rlpo_mega.planning import plan as planning
-from rlpo_mega.planning.memory import model_bytes
+from rlpo_mega.planning.memory import Offload, model_bytes
 from rlpo_mega.planning.meta_build import Request, run as meta_run
 from tests.dist import ROOT
 from tests.layout_runs import LAYOUTS, PLAN_MEMORY_LAYOUTS, layout_run
@@ -101,7 +101,8 @@ def test_memory_model_equals_megatron_allocations(layout, tmp_path_factory):
     """Per rank: parameter count and the bytes of parameters, gradients and optimizer state (Adam's moments and
     fp32 main copies) that the plan computes from the meta-device build equal, byte for byte, the distinct
     storages of the tensors megatron-core allocated in a real launch (tiny glm4_moe in bf16: 16-bit and fp32
-    buffers, a dense first layer, a shared expert), with and without the distributed optimizer."""
+    buffers, a dense first layer, a shared expert), with and without the distributed optimizer, and with optimizer
+    CPU offload (with and without precision_aware): the optimizer state left on the accelerator and the host's."""
     out = os.path.join(layout_run(layout, tmp_path_factory), "plan_memory")
     nproc, overrides, _, _ = LAYOUTS[layout]
     cfg = load_config(None, tuple(overrides))
@@ -109,17 +110,21 @@ def test_memory_model_equals_megatron_allocations(layout, tmp_path_factory):
 
     hf = load_hf_config(os.path.join(ROOT, "configs/models/tiny_glm4_moe.json"))
     lay = resolve_layout(cfg.parallel, nproc, hf)
-    for kind in ("plain", "distopt"):
+    offload = {"offload": Offload(1.0, precision_aware=True), "offload_main": Offload(1.0, precision_aware=False)}
+    for kind in ("plain", "distopt", *offload):
         measured = [json.load(open(os.path.join(out, f"memory_{kind}_{r}.json"))) for r in range(nproc)]
-        built = meta_run(Request("configs/models/tiny_glm4_moe.json", lay, "bfloat16", 128, kind == "distopt",
+        distopt = kind != "plain"
+        built = meta_run(Request("configs/models/tiny_glm4_moe.json", lay, "bfloat16", 128, distopt,
                                  ranks=tuple(range(nproc))))
         for m, b in zip(measured, built):
-            predicted = model_bytes(b, kind == "distopt", m["dp_rank"], m["expert_dp_rank"])
-            got = (m["params"], m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"])
-            want = (predicted.params, predicted.param_bytes, predicted.grad_bytes, predicted.optimizer_bytes)
+            predicted = model_bytes(b, distopt, m["dp_rank"], m["expert_dp_rank"], offload.get(kind))
+            got = (m["params"], m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"], m["host_optimizer_bytes"])
+            want = (predicted.params, predicted.param_bytes, predicted.grad_bytes, predicted.optimizer_bytes,
+                    predicted.host_optimizer_bytes)
             assert got == want, (layout, kind, m["rank"], got, want)
+            assert (m["host_optimizer_bytes"] > 0) == (kind in offload)
             # the table's figure (the largest over DP ranks) bounds every rank's
-            assert model_bytes(b, kind == "distopt").optimizer_bytes >= predicted.optimizer_bytes
+            assert model_bytes(b, distopt, offload=offload.get(kind)).optimizer_bytes >= predicted.optimizer_bytes
 
 
 def test_plan_refusals_are_one_line(tmp_path, capsys, monkeypatch):

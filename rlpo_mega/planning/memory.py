@@ -9,7 +9,9 @@ PP2 and TP2/EP2/PP2, with and without the distributed optimizer):
 - optimizer: Adam's exp_avg and exp_avg_sq (fp32) and the fp32 main copies of 16-bit parameters. The
   distributed optimizer cuts every bucket into DP-size equal ranges (distrib_optimizer.py
   `_build_model_gbuf_range`) and keeps state only for the parameter elements inside this rank's range; fp32
-  parameters are their own main copies (views). Without it: every element, full size.
+  parameters are their own main copies (views). Without it: every element, full size. With optimizer CPU offload
+  (optim.cpu_offload, all of the state: offload_fraction 1.0) split into what stays on the accelerator and what
+  the host holds (`_offloaded_state`).
 
 Estimated (one number each, the formula in its function): activations of the largest micro-batch under the
 recipe's recompute setting, the logits and the log-prob kernel's chunk, the exchange's buffers and routes.
@@ -42,23 +44,60 @@ def optimizer_elements(buffer: dict, dp_rank: int) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class Offload:
+    """Optimizer CPU offload (megatron-core's HybridDeviceOptimizer under the distributed optimizer)."""
+    fraction: float
+    precision_aware: bool
+
+    @classmethod
+    def of(cls, optim) -> "Offload | None":
+        return cls(optim.offload_fraction, optim.precision_aware) if optim.cpu_offload else None
+
+
 @dataclass
 class ModelBytes:
-    """One model (policy or critic) on one rank: parameter count and bytes by kind."""
+    """One model (policy or critic) on one rank: parameter count and bytes by kind (optimizer_bytes on the
+    accelerator, host_optimizer_bytes in host memory: optimizer CPU offload)."""
     params: int
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
+    host_optimizer_bytes: int = 0
 
     @property
     def total(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
+def _offloaded_state(elements: int, param_dtype: str, offload: Offload) -> tuple[int, int]:
+    """(accelerator, host) bytes of the optimizer state of `elements` elements of one buffer in this rank's range,
+    under the HybridDeviceOptimizer (hybrid_optimizer.py:251-300 and the distributed optimizer's main shards,
+    distrib_optimizer.py:379-449). It takes the params it is given in order and moves them to the host until
+    `fraction` of their elements are there: all at 1.0 (exact); below, this takes `fraction` of each buffer's
+    elements (an estimate: megatron's cut falls at a parameter boundary in its param-group order).
+    - a 16-bit param: without precision_aware the distributed optimizer keeps an fp32 main shard on the accelerator
+      (4 B) and hands it to the HDO; on the host: its fp32 copy (4), AdamW's two moments (8), the gradient's host
+      copy (4). With precision_aware the HDO gets the bf16 shard itself: on the host the fp32 master made from its
+      bf16 host copy (4; that copy is dropped once the master exists), the moments (8), the gradient's copy (4);
+      nothing stays on the accelerator.
+    - an fp32 param (its own main copy): on the host its copy, the moments and the gradient's copy (16).
+    What stays on the accelerator ((1 - fraction) of the elements) keeps the moments there (8), and a 16-bit one
+    under precision_aware also the fp32 master the HDO makes for it (4)."""
+    host_elements = elements if offload.fraction >= 1 else int(offload.fraction * elements)
+    kept = elements - host_elements
+    if param_dtype == "float32":
+        return 8 * kept, 16 * host_elements
+    if offload.precision_aware:
+        return 12 * kept, 16 * host_elements
+    return 4 * elements + 8 * kept, 16 * host_elements
+
+
 def model_bytes(rank: dict, distributed_optimizer: bool, dp_rank: int | None = None,
-                expert_dp_rank: int | None = None) -> ModelBytes:
+                expert_dp_rank: int | None = None, offload: Offload | None = None) -> ModelBytes:
     """`rank`: one entry of meta_build.build. dp_rank/expert_dp_rank: the rank's place in its data-parallel
-    groups (None: the largest over them, what a table of the layout needs)."""
+    groups (None: the largest over them, what a table of the layout needs). offload: optimizer CPU offload
+    (with the distributed optimizer)."""
     buffers = rank["buffers"]
     if distributed_optimizer:
         params = sum(b["numel"] * ITEMSIZE[b["param_dtype"]] for b in buffers)
@@ -66,7 +105,7 @@ def model_bytes(rank: dict, distributed_optimizer: bool, dp_rank: int | None = N
         params = rank["param_bytes"]
     params += rank["module_buffer_bytes"]
     grads = sum(b["numel"] * ITEMSIZE[b["grad_dtype"]] for b in buffers)
-    opt = 0
+    opt = host = 0
     for b in buffers:
         main = 0 if b["param_dtype"] == "float32" else 4  # fp32 params are their own main copy
         if distributed_optimizer:
@@ -75,8 +114,13 @@ def model_bytes(rank: dict, distributed_optimizer: bool, dp_rank: int | None = N
             elements = max(optimizer_elements(b, r) for r in ranks)
         else:
             elements = b["numel_unpadded"]
-        opt += elements * (main + 8)
-    return ModelBytes(rank["params"], params, grads, opt)
+        if offload is not None:
+            on_device, on_host = _offloaded_state(elements, b["param_dtype"], offload)
+            opt += on_device
+            host += on_host
+        else:
+            opt += elements * (main + 8)
+    return ModelBytes(rank["params"], params, grads, opt, host)
 
 
 @dataclass(frozen=True)

@@ -197,12 +197,13 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         stage = rank["stage"]
         layers = _stage_layers(hf, pp, stage)
         moe_here = sum(shape.moe_layers[i] for i in layers)
-        policy = memory.model_bytes(rank, cfg.optim.use_distributed_optimizer)
+        policy = memory.model_bytes(rank, cfg.optim.use_distributed_optimizer, offload=memory.Offload.of(cfg.optim))
         row = Row("learner GPU", f"stage {stage}" if pp > 1 else "every rank", budget)
         row.info["parameters"] = policy.params
         row.parts.update(params=policy.param_bytes, grads=policy.grad_bytes, optimizer=policy.optimizer_bytes)
         if critic is not None:
-            value = memory.model_bytes(critic[s], cfg.critic.optim.use_distributed_optimizer)
+            value = memory.model_bytes(critic[s], cfg.critic.optim.use_distributed_optimizer,
+                                       offload=memory.Offload.of(cfg.critic.optim))
             row.info["critic parameters"] = value.params
             row.parts["critic"] = value.total
         in_flight = pp - stage if pp > 1 else 1
@@ -330,8 +331,26 @@ def _stage_of(rank: int, layout) -> int:
     return rank // (layout.world_size // layout.pipeline)
 
 
+def offloaded_bytes(cfg, layout, built: list, critic: Optional[list]) -> list[int]:
+    """Per learner node: the optimizer state its ranks hold in host memory under optimizer CPU offload (each rank
+    at its place in its DP groups: memory.model_bytes, exact at offload_fraction 1.0)."""
+    nodes = max(1, layout.world_size // cfg.cluster.gpus_per_node)
+    dense, expert = dp_positions(layout)
+    out = [0] * nodes
+    for model, optim in ((built, cfg.optim), (critic, cfg.critic.optim)):
+        offload = memory.Offload.of(optim)
+        if model is None or offload is None:
+            continue
+        by_stage = {r["stage"]: r for r in model}
+        for rank in range(layout.world_size):
+            out[rank // cfg.cluster.gpus_per_node] += memory.model_bytes(
+                by_stage[_stage_of(rank, layout)], optim.use_distributed_optimizer, dense[rank], expert[rank],
+                offload).host_optimizer_bytes
+    return out
+
+
 def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, prompt_tokens: int,
-              engine_ranks: list[int]) -> tuple[list[Row], dict]:
+              engine_ranks: list[int], offloaded: Optional[list[int]] = None) -> tuple[list[Row], dict]:
     """Per learner node: the checkpoint's host memory (the distributed optimizer's state a save writes and a load
     reads, optimizer_state_bytes) and the rollout drivers' buffers (the engine ranks on that node, each with its
     share of a step); and the checkpoint's size and save time
@@ -363,6 +382,8 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
         # save and load never overlap: the larger of the two
         row.parts["checkpoint"] = max(save[node], load[node])
         row.info.update({"save": save[node], "load": load[node]})
+        if offloaded and offloaded[node]:  # optimizer CPU offload: the masters and moments live here all along
+            row.parts["optimizer offload"] = offloaded[node]
         drivers = sum(1 for r in engine_ranks if r // c.gpus_per_node == node)
         if drivers:
             # each rollout driver (engine rank) holds its share of the step's samples in their compact form (ids
@@ -475,7 +496,8 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
         rows += server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
     # the critic's weights and optimizer state are saved in the same checkpoints, by the same ranks
     saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"]} for r, v in zip(built, critic)]
-    hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens, engine_ranks)
+    hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens, engine_ranks,
+                          offloaded_bytes(cfg, layout, built, critic))
     rows += hosts
     sbatch = "train_disaggregated.sbatch" if c.rollout_nodes else "train_colocated.sbatch"
     lead, shutdown = slurm_window(sbatch)
