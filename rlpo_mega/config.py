@@ -361,6 +361,10 @@ class RolloutConfig:
     stop_token_ids: Optional[list[int]] = None  # None = the tokenizer's eos
     # a TRANSPORTS name: in_process | disk (rlpo_mega.weight_sync.transports) | sglang_distributed
     # (rollout.engine=sglang; registered by rlpo_mega.rollout.sglang_engine)
+    # true: the engine runs on the learner's own accelerators (training/colocate.py): each step the learner's
+    # weights, gradients and accelerator optimizer state leave for the host while the engine generates, and return
+    # for the update; the engine's memory is released meanwhile (rollout.engine=embedded)
+    colocate: bool = False
     sync_transport: str = "in_process"
     sync_bucket_mb: int = 64
     sync_dir: Optional[str] = None  # disk transport's directory (several engine ranks: a driver_<i> subdirectory each)

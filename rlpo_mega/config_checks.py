@@ -191,6 +191,19 @@ def _check_algorithm(cfg, warns: list[str]):
         raise ConfigError(f"algorithm.logprob_chunk_size={alg.logprob_chunk_size} must be >= 1 (or null: auto)")
 
 
+def _check_colocate(cfg):
+    r = cfg.rollout
+    if not r.colocate:
+        return
+    if r.engine != "embedded":
+        raise ConfigError(f"rollout.colocate=true with rollout.engine={r.engine}: only the embedded engine shares the "
+                          "learner's accelerators so far; run the SGLang servers on their own GPUs (rollout.colocate="
+                          "false) or use rollout.engine=embedded")
+    if r.producer != "sync":
+        raise ConfigError(f"rollout.colocate=true with rollout.producer={r.producer}: generation ahead of training "
+                          "would need the learner's accelerators while it trains; use rollout.producer=sync")
+
+
 def _check_rollout(cfg, warns: list[str]):
     ro = cfg.rollout
     _choice("reward.function", cfg.reward.function, REWARDS.names())
@@ -567,6 +580,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
                           f"(max_position_embeddings={context} in model.hf_config): lower it")
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
+    _check_colocate(cfg)
     _check_drivers(cfg, world_size, nodes)
     _check_counts(cfg, warns)
     _check_critic(cfg, warns)

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from rlpo_mega.config import load_config
+
 from tests.dist import ROOT, torchrun
 from tests.metric_catalogue import missing_metrics
 from tests.wandb_reader import read_wandb_offline_run
@@ -240,6 +242,54 @@ def test_resume_at_another_layout(resumed):
     assert steps == [5]  # continued from the EP2 run's step 4 at TP2 (EP1)
     h = resumed["tp2"][0]
     assert math.isfinite(h["loss/policy"]) and h["routing/agreement/mean"] == 1.0
+
+
+def test_colocated_embedded_engine_hands_the_memory_over_and_changes_no_number(tmp_path):
+    """rollout.colocate=true (2 processes, EP2, bf16, distributed optimizer with optimizer CPU offload, KL reference,
+    an evaluation and a save after each step) against the same run apart: the same metrics at every step and the
+    same final weights. Per rank and phase, the bytes on the accelerator (the storages' sizes, counted from the
+    tensors) are what rlpo-mega plan's memory model gives for the tiny model: in generation the engine's weights
+    and nothing of the learner; in the update the learner's parameters, gradients and accelerator optimizer state
+    (none: precision-aware offload) and the reference, nothing of the engine; after the step (sync, save) both."""
+    from moe.model import load_hf_config
+    from rlpo_mega.distributed import resolve_layout
+    from rlpo_mega.planning.memory import Offload, hf_model_bytes, model_bytes
+    from rlpo_mega.planning.meta_build import Request, run as meta_run
+    from rlpo_mega.planning.plan import dp_positions
+
+    r = torchrun("train_scenarios.py", 2, "colocate", str(tmp_path), env={"WANDB_MODE": "disabled"}, timeout=900)
+    apart, colocated = r["apart"], r["colocated"]
+    assert [h["step"] for h in apart] == [h["step"] for h in colocated] and {h["step"] for h in apart} == {0, 1, 2, 3}
+    keys = ("loss/policy", "reward/mean", "optim/grad_norm", "kl/ref", "eval/reward_mean", "ratio/seq_max")
+    for a, c in zip(apart, colocated):
+        for k in keys:
+            assert a.get(k) == c.get(k), (a["step"], k, a.get(k), c.get(k))
+    assert any("loss/policy" in h for h in colocated) and any("eval/reward_mean" in h for h in colocated)
+    assert r["weights_equal"]
+    assert all(h.get("colocate/learner_offloaded_bytes", 1) > 0 for h in colocated if "loss/policy" in h)
+
+    model = "configs/models/tiny_qwen3_moe.json"
+    hf = load_hf_config(model)
+    cfg = load_config(None, ("parallel.expert=2",))
+    layout = resolve_layout(cfg.parallel, 2, hf)
+    built = meta_run(Request(model, layout, "bfloat16", cfg.model.vocab_divisible_by, True, ranks=(0, 1)))
+    ref = meta_run(Request(model, layout, "bfloat16", cfg.model.vocab_divisible_by, False, ranks=(0, 1)))
+    dense, expert = dp_positions(layout)
+    engine = hf_model_bytes(hf, "bfloat16")
+    for rank, phases in enumerate(r["phases"]):
+        want = model_bytes(built[rank], True, dense[rank], expert[rank], Offload(1.0, precision_aware=True))
+        learner = (want.param_bytes, want.grad_bytes, want.optimizer_bytes, ref[rank]["param_bytes"]
+                   + ref[rank]["module_buffer_bytes"])
+        assert [p["phase"] for p in phases] == ["generation", "update", "after step"] * 3
+        for p in phases:
+            got = (p["param_bytes"], p["grad_bytes"], p["optimizer_bytes"], p["reference_bytes"])
+            if p["phase"] == "generation":
+                assert got == (0, 0, 0, 0) and p["engine_bytes"] == engine, (rank, p)
+            else:
+                assert got == learner, (rank, p, learner)
+                assert p["engine_bytes"] == (0 if p["phase"] == "update" else engine), (rank, p)
+            if p["step"] > 0 or p["phase"] == "after step":  # the host AdamW's state exists from the first step
+                assert p["host_optimizer_bytes"] == want.host_optimizer_bytes, (rank, p, want)
 
 
 def test_nan_step_skipped_then_stop_after_max_bad_steps(tmp_path):

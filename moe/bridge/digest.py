@@ -18,6 +18,7 @@ so a GPU learner and a CPU read-back agree. A digest of another algorithm is rep
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 
 import numpy as np
@@ -31,6 +32,26 @@ _BLOCK_BYTES = 1 << 20  # fused xxh3 copy: per block, hash, copy, hash while it 
 _HOST_CHUNK = 64 << 20  # xxh3 of an accelerator tensor: bytes copied to the host at a time
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                  torch.uint8, torch.bool}  # .numpy() works (bfloat16 and float8 need a byte view)
+
+
+_TO_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64,
+             torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy array of a tensor's bytes. A CPU tensor (contiguous) is viewed in place without torch's numpy bridge:
+    Tensor.numpy() marks the storage non-resizable for good, and a colocated run (rlpo_mega.residency) shrinks the
+    learner's and the embedded engine's storages after syncs have digested them. The caller keeps `t` alive while
+    it uses the array. An accelerator tensor is copied to the host first."""
+    if t.device.type != "cpu":
+        return t.cpu().numpy()
+    if not t.is_contiguous():
+        raise ValueError("digest: a strided CPU tensor has no in-place numpy view")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return np.empty(tuple(t.shape), _TO_NUMPY[t.dtype])
+    return np.frombuffer((ctypes.c_char * n).from_address(t.data_ptr()), dtype=_TO_NUMPY[t.dtype]).reshape(
+        tuple(t.shape))
 
 
 class DigestMismatchError(RuntimeError):
@@ -67,10 +88,10 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def _xxh3(raw: torch.Tensor) -> str:
     h = xxhash.xxh3_128()
     if raw.device.type == "cpu":
-        h.update(raw.numpy())
+        h.update(_np(raw))
     else:
         for start in range(0, raw.numel(), _HOST_CHUNK):
-            h.update(raw[start:start + _HOST_CHUNK].cpu().numpy())
+            h.update(_np(raw[start:start + _HOST_CHUNK]))
     return h.hexdigest()
 
 
@@ -86,7 +107,7 @@ class _Sums:
         self.col = np.zeros(_COLS, np.int32)
 
     def words(self) -> np.ndarray:
-        return self.raw[: self.rows * 4 * _COLS].view(torch.int32).view(self.rows, _COLS).numpy()
+        return _np(self.raw[: self.rows * 4 * _COLS].view(torch.int32).view(self.rows, _COLS))
 
     def add(self, start: int, block: np.ndarray):
         # numpy, not torch: torch's column sum over a strided dimension is several times slower on the CPU
@@ -104,7 +125,7 @@ def _sums_hex(n, row, col, tail) -> str:
         h.update(np.ascontiguousarray(row, dtype=np.int32))
         h.update(np.ascontiguousarray(col, dtype=np.int32))
     if tail.numel():
-        h.update(tail.cpu().numpy())
+        h.update(_np(tail))
     return h.hexdigest()
 
 
@@ -226,11 +247,11 @@ def _copy_with_xxh3(dst: torch.Tensor, src: torch.Tensor) -> tuple[str, str]:
     if nbytes <= _BLOCK_BYTES and src.dtype in _NUMPY_DTYPES:
         # one block: the one-shot hash (same value as streaming) straight on the arrays' buffers
         src, dst = src.detach(), dst.detach()
-        sent = xxhash.xxh3_128_hexdigest(src.numpy())
+        sent = xxhash.xxh3_128_hexdigest(_np(src))
         _copy_block(dst, src)
-        return label + sent, label + xxhash.xxh3_128_hexdigest(dst.numpy())
+        return label + sent, label + xxhash.xxh3_128_hexdigest(_np(dst))
     s_t, d_t = src.detach().view(-1).view(torch.uint8), dst.detach().view(-1).view(torch.uint8)
-    s_np, d_np = s_t.numpy(), d_t.numpy()
+    s_np, d_np = _np(s_t), _np(d_t)
     hs, hd = xxhash.xxh3_128(), xxhash.xxh3_128()
     for start in range(0, s_np.size, _BLOCK_BYTES):
         stop = start + _BLOCK_BYTES

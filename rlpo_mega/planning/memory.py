@@ -209,3 +209,15 @@ class GPUBytes:
     @property
     def total(self) -> int:
         return sum(self.by_kind.values())
+
+
+def hf_model_bytes(hf, dtype: str) -> int:
+    """The embedded engine's weights: transformers' model of `hf` with parameters in `dtype`, built on the meta
+    device; every parameter once (tied embeddings share one) and the modules' buffers (RoPE's inv_freq)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf, dtype=getattr(torch, dtype))
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+

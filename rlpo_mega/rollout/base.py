@@ -219,6 +219,20 @@ class RolloutEngine(abc.ABC):
         """Name the weights the engine holds now (after a sync); an engine that records it answers each request
         with meta["weight_version"], the version it generated with (the asynchronous producer checks it)."""
 
+    # colocated (rollout.colocate, training/colocate.py): the engine's accelerator memory given to the learner
+    # while it trains, and taken back in SGLang's order (weights, then the KV cache)
+    def release_memory(self) -> None:
+        """Give up the accelerator memory of the weights and the KV cache (idle: no request running)."""
+        raise EngineError(f"{type(self).__name__} cannot share the learner's GPUs (rollout.colocate)")
+
+    def resume_memory(self, what: str) -> None:
+        """Take back `what` ("weights" or "kv_cache") after release_memory; nothing when it holds it already."""
+        raise EngineError(f"{type(self).__name__} cannot share the learner's GPUs (rollout.colocate)")
+
+    def resident_bytes(self) -> int:
+        """Bytes the engine holds on the accelerator now (its weights; a KV cache between calls)."""
+        return 0
+
     @abc.abstractmethod
     def health(self) -> bool:
         """True when the engine can serve; False (never raise) when it is dead or unreachable."""

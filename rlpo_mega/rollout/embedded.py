@@ -34,6 +34,7 @@ from moe.routing.trace import TraceSpec
 from rlpo_mega import platform
 from rlpo_mega.config import EmbeddedEngineConfig
 from rlpo_mega.model_setup import PARAMS_DTYPES
+from rlpo_mega.residency import Residency, distinct_storages as _distinct_storages
 from rlpo_mega.weight_sync.transports import HFModelReceiver
 
 from .base import ENGINES, EngineError, RolloutEngine, Sample, SamplingParams
@@ -141,6 +142,10 @@ class EmbeddedEngine(RolloutEngine):
         self._abort_all = False
         self._updating = False
         self._dead = False
+        # colocated (rollout.colocate): the weights leave the accelerator while the learner trains. They are copied
+        # to the host (not dropped as SGLang's are without a CPU backup): a generate() between a resume and the
+        # next sync then still runs on the last synced weights. The KV cache lives only inside a generate() call.
+        self.memory = Residency(lambda: list(self.model.parameters()) + list(self.model.buffers()))
         self.decode_steps = 0  # decoding steps of the running (or last) generate() call: progress to watch
         self.weight_version: Optional[str] = None  # set_weight_version: named in each answer's meta
 
@@ -205,6 +210,9 @@ class EmbeddedEngine(RolloutEngine):
                 raise EngineError("embedded engine: generate() during a weight update; finish the sync first")
             if self._active is not None:
                 raise EngineError("embedded engine: generate() is already running (one call at a time)")
+            if self.memory.offloaded:
+                raise EngineError("embedded engine: generate() while its memory is released (rollout.colocate): "
+                                  "resume_memory('weights') first")
             self._active, self._aborted, self._abort_all = set(rids), set(), False
             self.decode_steps = 0
         base_seed = params.seed if params.seed is not None else secrets.randbits(62)
@@ -376,6 +384,9 @@ class EmbeddedEngine(RolloutEngine):
             if self._active is not None:
                 raise EngineError("embedded engine: weight update while generate() runs; abort() or wait "
                                   "for it to return first")
+            if self.memory.offloaded:
+                raise EngineError("embedded engine: weight update while its memory is released (rollout.colocate): "
+                                  "resume_memory('weights') first")
             self._updating = True
         self.receiver.begin_weight_update()
 
@@ -403,6 +414,24 @@ class EmbeddedEngine(RolloutEngine):
     def flush_cache(self) -> None:
         """Nothing to flush: KV caches exist only inside one generate() batch (a fresh DynamicCache each),
         there is no prefix cache across calls, so no stale KV can outlive a weight update."""
+
+    def release_memory(self) -> None:
+        with self._lock:
+            if self._active is not None:
+                raise EngineError("release_memory while a generate() call runs: the engine must be idle")
+            self.memory.offload()
+
+    def resume_memory(self, what: str) -> None:
+        if what not in ("weights", "kv_cache"):
+            raise ValueError(f"resume_memory({what!r}): weights or kv_cache")
+        if what == "weights":
+            self.memory.onload()
+        elif self.memory.offloaded:  # as SGLang: the KV cache after the weights
+            raise EngineError("resume_memory('kv_cache') before the weights: resume 'weights' first")
+
+    def resident_bytes(self) -> int:
+        return 0 if self.memory.offloaded else sum(s.nbytes() for s in _distinct_storages(
+            list(self.model.parameters()) + list(self.model.buffers())))
 
     def health(self) -> bool:
         return not self._dead

@@ -59,7 +59,9 @@ from rlpo_mega.rollout import ENGINES
 from rlpo_mega.training import async_collect  # noqa: F401  (registers the "async" rollout producer)
 from rlpo_mega.training import report
 from rlpo_mega.training.batches import plan_and_exchange
+from rlpo_mega.residency import learner_residency
 from rlpo_mega.training.collect import PRODUCERS, Rollouts, sampling_params, share
+from rlpo_mega.training.colocate import HandOver
 from rlpo_mega.training.critic import Critic
 from rlpo_mega.training.engines import Engines, StopRequested
 from rlpo_mega.training.garbage import StepCollector
@@ -142,6 +144,8 @@ class Trainer:
         self.collector = StepCollector(cfg.trainer.gc, cfg.trainer.gc_full_every)
         self.engines = Engines(cfg, self.hf, self.sync, should_stop=lambda: self.stop.received is not None,
                                group=distributed.control_group(cfg.rollout.wait_timeout))
+        # rollout.colocate: the engine shares the learner's accelerators, the memory handed over each step
+        self.handover = HandOver(cfg.rollout.colocate, learner_residency(self.policy, self.critic), self.engines.slot)
         self.rollouts = Rollouts(cfg, self.engines, self.scorer, self.tokenizer, self.spec)
         self.producer = producer(cfg, self.sampler, self.rollouts, self._divisor())
         if self.resumed_rank_state.get("producer"):  # this rank's carried groups and unsent prompts
@@ -171,7 +175,8 @@ class Trainer:
 
     def sync(self) -> dict:
         """Learner -> engine(s) (training/sync.py); also the engine guard's re-sync after a rebuild."""
-        return sync_weights(self.policy.chunks, self.cfg, self.engines.slot)
+        with self.handover.weights_out():
+            return sync_weights(self.policy.chunks, self.cfg, self.engines.slot)
 
     def _divisor(self) -> int:
         """Rows a rollout batch must be a multiple of: padded splits each rank's rows evenly into micro-batches;
@@ -186,7 +191,8 @@ class Trainer:
         syncs = c.logging.host_syncs and torch.cuda.is_available()
         sites = {"old_logprob": Counter(), "update": Counter()}  # where they happen: host_syncs.jsonl
         # 1. collect: the rollout producer's scored groups (every sample's scalars here, payloads on their owner)
-        groups = self.producer.collect(self.step, timer)
+        with self.handover.generation():  # rollout.colocate: the learner's state off the accelerator meanwhile
+            groups = self.producer.collect(self.step, timer)
         metrics = {**groups.metrics, **report.rollout_metrics(groups.samples)}
         if not groups.samples:
             log.warning("step %d: no group to train on (dynamic sampling kept none, or all were older than "
@@ -232,6 +238,7 @@ class Trainer:
                                              float(p.optimizer.param_groups[0]["lr"])))
         metrics.update(report.throughput_metrics(groups.samples, c.trainer.epochs, time.perf_counter() - t0, timer))
         metrics["engine/restarts"] = self.engines.guard.restarts
+        metrics.update(self.handover.metrics())
         metrics.update(self.engines.fault_metrics())
         if syncs:
             self.logger.log_sync_sites(self.step, sites)
@@ -243,7 +250,7 @@ class Trainer:
         items = PromptSampler(records[:c.trainer.eval_size], self.tokenizer, shuffle=False,
                               chat_template=c.prompts.chat_template, system_prompt=c.prompts.system_prompt,
                               tools=self.tools).next_prompts(min(len(records), c.trainer.eval_size))
-        with self.producer.paused():  # generation ahead (rollout.producer=async) waits for the evaluation
+        with self.producer.paused(), self.handover.generation():  # async generation ahead waits for it
             scored = self.rollouts(items, 1, sampling_params(c, self.tokenizer, seed=c.seed, greedy=True),
                                    PhaseTimer())
         return {"eval/reward_mean": sum(s.reward for s in scored) / len(scored),

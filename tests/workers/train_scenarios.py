@@ -251,6 +251,65 @@ def producer(out):
     return {"rc": rc, "history": history(out, "replay")}
 
 
+def colocate(out):
+    """rollout.colocate=true against the same run without it (same seeds), 3 steps with an evaluation and a save after
+    each, bf16, the distributed optimizer with optimizer CPU offload (slime's flags) and the KL reference on: per step
+    the metrics, and the final weights. In the colocated run, per rank and phase, the bytes on the accelerator (the
+    emulated device: the storages' sizes), counted from the tensors themselves (workers/plan_memory.allocated: the
+    policy's parameters, main_grads and optimizer state; the reference's parameters) and the engine's: at the start of
+    generation, at the start of the update, after the step (the sync and the save)."""
+    import rlpo_mega.training.trainer as trainer_module
+    from rlpo_mega.model_setup import unwrap
+    from rlpo_mega.training.collect import SyncProducer
+    from tests.workers.plan_memory import allocated
+
+    extra = ("train_iters=3", "model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
+             "optim.cpu_offload=true", "optim.precision_aware=true", "algorithm.kl.coef=0.01",
+             "trainer.eval_every=1", "trainer.eval_path=configs/data/toy_add_test.jsonl", "trainer.eval_size=8",
+             "checkpoint.save_every=1", "checkpoint.keep_last=1")
+    phases, live = [], {}
+
+    def measure(phase):
+        t = live["trainer"]
+        ref = sum(p.untyped_storage().nbytes() for p in t.policy.ref_chunks[0].parameters())
+        phases.append({"phase": phase, "step": t.step, **allocated(t.policy.chunks, t.policy.optimizer),
+                       "reference_bytes": ref, "engine_bytes": t.engines.slot.engine.resident_bytes()})
+
+    collect, update = SyncProducer.collect, trainer_module.update_phase
+
+    def collect_measured(self, step, timer):
+        measure("generation")
+        return collect(self, step, timer)
+
+    def update_measured(*args, **kwargs):
+        measure("update")
+        return update(*args, **kwargs)
+
+    weights = {}
+    for run in ("apart", "colocated"):
+        config = cfg(out, run, *extra, f"checkpoint.save_dir={os.path.join(out, run, 'ckpt')}",
+                     f"rollout.colocate={str(run == 'colocated').lower()}")
+        SyncProducer.collect, trainer_module.update_phase = collect_measured, update_measured
+        original_init = Trainer.__init__
+
+        def init(self, *a, **k):
+            original_init(self, *a, **k)
+            live["trainer"] = self
+
+        Trainer.__init__ = init
+        try:
+            trainer = _run_with(config, lambda t: measure("after step"))
+        finally:
+            SyncProducer.collect, trainer_module.update_phase, Trainer.__init__ = collect, update, original_init
+        weights[run] = [p.detach().clone() for p in unwrap(trainer.policy.chunks[0]).parameters()]
+        if run == "apart":
+            phases.clear()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, phases)
+    return {"apart": history(out, "apart"), "colocated": history(out, "colocated"), "phases": every,
+            "weights_equal": all(torch.equal(a, b) for a, b in zip(weights["apart"], weights["colocated"]))}
+
+
 def _sglang_cfg(out, run, *extra):
     """GSPO + R3 with launched SGLang servers (rank 0 launches; `extra` may add drivers), the recipes'
     sglang_distributed sync.
