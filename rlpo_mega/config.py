@@ -396,6 +396,9 @@ class ClusterConfig:
     host_memory_gb: float = 1000.0  # one node's RAM
     gpu_reserved_gb: float = 5.0  # CUDA context, NCCL's buffers, the allocator's fragmentation (assumed)
     storage_gb_per_s: float = 2.0  # what one node writes to (and reads from) the checkpoint file system
+    # one GPU's pinned copies to and from host memory at the same time as the node's other GPUs (rollout.colocate's
+    # hand-over): an H100 SXM's PCIe Gen5 x16 link is 64 GB/s each way, less when GPUs share a host bridge (assumed)
+    host_device_gb_per_s: float = 25.0
 
 
 @dataclass

@@ -205,7 +205,10 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
             value = memory.model_bytes(critic[s], cfg.critic.optim.use_distributed_optimizer,
                                        offload=memory.Offload.of(cfg.critic.optim))
             row.info["critic parameters"] = value.params
-            row.parts["critic"] = value.total
+            row.parts["critic"] = value.param_bytes + value.optimizer_bytes
+            row.parts["critic grads"] = value.grad_bytes
+        if cfg.algorithm.kl.coef > 0:  # the KL reference: the policy's weights again, without DDP or optimizer
+            row.parts["reference"] = rank["param_bytes"] + rank["module_buffer_bytes"]
         in_flight = pp - stage if pp > 1 else 1
         row.parts["activations"] = memory.activation_bytes(shape, tokens, tp, layers, cfg.model.recompute, in_flight,
                                                            imbalance)
@@ -229,6 +232,54 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         row.info["micro-batch tokens"] = tokens
         rows.append(row)
     return rows
+
+
+# what the learner moves to the host for generation (its weights, accelerator optimizer state, the KL reference and
+# the critic; the gradients are dropped) and back: part names of a learner row
+_LEARNER_KEPT = ("params", "optimizer", "reference", "critic")
+_LEARNER_STATE = _LEARNER_KEPT + ("grads", "critic grads")
+
+
+def embedded_kv_bytes(cfg, hf, world_size: int, prompt_tokens: int) -> int:
+    """The embedded engine's KV cache at its longest: a rank's share of the step's samples in one batch (or
+    rollout.embedded.batch_size), every layer's keys and values for prompt + response, in the parameters' dtype."""
+    shape = memory.Shape.of(hf, 1, 1)
+    rows = math.ceil(cfg.prompts.prompts_per_step * cfg.prompts.n_samples / world_size)
+    if cfg.rollout.embedded.batch_size:
+        rows = min(rows, cfg.rollout.embedded.batch_size)
+    tokens = prompt_tokens + response_budget(cfg)[0]
+    return rows * tokens * hf.num_hidden_layers * 2 * shape.kv_heads * shape.head_dim * \
+        memory.ITEMSIZE[cfg.model.params_dtype]
+
+
+def colocated_rows(cfg, hf, learner: list[Row], engine: dict, released: int) -> list[Row]:
+    """rollout.colocate: each learner GPU row split by phase (training/colocate.py's order).
+    training: the learner's row, and what the released engine keeps (`released`);
+    generation: what the learner leaves resident (its reserved share: CUDA context, NCCL) and the engine (`engine`:
+    part -> bytes: weights, KV cache or pool, runtime);
+    sync: the learner's weights, gradients and optimizer state, its reserved share and sync bucket, and the engine's
+    weights (resumed before the sync, the KV cache after it)."""
+    rows = []
+    for row in learner:
+        train = Row(row.role, f"{row.name}, training", row.budget, dict(row.parts), dict(row.info), list(row.notes))
+        if released:
+            train.parts["engine (released)"] = released
+        gen = Row(row.role, f"{row.name}, generation", row.budget)
+        gen.parts.update({"reserved": row.parts["reserved"], **{f"engine {k}": v for k, v in engine.items()}})
+        sync = Row(row.role, f"{row.name}, sync", row.budget)
+        sync.parts.update({k: row.parts[k] for k in _LEARNER_STATE + ("sync bucket", "reserved") if k in row.parts})
+        sync.parts.update({f"engine {k}": v for k, v in engine.items() if k in ("weights", "runtime")})
+        rows += [train, gen, sync]
+    return rows
+
+
+def handover(cfg, learner: list[Row], engine_copy: int) -> dict:
+    """Bytes per GPU per step moved between accelerator and host (rollout.colocate), and their time at
+    cluster.host_device_gb_per_s: the learner's kept state out and back, the embedded engine's weights (copied to
+    the host while the learner trains) out and back."""
+    moved = max(sum(r.parts.get(k, 0) for k in _LEARNER_KEPT) for r in learner) + engine_copy
+    return {"bytes_per_gpu": 2 * moved, "seconds": 2 * moved / (cfg.cluster.host_device_gb_per_s * GB),
+            "host_device_gb_per_s": cfg.cluster.host_device_gb_per_s}
 
 
 def total_params(built: list, layout) -> int:
@@ -491,13 +542,33 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     rows = learner_rows(cfg, hf, layout, summary, built, critic, gpu, int(c.gpu_reserved_gb * GB), imbalance,
                         engine_ranks)
     n_params = total_params(built, layout)
+    servers = []
     if cfg.rollout.engine == "sglang":
         shape = memory.Shape.of(hf, 1, 1)
-        rows += server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
+        servers = server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
+    engine_copy, hand = 0, None
+    if cfg.rollout.colocate:
+        if servers:  # the servers on the learner's GPUs: a server's parts in generation, its runtime while released
+            engine = dict(servers[0].parts)
+            released = engine["runtime"]
+        else:  # the embedded engine: its weights (a host copy while released) and its KV cache while generating
+            engine_copy = memory.hf_model_bytes(hf, cfg.model.params_dtype)
+            engine = {"weights": engine_copy, "KV cache": embedded_kv_bytes(cfg, hf, world_size, prompt_tokens)}
+            released = 0
+        hand = handover(cfg, rows, engine_copy)
+        rows = colocated_rows(cfg, hf, rows, engine, released)
+        for row in servers:
+            row.notes.append("on the learner's GPUs (rollout.colocate): see the learner rows' generation phase")
+    rows += servers
     # the critic's weights and optimizer state are saved in the same checkpoints, by the same ranks
     saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"]} for r, v in zip(built, critic)]
     hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens, engine_ranks,
                           offloaded_bytes(cfg, layout, built, critic))
+    if hand is not None:  # the learner's state (and the embedded engine's weights) on the host during the hand-over
+        per_gpu = hand["bytes_per_gpu"] // 2
+        for row in hosts:
+            row.parts["colocate hand-over"] = per_gpu * min(c.gpus_per_node, world_size)
+        ck["handover"] = hand
     rows += hosts
     sbatch = "train_disaggregated.sbatch" if c.rollout_nodes else "train_colocated.sbatch"
     lead, shutdown = slurm_window(sbatch)
@@ -542,6 +613,10 @@ def render(plan: Plan) -> str:
                 f"{ck['save_s']:.0f} s ({_gb(ck['largest_node_write_bytes'])} GB from the busiest node at "
                 f"{ck['storage_gb_per_s']} GB/s, checksums taken as it writes); "
                 f"pre-emption window {ck['window_s']} s ({ck['window_from']})"]
+    if ck.get("handover"):
+        h = ck["handover"]
+        out.append(f"colocate hand-over: {_gb(h['bytes_per_gpu'])} GB per GPU per step between accelerator and host "
+                   f"(out and back), {h['seconds']:.1f} s at cluster.host_device_gb_per_s={h['host_device_gb_per_s']}")
     for w in plan.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)

@@ -251,6 +251,12 @@ def producer(out):
     return {"rc": rc, "history": history(out, "replay")}
 
 
+COLOCATE = ("train_iters=3", "model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
+            "optim.cpu_offload=true", "optim.precision_aware=true", "algorithm.kl.coef=0.01",
+            "trainer.eval_every=1", "trainer.eval_path=configs/data/toy_add_test.jsonl", "trainer.eval_size=8",
+            "checkpoint.save_every=1", "checkpoint.keep_last=1")
+
+
 def colocate(out):
     """rollout.colocate=true against the same run without it (same seeds), 3 steps with an evaluation and a save after
     each, bf16, the distributed optimizer with optimizer CPU offload (slime's flags) and the KL reference on: per step
@@ -263,10 +269,7 @@ def colocate(out):
     from rlpo_mega.training.collect import SyncProducer
     from tests.workers.plan_memory import allocated
 
-    extra = ("train_iters=3", "model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
-             "optim.cpu_offload=true", "optim.precision_aware=true", "algorithm.kl.coef=0.01",
-             "trainer.eval_every=1", "trainer.eval_path=configs/data/toy_add_test.jsonl", "trainer.eval_size=8",
-             "checkpoint.save_every=1", "checkpoint.keep_last=1")
+    extra = COLOCATE
     phases, live = [], {}
 
     def measure(phase):
