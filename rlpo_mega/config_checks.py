@@ -195,10 +195,15 @@ def _check_colocate(cfg):
     r = cfg.rollout
     if not r.colocate:
         return
-    if r.engine != "embedded":
-        raise ConfigError(f"rollout.colocate=true with rollout.engine={r.engine}: only the embedded engine shares the "
-                          "learner's accelerators so far; run the SGLang servers on their own GPUs (rollout.colocate="
-                          "false) or use rollout.engine=embedded")
+    if r.engine == "sglang":
+        if r.sync_transport != "in_process":
+            # NCCL refuses two ranks of one communicator on one GPU: the weights go by update_weights_from_tensor
+            raise ConfigError(f"rollout.colocate=true with rollout.sync_transport={r.sync_transport}: servers on the "
+                              "learner's own GPUs take the weights by update_weights_from_tensor (CUDA IPC), not an "
+                              "NCCL group with the learner: set rollout.sync_transport=in_process")
+        if r.sglang.urls or not r.sglang.launch:
+            raise ConfigError("rollout.colocate=true with SGLang: the trainer launches the servers on its own GPUs "
+                              "(rollout.sglang.launch=true, no rollout.sglang.urls)")
     if r.producer != "sync":
         raise ConfigError(f"rollout.colocate=true with rollout.producer={r.producer}: generation ahead of training "
                           "would need the learner's accelerators while it trains; use rollout.producer=sync")

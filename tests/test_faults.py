@@ -117,6 +117,8 @@ class StubSGLang:
 
     def __init__(self, fail_loads: int = 0, fail_reports: int = 0):
         self.session, self.fail_loads, self.weights, self.calls = False, fail_loads, {}, []
+        # rollout.colocate: the tags released (SGLang's offload_tags), and release/resume calls to fail (500)
+        self.released, self.fail_memory = set(), 0
         self.fail_reports = fail_reports  # the digest report hook answers 500 this many times
         self.hung = threading.Event()
         stub = self
@@ -161,6 +163,20 @@ class StubSGLang:
             return (200, {"success": True}) if was else (400, {"success": False, "message": "no session is open"})
         if path == "/flush_cache":
             return 200, {}
+        if path in ("/release_memory_occupation", "/resume_memory_occupation"):
+            if self.fail_memory > 0:
+                self.fail_memory -= 1
+                return 500, {"success": False, "message": "test: memory call failed"}
+            tags = set(body.get("tags") or ("weights", "kv_cache", "cuda_graph"))
+            if path == "/release_memory_occupation":
+                if tags & self.released:
+                    return 500, {"success": False, "message": f"already released: {sorted(tags & self.released)}"}
+                self.released |= tags
+            else:
+                if tags - self.released:  # SGLang: offload_tags.remove(tag) -> KeyError
+                    return 500, {"success": False, "message": f"KeyError: {sorted(tags - self.released)}"}
+                self.released -= tags
+            return 200, {}
         if path == "/update_weights_from_tensor":
             named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
             if body.get("load_format") == REPORT_LOADER:
@@ -174,6 +190,8 @@ class StubSGLang:
                                                               for n, t in self.weights.items()}}))
                 return 200, {"success": True}
             self.wait_while_hung()
+            if "weights" in self.released:  # on a GPU: writes into memory the server gave up
+                return 500, {"success": False, "message": "test: weights loaded while released"}
             if self.fail_loads > 0:
                 self.fail_loads -= 1
                 return 500, {"success": False, "message": "test: load failed"}
@@ -557,3 +575,74 @@ def test_a_failed_digest_check_fails_the_sync_and_the_retry_passes(stubs):
         assert transport.sync(Stream(named))["tensors"] == 1
     finally:
         engine.shutdown()
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-process gloo group (the engine guard agrees over one), in this process; destroyed after."""
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    yield torch.distributed.group.WORLD
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("fail", ["release", "resume"])
+def test_a_colocated_server_that_fails_to_release_or_resume_is_a_failed_engine(stubs, monkeypatch, world_of_one,
+                                                                               fail):
+    """rollout.colocate with a stub server (SGLang's release/resume semantics: a tag resumed that was not released,
+    or weights loaded while released, fail): a failed release (after a rollout) or resume (of the KV cache before
+    the next) is a failed engine under the guard: rebuilt, re-synced with only the weights resumed and the learner's
+    state back for the sync alone, the call retried. The learner's state is back after the rollout, bit-exact."""
+    from rlpo_mega.residency import Residency
+    from rlpo_mega.training.colocate import HandOver
+    from rlpo_mega.training.engines import EngineGuard
+
+    server = stubs(1)[0]
+
+    def relaunched(cfg, hf):  # colocated servers are the trainer's own: a rebuild stops and relaunches them, fresh
+        server.released, server.weights = set(), {}
+        return engine_for([server.url], control_timeout=5.0)
+
+    monkeypatch.setattr(engines_module, "build_engine", relaunched)
+    monkeypatch.setattr(engines_module, "make_transport", lambda cfg, engine, hf: InProcessTransport(engine))
+    slot = EngineSlot(load_config(None, ("rollout.engine=sglang",)), None)
+    learner = torch.arange(1000, dtype=torch.float32)
+    kept = learner.clone()
+    named = [("model.embed_tokens.weight", torch.arange(6.0).reshape(2, 3))]
+    seen = []
+
+    def sync():
+        with handover.weights_out():
+            seen.append(learner.untyped_storage().nbytes())  # the learner's state is back for every sync
+            return slot.transport.sync(Stream(named))
+
+    guard = EngineGuard(slot, sync, restarts=2, group=world_of_one)
+    handover = HandOver(True, Residency(lambda: [learner]), slot, guard)
+    try:
+        guard.run(sync)
+        assert server.released == {"kv_cache", "cuda_graph"}  # a fresh server's KV released before the first sync
+        with handover.generation():
+            assert learner.untyped_storage().nbytes() == 0 and not server.released
+            server.calls.clear()
+            if fail == "release":
+                server.fail_memory = 1
+        if fail == "resume":
+            guard.run(sync)
+            server.calls.clear()
+            server.fail_memory = 1
+            with handover.generation():
+                assert not server.released
+        assert guard.restarts == 1 and torch.equal(learner, kept)
+        # failed, rebuilt (the server relaunched), re-synced, the call retried
+        memory = [c for c in server.calls if "memory" in c or c == "/update_weights_from_tensor"]
+        release, resume, load = "/release_memory_occupation", "/resume_memory_occupation", "/update_weights_from_tensor"
+        if fail == "release":  # failed; the re-sync: all released, the weights resumed, loaded (+ the digest
+            # report); the retried release: what is still held
+            assert memory == [release, release, resume, load, load, release], memory
+            assert server.released == {"weights", "kv_cache", "cuda_graph"}
+        else:  # failed; the re-sync; the retried resume (of the KV cache: the weights are held), the rollout's release
+            assert memory == [resume, release, resume, load, load, resume, release], memory
+            assert server.released == {"weights", "kv_cache", "cuda_graph"}
+        assert seen and all(n == 4000 for n in seen), seen
+    finally:
+        slot.close()
+

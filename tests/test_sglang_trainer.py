@@ -139,6 +139,38 @@ def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path):
     assert any(len(s["versions"]) == 2 for s in samples)
 
 
+def test_colocated_sglang_server_hands_the_memory_over_in_one_order(sglang_python, tmp_path):
+    """rollout.colocate=true with a launched CPU SGLang server (2 learner processes, GSPO + R3, the weights by
+    update_weights_from_tensor), and the same run apart. The driver's calls follow the one order
+    (training/colocate.py): the weights resumed before every sync, the KV cache (and CUDA graphs) after it,
+    everything released after each rollout, never a tag resumed that was not released; the server generates on
+    exactly the learner's weights after every sync (the learner's log-probs of its samples equal its own).
+    SGLang's CPU build has no torch_memory_saver, so release and resume free nothing here; and it samples differently
+    from one launch to the next (its deterministic inference needs the fa3/flashinfer/triton attention backends, a
+    seeded server with one request in flight still differed), so the run apart is not sample-equal: the embedded
+    engine's colocated run (tests/test_trainer.py) is the bit-equality proof of the hand-over."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("train_scenarios.py", 2, "sglang_colocate", str(tmp_path / "run"), timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    apart, colocated = r["apart"], r["colocated"]
+    assert [h["step"] for h in apart] == [h["step"] for h in colocated] == [1, 2, 3]
+    for a, c in zip(apart, colocated):
+        assert c["mismatch/ratio_dev_max"] < 1e-4 and a["mismatch/ratio_dev_max"] < 1e-4, (a, c)
+        assert c["reward/samples"] == a["reward/samples"] == 16
+        assert c["colocate/learner_offloaded_bytes"] > 0 and "colocate/offload_s" not in a
+    assert not any("memory_occupation" in c for c in r["calls"]["apart"])
+    # the colocated driver's memory calls and weight loads, in order: before every sync everything released (the
+    # first: a fresh server holds its KV cache too) and the weights resumed, the sync's load; before every rollout
+    # the KV cache (and CUDA graphs) resumed
+    seen = [c for c in r["calls"]["colocated"] if "memory_occupation" in c or c == "/update_weights_from_tensor"]
+    load, kv = "/update_weights_from_tensor", "/resume_memory_occupation ['kv_cache', 'cuda_graph']"
+    sync = ["/release_memory_occupation ['weights', 'kv_cache', 'cuda_graph']", "/resume_memory_occupation ['weights']",
+            load]
+    assert seen == sync + ([kv] + sync) * 3, seen
+
+
 def test_two_external_servers_on_one_driver_failover_and_rejoin(sglang_python, tmp_path):
     """The issue's first-sync failure, as a new user meets it: the demo (in_process sync) with
     `rollout.engine=sglang rollout.sglang.urls=[two servers]` and one driver, the servers started as the sbatch

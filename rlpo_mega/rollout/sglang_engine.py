@@ -93,16 +93,23 @@ class _Server:
         # in the generation pool and the weight-update group: a dead server leaves both (its requests are sent to
         # the others) and rejoins at a sync, after a full, digest-verified load (SGLangEngine.refresh)
         self.alive = True
+        # memory released (rollout.colocate): the tags /release_memory_occupation gave up and no resume took back;
+        # SGLang raises on resuming a tag it holds (weight_updater.py: offload_tags.remove), so only these are resumed.
+        # A (re)started server holds everything.
+        self.released: set = set()
 
 
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1) -> list:
+def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1, colocate: bool = False) -> list:
     """Start this node's servers (rollout.sglang.launch=true: num_servers per node), healthy on return, as
     launch/sglang_server.SGLangServer handles. Each goes on its own GPUs, after those of this node's learner
-    ranks (torchrun's LOCAL_WORLD_SIZE) and of the servers before it (`server_gpus`). Ports base_port +
+    ranks (torchrun's LOCAL_WORLD_SIZE) and of the servers before it (`server_gpus`); colocated (rollout.colocate)
+    on the learner's own GPUs from GPU 0, with SGLang's memory saver on a GPU (release/resume_memory_occupation
+    free and map the memory; SGLang's CPU build has no torch_memory_saver, and its release/resume are no-ops
+    there). Ports base_port +
     node * num_servers + i: distinct across nodes, so URLs stay unique where several nodes share a host. Servers
     bound to a wildcard host are addressed by this node's hostname (the other nodes' learners reach them)."""
     if not model_path:
@@ -118,8 +125,9 @@ def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: in
         if "base_gpu_id" in cfg.server_args:
             raise EngineError("rollout.sglang.server_args.base_gpu_id: launched servers are placed by the "
                               "engine (each after the learner ranks' GPUs and the servers before it); remove it")
-        placed = [{"base_gpu_id": g} for g in server_gpus(
-            cfg.num_servers, cfg.tp_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())]
+        learner = 0 if colocate else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        placed = [{"base_gpu_id": g, **({"enable_memory_saver": True} if colocate else {})}
+                  for g in server_gpus(cfg.num_servers, cfg.tp_size, learner, torch.cuda.device_count())]
     advertise = socket.gethostname() if cfg.host in _WILDCARD_HOSTS else None
     servers = []
     try:
@@ -153,13 +161,14 @@ class SGLangEngine(RolloutEngine):
     def from_config(cls, run_cfg, hf_config) -> "SGLangEngine":
         driver = cls.ranks(run_cfg, dist.get_world_size()).index(dist.get_rank()) if dist.is_initialized() else 0
         return cls(run_cfg.rollout.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
-                   return_routes=run_cfg.routing.mode != "off", driver=driver)
+                   return_routes=run_cfg.routing.mode != "off", driver=driver, colocate=run_cfg.rollout.colocate)
 
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True,
-                 driver: int = 0):
+                 driver: int = 0, colocate: bool = False):
         if isinstance(hf_config, str):
             hf_config = load_hf_config(hf_config)
         self.cfg, self.hf, self.model_path, self.driver = cfg, hf_config, model_path, driver
+        self.colocate = colocate  # the servers on the learner's GPUs (rollout.colocate): weights by CUDA IPC there
         self._stop_ids, self._stops_seen = set(), set()  # the last call's stop ids; stop tokens already seen
         self.spec = TraceSpec.from_hf(hf_config)
         self.num_hidden_layers = int(hf_config.num_hidden_layers)
@@ -287,6 +296,7 @@ class SGLangEngine(RolloutEngine):
             server.launched.start(self.cfg.startup_timeout)
         except Exception as e:
             return EngineError(f"SGLang server {server.url} died ({what}) and its restart failed: {e}")
+        server.released = set()
         if self.weights_updated:
             return EngineRestarted(f"SGLang server {server.url} died ({what}) and was restarted (restart "
                                    f"{server.restarts}/{self.cfg.max_restarts}): it holds the checkpoint's weights "
@@ -379,7 +389,7 @@ class SGLangEngine(RolloutEngine):
                     log.warning("SGLang server %s: relaunch %d failed (%s); it stays out", s.url, s.restarts, e)
                     continue
             if self._healthy(s):
-                s.alive = True
+                s.alive, s.released = True, set()  # a server that comes back (restarted) holds its memory
                 self.faults["server_rejoins"] += 1
                 log.warning("SGLang server %s rejoins: it receives the full weights in this sync", s.url)
 
@@ -710,6 +720,32 @@ class SGLangEngine(RolloutEngine):
                 raise EngineError(f"SGLang server {s.url}/flush_cache still refused after {self.cfg.flush_retries} "
                                   f"tries ({last[:200]!r}): requests are still running; abort() them first")
 
+    # ---------------------------------------------------------------- colocated (rollout.colocate)
+    _TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+
+    def release_memory(self) -> None:
+        """Every live server gives up its GPU memory (POST /release_memory_occupation, all tags: weights, KV cache,
+        CUDA graphs; SGLang asserts it is idle and synchronizes before answering) for the learner to train in."""
+        for s in self.live:
+            tags = [t for group in self._TAGS.values() for t in group if t not in s.released]
+            if tags:  # SGLang refuses to release a tag twice
+                self._post_ok(s, "/release_memory_occupation", {"tags": tags})
+                s.released |= set(tags)
+
+    def resume_memory(self, what: str) -> None:
+        """Every live server takes `what` back (POST /resume_memory_occupation): "weights" before a sync (without a
+        CPU backup they hold nothing until the sync fills them), "kv_cache" (and the CUDA graphs) after it."""
+        if what not in self._TAGS:
+            raise ValueError(f"resume_memory({what!r}): weights or kv_cache")
+        for s in self.live:
+            if what == "kv_cache" and "weights" in s.released:
+                raise EngineError(f"SGLang server {s.url}: the KV cache resumed before the weights (rollout.colocate's "
+                                  "order is weights, sync, KV cache)")
+            tags = [t for t in self._TAGS[what] if t in s.released]
+            if tags:
+                self._post_ok(s, "/resume_memory_occupation", {"tags": tags})
+                s.released -= set(tags)
+
     # ---------------------------------------------------------------- weights
     def begin_weight_update(self, refresh: bool = True) -> None:
         """Opens the update session on every live server; first (refresh) the servers out rejoin if they answer
@@ -763,21 +799,35 @@ class SGLangEngine(RolloutEngine):
         self.weights_updated = True
         self.flush_cache()
 
-    def _tensor_payload(self, named_tensors) -> tuple[str, list]:
-        """sglang MultiprocessingSerializer format: base64(ForkingPickler([(name, tensor), ...]))."""
+    @property
+    def _ipc(self) -> bool:
+        return self.colocate and torch.cuda.is_available()
+
+    def _tensor_payloads(self, named_tensors) -> tuple[list[str], list]:
+        """One payload per server TP rank in sglang's MultiprocessingSerializer format:
+        base64(ForkingPickler([(name, tensor), ...])). Host tensors travel through shared memory by file name; a
+        server on this rank's GPU (rollout.colocate) gets CUDA IPC handles of a device copy instead, one pickle per
+        TP rank (each TP rank opens entry [tp_rank], and each handle counts its own reference, tp_worker.py)."""
         import multiprocessing.reduction
 
         import torch.multiprocessing as tmp
 
+        ipc = self._ipc
         tmp.set_sharing_strategy("file_system")  # fd passing cannot cross HTTP
         # a fresh copy each time: pickling moves a storage into shared memory by file name, and the stream's
         # recycled buffers (InProcessTransport) would send the next sync the name of a file the server already
         # closed and the shm manager unlinked ("unable to open shared memory object": the server crashed at the
-        # second sync of a trainer run)
-        keep = [(n, t.detach().to("cpu", copy=True).contiguous()) for n, t in named_tensors]
-        buf = io.BytesIO()
-        multiprocessing.reduction.ForkingPickler(buf).dump(keep)
-        return base64.b64encode(buf.getvalue()).decode(), keep  # keep: alive until the server has loaded
+        # second sync of a trainer run); on a GPU the copy is what the server reads while the stream moves on
+        keep = [(n, t.detach().clone().contiguous() if ipc else t.detach().to("cpu", copy=True).contiguous())
+                for n, t in named_tensors]
+
+        def dump() -> str:
+            buf = io.BytesIO()
+            multiprocessing.reduction.ForkingPickler(buf).dump(keep)
+            return base64.b64encode(buf.getvalue()).decode()
+
+        payloads = [dump() for _ in range(self.cfg.tp_size)] if ipc else [dump()] * self.cfg.tp_size
+        return payloads, keep  # keep: alive until the server has loaded
 
     def load_weights(self, named_tensors, load_format: Optional[str] = None) -> None:
         named_tensors = list(named_tensors)
@@ -787,12 +837,13 @@ class SGLangEngine(RolloutEngine):
         if self.tied and self._embed in names and self._head not in names:
             # sglang's Mixtral (0.5.23) ignores tie_word_embeddings and keeps its own lm_head: send it too
             named_tensors.append((self._head, dict(named_tensors)[self._embed]))
-        payload, keep = self._tensor_payload(named_tensors)
+        # host tensors: one shared-memory copy for every server; CUDA IPC: each server its own handles
+        shared = None if self._ipc else self._tensor_payloads(named_tensors)
         for s in self.live:
+            payloads, keep = shared or self._tensor_payloads(named_tensors)
             self._post_ok(s, "/update_weights_from_tensor",
-                          {"serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": load_format,
-                           "flush_cache": False})
-        del keep
+                          {"serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": False})
+            del keep
 
     def reload_from_disk(self, path: str) -> None:
         self.refresh()

@@ -21,12 +21,14 @@ from rlpo_mega.residency import Residency
 
 
 class HandOver:
-    def __init__(self, enabled: bool, learner: Residency, slot):
-        self.enabled, self.learner, self.slot = enabled, learner, slot
+    def __init__(self, enabled: bool, learner: Residency, slot, guard):
+        self.enabled, self.learner, self.slot, self.guard = enabled, learner, slot, guard
         self.stats = {"colocate/offload_s": 0.0, "colocate/onload_s": 0.0, "colocate/learner_offloaded_bytes": 0}
 
-    def _engine(self):
-        return self.slot.engine  # None on a rank without an engine (SGLang drivers)
+    def _engine_call(self, fn):
+        """fn(engine) on the ranks with one, under the engine guard (collective: every rank calls it): a failure to
+        release or resume is a failed engine, rebuilt and re-synced, and the call retried on the new one."""
+        self.guard.run(lambda: fn(self.slot.engine) if self.slot.engine is not None else None)
 
     def _timed(self, key: str, fn):
         t0 = time.perf_counter()
@@ -36,34 +38,33 @@ class HandOver:
 
     @contextlib.contextmanager
     def generation(self):
-        """Around a rollout (and an evaluation): learner out, engine in; engine out, learner in, even on failure."""
+        """Around a rollout (and an evaluation): learner out, engine in; engine out, learner in. When the rollout
+        ends in an error (a stop, no restarts left) only the learner's state returns: the run saves and ends."""
         if not self.enabled:
             yield
             return
         self.stats["colocate/learner_offloaded_bytes"] = self._timed("colocate/offload_s", self.learner.offload)
         try:
-            engine = self._engine()
-            if engine is not None:
-                engine.resume_memory("weights")  # a no-op after a sync, which resumed them
-                engine.resume_memory("kv_cache")
+            # the weights are normally held since the sync; the KV cache (and CUDA graphs) after them
+            self._engine_call(lambda e: (e.resume_memory("weights"), e.resume_memory("kv_cache")))
             yield
+            self._engine_call(lambda e: e.release_memory())
         finally:
-            try:
-                engine = self._engine()  # a rebuild may have replaced it
-                if engine is not None:
-                    engine.release_memory()
-            finally:
-                self._timed("colocate/onload_s", self.learner.onload)
+            self._timed("colocate/onload_s", self.learner.onload)
 
     @contextlib.contextmanager
     def weights_out(self):
-        """Around a weight sync: the engine's weights resumed, the learner's weights resident (brought back for the
-        sync alone when a rebuild's re-sync comes in the middle of generation)."""
+        """Around a weight sync (always under the engine guard): the engine holding its weights alone, the learner's
+        weights resident (brought back for the sync alone when a rebuild's re-sync comes in the middle of
+        generation): the peak is the learner's state and the engine's weights, as at every sync."""
         if not self.enabled:
             yield
             return
-        engine = self._engine()
+        engine = self.slot.engine
         if engine is not None:
+            # release first (nothing when already released): a fresh engine (the run's first sync, a rebuild's
+            # re-sync) holds its KV cache too, which must not be resident with the learner's state
+            engine.release_memory()
             engine.resume_memory("weights")
         away = self.learner.offloaded
         if away:

@@ -73,7 +73,8 @@ class EngineSlot:
         err = None
         if local_rank == 0:
             try:
-                self.node_servers = launch_node_servers(sg, self.cfg.model.init_from_hf, node, nodes)
+                self.node_servers = launch_node_servers(sg, self.cfg.model.init_from_hf, node, nodes,
+                                                        colocate=self.cfg.rollout.colocate)
             except EngineError as e:
                 err = str(e)
         every = [None] * dist.get_world_size()

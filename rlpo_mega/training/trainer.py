@@ -145,7 +145,8 @@ class Trainer:
         self.engines = Engines(cfg, self.hf, self.sync, should_stop=lambda: self.stop.received is not None,
                                group=distributed.control_group(cfg.rollout.wait_timeout))
         # rollout.colocate: the engine shares the learner's accelerators, the memory handed over each step
-        self.handover = HandOver(cfg.rollout.colocate, learner_residency(self.policy, self.critic), self.engines.slot)
+        self.handover = HandOver(cfg.rollout.colocate, learner_residency(self.policy, self.critic), self.engines.slot,
+                                 self.engines.guard)
         self.rollouts = Rollouts(cfg, self.engines, self.scorer, self.tokenizer, self.spec)
         self.producer = producer(cfg, self.sampler, self.rollouts, self._divisor())
         if self.resumed_rank_state.get("producer"):  # this rank's carried groups and unsent prompts

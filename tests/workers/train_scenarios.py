@@ -513,6 +513,31 @@ def sglang_hang_sigterm(out):
             "save_on_signal": sent["on_signal"]}
 
 
+def sglang_colocate(out):
+    """GSPO + R3 on a launched SGLang server, 3 steps, the weights by update_weights_from_tensor (in_process): apart,
+    then colocated (rollout.colocate=true: the server on the learner's "GPUs"). Rank 0 (the driver) records every
+    control call it makes to the server, in order; both runs report their metrics."""
+    calls, post = [], SGLangEngine._post_ok
+
+    def recording(self, server, path, payload=None, timeout=None):
+        if path not in ("/update_weight_version",):
+            calls[-1].append(path + (f" {payload['tags']}" if "memory_occupation" in path else ""))
+        return post(self, server, path, payload, timeout)
+
+    SGLangEngine._post_ok = recording
+    rep = {}
+    try:
+        for run in ("apart", "colocated"):
+            calls.append([])
+            _run_with(_sglang_cfg(out, run, "train_iters=3", "rollout.sync_transport=in_process",
+                                            f"rollout.colocate={str(run == 'colocated').lower()}"), lambda t: None)
+            rep[run] = history(out, run)
+    finally:
+        SGLangEngine._post_ok = post
+    rep["calls"] = dict(zip(("apart", "colocated"), calls))
+    return rep
+
+
 def sglang_async(out):
     """max_staleness=1 with partial rollout on a launched SGLang server (rank 0 drives it): every sync aborts the
     running requests (one abort per server) and continues them on the new weights. Each answer's weight version,
