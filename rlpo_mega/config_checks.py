@@ -279,7 +279,11 @@ def _check_rollout(cfg, warns: list[str]):
                 raise ConfigError("routing.mode=r3 with launched SGLang servers needs their routes: add "
                                   "rollout.sglang.server_args.enable_return_routed_experts=true")
             c = cfg.cluster
-            if c.learner_nodes:  # sized for full learner nodes (rlpo-mega plan): no GPU is left for the servers
+            if ro.colocate and c.learner_nodes and sg.num_servers * sg.tp_size > c.gpus_per_node:
+                raise ConfigError(f"rollout.colocate=true: {sg.num_servers} server(s) x TP{sg.tp_size} per node need "
+                                  f"{sg.num_servers * sg.tp_size} GPUs, a node has {c.gpus_per_node} "
+                                  "(cluster.gpus_per_node): launch fewer or smaller servers")
+            if c.learner_nodes and not ro.colocate:  # full learner nodes (rlpo-mega plan): no GPU left for servers
                 raise ConfigError(
                     f"rollout.sglang.launch=true starts the servers on the learner's node, on the GPUs its ranks leave "
                     f"free, but cluster.learner_nodes={c.learner_nodes} x gpus_per_node={c.gpus_per_node} are all "

@@ -15,7 +15,10 @@ What a shrink may change, and nothing else (`CHANGEABLE`; tests/test_recipes.py 
   host-only    paths (prompts, eval, save_dir, logging.dir), reward.num_workers, SGLang server URLs, the
                SGLang server's TP size above 2 becomes 2 (this CPU has 2 cores; the weight-update group is
                1 + servers x TP ranks either way), and rollout.sglang.drivers becomes 1 (the shrunk run is one
-               node with one server; tests/test_sglang_trainer.py runs the trainer with 2 drivers)
+               node with one server; tests/test_sglang_trainer.py runs the trainer with 2 drivers). Servers the
+               trainer launches (rollout.sglang.launch: the colocated recipe): one per node, started from the
+               SGLang venv (rollout.sglang.python, base_port, log_dir, env.*) with the CPU server's arguments
+               (server_args.*: device=cpu, the torch_native backend, a CPU-sized mem_fraction_static)
 Everything else stays the recipe's: loss and its clip/gate settings, advantage, KL, mismatch correction,
 routing mode, engine, weight transport and bucket size, optimizer kind (distributed optimizer) and
 hyper-parameters, params dtype, sequence parallelism, expert-tensor size, recompute, token dispatcher,
@@ -41,7 +44,13 @@ CHANGEABLE = {
     "train_iters", "checkpoint.save_every",
     "prompts.path", "trainer.eval_path", "checkpoint.save_dir", "checkpoint.resume", "logging.dir",
     "reward.num_workers", "rollout.sglang.urls", "rollout.sglang.tp_size", "rollout.sglang.drivers",
+    "rollout.sglang.num_servers", "rollout.sglang.python", "rollout.sglang.base_port", "rollout.sglang.log_dir",
 }
+CHANGEABLE_PREFIXES = ("rollout.sglang.server_args.", "rollout.sglang.env.")  # a launched server's, host-only
+
+
+def changeable(key: str) -> bool:
+    return key in CHANGEABLE or key.startswith(CHANGEABLE_PREFIXES)
 MAX_WORLD = 4
 
 
@@ -64,7 +73,7 @@ class Shrunk:
     why: dict = field(default_factory=dict)  # dotted key -> which allowance
 
     def set(self, key: str, value, why: str):
-        assert key in CHANGEABLE, f"the shrink may not change {key}"
+        assert changeable(key), f"the shrink may not change {key}"
         self.overrides[key] = value
         self.why[key] = why
 
@@ -92,9 +101,11 @@ def _get(cfg: dict, key: str, default=None):
     return node
 
 
-def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: dict | None = None) -> Shrunk:
+def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: dict | None = None,
+           sglang_launch: dict | None = None) -> Shrunk:
     """`recipe` relative to the repository root. hf_dirs: tiny config path -> a tiny HF checkpoint directory;
-    prompts: a JSONL the recipe's reward can score; sglang_urls: tiny config path -> server URLs."""
+    prompts: a JSONL the recipe's reward can score; sglang_urls: tiny config path -> server URLs; sglang_launch:
+    dotted key -> value of a CPU server the trainer launches (python, base_port, log_dir, env.*, server_args.*)."""
     cfg = OmegaConf.to_container(OmegaConf.load(os.path.join(ROOT, recipe)), resolve=True)
     tp = _get(cfg, "parallel.tensor", 1)
     pp = _get(cfg, "parallel.pipeline", 1)
@@ -147,6 +158,11 @@ def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: 
         s.set("reward.num_workers", 1, "host-only")
     if _get(cfg, "rollout.engine") == "sglang" and not _get(cfg, "rollout.sglang.launch", False):
         s.set("rollout.sglang.urls", list(sglang_urls[tiny]), "host-only")
+    elif _get(cfg, "rollout.engine") == "sglang":
+        for key, value in (sglang_launch or {}).items():
+            s.set(key, value, "host-only")
+        if _get(cfg, "rollout.sglang.num_servers", 1) > 1:
+            s.set("rollout.sglang.num_servers", 1, "host-only")
     if _get(cfg, "rollout.sglang.tp_size", 1) > 2:
         s.set("rollout.sglang.tp_size", 2, "host-only")
     if _get(cfg, "rollout.sglang.drivers", 1) > 1:
@@ -183,7 +199,8 @@ def shrunk_config(recipe: str) -> dict:
 
     hf_dirs = {t: f"tiny/{os.path.basename(t)}" for t in glob.glob("configs/models/tiny_*.json", root_dir=ROOT)}
     urls = {t: ["http://sglang-server"] for t in hf_dirs}
-    s = shrink(recipe, work="shrunk", hf_dirs=hf_dirs, prompts="prompts.jsonl", sglang_urls=urls)
+    s = shrink(recipe, work="shrunk", hf_dirs=hf_dirs, prompts="prompts.jsonl", sglang_urls=urls,
+               sglang_launch={"rollout.sglang.python": "sglang-python"})
     cfg = dict(_flat(to_dict(load_config(os.path.join(ROOT, recipe), tuple(s.argv())))))
     return {"nproc": s.nproc, **{k: v for k, v in cfg.items() if k not in NAMES and not k.startswith(SIZED_FOR)}}
 

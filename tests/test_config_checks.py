@@ -308,11 +308,12 @@ def test_qwen3_30b_a3b_config():
 
 @pytest.mark.parametrize("path", RECIPES, ids=[Path(p).stem for p in RECIPES])
 def test_recipe_passes(path):
-    world = 8 * int(re.search(r"_(\d+)nodes", path)[1])  # learner nodes of 8 GPUs
+    world = 8 * int(re.search(r"_(\d+)nodes?", path)[1])  # learner nodes of 8 GPUs
     # the recipes' data path is a placeholder users replace; the SLURM script adds the servers' URLs (at least one
-    # per rollout driver)
+    # per rollout driver), except where the trainer launches them on its own GPUs (the colocated recipe)
     urls = ",".join(f"http://n3:3000{i}" for i in range(4))
-    cfg = load_config(path, (f"prompts.path={PROMPTS}", f"rollout.sglang.urls=[{urls}]"))
+    colocated = load_config(path).rollout.colocate
+    cfg = load_config(path, (f"prompts.path={PROMPTS}",) + (() if colocated else (f"rollout.sglang.urls=[{urls}]",)))
     hf = load_hf_config(cfg.model.hf_config)
     assert check_run_config(cfg, hf, world_size=world) == []
     layout = resolve_layout(cfg.parallel, world, hf)
@@ -326,7 +327,7 @@ def test_recipe_passes(path):
         assert (loss.name, loss.tau_pos, loss.tau_neg, loss.eps_low) == ("sapo", 1.0, 1.05, None)
     # a layout the recipe was not made for is reported as a config error
     with pytest.raises(ConfigError):
-        check_run_config(cfg, hf, world_size=world + 8)
+        check_run_config(cfg, hf, world_size=world + 2)
 
 
 def test_yaml_on_off_words_stay_words_for_string_keys(tmp_path):

@@ -238,6 +238,10 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
 # the critic; the gradients are dropped) and back: part names of a learner row
 _LEARNER_KEPT = ("params", "optimizer", "reference", "critic")
 _LEARNER_STATE = _LEARNER_KEPT + ("grads", "critic grads")
+# an engine's parts (server_rows, the embedded engine's) resident while it generates, and at a sync (the weights
+# resumed; the digest hook's tensors; the update's tensors are the learner's bucket, opened by CUDA IPC)
+_ENGINE_GENERATING = ("weights", "KV pool", "KV cache", "runtime")
+_ENGINE_SYNCING = ("weights", "digest", "runtime")
 
 
 def embedded_kv_bytes(cfg, hf, world_size: int, prompt_tokens: int) -> int:
@@ -265,10 +269,11 @@ def colocated_rows(cfg, hf, learner: list[Row], engine: dict, released: int) -> 
         if released:
             train.parts["engine (released)"] = released
         gen = Row(row.role, f"{row.name}, generation", row.budget)
-        gen.parts.update({"reserved": row.parts["reserved"], **{f"engine {k}": v for k, v in engine.items()}})
+        gen.parts.update({"reserved": row.parts["reserved"], **{f"engine {k}": v for k, v in engine.items()
+                                                                if k in _ENGINE_GENERATING}})
         sync = Row(row.role, f"{row.name}, sync", row.budget)
         sync.parts.update({k: row.parts[k] for k in _LEARNER_STATE + ("sync bucket", "reserved") if k in row.parts})
-        sync.parts.update({f"engine {k}": v for k, v in engine.items() if k in ("weights", "runtime")})
+        sync.parts.update({f"engine {k}": v for k, v in engine.items() if k in _ENGINE_SYNCING})
         rows += [train, gen, sync]
     return rows
 
@@ -607,7 +612,8 @@ def render(plan: Plan) -> str:
             out.append("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths))))
         for r in rows:
             extra = ", ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in r.info.items())
-            out.append(f"  {r.name}: {extra}" + ("; " + "; ".join(r.notes) if r.notes else ""))
+            if extra or r.notes:
+                out.append(f"  {r.name}: {extra}" + ("; " + "; ".join(r.notes) if r.notes else ""))
     ck = plan.checkpoint
     out += ["", f"checkpoint: {_gb(ck['checkpoint_bytes'])} GB ({ck['params']:,} parameters); a save needs "
                 f"{ck['save_s']:.0f} s ({_gb(ck['largest_node_write_bytes'])} GB from the busiest node at "
