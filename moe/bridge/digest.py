@@ -43,8 +43,9 @@ def _np(t: torch.Tensor) -> np.ndarray:
     Tensor.numpy() marks the storage non-resizable for good, and a colocated run (rlpo_mega.residency) shrinks the
     learner's and the embedded engine's storages after syncs have digested them. The caller keeps `t` alive while
     it uses the array. An accelerator tensor is copied to the host first."""
-    if t.device.type != "cpu":
-        return t.cpu().numpy()
+    host = t.cpu()  # an accelerator tensor's copy (a host sync, as counted by tests/test_host_syncs.py); else itself
+    if host is not t:
+        return host.numpy()  # a fresh copy: the array keeps it alive
     if not t.is_contiguous():
         raise ValueError("digest: a strided CPU tensor has no in-place numpy view")
     n = t.numel() * t.element_size()
