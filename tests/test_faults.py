@@ -60,7 +60,10 @@ def _trained(run) -> dict[int, list]:
 # the async producer's rollout wait is interrupted (step 1); a stop during step 1's save exits after it
 CASES = [("sync_rollout", 2), ("sync_old_logprob", 2), ("sync_update", 2), ("sync_sync", 2), ("sync_sync_dead", 2),
          ("sync_eval", 2), ("sync_save", 1), ("async_rollout", 2), ("async_update", 2), ("async_sync", 2),
-         ("async_sync_dead", 2), ("rollout_dead", 1)]
+         ("async_sync_dead", 2), ("rollout_dead", 1),
+         # colocated: the stops with the learner's state on the host (rollout, eval) save it once it is back
+         ("colocate_rollout", 2), ("colocate_update", 2), ("colocate_sync", 2), ("colocate_eval", 2),
+         ("colocate_save", 1)]
 
 
 @pytest.mark.parametrize("name,last", CASES, ids=[c[0] for c in CASES])

@@ -722,10 +722,16 @@ class SGLangEngine(RolloutEngine):
 
     # ---------------------------------------------------------------- colocated (rollout.colocate)
     _TAGS = {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+    _TAGS_ALL = ("weights", "kv_cache", "cuda_graph")
 
     def release_memory(self) -> None:
         """Every live server gives up its GPU memory (POST /release_memory_occupation, all tags: weights, KV cache,
-        CUDA graphs; SGLang asserts it is idle and synchronizes before answering) for the learner to train in."""
+        CUDA graphs; SGLang synchronizes before answering) for the learner to train in. SGLang asserts the server is
+        idle, and that assertion kills its scheduler: a /health probe is a one-token generation, which a release
+        right after it met (a shrunk recipe's resume). So first flush_cache, which SGLang refuses (retried here)
+        while anything is running or queued, as slime does before its release."""
+        if any(len(self._TAGS_ALL) > len(s.released) for s in self.live):
+            self.flush_cache()
         for s in self.live:
             tags = [t for group in self._TAGS.values() for t in group if t not in s.released]
             if tags:  # SGLang refuses to release a tag twice

@@ -2,7 +2,7 @@
 
 A stop (SIGTERM to every rank, as `scancel --signal=TERM` does) in each phase of a step -- rollout, old
 log-probs, update, sync (the servers alive, or dying with the job: the sync fails), evaluation, a save -- under
-the sync and the async producer; a failed weight sync (rebuilt and retried); a resume from a stop. Each run
+the sync and the async producer, and colocated (rollout.colocate); a failed weight sync (rebuilt and retried); a resume from a stop. Each run
 records, per rank and step, the prompts it trained (their token ids), the steps saved and how it ended.
 
 argv: out_dir. Rank 0 writes the report: {run: {"rc", "stopped", "steps", "saved", "trained", ...}}.
@@ -144,6 +144,12 @@ def stops(out):
             p = "sync" if phase == "sync_dead" else phase
             rep[f"{producer}_{phase}"] = _run(out, f"{producer}_{phase}", extra + save_every + more, phase=p,
                                               sync_fails=phase == "sync_dead")
+    # rollout.colocate (the embedded engine on the learner's "GPUs"): a stop in each phase of the hand-over -- the
+    # rollout and the evaluation with the learner's state on the host, the update, the sync, a save -- saves too
+    for phase in ("rollout", "update", "sync", "eval", "save"):
+        more = ("trainer.eval_every=1",) if phase == "eval" else ()
+        rep[f"colocate_{phase}"] = _run(out, f"colocate_{phase}", ("rollout.colocate=true",) + save_every + more,
+                                        phase=phase)
     # a stop during the rollout while the engine fails (a dead server): no rebuild, the last step saved
     os.environ["RLPO_FAIL_RANK"], os.environ["RLPO_FAIL_CALL"] = "1", "2"
     hooks.FlakyEngine.calls = 0
