@@ -283,7 +283,7 @@ def test_a_resume_that_moves_the_engine_ranks_is_refused_before_anything_loads(r
     the change; the same checkpoint resumes with the settings that saved it (test above: sync_update)."""
     from rlpo_mega.config import ConfigError
     from rlpo_mega.training.trainer import Trainer
-    from tests.workers.train_scenarios import cfg
+    from tests.workers.scenario_config import cfg
 
     ck = runs["async_update"]["ckpt"]
     assert os.path.isdir(os.path.join(ck, "step_00000002", "rank_state")), os.listdir(ck)

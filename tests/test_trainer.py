@@ -265,7 +265,7 @@ def test_colocated_embedded_engine_hands_the_memory_over_and_changes_no_number(t
     assert all(h.get("colocate/learner_offloaded_bytes", 1) > 0 for h in colocated if "loss/policy" in h)
 
     # what rlpo-mega plan predicts for the same configuration, colocated, at world size 2
-    from tests.workers.train_scenarios import BASE, COLOCATE
+    from tests.workers.scenario_config import BASE, COLOCATE
 
     cfg = load_config("configs/demo_cpu.yaml", BASE + COLOCATE + ("rollout.colocate=true",))
     plan = make_plan(cfg, "colocate", world_size=2).to_json()

@@ -11,33 +11,16 @@ import torch
 import torch.distributed as dist
 
 import tests.workers.train_hooks as hooks
-from rlpo_mega.config import load_config
 from rlpo_mega.rollout import EngineError
 from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import Trainer
 from rlpo_mega.training.trainer import train as _train
 from tests.dist import write_report
-
-BASE = (
-    "train_iters=2", "prompts.prompts_per_step=4", "prompts.n_samples=4", "reward.function=test_parity",
-    "rollout.max_new_tokens=6", "logging.progress_bar=false", "logging.console_every=0",
-    "trainer.eval_every=0", "trainer.warmup.steps=0", "checkpoint.save_dir=null", "parallel.expert=2",
-    "trainer.mini_batches=2", "rollout.temperature=1.0", "algorithm.temperature=1.0",
-)
+from tests.workers.scenario_config import BASE, COLOCATE, cfg, history  # noqa: F401  (scenario modules import them from here too)
 
 
 def train(config):
     return _train(config, keep_world=True)
-
-
-def cfg(out, run, *extra):
-    return load_config("configs/demo_cpu.yaml", BASE + (f"logging.dir={os.path.join(out, run)}",
-                                                         f"logging.run_name={run}") + tuple(extra))
-
-
-def history(out, run):
-    with open(os.path.join(out, run, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def matrix(out):
@@ -249,12 +232,6 @@ def producer(out):
     """rollout.producer names a producer registered outside the package (train_hooks.ReplayProducer)."""
     rc = train(cfg(out, "replay", "rollout.producer=test_replay"))
     return {"rc": rc, "history": history(out, "replay")}
-
-
-COLOCATE = ("train_iters=3", "model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
-            "optim.cpu_offload=true", "optim.precision_aware=true", "algorithm.kl.coef=0.01",
-            "trainer.eval_every=1", "trainer.eval_path=configs/data/toy_add_test.jsonl", "trainer.eval_size=8",
-            "checkpoint.save_every=1", "checkpoint.keep_last=1")
 
 
 def colocate(out):
