@@ -141,14 +141,16 @@ def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path):
 
 def test_colocated_sglang_server_hands_the_memory_over_in_one_order(sglang_python, tmp_path):
     """rollout.colocate=true with a launched CPU SGLang server (2 learner processes, GSPO + R3, the weights by
-    update_weights_from_tensor), and the same run apart. The driver's calls follow the one order
-    (training/colocate.py): the weights resumed before every sync, the KV cache (and CUDA graphs) after it,
-    everything released after each rollout, never a tag resumed that was not released; the server generates on
-    exactly the learner's weights after every sync (the learner's log-probs of its samples equal its own).
-    SGLang's CPU build has no torch_memory_saver, so release and resume free nothing here; and it samples differently
-    from one launch to the next (its deterministic inference needs the fa3/flashinfer/triton attention backends, a
-    seeded server with one request in flight still differed), so the run apart is not sample-equal: the embedded
-    engine's colocated run (tests/test_trainer.py) is the bit-equality proof of the hand-over."""
+    update_weights_from_tensor), and the same run apart, same seeds: the hand-over changes no number -- per step the
+    losses, rewards, advantages and every learner metric are equal, and the final weights on every rank. The driver's
+    calls follow the one order (training/colocate.py): the weights resumed before every sync, the KV cache (and CUDA
+    graphs) after it, everything released after each rollout, never a tag resumed that was not released; the server
+    generates on exactly the learner's weights after every sync (the learner's log-probs of its samples equal its own).
+    The server samples with each request's seed (--enable-deterministic-inference, which SGLang's CPU build takes
+    through tests/sglang_support's plugin) and has no prefix cache: its samples depend on seed, prompt and weights.
+    What differs between the runs is the server's own log-probs (batch composition; sglang's batch-invariant kernels
+    are triton's, CUDA only): the mismatch/ metrics, at 1e-7. SGLang's CPU build has no torch_memory_saver, so
+    release and resume free nothing here."""
     hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
     ckpt = str(tmp_path / "hf")
     make_hf_checkpoint(hf, ckpt)
@@ -156,10 +158,15 @@ def test_colocated_sglang_server_hands_the_memory_over_in_one_order(sglang_pytho
                  env=_trainer_env(sglang_python, ckpt))
     apart, colocated = r["apart"], r["colocated"]
     assert [h["step"] for h in apart] == [h["step"] for h in colocated] == [1, 2, 3]
+    own = ("time", "perf/", "colocate/", "sync/", "memory/", "mismatch/")  # clocks, the hand-over's, the server's
     for a, c in zip(apart, colocated):
         assert c["mismatch/ratio_dev_max"] < 1e-4 and a["mismatch/ratio_dev_max"] < 1e-4, (a, c)
         assert c["reward/samples"] == a["reward/samples"] == 16
         assert c["colocate/learner_offloaded_bytes"] > 0 and "colocate/offload_s" not in a
+        learner = sorted(k for k in a if not k.startswith(own))
+        assert "loss/policy" in learner and "reward/mean" in learner, learner
+        assert {k: a[k] for k in learner} == {k: c.get(k) for k in learner}, {k: (a[k], c.get(k)) for k in learner if a[k] != c.get(k)}
+    assert r["weights_equal"] == [True, True]
     assert not any("memory_occupation" in c for c in r["calls"]["apart"])
     # the colocated driver's memory calls and weight loads, in order: before every sync everything released (the
     # first: a fresh server holds its KV cache too) and the weights resumed, the sync's load; before every rollout

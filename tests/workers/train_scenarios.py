@@ -492,8 +492,12 @@ def sglang_hang_sigterm(out):
 
 def sglang_colocate(out):
     """GSPO + R3 on a launched SGLang server, 3 steps, the weights by update_weights_from_tensor (in_process): apart,
-    then colocated (rollout.colocate=true: the server on the learner's "GPUs"). Rank 0 (the driver) records every
-    control call it makes to the server, in order; both runs report their metrics."""
+    then colocated (rollout.colocate=true: the server on the learner's "GPUs"). The server samples with each
+    request's seed (--enable-deterministic-inference; on CPU through tests/sglang_support's plugin) and without a
+    prefix cache, so both runs sample alike from the same weights. Rank 0 (the driver) records every control call it
+    makes to the server, in order; both runs report their metrics and every rank whether its final weights equal."""
+    from rlpo_mega.model_setup import unwrap
+
     calls, post = [], SGLangEngine._post_ok
 
     def recording(self, server, path, payload=None, timeout=None):
@@ -502,16 +506,22 @@ def sglang_colocate(out):
         return post(self, server, path, payload, timeout)
 
     SGLangEngine._post_ok = recording
-    rep = {}
+    rep, weights = {}, {}
     try:
         for run in ("apart", "colocated"):
             calls.append([])
-            _run_with(_sglang_cfg(out, run, "train_iters=3", "rollout.sync_transport=in_process",
+            trainer = _run_with(_sglang_cfg(out, run, "train_iters=3", "rollout.sync_transport=in_process",
+                                            "rollout.sglang.server_args.enable_deterministic_inference=true",
+                                            "rollout.sglang.server_args.disable_radix_cache=true",
                                             f"rollout.colocate={str(run == 'colocated').lower()}"), lambda t: None)
+            weights[run] = [p.detach().clone() for p in unwrap(trainer.policy.chunks[0]).parameters()]
             rep[run] = history(out, run)
     finally:
         SGLangEngine._post_ok = post
     rep["calls"] = dict(zip(("apart", "colocated"), calls))
+    equal = [None] * dist.get_world_size()
+    dist.all_gather_object(equal, all(torch.equal(a, b) for a, b in zip(weights["apart"], weights["colocated"])))
+    rep["weights_equal"] = equal
     return rep
 
 
