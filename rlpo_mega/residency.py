@@ -47,7 +47,7 @@ class _Moved:
 
 @dataclass
 class Residency:
-    """Storages that leave the accelerator (`offload`) and return (`onload`); `resident_bytes` of the ones it moves.
+    """Storages that leave the accelerator (`offload`, which returns the bytes it frees) and return (`onload`).
     keep: tensors whose bytes come back; drop: tensors whose storage comes back uninitialised (gradients)."""
     keep: Callable[[], Iterable]  # tensors, asked at each offload (optimizer state appears at the first step)
     drop: Callable[[], Iterable] = lambda: ()

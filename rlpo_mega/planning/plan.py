@@ -256,7 +256,7 @@ def embedded_kv_bytes(cfg, hf, world_size: int, prompt_tokens: int) -> int:
         memory.ITEMSIZE[cfg.model.params_dtype]
 
 
-def colocated_rows(cfg, hf, learner: list[Row], engine: dict, released: int) -> list[Row]:
+def colocated_rows(learner: list[Row], engine: dict, released: int) -> list[Row]:
     """rollout.colocate: each learner GPU row split by phase (training/colocate.py's order).
     training: the learner's row, and what the released engine keeps (`released`);
     generation: what the learner leaves resident (its reserved share: CUDA context, NCCL) and the engine (`engine`:
@@ -295,8 +295,8 @@ def total_params(built: list, layout) -> int:
 
 
 def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt_tokens: int) -> list[Row]:
-    """largest_tensor: bytes of the largest HF tensor (bf16): the digest hook's unit of work."""
-    """One row per kind of server (they are alike): weights at its TP, the KV pool, the transients."""
+    """One row per kind of server (they are alike): weights at its TP, the KV pool, the transients.
+    largest_tensor: bytes of the largest HF tensor (bf16): the digest hook's unit of work."""
     sg = cfg.rollout.sglang
     tp = sg.tp_size
     servers = planned_servers(cfg)
@@ -561,7 +561,7 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
             engine = {"weights": engine_copy, "KV cache": embedded_kv_bytes(cfg, hf, world_size, prompt_tokens)}
             released = 0
         hand = handover(cfg, rows, engine_copy)
-        rows = colocated_rows(cfg, hf, rows, engine, released)
+        rows = colocated_rows(rows, engine, released)
         for row in servers:
             row.notes.append("on the learner's GPUs (rollout.colocate): see the learner rows' generation phase")
     rows += servers
