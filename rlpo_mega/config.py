@@ -360,7 +360,7 @@ class RolloutConfig:
     max_new_tokens: int = 16
     stop_token_ids: Optional[list[int]] = None  # None = the tokenizer's eos
     # a TRANSPORTS name: in_process | disk (rlpo_mega.weight_sync.transports) | sglang_distributed
-    # (rollout.engine=sglang; registered by rlpo_mega.rollout.sglang_engine)
+    # (rollout.engine=sglang; rlpo_mega.weight_sync.sglang_distributed)
     # true: the engine runs on the learner's own accelerators (training/colocate.py): each step the learner's
     # weights, gradients and accelerator optimizer state leave for the host while the engine generates, and return
     # for the update; the engine's memory is released meanwhile (rollout.engine=embedded)

@@ -9,7 +9,7 @@ from rlpo_mega.algorithms import advantages as A
 from rlpo_mega.algorithms.dynamic_sampling import filter_groups
 from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
 from rlpo_mega.algorithms.objective import AggregationPitfallWarning, policy_objective, resolve_loss, validate
-from tests.batch_support import assemble_batch
+from tools.batch_support import assemble_batch
 from rlpo_mega.algorithms.shaping import overlong_filter, soft_overlong_punishment
 from rlpo_mega.config import AdvantageConfig, AlgorithmConfig, load_config
 from rlpo_mega.training.batches import MicroBatch

@@ -110,7 +110,7 @@ def test_nccl_versions_are_checked_before_the_weight_update_group(monkeypatch):
     run against a real server in test_sglang.py); the learner compares before it joins: one line naming both
     versions and the way out, and no group is formed. The learner's NCCL is a stand-in here (no CUDA)."""
     from rlpo_mega.rollout import EngineError
-    from rlpo_mega.rollout.sglang_engine import SGLangDistributedTransport, nccl_mismatch
+    from rlpo_mega.weight_sync.sglang_distributed import SGLangDistributedTransport, nccl_mismatch
 
     same = {"http://s0:30000": {"torch": "2.9.1", "cuda": "12.8", "nccl": [2, 27, 3]}}
     assert nccl_mismatch((2, 27, 3), "2.11.0", same) is None
@@ -316,7 +316,7 @@ def test_launched_servers_get_their_own_gpus_or_are_refused():
     from rlpo_mega.config import ConfigError, load_config
     from rlpo_mega.config_checks import check_run_config
     from rlpo_mega.rollout import EngineError
-    from rlpo_mega.rollout.sglang_engine import server_gpus
+    from rlpo_mega.rollout.sglang_launch import server_gpus
 
     assert server_gpus(2, 2, learner_gpus=4, gpus=8) == [4, 6]
     assert server_gpus(1, 4, learner_gpus=4, gpus=8) == [4]

@@ -1,5 +1,7 @@
-"""The layout shows the architecture: moe/ sits below rlpo_mega/ and imports nothing from it; algorithms/ is
-tensor math (no trainer, no megatron schedule); engines and transports are built through their registries."""
+"""The layout shows the architecture, floor by floor: the CLI; training/ (the RL step); rollout/ (engines, the
+rollout side); below it weight_sync/, environments/, rewards/ and data/; moe/ at the bottom, importing nothing of
+rlpo_mega/. algorithms/ is tensor math (no trainer, no megatron schedule); engines and transports are built through
+their registries; tools/ (benchmarks) import no test module."""
 import ast
 import os
 
@@ -49,6 +51,28 @@ def test_training_sits_above_everything_but_the_cli():
     model through rlpo_mega.model_setup and read checkpoints through rlpo_mega.checkpoint.run)."""
     bad = [(f, m) for f, m in _imports("rlpo_mega") if (m == "rlpo_mega.training" or m.startswith("rlpo_mega.training."))
            and not f.startswith(os.path.join("rlpo_mega", "training")) and f != os.path.join("rlpo_mega", "cli.py")]
+    assert bad == []
+
+
+def _under(module, *packages):
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def test_rollout_sits_above_weight_sync_environments_rewards_and_data():
+    """Every import statement, in functions too: what the rollout side uses (transports, environments, rewards,
+    datasets) never reaches back up to it or to the training step; the engines' failure types, which transports
+    raise too, are at the bottom (rlpo_mega/engine_errors.py)."""
+    graph = _module_graph()
+    below = ("rlpo_mega.weight_sync", "rlpo_mega.environments", "rlpo_mega.rewards", "rlpo_mega.data")
+    bad = sorted((m, d) for m, deps in graph.items() if _under(m, *below) for d in deps
+                 if _under(d, "rlpo_mega.rollout", "rlpo_mega.training"))
+    assert bad == []
+    assert sorted((m, d) for m, deps in graph.items() if _under(m, "rlpo_mega.rollout") for d in deps
+                  if _under(d, "rlpo_mega.training")) == []
+
+
+def test_tools_import_no_test_module():
+    bad = [(f, m) for f, m in _imports("tools") if m == "tests" or m.startswith("tests.")]
     assert bad == []
 
 

@@ -198,7 +198,7 @@ def check_aligned(tokens, routes, covered):
 
 
 def test_padded_batch_alignment_with_assemble_batch():
-    from tests.batch_support import assemble_batch
+    from tools.batch_support import assemble_batch
     from rlpo_mega.config import AlgorithmConfig
 
     prompts = [[3, 4, 5], [6, 7], [9, 10, 11, 12]]

@@ -24,7 +24,8 @@ from rlpo_mega.config import ConfigError, SGLangEngineConfig, load_config
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.rollout import EngineError, RolloutInterrupted, SamplingParams
 from rlpo_mega.rollout.sglang_client import ServerSlots, SlotsClosed, decode_routes, parse_logprobs
-from rlpo_mega.rollout.sglang_engine import SGLangDistributedTransport, SGLangEngine
+from rlpo_mega.rollout.sglang_engine import SGLangEngine
+from rlpo_mega.weight_sync.sglang_distributed import SGLangDistributedTransport
 from tests.dist import ROOT, free_port
 from tests.test_engine_timeouts import engine_for, silent_server
 

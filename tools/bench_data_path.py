@@ -78,7 +78,7 @@ def worker(args):
     from rlpo_mega.training.old_logprobs import attach_old_logprobs
     from rlpo_mega.training.update import policy_step
     from rlpo_mega.config import load_config
-    from tests.batch_support import prepare_step
+    from tools.batch_support import prepare_step
     from rlpo_mega.training.exchange import gather_scalars, own_share_bytes
     from rlpo_mega.model_setup import build_policy
     from rlpo_mega.training.collect import share

@@ -65,7 +65,7 @@ def step_overhead(args):
     from moe.model import load_hf_config
     from moe.routing.replay import RoutingReplay
     from rlpo_mega import distributed
-    from tests.batch_support import assemble_batch, prepare_micro_batches
+    from tools.batch_support import assemble_batch, prepare_micro_batches
     from rlpo_mega.training.update import policy_step
     from rlpo_mega.config import load_config
     from rlpo_mega.model_setup import build_policy

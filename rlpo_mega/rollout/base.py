@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from rlpo_mega.algorithms.registry import Registry
+from rlpo_mega.engine_errors import EngineError, RolloutInterrupted  # noqa: F401  (the engines' own types)
 
 ENGINES = Registry("rollout engine")
 
@@ -31,14 +32,6 @@ def share_of(items: Sequence, index: int, parts: int) -> list:
     per, extra = divmod(len(items), parts)
     start = index * per + min(index, extra)
     return list(items[start:start + per + (1 if index < extra else 0)])
-
-
-class EngineError(RuntimeError):
-    """An engine failed (dead server, bad reply, timeout); the message names the engine and the fix."""
-
-
-class RolloutInterrupted(EngineError):
-    """The trainer asked to stop (SIGTERM) while a rollout waited: requests aborted, nothing returned."""
 
 
 @dataclass(frozen=True)

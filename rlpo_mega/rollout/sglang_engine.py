@@ -13,7 +13,8 @@ the default file-descriptor passing cannot cross HTTP and crashed the server).
 Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, then a flush):
   load_weights        update_weights_from_tensor (colocated: shared memory on this host)
   reload_from_disk    update_weights_from_disk
-  "sglang_distributed" transport (below): init_weights_update_group + update_weights_from_distributed
+  "sglang_distributed" transport (rlpo_mega/weight_sync/sglang_distributed.py): init_weights_update_group +
+                      update_weights_from_distributed
 weight_digests asks every server what it actually holds: SGLang cannot return MoE weights over HTTP, so a
 custom weight loader (launch/rlpo_sglang_hooks.report_digests) gathers the server's TP shards, maps them to
 HF names and digests them inside the server; only the digests come back, through a TCP store each driver
@@ -41,7 +42,7 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
@@ -53,14 +54,13 @@ from moe.bridge.digest import DigestMismatchError, verify
 from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
-from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams, share_of
 from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
                             parse_logprobs, pool_size, receive_buffer, split_routes)
+from .sglang_launch import launch_node_servers
 
 log = logging.getLogger("rlpo_mega")
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # control calls (urllib) ignore http_proxy & co.: a server address is never reached through a proxy
@@ -69,19 +69,6 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 class EngineRestarted(EngineError):
     """A dead launched server was restarted: it holds the checkpoint's weights again; re-sync, then retry."""
-
-
-def _load_launcher():
-    import importlib.util
-
-    path = os.path.join(_REPO, "launch", "sglang_server.py")
-    spec = importlib.util.spec_from_file_location("rlpo_launch_sglang_server", path)
-    if spec is None or not os.path.exists(path):
-        raise EngineError(f"rollout.sglang.launch needs {path} (the repository's launch/ directory); "
-                          "start the servers yourself and set rollout.sglang.urls instead")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class _Server:
@@ -99,57 +86,15 @@ class _Server:
         self.released: set = set()
 
 
-_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1, colocate: bool = False) -> list:
-    """Start this node's servers (rollout.sglang.launch=true: num_servers per node), healthy on return, as
-    launch/sglang_server.SGLangServer handles. Each goes on its own GPUs, after those of this node's learner
-    ranks (torchrun's LOCAL_WORLD_SIZE) and of the servers before it (`server_gpus`); colocated (rollout.colocate)
-    on the learner's own GPUs from GPU 0, with SGLang's memory saver on a GPU (release/resume_memory_occupation
-    free and map the memory; SGLang's CPU build has no torch_memory_saver, and its release/resume are no-ops
-    there). Ports base_port +
-    node * num_servers + i: distinct across nodes, so URLs stay unique where several nodes share a host. Servers
-    bound to a wildcard host are addressed by this node's hostname (the other nodes' learners reach them)."""
-    if not model_path:
-        raise EngineError("rollout.sglang.launch needs the model's HF directory (model.init_from_hf) "
-                          "to start the servers from")
-    if nodes > 1 and cfg.host in _LOOPBACK_HOSTS:
-        raise EngineError(f"rollout.sglang.launch=true on {nodes} nodes: servers bound to {cfg.host} cannot be reached "
-                          "from drivers on other nodes; set rollout.sglang.host=0.0.0.0 (each node's servers are then "
-                          "addressed by its hostname)")
-    launcher = _load_launcher()
-    placed = [{}] * cfg.num_servers
-    if torch.cuda.is_available():  # each server on its own GPUs, after those of this node's learner ranks
-        if "base_gpu_id" in cfg.server_args:
-            raise EngineError("rollout.sglang.server_args.base_gpu_id: launched servers are placed by the "
-                              "engine (each after the learner ranks' GPUs and the servers before it); remove it")
-        learner = 0 if colocate else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        placed = [{"base_gpu_id": g, **({"enable_memory_saver": True} if colocate else {})}
-                  for g in server_gpus(cfg.num_servers, cfg.tp_size, learner, torch.cuda.device_count())]
-    advertise = socket.gethostname() if cfg.host in _WILDCARD_HOSTS else None
-    servers = []
-    try:
-        for i in range(cfg.num_servers):
-            srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + node * cfg.num_servers + i, cfg.tp_size,
-                                        server_args={**cfg.server_args, **placed[i]}, python=cfg.python or None,
-                                        log_dir=cfg.log_dir or None, env=cfg.env, advertise=advertise)
-            servers.append(srv)
-            srv.start(cfg.startup_timeout)
-    except Exception as e:
-        for srv in servers:
-            srv.stop()
-        raise EngineError(f"SGLang engine: could not start a server{f' on node {node}' if nodes > 1 else ''}: {e}") from e
-    return servers
-
-
 @ENGINES.register("sglang")
 class SGLangEngine(RolloutEngine):
     """cfg: SGLangEngineConfig. hf_config: the served model's transformers config (or a config.json path /
     HF directory), for route decoding and digest read-back. model_path: the HF directory to launch from
     (launch mode) or to restart from. driver: this client's index among the cfg.drivers clients: of
     cfg.urls it drives its contiguous share (base.share_of); servers it launches itself it drives all."""
+
+    # its servers join a weight-update group (rlpo_mega/weight_sync/sglang_distributed.py)
+    weight_update_group = True
 
     @classmethod
     def ranks(cls, run_cfg, world_size: int) -> list[int]:
@@ -981,188 +926,4 @@ def _close_client(conns: Connections, pool: WorkerPool) -> None:
     pool.close()
 
 
-def server_gpus(num_servers: int, tp_size: int, learner_gpus: int, gpus: int) -> list[int]:
-    """base_gpu_id of each server the engine launches on this node: the learner's local ranks hold GPUs
-    0..learner_gpus-1 (torchrun: local rank r on GPU r), server i the tp_size GPUs after those and the servers
-    before it. Servers that would not fit beside the learner are refused: they would share its GPUs."""
-    need = learner_gpus + num_servers * tp_size
-    if need > gpus:
-        spare = gpus - num_servers * tp_size
-        raise EngineError(
-            f"rollout.sglang.launch=true places {num_servers} server(s) x TP{tp_size} on this node after the GPUs of "
-            f"its {learner_gpus} learner rank(s): {need} GPUs needed, {gpus} here, so they would share the learner's GPUs; "
-            + (f"run the learner on {spare} GPU(s) of this node (--nproc-per-node {spare}), " if spare > 0 else "")
-            + "launch fewer or smaller servers, or run them on their own nodes (launch/slurm/train_disaggregated.sbatch)")
-    return [learner_gpus + i * tp_size for i in range(num_servers)]
-
-
-def nccl_mismatch(learner_nccl, learner_torch: str, servers: dict) -> Optional[str]:
-    """The one line refusing a weight-update group across NCCL versions (NCCL's init fails on peers of another
-    version, "Mismatched NCCL version"), or None. learner_nccl: torch.cuda.nccl.version() of the sending rank;
-    servers: {URL: environment report} (SGLangEngine.environments)."""
-    mine = _version(learner_nccl)
-    for url, env in servers.items():
-        theirs = _version(env.get("nccl"))
-        if theirs != mine:
-            return (f"NCCL version mismatch: the learner has NCCL {mine} (torch {learner_torch}), SGLang server {url} "
-                    f"has NCCL {theirs} (torch {env.get('torch')}): rollout.sync_transport=sglang_distributed needs "
-                    "one NCCL on both sides; install the learner's NCCL in the servers' environment (pip install "
-                    f"nvidia-nccl-cu{str(env.get('cuda') or '12').split('.')[0]}=={mine}) or use "
-                    "rollout.sync_transport=disk (a filesystem both sides see)")
-    return None
-
-
-def _version(v) -> Optional[str]:
-    """'2.27.3' from torch's (2, 27, 3), a list from JSON, or a string; None stays None (no CUDA)."""
-    if v is None:
-        return None
-    return ".".join(str(x) for x in v) if isinstance(v, (tuple, list)) else str(v)
-
-
-@TRANSPORTS.register("sglang_distributed")
-class SGLangDistributedTransport:
-    """SGLang's own distributed protocol: POST /init_weights_update_group once per engine (the driver is the
-    group's rank 0; its server i's TP ranks follow), then per bucket POST /update_weights_from_distributed
-    (names, dtypes, shapes) while the driver broadcasts the tensors (each driver to its own servers); gloo on
-    CPU, NCCL on GPU. Ends with the digest check of what the servers hold. Built once per engine (the group
-    lives as long as the servers do); `close()` destroys it on both sides, and a rebuilt engine gets a new
-    transport and group."""
-
-    _instances = itertools.count()
-
-    def __init__(self, engine: SGLangEngine, backend: Optional[str] = None, timeout_s: Optional[float] = None):
-        self.engine = engine
-        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.timeout_s = timeout_s or engine.cfg.control_timeout
-        self.group_name = self._new_name()
-        self.pg, self.members = None, []  # the group, and the servers in it (URLs)
-
-    def _new_name(self) -> str:
-        # one name per group: a rebuilt engine's group, or the one after a group broken mid-sync (left on the
-        # servers' side), never meets an old one's leftovers; the driver index keeps the names apart in the logs
-        return f"rlpo_weight_sync_d{self.engine.driver}_{os.getpid()}_{next(self._instances)}"
-
-    @classmethod
-    def from_config(cls, cfg, engine, hf):
-        if not isinstance(engine, SGLangEngine):
-            raise EngineError("rollout.sync_transport=sglang_distributed needs rollout.engine=sglang")
-        return cls(engine)
-
-    def _concurrently(self, calls):
-        """Run HTTP calls that block until our side joins a collective; returns their results."""
-        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-            futures = [pool.submit(f) for f in calls]
-            yield
-            for f in futures:
-                f.result()
-
-    def _bucket(self, calls, send):
-        """One bucket: the servers' update calls (each returns once its server has received the bucket) while
-        `send` broadcasts it. A failure on either side -- the broadcast's, or a call's (a member dead mid-sync) --
-        drops our side of the group at once, so that the live members' receives fail and their calls return,
-        instead of waiting out the group's timeout (a server SIGKILLed mid-sync otherwise held the other's
-        scheduler in its receive for control_timeout)."""
-        failure = None
-        with ThreadPoolExecutor(max_workers=len(calls)) as pool:
-            futures = [pool.submit(f) for f in calls]
-            try:
-                send()
-            except RuntimeError as err:  # gloo: closed or reset by a peer; NCCL: its error. Only its text is
-                failure = f"the broadcast failed: {str(err).splitlines()[0]}"  # kept: its frames hold the group
-            if failure is None:
-                done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-                failure = next((str(f.exception()) for f in done if f.exception() is not None), None)
-            if failure is not None:
-                members = ", ".join(self.members)
-                self._drop_group()
-        if failure is not None:  # (the pool's exit waited for the other calls: they failed with the group)
-            raise EngineError(f"SGLang driver {self.engine.driver}: a weight-update bucket to {members} failed "
-                              f"({failure}): a server left mid-sync")
-        for f in futures:
-            f.result()
-
-    def _drop_group(self):
-        """Our side of a group broken mid-sync, gone without the servers' (they may be dead): destroyed and no
-        longer referenced, which closes its connections; the next group gets a new name (the servers may still
-        hold this one)."""
-        torch.distributed.destroy_process_group(self.pg)
-        self.pg, self.members, self.group_name = None, [], self._new_name()
-
-    def _init_group(self):
-        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
-
-        e = self.engine
-        e._check_layout()
-        if self.backend == "nccl":  # NCCL refuses peers of another version: one line now, not a failed init
-            problem = nccl_mismatch(torch.cuda.nccl.version(), torch.__version__, e.environments())
-            if problem:
-                raise EngineError(problem)
-        servers = e.live
-        world = 1 + len(servers) * e.cfg.tp_size
-        store = e.store()  # hosted by this rank: see SGLangEngine.store
-        calls = [lambda s=s, i=i: e._post_ok(s, "/init_weights_update_group", {
-            "master_address": e.learner_address(), "master_port": store.port, "rank_offset": 1 + i * e.cfg.tp_size,
-            "world_size": world, "group_name": self.group_name, "backend": self.backend},
-            timeout=self.timeout_s) for i, s in enumerate(servers)]
-        for _ in self._concurrently(calls):
-            # what sglang's init_custom_process_group does on its side: the group-name prefix on the store
-            timeout = timedelta(seconds=self.timeout_s)
-            self.pg, _ = _new_process_group_helper(world, 0, [], torch.distributed.Backend(self.backend),
-                                                   PrefixStore(self.group_name, store), group_name=self.group_name,
-                                                   timeout=timeout)
-            _world.pg_group_ranks[self.pg] = {i: i for i in range(world)}  # as sglang does: src=0 resolves
-        self.members = [s.url for s in servers]
-
-    def sync(self, stream) -> dict:
-        try:
-            return self._sync(stream)
-        except BaseException:
-            if stream.receives:
-                self.engine.abandon_weight_update()
-            raise
-
-    def _sync(self, stream) -> dict:
-        e = self.engine
-        if stream.receives:
-            e.refresh()  # servers out rejoin, dead ones leave: the group is the live servers
-            if self.pg is not None and self.members != [s.url for s in e.live]:
-                log.warning("SGLang driver %d: the weight-update group changes (%s -> %s): made anew", e.driver,
-                            ", ".join(self.members), ", ".join(s.url for s in e.live))
-                self.close()
-            if self.pg is None:
-                self._init_group()
-            e.begin_weight_update(refresh=False)
-        dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        for bucket in stream:
-            if not stream.receives or not bucket:
-                continue
-            meta = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                    "flush_cache": False}
-            calls = [lambda s=s: e._post_ok(s, "/update_weights_from_distributed", meta) for s in e.live]
-            self._bucket(calls, lambda: [torch.distributed.broadcast(t.contiguous().to(dev), src=0, group=self.pg)
-                                         for _, t in bucket])
-        if not stream.receives:
-            return {}
-        e.end_weight_update()
-        verify(stream.digests, e.weight_digests(list(stream.digests), stream.digest_algorithm))
-        return {"tensors": len(stream.digests), "bytes": stream.bytes_sent}
-
-    def close(self):
-        if self.pg is None:
-            return
-        e = self.engine
-        for s in e.servers:
-            if s.url not in self.members or not e._healthy(s):
-                continue  # dead or hung: no group left to destroy, and no reply to wait for
-            try:
-                e._post_ok(s, "/destroy_weights_update_group", {"group_name": self.group_name},
-                           timeout=e.cfg.health_timeout * 6)
-            except EngineError:
-                pass
-        torch.distributed.destroy_process_group(self.pg)
-        self.pg = None
-
-
-__all__ = ["EngineRestarted", "SGLangDistributedTransport", "SGLangEngine", "nccl_mismatch",
-           "server_gpus"]
+__all__ = ["EngineRestarted", "SGLangEngine"]

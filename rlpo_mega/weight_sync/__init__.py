@@ -1,0 +1,3 @@
+"""Weight sync (one registry, TRANSPORTS): in_process and disk (transports.py), sglang_distributed."""
+from . import transports  # noqa: F401  TRANSPORTS, in_process, disk
+from . import sglang_distributed  # noqa: F401  registers TRANSPORTS "sglang_distributed"

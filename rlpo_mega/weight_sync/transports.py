@@ -1,7 +1,7 @@
 """Weight-sync transports: how the learner's export stream reaches a rollout engine, then is verified.
 
 TRANSPORTS (rollout.sync_transport): `in_process` and `disk` here; `sglang_distributed` (SGLang's own
-weight-update group) registers from rlpo_mega/rollout/sglang_engine.py.
+weight-update group) is sglang_distributed.py, beside this module.
 
 Receiver contract (what an engine implements; SGLang's session API has the same shape):
   begin_weight_update() / load_weights([(hf_name, tensor), ...]) / end_weight_update()

@@ -66,7 +66,7 @@ def dp2_invariance():
     from rlpo_mega.algorithms.objective import policy_objective
     from rlpo_mega.training.batches import MicroBatch
     from rlpo_mega.training.update import make_policy_forward_step, policy_step
-    from tests.batch_support import prepare_micro_batches
+    from tools.batch_support import prepare_micro_batches
     from rlpo_mega.training.warmup import shard_and_split
     from rlpo_mega.config import load_config
     from rlpo_mega.model_setup import build_policy, unwrap

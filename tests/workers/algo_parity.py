@@ -21,7 +21,7 @@ from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.training.batches import MicroBatch  # noqa: E402
 from rlpo_mega.training.update import policy_step  # noqa: E402
 from rlpo_mega.training.warmup import shard_and_split  # noqa: E402
-from tests.batch_support import assemble_batch, prepare_micro_batches  # noqa: E402
+from tools.batch_support import assemble_batch, prepare_micro_batches  # noqa: E402
 from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.model_setup import build_policy  # noqa: E402

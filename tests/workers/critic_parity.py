@@ -25,7 +25,7 @@ from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from rlpo_mega.training.critic import Critic  # noqa: E402
-from tests.batch_support import assemble_batch  # noqa: E402
+from tools.batch_support import assemble_batch  # noqa: E402
 from rlpo_mega.training.warmup import shard_and_split  # noqa: E402
 from tests.workers.algo_parity import rollout  # noqa: E402
 from tests.workers.parity import full_grads_at_tp1, grad_tensors, save_sharded_grads  # noqa: E402

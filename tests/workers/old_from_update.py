@@ -23,7 +23,7 @@ from moe.routing.trace import TraceSpec  # noqa: E402
 from moe.routing.transport import gather_recipients  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
-from tests.batch_support import prepare_step  # noqa: E402
+from tools.batch_support import prepare_step  # noqa: E402
 from rlpo_mega.training.exchange import gather_scalars  # noqa: E402
 from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
 from rlpo_mega.training.old_logprobs import attach_old_logprobs, old_pass_needed  # noqa: E402

@@ -16,7 +16,7 @@ from moe.routing.replay import RoutingReplay
 from moe.routing.trace import TraceSpec, validate_batch
 from moe.routing.transport import gather_recipients, local_recipient, padded_placement, scatter_routes
 from rlpo_mega import distributed
-from tests.batch_support import assemble_batch, prepare_micro_batches
+from tools.batch_support import assemble_batch, prepare_micro_batches
 from rlpo_mega.training.update import policy_step
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy

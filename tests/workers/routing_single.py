@@ -19,7 +19,7 @@ from rlpo_mega import distributed
 from rlpo_mega.algorithms.logprobs import vocab_parallel_logprobs
 from rlpo_mega.algorithms.objective import policy_objective
 from rlpo_mega.training.update import model_forward as _model_out, policy_step
-from tests.batch_support import assemble_batch, prepare_micro_batches
+from tools.batch_support import assemble_batch, prepare_micro_batches
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
 from rlpo_mega.training.update import forward_backward

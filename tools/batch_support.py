@@ -1,8 +1,9 @@
-"""The padded global-batch path, for tests and benchmarks only: the whole rollout batch as one padded host batch
-on every rank (assemble_batch), this DP rank's share as micro-batches with the old/reference log-probs
-(prepare_micro_batches). The trainer's path is packed or padded per rank, from the exchange
-(rlpo_mega/training/batches.py); the layout parity tests compare both against this single-process reference.
-`prepare_step`: the trainer's advantages + plan-and-exchange phases in one call, for the parity workers.
+"""The padded global-batch path, for tests and benchmarks only (in tools/: a benchmark imports no test module):
+the whole rollout batch as one padded host batch on every rank (assemble_batch), this DP rank's share as
+micro-batches with the old/reference log-probs (prepare_micro_batches). The trainer's path is packed or padded per
+rank, from the exchange (rlpo_mega/training/batches.py); the layout parity tests compare both against this
+single-process reference. `prepare_step`: the trainer's advantages + plan-and-exchange phases in one call, for the
+parity workers.
 """
 from __future__ import annotations
 

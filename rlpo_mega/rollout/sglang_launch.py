@@ -1,0 +1,86 @@
+"""Launching SGLang servers (rollout.sglang.launch=true): this node's servers, each on its own GPUs after the
+learner's (or, colocated, on the learner's own), through launch/sglang_server.py's SGLangServer."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+import torch
+
+from rlpo_mega.engine_errors import EngineError
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _load_launcher():
+    import importlib.util
+
+    path = os.path.join(_REPO, "launch", "sglang_server.py")
+    spec = importlib.util.spec_from_file_location("rlpo_launch_sglang_server", path)
+    if spec is None or not os.path.exists(path):
+        raise EngineError(f"rollout.sglang.launch needs {path} (the repository's launch/ directory); "
+                          "start the servers yourself and set rollout.sglang.urls instead")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1, colocate: bool = False) -> list:
+    """Start this node's servers (rollout.sglang.launch=true: num_servers per node), healthy on return, as
+    launch/sglang_server.SGLangServer handles. Each goes on its own GPUs, after those of this node's learner
+    ranks (torchrun's LOCAL_WORLD_SIZE) and of the servers before it (`server_gpus`); colocated (rollout.colocate)
+    on the learner's own GPUs from GPU 0, with SGLang's memory saver on a GPU (release/resume_memory_occupation
+    free and map the memory; SGLang's CPU build has no torch_memory_saver, and its release/resume are no-ops
+    there). Ports base_port +
+    node * num_servers + i: distinct across nodes, so URLs stay unique where several nodes share a host. Servers
+    bound to a wildcard host are addressed by this node's hostname (the other nodes' learners reach them)."""
+    if not model_path:
+        raise EngineError("rollout.sglang.launch needs the model's HF directory (model.init_from_hf) "
+                          "to start the servers from")
+    if nodes > 1 and cfg.host in _LOOPBACK_HOSTS:
+        raise EngineError(f"rollout.sglang.launch=true on {nodes} nodes: servers bound to {cfg.host} cannot be reached "
+                          "from drivers on other nodes; set rollout.sglang.host=0.0.0.0 (each node's servers are then "
+                          "addressed by its hostname)")
+    launcher = _load_launcher()
+    placed = [{}] * cfg.num_servers
+    if torch.cuda.is_available():  # each server on its own GPUs, after those of this node's learner ranks
+        if "base_gpu_id" in cfg.server_args:
+            raise EngineError("rollout.sglang.server_args.base_gpu_id: launched servers are placed by the "
+                              "engine (each after the learner ranks' GPUs and the servers before it); remove it")
+        learner = 0 if colocate else int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        placed = [{"base_gpu_id": g, **({"enable_memory_saver": True} if colocate else {})}
+                  for g in server_gpus(cfg.num_servers, cfg.tp_size, learner, torch.cuda.device_count())]
+    advertise = socket.gethostname() if cfg.host in _WILDCARD_HOSTS else None
+    servers = []
+    try:
+        for i in range(cfg.num_servers):
+            srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + node * cfg.num_servers + i, cfg.tp_size,
+                                        server_args={**cfg.server_args, **placed[i]}, python=cfg.python or None,
+                                        log_dir=cfg.log_dir or None, env=cfg.env, advertise=advertise)
+            servers.append(srv)
+            srv.start(cfg.startup_timeout)
+    except Exception as e:
+        for srv in servers:
+            srv.stop()
+        raise EngineError(f"SGLang engine: could not start a server{f' on node {node}' if nodes > 1 else ''}: {e}") from e
+    return servers
+
+
+def server_gpus(num_servers: int, tp_size: int, learner_gpus: int, gpus: int) -> list[int]:
+    """base_gpu_id of each server the engine launches on this node: the learner's local ranks hold GPUs
+    0..learner_gpus-1 (torchrun: local rank r on GPU r), server i the tp_size GPUs after those and the servers
+    before it. Servers that would not fit beside the learner are refused: they would share its GPUs."""
+    need = learner_gpus + num_servers * tp_size
+    if need > gpus:
+        spare = gpus - num_servers * tp_size
+        raise EngineError(
+            f"rollout.sglang.launch=true places {num_servers} server(s) x TP{tp_size} on this node after the GPUs of "
+            f"its {learner_gpus} learner rank(s): {need} GPUs needed, {gpus} here, so they would share the learner's GPUs; "
+            + (f"run the learner on {spare} GPU(s) of this node (--nproc-per-node {spare}), " if spare > 0 else "")
+            + "launch fewer or smaller servers, or run them on their own nodes (launch/slurm/train_disaggregated.sbatch)")
+    return [learner_gpus + i * tp_size for i in range(num_servers)]
