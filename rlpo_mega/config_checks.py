@@ -396,9 +396,11 @@ def _check_counts(cfg, warns: list[str]):
                      "tokens sampled by older policy versions as if on-policy: algorithm.mismatch.mode=tis with "
                      "level=sequence and a high tis_cap weights each sample by pi_old / mu (README, "
                      "\"Asynchronous RL\")")
-    if cfg.rollout.producer == "async" and ds.enabled:
-        raise ConfigError("rollout.producer=async does not take algorithm.dynamic_sampling yet: set "
-                          "algorithm.dynamic_sampling.enabled=false or rollout.producer=sync")
+    if cfg.rollout.producer == "async" and ds.enabled and ds.max_carry_steps > cfg.trainer.max_staleness:
+        warns.append(f"algorithm.dynamic_sampling.max_carry_steps={ds.max_carry_steps} with rollout.producer=async "
+                     f"and trainer.max_staleness={cfg.trainer.max_staleness}: a carried group is trained on only while "
+                     "its tokens are within the staleness bound, so groups carried longer are dropped "
+                     "(dynamic_sampling/carry_stale); set max_carry_steps <= max_staleness")
     env = cfg.environment
     if env.name is not None:
         if env.name not in ENVIRONMENTS:
@@ -409,9 +411,6 @@ def _check_counts(cfg, warns: list[str]):
         if env.timeout is not None and not env.timeout > 0:
             raise ConfigError(f"environment.timeout={env.timeout} must be > 0 seconds (or null: no limit)")
         environment_tools(env)  # the environment's own options, read as a run reads them
-        if ds.enabled:
-            raise ConfigError("multi-turn episodes (environment.name) do not take algorithm.dynamic_sampling yet: "
-                              "set algorithm.dynamic_sampling.enabled=false")
     if cfg.rollout.client_switch_interval is not None and not cfg.rollout.client_switch_interval > 0:
         raise ConfigError(f"rollout.client_switch_interval={cfg.rollout.client_switch_interval} must be > 0 seconds "
                           "(or null: Python's own)")

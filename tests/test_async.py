@@ -133,8 +133,11 @@ def test_async_config_refusals():
         check("trainer.max_staleness=1")
     with pytest.raises(ConfigError, match="trainer.max_staleness=-1 must be >= 0"):
         check("rollout.producer=async", "trainer.max_staleness=-1")
-    with pytest.raises(ConfigError, match="dynamic_sampling"):
-        check("rollout.producer=async", "algorithm.dynamic_sampling.enabled=true")
+    # dynamic sampling composes with the async producer; a group carried past the staleness bound is dropped
+    assert any("max_carry_steps=1 with rollout.producer=async and trainer.max_staleness=0" in w
+               for w in check("rollout.producer=async", "algorithm.dynamic_sampling.enabled=true"))
+    assert not any("max_carry_steps" in w for w in check(
+        "rollout.producer=async", "algorithm.dynamic_sampling.enabled=true", "trainer.max_staleness=1"))
     with pytest.raises(ConfigError, match="partial_rollout_mask"):
         check("rollout.partial_rollout_mask=true")
     with pytest.raises(ConfigError, match="partial_rollout_mask"):
@@ -206,3 +209,34 @@ def test_sigterm_with_requests_in_flight_and_engine_restart(runs):
         assert rank["resumed_1"] == rank["full_1"] and len(rank["full_1"]) == 8, rank
     assert r["crash_rc"] == 0 and [h["step"] for h in r["crash"]] == [1, 2, 3, 4]
     assert r["crash"][-1]["engine/restarts"] == 1
+
+
+def test_dynamic_sampling_through_the_async_producer(runs):
+    """DAPO dynamic sampling composed with the async producer (tests/workers/async_scenarios.dynamic). At
+    max_staleness 0 (nothing carried) it is the sync producer's dynamic sampling exactly: the same chunks of prompts
+    per rank, the same samples (tokens, log-probs, routes), the same losses and counts. At max_staleness 1 with
+    partial rollout, every trained sample is the engine's record (tokens, log-probs, per-token versions, every R3
+    routing row), each step trains its full quota of whole groups, and a carried group is trained only while its
+    tokens are within the staleness bound: what leaves the carry is counted (carried in or stale), never more than
+    went in."""
+    r = runs["dynamic"]
+    for rank in r["samples"]:
+        assert rank["samples"] == 24 and rank["differences"] == [], rank
+    assert len(r["sync"]) == len(r["async0"]) == 3
+    for a, b in zip(r["sync"], r["async0"]):
+        diff = {k: (a[k], b.get(k)) for k in a if not k.startswith(SKIP) and a[k] != b.get(k)}
+        assert not diff, diff
+        assert a["dynamic_sampling/kept"] == 4 and a["reward/samples"] == 16
+    assert sum(h["dynamic_sampling/dropped"] + h["dynamic_sampling/aborted"] for h in r["sync"]) > 0
+    hist = r["async1"]
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    for rank in r["async1_checks"]:
+        assert rank["problems"] == [] and rank["samples"] == 32 and rank["continued"] > 0, rank
+    for h in hist:
+        assert h["dynamic_sampling/kept"] == 4 and h["reward/samples"] == 16, h
+        assert h["async/stale_dropped_groups"] == 0 and h["async/staleness_max"] <= 1, h
+    out = [h["dynamic_sampling/carried_out"] for h in hist]
+    left = [h["dynamic_sampling/carried_in"] + h["dynamic_sampling/carry_stale"] for h in hist]
+    assert sum(out) > 0 and left[0] == 0, (out, left)
+    assert all(sum(left[:k + 1]) <= sum(out[:k]) for k in range(len(hist))), (out, left)
+    assert sum(h["dynamic_sampling/carried_in"] for h in hist) > 0

@@ -170,6 +170,15 @@ class DynamicSamplingReport:
         return out
 
 
+def judge_group(scores: Sequence[float], report: DynamicSamplingReport) -> bool:
+    """DAPO's filter on one group: kept when its scores are not all equal; a dropped group is counted by kind."""
+    f = filter_groups(torch.tensor(scores), torch.zeros(len(scores), dtype=torch.long))
+    report.dropped_all_zero += f.dropped_all_zero
+    report.dropped_all_one += f.dropped_all_one
+    report.dropped_other_constant += f.dropped_other_constant
+    return bool(f.kept_groups)
+
+
 # stream(items, chunk index) -> a generator of (item index, its n samples) as groups complete, that accepts
 # send("finish") (rlpo_mega.rollout.RolloutEngine.stream); score(item, samples) -> their n scores
 Stream = Callable[[list[PromptItem], int], Any]
@@ -238,11 +247,7 @@ class GroupCollector:
                 ended += 1
                 with timer("reward"):
                     scores = [float(x) for x in score(items[i], samples)]
-                f = filter_groups(torch.tensor(scores), torch.zeros(len(scores), dtype=torch.long))
-                report.dropped_all_zero += f.dropped_all_zero
-                report.dropped_all_one += f.dropped_all_one
-                report.dropped_other_constant += f.dropped_other_constant
-                if not f.kept_groups:
+                if not judge_group(scores, report):
                     continue
                 g = Group(items[i], samples, scores, version)
                 if len(kept) < quota:

@@ -202,6 +202,13 @@ class EpisodeBatch:
     def done(self) -> bool:
         return not self.open_groups
 
+    def extend(self, items: Sequence) -> None:
+        """n episodes more per item (dynamic sampling's next chunk of prompts), numbered after the ones here."""
+        start = len(self.eps) // self.n
+        self.eps += [Episode([int(t) for t in ids], start + i, self.runner.make(record))
+                     for i, (ids, record) in enumerate(items) for _ in range(self.n)]
+        self.open_groups |= set(range(start, start + len(items)))
+
     def call(self, engine, params, version: Optional[int] = None, interrupt=None) -> list[tuple[int, list[Sample]]]:
         """One engine call for every live episode, then the environment steps of the turns that ended (`generate`
         then `settle`); returns (item index, its n episodes as samples) for each group whose episodes have all
@@ -279,12 +286,16 @@ def with_call_seed(params, call: int):
 def run_episodes(engine, items: Sequence, n: int, params, runner, fmt: TurnFormat, limits: EpisodeLimits,
                  tokenizer):
     """Yields (item index, its n episodes as samples) as each group's episodes end, in any order (the protocol of
-    RolloutEngine.stream without `send`). items: (prompt ids, prompt record) pairs. The episodes' turns run in
+    RolloutEngine.stream; `send("finish")`: no turn is started after the running call, whose groups that ended
+    are still yielded, and the episodes still running are closed, their groups never yielded -- what dynamic
+    sampling asks once it has its groups). items: (prompt ids, prompt record) pairs. The episodes' turns run in
     lockstep: one engine call for every live episode's next turn (EpisodeBatch.call)."""
     batch = EpisodeBatch(items, n, runner, fmt, limits, tokenizer)
+    finish = False
     try:
-        while not batch.done:
-            yield from batch.call(engine, with_call_seed(params, batch.calls))
+        while not batch.done and not finish:
+            for group in batch.call(engine, with_call_seed(params, batch.calls)):
+                finish |= (yield group) == "finish"
             if not batch.progressed:  # nothing interrupts this loop: an engine that aborts every request by itself
                 raise EngineError("the engine aborted every request of an episode turn before it sampled a token")
     finally:

@@ -55,10 +55,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlpo_mega.data.sampling import DynamicSamplingReport, Group, judge_group
 from rlpo_mega.rollout import RolloutInterrupted, Sample
 from rlpo_mega.rollout.episode import EpisodeBatch, with_call_seed
 from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, tag, versions_of
-from rlpo_mega.training.collect import PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, sampling_params, score, share
+from rlpo_mega.training.collect import (PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, sampling_params, score,
+                                        share, trim_to_divisor)
 from rlpo_mega.training.engines import agree
 from rlpo_mega.training.exchange import gather_scalars
 
@@ -67,30 +69,61 @@ log = logging.getLogger("rlpo_mega")
 
 @dataclass
 class _Job:
-    """One step's groups on this rank: its share of the step's prompts, n samples each."""
+    """One step's groups on this rank: its share of the step's prompts, n samples each. With dynamic sampling
+    (`quota`: the groups to keep), the prompts come in chunks (`extend`), each group is judged as it is scored,
+    and the job is done once `quota` groups are kept or every group sent is judged (`exhausted`)."""
     step: int
     items: list
     seed: int
     n: int
+    quota: Optional[int] = None  # dynamic sampling: the groups to keep (None: every group is trained on)
     groups: list = None  # per item: n slots, each a finished Sample or None
     scored: list = None  # per item: the group has been scored
     parts: dict = field(default_factory=dict)  # (item, sample) -> interrupted Sample, continuable
-    rounds: int = 0  # engine calls so far (0: the fresh groups, one call as the sync producer's)
+    chunks: list = None  # (first item, seed) of each chunk of prompts; one chunk without dynamic sampling
+    sent: int = 0  # items whose fresh requests were sent (a chunk at a time)
+    rounds: int = 0  # engine calls so far
     continued: int = 0  # samples finished by a continuation
     restarted: int = 0  # samples generated again from their prompt after an interruption
     generate_s: float = 0.0
     confirmed: int = 0  # answers whose weight version the engine itself named (checked: partial.tag)
     batch: Optional[EpisodeBatch] = None  # multi-turn: the job's episodes, advanced one engine call per round
+    kept: list = field(default_factory=list)  # dynamic sampling: items kept, in the order they were judged
+    surplus: list = field(default_factory=list)  # kept beyond the quota (carried to a later step)
+    report: Optional[DynamicSamplingReport] = None
+    running: bool = False  # the thread is in one of its rounds (groups may still end there)
 
     def __post_init__(self):
         self.groups = [[None] * self.n for _ in self.items]
         self.scored = [False] * len(self.items)
+        self.chunks = [(0, self.seed)] if self.items else []
+        if self.quota is not None:
+            self.report = DynamicSamplingReport(self.quota, tries=len(self.chunks), prompts_drawn=len(self.items))
+
+    def extend(self, items: list, seed: int):
+        """Dynamic sampling: another chunk of prompts (sampled with its own seed)."""
+        self.chunks.append((len(self.items), seed))
+        self.items = self.items + list(items)
+        self.groups += [[None] * self.n for _ in items]
+        self.scored += [False] * len(items)
+        self.report.tries += 1
+        self.report.prompts_drawn += len(items)
+
+    @property
+    def reached(self) -> bool:
+        return self.quota is not None and len(self.kept) >= self.quota
+
+    @property
+    def exhausted(self) -> bool:
+        return self.sent == len(self.items) and all(self.scored)
 
     @property
     def complete(self) -> bool:
-        return all(self.scored)
+        return self.reached or (self.exhausted if self.quota is not None else all(self.scored))
 
     def samples(self) -> list[Sample]:
+        if self.quota is not None:
+            return [s for i in self.kept for s in self.groups[i]]
         return [s for g in self.groups for s in g]
 
 
@@ -114,6 +147,7 @@ class RolloutWorker:
         self.max_new = r.max_new_tokens
         self.stops = tuple(sampling_params(cfg, tokenizer, seed=0).stop_token_ids)
         self.mask = r.partial_rollout_mask
+        self.carry_steps = cfg.algorithm.dynamic_sampling.max_carry_steps
 
     # --- the learner's side --------------------------------------------------------------------------
     def add(self, job: _Job):
@@ -127,14 +161,21 @@ class RolloutWorker:
                 self.thread.start()
             self.cond.notify_all()
 
+    def extend(self, step: int, items: list, seed: int):
+        """Dynamic sampling: another chunk of prompts for `step`'s job (which is exhausted: the thread is not on it)."""
+        with self.cond:
+            self.jobs[step].extend(items, seed)
+            self.cond.notify_all()
+
     def take(self, step: int, should_stop) -> list[Sample]:
-        """This rank's samples of `step` once every group is scored (the job stays until `drop`)."""
+        """This rank's samples of `step` once its job is complete: every group scored; with dynamic sampling, its
+        quota kept or every group sent judged (the job stays until `drop`)."""
         with self.cond:
             while True:
                 if self.error is not None:
                     raise self.error
                 job = self.jobs[step]
-                if job.complete:
+                if job.complete and not job.running:  # (a round told to finish still ends its running groups)
                     return job.samples()
                 if should_stop is not None and should_stop():
                     raise RolloutInterrupted(f"stop requested while step {step}'s rollout was generating")
@@ -228,7 +269,7 @@ class RolloutWorker:
                     if job is not None:
                         break
                     self.cond.wait()
-                self.busy, version = True, self.version
+                self.busy, version, job.running = True, self.version, True
             try:
                 self._round(job, version)
             except BaseException as e:  # the step that waits for it raises it (EngineGuard: rebuild, or stop)
@@ -236,7 +277,7 @@ class RolloutWorker:
                     self.error = e
             finally:
                 with self.cond:
-                    self.busy = False
+                    self.busy = job.running = False
                     self.cond.notify_all()
 
     def _round(self, job: _Job, version: int):
@@ -245,12 +286,15 @@ class RolloutWorker:
         if self.episodes is not None:
             return self._episode_round(job, version)
         engine, t0 = self.engines.slot.engine, time.perf_counter()
-        if job.rounds == 0:
-            slots = [[(i, j) for j in range(job.n)] for i in range(len(job.items))]
-            gen = engine.stream([it.input_ids for it in job.items],
-                                sampling_params(self.cfg, self.tokenizer, job.seed), n=job.n)
+        if job.sent < len(job.items):  # a chunk's fresh groups (the first round: the sync producer's one call)
+            first, seed = next(c for c in job.chunks if c[0] == job.sent)
+            end = next((c[0] for c in job.chunks if c[0] > first), len(job.items))
+            slots = [[(i, j) for j in range(job.n)] for i in range(first, end)]
+            gen = engine.stream([it.input_ids for it in job.items[first:end]],
+                                sampling_params(self.cfg, self.tokenizer, seed), n=job.n)
+            job.sent = end
         else:
-            todo = [(i, j) for i, g in enumerate(job.groups) for j, s in enumerate(g) if s is None]
+            todo = [(i, j) for i, g in enumerate(job.groups) if not job.scored[i] for j, s in enumerate(g) if s is None]
             job.restarted += sum(1 for key in todo if key not in job.parts)
             slots = [[key] for key in todo]
             prompts = [continuation_prompt(job.parts[k]) if k in job.parts else job.items[k[0]].input_ids
@@ -274,8 +318,12 @@ class RolloutWorker:
                 for i in sorted({key[0] for key in slots[k]}):
                     if not job.scored[i] and all(s is not None for s in job.groups[i]):
                         self._score(job, i)
+                if job.reached and not self.carry_steps:  # no surplus wanted: everything ends now
+                    break
                 with self.cond:  # a pause aborts every running request itself (_quiesce): only stop sending
-                    msg = "stop_sending" if (self.pausing or self.closing) else None
+                    # dynamic sampling's quota kept: nothing more is sent, the running requests end (the groups that
+                    # complete meanwhile are carried)
+                    msg = "finish" if job.reached else "stop_sending" if (self.pausing or self.closing) else None
         finally:
             gen.close()
             job.generate_s += time.perf_counter() - t0
@@ -288,6 +336,9 @@ class RolloutWorker:
         engine, t0 = self.engines.slot.engine, time.perf_counter()
         if job.batch is None:
             job.batch = self.episodes.batch(job.items, job.n)
+        elif job.sent < len(job.items):  # dynamic sampling's next chunk: its episodes join the running ones
+            job.batch.extend([(it.input_ids, it.record) for it in job.items[job.sent:]])
+        job.sent = len(job.items)
         params = with_call_seed(sampling_params(self.cfg, self.tokenizer, job.seed), job.batch.calls)
         job.rounds += 1
 
@@ -307,6 +358,8 @@ class RolloutWorker:
             job.groups[i] = group
             job.continued += sum(s.meta.get("parts", 1) > 1 for s in group)
             self._score(job, i)
+        if job.reached:  # dynamic sampling's quota kept: the episodes still running end here
+            job.batch.close()
 
     def _settle(self, job: _Job, key, answer: Sample):
         prev = job.parts.pop(key, None)
@@ -335,6 +388,8 @@ class RolloutWorker:
             if self.mask:
                 s.masked_prefix = sum(c for v, c in spans if v < spans[-1][0])
         with self.cond:  # the step waiting for its last group wakes now
+            if job.quota is not None and judge_group([s.reward for s in group], job.report):
+                (job.surplus if job.reached else job.kept).append(i)
             job.scored[i] = True
             self.cond.notify_all()
 
@@ -350,6 +405,10 @@ class AsyncProducer(RolloutProducer):
         self.worker = RolloutWorker(cfg, self.engines, rollouts.scorer, rollouts.tokenizer, self.lag,
                                     rollouts.episodes)
         self.planned = None  # the last step whose prompts are drawn
+        ds = cfg.algorithm.dynamic_sampling
+        self.ds = ds if ds.enabled else None
+        self.pending: list[list] = []  # dynamic sampling: this rank's shares of chunks drawn, not yet taken (_chunk)
+        self.carry: list[Group] = []  # dynamic sampling: surplus groups kept for later steps
         self.engines.guard.quiesce.append(lambda: self.worker.paused(clear_error=True))
 
     @contextlib.contextmanager
@@ -370,21 +429,96 @@ class AsyncProducer(RolloutProducer):
         last = min(step + self.worker.lag, self.cfg.train_iters - 1)  # as far ahead as the thread may generate
         first = step if self.planned is None else max(step, self.planned + 1)
         for s in range(first, last + 1):
-            items = share(self.sampler.next_prompts(p.prompts_per_step), self.engines.ranks)
-            self.worker.add(_Job(s, items, mix_seed(self.cfg.seed, s, 0, dist.get_rank()), p.n_samples))
+            seed = mix_seed(self.cfg.seed, s, 0, dist.get_rank())
+            if self.ds is None:
+                items = share(self.sampler.next_prompts(p.prompts_per_step), self.engines.ranks)
+                self.worker.add(_Job(s, items, seed, p.n_samples))
+            else:  # the quota less the carried groups it will take (known when the step is the one collected)
+                quota = max(self._quota() - (len(self._usable(s)[0]) if s == step else 0), 0)
+                chunk = self._chunk(quota > 0)
+                self.worker.add(_Job(s, chunk or [], seed, p.n_samples, quota=quota))
             self.planned = s
+
+    # --- dynamic sampling ----------------------------------------------------------------------------
+    def _quota(self) -> int:
+        """This rank's share of a step's groups (0 on a rank without an engine)."""
+        return len(share(list(range(self.cfg.prompts.prompts_per_step)), self.engines.ranks))
+
+    def _chunk(self, need: bool) -> Optional[list]:
+        """Collective: a chunk of prompts for the ranks that `need` one. Each rank takes the chunks in one order, its
+        shares of them drawn and not yet taken first (`pending`); when one that needs a chunk has none left, every
+        rank draws the next (ceil(largest share x oversample) prompts each: the cursor stays equal everywhere) and
+        keeps its share for later. So each rank's t-th chunk is the sync producer's, whatever the others took."""
+        p, ranks = self.cfg.prompts, self.engines.ranks
+        flags = torch.tensor([int(need), int(need and not self.pending)], dtype=torch.int64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.engines.guard.group)
+        if not flags[0]:
+            return None
+        if flags[1]:
+            per_rank = math.ceil(-(-p.prompts_per_step // len(ranks)) * p.oversample)
+            drawn = share(self.sampler.next_prompts(per_rank * len(ranks)), ranks)
+            if drawn:
+                self.pending.append(drawn)
+        return self.pending.pop(0) if need else []
+
+    def _usable(self, step: int) -> tuple[list, int]:
+        """The carried groups `step` may train on (at most max_carry_steps steps old, no token older than the
+        staleness bound), and how many are too old."""
+        fresh = [g for g in self.carry if step - g.version <= self.ds.max_carry_steps
+                 and all(s.version_min < 0 or s.version_min >= step - self.lag for s in g.samples)]
+        return fresh, len(self.carry) - len(fresh)
+
+    def _take_dynamic(self, step: int) -> tuple[list[Sample], DynamicSamplingReport]:
+        """This rank's groups of `step`: carried ones first, then the job's; a job exhausted short of its quota gets
+        another chunk (every rank agrees, `_chunk`), up to max_tries chunks; surplus groups are carried."""
+        job, stop = self.worker.jobs[step], self.engines.slot.should_stop
+        while True:
+            self.engines.guard.run(lambda: self.worker.take(step, stop))
+            need = not job.reached and len(job.chunks) < self.ds.max_tries and job.quota > 0
+            chunk = self._chunk(need)
+            if chunk is None:
+                break
+            if need:
+                self.worker.extend(step, chunk, mix_seed(self.cfg.seed, step, len(job.chunks), dist.get_rank()))
+        quota = self._quota()
+        report = job.report
+        report.target_groups, report.aborted = quota, sum(1 for done in job.scored if not done)
+        usable, report.carry_stale = self._usable(step)
+        taken, carry = usable[:quota], usable[quota:]
+        report.carried_in = len(taken)
+        groups = taken + [Group(job.items[i], job.groups[i], [s.reward for s in job.groups[i]], step)
+                          for i in job.kept]
+        extra = groups[quota:] + [Group(job.items[i], job.groups[i], [s.reward for s in job.groups[i]], step)
+                                  for i in job.surplus]
+        groups = groups[:quota]
+        if self.ds.max_carry_steps:
+            carry += extra
+            report.carried_out = len(extra)
+        else:
+            report.surplus_dropped = len(extra)
+        self.carry = carry
+        report.groups_kept = len(groups)
+        return [s for g in groups for s in g.samples], report
 
     def collect(self, step: int, timer) -> ScoredGroups:
         cfg, n = self.cfg, self.cfg.prompts.n_samples
         self._plan(step)
         with timer("rollout"):  # the wait for this step's groups (generated meanwhile)
-            local = self.engines.guard.run(lambda: self.worker.take(step, self.engines.slot.should_stop))
+            if self.ds is None:
+                local = self.engines.guard.run(lambda: self.worker.take(step, self.engines.slot.should_stop))
+            else:
+                local, report = self._take_dynamic(step)
         job = self.worker.drop(step)
         with timer("gather"):
             samples = gather_scalars(local, self.rollouts.spec, cfg.routing.on_bad_trace, self.engines.guard.group)
         counts = torch.tensor([job.continued, job.restarted, job.rounds, job.confirmed] if job else [0] * 4,
                               dtype=torch.float64)
         dist.all_reduce(counts, group=self.engines.guard.group)
+        metrics = {}
+        if self.ds is not None:
+            ds = torch.tensor(report.counts(), dtype=torch.int64)
+            dist.all_reduce(ds, group=self.engines.guard.group)
+            metrics.update(DynamicSamplingReport(*ds.tolist()).stats())
         # the staleness bound, on every rank alike (the versions are scalars): a group with a token sampled more
         # than k versions before this step's learner is not trained on
         stale = {g for g in range(len(samples) // n)
@@ -394,31 +528,38 @@ class AsyncProducer(RolloutProducer):
                         step, len(stale), self.lag)
             samples = [s for k, s in enumerate(samples) if k // n not in stale]
         ages = [step - s.version_min for s in samples if s.version_min >= 0]
-        metrics = {"async/stale_dropped_groups": len(stale), "async/continued_samples": int(counts[0]),
-                   "async/restarted_samples": int(counts[1]), "async/engine_calls": int(counts[2]),
-                   "async/versions_confirmed": int(counts[3]),
-                   "async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
-                   "async/staleness_max": max(ages, default=0)}
+        metrics.update({"async/stale_dropped_groups": len(stale), "async/continued_samples": int(counts[0]),
+                        "async/restarted_samples": int(counts[1]), "async/engine_calls": int(counts[2]),
+                        "async/versions_confirmed": int(counts[3]),
+                        "async/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+                        "async/staleness_max": max(ages, default=0)})
         if job is not None:
             metrics["async/generate_s"] = job.generate_s  # this rank's engine calls for the step, end to end
-        unit = self.divisor // math.gcd(self.divisor, n)  # whole groups whose rows split evenly
-        keep = (len(samples) // n) // unit * unit
-        if keep * n < len(samples):
-            metrics["async/trimmed_groups"] = len(samples) // n - keep
-            samples = samples[:keep * n]
+        samples, trimmed = trim_to_divisor(samples, n, self.divisor)
+        if trimmed:
+            metrics["async/trimmed_groups"] = trimmed
         return ScoredGroups(samples, torch.arange(len(samples) // n).repeat_interleave(n), metrics)
 
     def state_dict(self) -> dict:
-        """The prompts of the steps planned and not trained (this rank's shares): generated again after a resume."""
+        """The prompts of the steps planned and not trained (this rank's shares): generated again after a resume;
+        with dynamic sampling, the prompts drawn and not taken and the carried groups."""
         with self.worker.cond:
             jobs = [(s, j.items) for s, j in sorted(self.worker.jobs.items())]
-        return {"async_jobs": jobs} if jobs else {}
+        state = {"async_jobs": jobs} if jobs else {}
+        if self.pending or self.carry:
+            state.update(pending=self.pending, carry=self.carry)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        ds = self.ds is not None
         for s, items in state.get("async_jobs", []):
             self.worker.add(_Job(s, list(items), mix_seed(self.cfg.seed, s, 0, dist.get_rank()),
-                                 self.cfg.prompts.n_samples))
+                                 self.cfg.prompts.n_samples, quota=self._quota() if ds else None))
             self.planned = s if self.planned is None else max(self.planned, s)
+        if ds:
+            n = self.cfg.prompts.n_samples
+            self.pending = list(state.get("pending", []))
+            self.carry = [g for g in state.get("carry", []) if len(g.samples) == n]
 
     def close(self):
         self.worker.close()

@@ -96,6 +96,14 @@ def share(items: list, ranks: list[int]) -> list:
     return share_of(items, ranks.index(me), len(ranks)) if me in ranks else []
 
 
+def trim_to_divisor(samples: list, n: int, divisor: int) -> tuple[list, int]:
+    """A step's samples (groups of n, group-major) cut to the whole groups whose rows split evenly into `divisor`
+    (mini-batches x DP x ...); returns them and the number of groups dropped."""
+    unit = divisor // math.gcd(divisor, n)
+    keep = (len(samples) // n) // unit * unit
+    return samples[:keep * n], len(samples) // n - keep
+
+
 def sampling_params(cfg, tokenizer, seed: int, greedy: bool = False) -> SamplingParams:
     r = cfg.rollout
     stop = tuple(r.stop_token_ids) if r.stop_token_ids is not None else (tokenizer.eos_token_id,)
@@ -222,13 +230,10 @@ class SyncProducer(RolloutProducer):
             samples = self.rollouts(self.sampler.next_prompts(p.prompts_per_step), p.n_samples,
                                     sampling_params(cfg, self.rollouts.tokenizer, seed), timer)
             metrics = {}
-        n = p.n_samples
-        unit = self.divisor // math.gcd(self.divisor, n)  # groups whose rows split evenly
-        keep = (len(samples) // n) // unit * unit
-        if keep * n < len(samples):  # a short dynamic-sampling batch: whole groups dropped to divide evenly
-            metrics["dynamic_sampling/trimmed_groups"] = len(samples) // n - keep
-            samples = samples[:keep * n]
-        return ScoredGroups(samples, torch.arange(len(samples) // n).repeat_interleave(n), metrics)
+        samples, trimmed = trim_to_divisor(samples, p.n_samples, self.divisor)
+        if trimmed:  # a short dynamic-sampling batch
+            metrics["dynamic_sampling/trimmed_groups"] = trimmed
+        return ScoredGroups(samples, torch.arange(len(samples) // p.n_samples).repeat_interleave(p.n_samples), metrics)
 
     def _dynamic(self, step: int, timer) -> tuple[list[Sample], dict]:
         """Every rank: the step's kept groups (scalars; payloads on their engine rank) and the summed counts."""
@@ -247,11 +252,19 @@ class SyncProducer(RolloutProducer):
             drawn[0] += 1
             return share(self.sampler.next_prompts(per_rank * len(ranks)), ranks)
 
+        episodes = self.rollouts.episodes
+
         def stream(items, k):
             params = sampling_params(cfg, self.rollouts.tokenizer, mix_seed(cfg.seed, step, k, me))
+            if episodes is not None:  # a group: the prompt's n episodes
+                return episodes.stream(engines.slot.engine, items, params, n)
             return engines.slot.engine.stream([it.input_ids for it in items], params, n=n)
 
         def score_group(item, group):
+            if episodes is not None:  # an episode's reward is its environment's
+                for s in group:
+                    s.meta["policy_version"] = step
+                return [s.reward for s in group]
             return score([item] * len(group), group, self.rollouts.scorer, self.rollouts.tokenizer, step)
 
         before, attempts = (self.sampler.state_dict(), list(self.pending), list(self.groups.carry)), [0]

@@ -294,10 +294,48 @@ def sigterm_and_restart(out):
     return rep
 
 
+DYNAMIC = ("algorithm.loss.name=dapo", "algorithm.dynamic_sampling.enabled=true", "prompts.oversample=1.5",
+           "trainer.mini_batches=1", "rollout.engine=test_recorded")
+
+
+def dynamic(out):
+    """DAPO dynamic sampling through the async producer. At max_staleness 0 (groups not carried) it trains exactly
+    the sync producer's samples, chunk for chunk. At max_staleness 1 with partial rollout, a slow engine (every sync
+    lands mid-generation) and groups carried one step: the trained samples against the engine's record, and per
+    step the group counts."""
+    runs, rep = {}, {}
+    for run, extra in (("sync", ()), ("async0", ("rollout.producer=async", "trainer.max_staleness=0"))):
+        trained = {}
+        originals = _recording(trained)
+        _fresh_record()
+        try:
+            train(cfg(out, run, "train_iters=3", "algorithm.dynamic_sampling.max_carry_steps=0", *DYNAMIC, *extra))
+        finally:
+            _restore(originals)
+        runs[run] = trained
+        rep[run] = history(out, run)
+    rep["samples"] = _gathered(_same(runs["sync"], runs["async0"]))
+    os.environ["RLPO_DECODE_DELAY"] = SLOW
+    original_pause = _sync_after_first_tokens()
+    trained = {}
+    originals = _recording(trained)
+    _fresh_record()
+    try:
+        train(cfg(out, "async1", "train_iters=4", "trainer.max_staleness=1", "rollout.producer=async",
+                  "rollout.partial_rollout=true", "algorithm.dynamic_sampling.max_carry_steps=1", *DYNAMIC))
+    finally:
+        _restore(originals)
+        os.environ.pop("RLPO_DECODE_DELAY")
+        AsyncProducer.paused = original_pause
+    rep["async1"] = history(out, "async1")
+    rep["async1_checks"] = _gathered(_check_against_record(trained))
+    return rep
+
+
 def everything(out):
     return {name: fn(os.path.join(out, name)) for name, fn in (
         ("equal_at_zero", equal_at_zero), ("mid_generation", mid_generation), ("held_past_bound", held_past_bound),
-        ("sigterm_and_restart", sigterm_and_restart))}
+        ("sigterm_and_restart", sigterm_and_restart), ("dynamic", dynamic))}
 
 
 if __name__ == "__main__":
