@@ -483,6 +483,12 @@ def response_budget(cfg) -> tuple[int, str]:
     return cfg.rollout.max_new_tokens, "rollout.max_new_tokens"
 
 
+def at_least(key: str, value, low, why: str = "") -> None:
+    """ConfigError for a count below its minimum, naming the key, the value and what the count is."""
+    if value < low:
+        raise ConfigError(f"{key}={value} must be >= {low}" + (f" ({why})" if why else ""))
+
+
 def unknown_choice(key: str, value, known: Iterable[str]) -> str:
     """`key='value' is not known; known: a, b. Did you mean 'a'?`: the one message for a value outside a closed
     set, a Literal key's (load_config) or a registry's names (config_checks)."""

@@ -27,12 +27,12 @@ from rlpo_mega.algorithms import objective
 from rlpo_mega.algorithms.advantages import ADVANTAGES, CRITIC_ESTIMATORS
 from rlpo_mega.algorithms.kl import KL_ESTIMATORS
 from rlpo_mega.algorithms.losses import LOSSES
-from rlpo_mega.config import ConfigError, response_budget, unknown_choice
+from rlpo_mega.config import ConfigError, at_least, response_budget, unknown_choice
 from rlpo_mega.environments import ENVIRONMENTS, environment_tools
 from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
 from rlpo_mega.rewards import REWARDS
-from rlpo_mega.rollout import ENGINES  # the package registers the engines (and the sglang_distributed transport)
+from rlpo_mega.rollout import ENGINES  # the package registers the engines
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
@@ -48,7 +48,6 @@ GROUP_ADVANTAGES = ("grpo", "dr_grpo", "rloo")  # normalised within a prompt's g
 # GSPO's clip range is on the length-normalised sequence ratio: the paper's is 3e-4 / 4e-4, and a PPO-style
 # 0.2 clips (almost) nothing. Anything at or above this is taken for a PPO-style range.
 GSPO_PPO_LIKE_EPS = 0.01
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "0.0.0.0", "::1")
 
 
 def _choice(key: str, value: str, known: Iterable[str]) -> None:
@@ -56,12 +55,6 @@ def _choice(key: str, value: str, known: Iterable[str]) -> None:
     known = list(known)
     if value not in known:
         raise ConfigError(unknown_choice(key, value, known))
-
-
-def _at_least(key: str, value, low, why: str = "") -> None:
-    """ConfigError for a count below its minimum, naming the key, the value and what the count is."""
-    if value < low:
-        raise ConfigError(f"{key}={value} must be >= {low}" + (f" ({why})" if why else ""))
 
 
 def _moe_layers(hf: Any, model_type: Optional[str]) -> tuple[Optional[int], int]:
@@ -193,18 +186,7 @@ def _check_algorithm(cfg, warns: list[str]):
 
 def _check_colocate(cfg):
     r = cfg.rollout
-    if not r.colocate:
-        return
-    if r.engine == "sglang":
-        if r.sync_transport != "in_process":
-            # NCCL refuses two ranks of one communicator on one GPU: the weights go by update_weights_from_tensor
-            raise ConfigError(f"rollout.colocate=true with rollout.sync_transport={r.sync_transport}: servers on the "
-                              "learner's own GPUs take the weights by update_weights_from_tensor (CUDA IPC), not an "
-                              "NCCL group with the learner: set rollout.sync_transport=in_process")
-        if r.sglang.urls or not r.sglang.launch:
-            raise ConfigError("rollout.colocate=true with SGLang: the trainer launches the servers on its own GPUs "
-                              "(rollout.sglang.launch=true, no rollout.sglang.urls)")
-    if r.producer != "sync":
+    if r.colocate and r.producer != "sync":
         raise ConfigError(f"rollout.colocate=true with rollout.producer={r.producer}: generation ahead of training "
                           "would need the learner's accelerators while it trains; use rollout.producer=sync")
 
@@ -234,99 +216,6 @@ def _check_rollout(cfg, warns: list[str]):
         raise ConfigError(f"rollout.max_new_tokens={ro.max_new_tokens} must be >= 1")
     if ro.sync_bucket_mb < 1:
         raise ConfigError(f"rollout.sync_bucket_mb={ro.sync_bucket_mb} must be >= 1")
-    if ro.engine == "embedded":
-        if ro.sync_transport not in ("in_process", "disk"):
-            raise ConfigError(f"rollout.sync_transport={ro.sync_transport} with rollout.engine=embedded: the "
-                              "embedded engine lives in the learner's process; use in_process (or disk)")
-        if cfg.routing.mode == "r3" and not ro.embedded.capture_routes:
-            raise ConfigError("routing.mode=r3 replays the rollout's routes, but rollout.embedded.capture_routes="
-                              "false records none; set rollout.embedded.capture_routes=true (or routing.mode=r2/off)")
-        if ro.embedded.batch_size is not None and ro.embedded.batch_size < 1:
-            raise ConfigError(f"rollout.embedded.batch_size={ro.embedded.batch_size} must be >= 1 (or null: every "
-                              "request of a step in one batch)")
-        response, key = response_budget(cfg)
-        if ro.embedded.max_batch_tokens is not None and ro.embedded.max_batch_tokens < response + 1:
-            raise ConfigError(f"rollout.embedded.max_batch_tokens={ro.embedded.max_batch_tokens} cannot hold one "
-                              f"prompt + {key}={response}; raise it (or null: no cap)")
-    if ro.engine == "sglang":
-        sg = ro.sglang
-        if sg.tp_size < 1 or sg.num_servers < 1:
-            raise ConfigError(f"rollout.sglang.tp_size={sg.tp_size} and num_servers={sg.num_servers} must be >= 1")
-        _at_least("rollout.sglang.max_in_flight_per_server", sg.max_in_flight_per_server, 1,
-                  "generate requests sent to each server at once")
-        _at_least("rollout.sglang.decode_concurrency", sg.decode_concurrency, 1,
-                  "answers the driver reads and decodes at once")
-        for key in ("request_timeout", "control_timeout", "hang_timeout", "health_interval", "health_timeout",
-                    "startup_timeout"):
-            if not getattr(sg, key) > 0:
-                raise ConfigError(f"rollout.sglang.{key}={getattr(sg, key)} must be > 0 (seconds)")
-        if sg.health_interval >= sg.hang_timeout:
-            raise ConfigError(f"rollout.sglang.health_interval={sg.health_interval} must be below hang_timeout="
-                              f"{sg.hang_timeout}: /health is polled every health_interval to detect a hang")
-        if not ro.wait_timeout >= sg.request_timeout:
-            raise ConfigError(f"rollout.wait_timeout={ro.wait_timeout} is shorter than rollout.sglang.request_timeout="
-                              f"{sg.request_timeout}: the other ranks would give up on a rollout the drivers still "
-                              "wait for")
-        if not sg.urls and not sg.launch:
-            warns.append("rollout.engine=sglang with no rollout.sglang.urls and launch=false: give the servers' "
-                         "URLs (launch/slurm/train_disaggregated.sbatch adds rollout.sglang.urls=[...]) or set "
-                         "rollout.sglang.launch=true")
-        if sg.launch and not sg.urls:
-            if not cfg.model.init_from_hf:
-                raise ConfigError("rollout.sglang.launch=true starts the servers from the model's HF directory: "
-                                  "set model.init_from_hf")
-            if cfg.routing.mode == "r3" and not sg.server_args.get("enable_return_routed_experts"):
-                raise ConfigError("routing.mode=r3 with launched SGLang servers needs their routes: add "
-                                  "rollout.sglang.server_args.enable_return_routed_experts=true")
-            c = cfg.cluster
-            if ro.colocate and c.learner_nodes and sg.num_servers * sg.tp_size > c.gpus_per_node:
-                raise ConfigError(f"rollout.colocate=true: {sg.num_servers} server(s) x TP{sg.tp_size} per node need "
-                                  f"{sg.num_servers * sg.tp_size} GPUs, a node has {c.gpus_per_node} "
-                                  "(cluster.gpus_per_node): launch fewer or smaller servers")
-            if c.learner_nodes and not ro.colocate:  # full learner nodes (rlpo-mega plan): no GPU left for servers
-                raise ConfigError(
-                    f"rollout.sglang.launch=true starts the servers on the learner's node, on the GPUs its ranks leave "
-                    f"free, but cluster.learner_nodes={c.learner_nodes} x gpus_per_node={c.gpus_per_node} are all "
-                    f"learner ranks: {sg.num_servers} server(s) x TP{sg.tp_size} would share their GPUs; run the "
-                    "servers on their own nodes (launch/slurm/train_disaggregated.sbatch sets rollout.sglang.urls)")
-        remote = [u for u in sg.urls if (u.split("://", 1)[-1].split("/", 1)[0].rsplit(":", 1)[0]
-                                         .strip("[]") not in LOCAL_HOSTS)]
-        if ro.sync_transport == "in_process" and remote:
-            warns.append(f"rollout.sync_transport=in_process sends SGLang weights through shared memory of this "
-                         f"host, but {', '.join(remote)} may be on other nodes: use sglang_distributed there")
-    elif ro.sync_transport == "sglang_distributed":
-        raise ConfigError(f"rollout.sync_transport=sglang_distributed needs rollout.engine=sglang "
-                          f"(got {ro.engine})")
-
-
-def _check_drivers(cfg, world_size: Optional[int], nodes: Optional[int]):
-    """rollout.sglang.drivers: evenly spaced learner ranks (rlpo_mega.rollout.sglang_engine.SGLangEngine.ranks),
-    each with its own share of the servers (so at least one server each)."""
-    sg = cfg.rollout.sglang
-    if cfg.rollout.engine != "sglang":
-        return
-    if sg.drivers < 1:
-        raise ConfigError(f"rollout.sglang.drivers={sg.drivers} must be >= 1 (the learner ranks that drive the "
-                          "SGLang servers; e.g. 1, or one per learner node)")
-    if world_size is not None and (sg.drivers > world_size or world_size % sg.drivers):
-        fits = [d for d in range(1, world_size + 1) if world_size % d == 0][:8]
-        raise ConfigError(f"rollout.sglang.drivers={sg.drivers} does not divide the world size {world_size} (driver "
-                          f"ranks are evenly spaced, one per node when it equals the node count): set it to one of "
-                          f"{', '.join(map(str, fits))}")
-    servers, where = None, ""
-    if sg.urls:
-        servers, where = len(sg.urls), "in rollout.sglang.urls"
-    elif sg.launch and nodes:
-        servers = sg.num_servers * nodes
-        where = f"launched (rollout.sglang.num_servers={sg.num_servers} x {nodes} node(s))"
-    if servers is not None and sg.drivers > servers:
-        raise ConfigError(f"rollout.sglang.drivers={sg.drivers} but {servers} SGLang server(s) {where}: each driver "
-                          f"drives its own servers; set rollout.sglang.drivers <= {servers} or add servers")
-    fewest = servers // sg.drivers if servers is not None else None  # the smallest driver's share
-    if sg.min_servers < 1 or (fewest is not None and sg.min_servers > fewest):
-        raise ConfigError(f"rollout.sglang.min_servers={sg.min_servers}: each driver keeps generating while at least "
-                          f"this many of its servers live, so it must be between 1 and the servers of its share"
-                          + (f" ({fewest}: {servers} server(s) {where} over {sg.drivers} driver(s))" if fewest else ""))
 
 
 def _existing_file(key: str, path: Optional[str], why: str) -> None:
@@ -387,7 +276,7 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.prompts.oversample < 1:
         raise ConfigError(f"prompts.oversample={cfg.prompts.oversample} must be >= 1")
     ds = cfg.algorithm.dynamic_sampling
-    _at_least("trainer.max_staleness", cfg.trainer.max_staleness, 0, "0: synchronous steps")
+    at_least("trainer.max_staleness", cfg.trainer.max_staleness, 0, "0: synchronous steps")
     if cfg.trainer.max_staleness > 0 and cfg.rollout.producer != "async":
         raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout.producer=async (the "
                           f"{cfg.rollout.producer} producer generates each step on the weights of the last sync)")
@@ -405,9 +294,9 @@ def _check_counts(cfg, warns: list[str]):
     if env.name is not None:
         if env.name not in ENVIRONMENTS:
             raise ConfigError(unknown_choice("environment.name", env.name, ENVIRONMENTS.names()))
-        _at_least("environment.max_turns", env.max_turns, 1, "model turns per episode")
-        _at_least("environment.max_tokens", env.max_tokens, 1, "response tokens per episode")
-        _at_least("environment.num_workers", env.num_workers, 1, "threads running environment steps")
+        at_least("environment.max_turns", env.max_turns, 1, "model turns per episode")
+        at_least("environment.max_tokens", env.max_tokens, 1, "response tokens per episode")
+        at_least("environment.num_workers", env.num_workers, 1, "threads running environment steps")
         if env.timeout is not None and not env.timeout > 0:
             raise ConfigError(f"environment.timeout={env.timeout} must be > 0 seconds (or null: no limit)")
         environment_tools(env)  # the environment's own options, read as a run reads them
@@ -417,9 +306,9 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.rollout.partial_rollout_mask and not (cfg.rollout.producer == "async" and cfg.rollout.partial_rollout):
         raise ConfigError("rollout.partial_rollout_mask=true masks the tokens of continued samples, which only "
                           "rollout.producer=async with rollout.partial_rollout=true makes: set both or leave it false")
-    _at_least("algorithm.dynamic_sampling.max_tries", ds.max_tries, 1, "chunks of prompts per step and engine rank")
-    _at_least("algorithm.dynamic_sampling.max_carry_steps", ds.max_carry_steps, 0,
-              "0: surplus groups are never carried to a later step")
+    at_least("algorithm.dynamic_sampling.max_tries", ds.max_tries, 1, "chunks of prompts per step and engine rank")
+    at_least("algorithm.dynamic_sampling.max_carry_steps", ds.max_carry_steps, 0,
+             "0: surplus groups are never carried to a later step")
     _check_lr_schedule(cfg)
 
 
@@ -589,7 +478,11 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
     _check_colocate(cfg)
-    _check_drivers(cfg, world_size, nodes)
+    engine = ENGINES.get(cfg.rollout.engine)
+    engine.check_config(cfg, warns, world_size, nodes)  # the engine's own settings
+    transport = TRANSPORTS.get(cfg.rollout.sync_transport)
+    if hasattr(transport, "check_config"):  # what the transport needs of the engine
+        transport.check_config(cfg, engine)
     _check_counts(cfg, warns)
     _check_critic(cfg, warns)
     if cfg.model.expert_bias_update_rate > 0 and cfg.routing.mode != "off":

@@ -377,3 +377,17 @@ def test_critic_warnings(tiny_hf):
                              log_warnings=False)
     assert any("critic.warmup_steps=1 >= train_iters=1" in w for w in warns)
     assert any("algorithm.kl.in_reward=true with algorithm.kl.coef=0" in w for w in warns)
+
+
+def test_colocate_refusals(tiny_hf):
+    """rollout.colocate=true: each combination the hand-over cannot serve is one line naming the fix (the SGLang
+    engine's own checks, rlpo_mega/rollout/sglang_checks.py; the producer's in config_checks)."""
+    sg = ("rollout.colocate=true", "rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m")
+    assert check_run_config(_cfg(*sg), tiny_hf) == []
+    assert "set rollout.sync_transport=in_process" in _err(tiny_hf, *sg, "rollout.sync_transport=sglang_distributed")
+    assert "rollout.sglang.launch=true, no rollout.sglang.urls" in _err(
+        tiny_hf, *sg, "rollout.sglang.urls=[http://127.0.0.1:30000]")
+    assert "use rollout.producer=sync" in _err(tiny_hf, "rollout.colocate=true", "rollout.producer=async")
+    assert "a node has 8 (cluster.gpus_per_node)" in _err(
+        tiny_hf, *sg, "rollout.sglang.num_servers=3", "rollout.sglang.tp_size=4", "cluster.learner_nodes=1",
+        "cluster.gpus_per_node=8")

@@ -329,7 +329,8 @@ def trainer_runs(tmp_path_factory):
             f.write(json.dumps({"prompt": f"k{i}?", "answer": "go"}) + "\n")
     out = tmp_path_factory.mktemp("mt_out")
     one = torchrun("multi_turn.py", 1, str(out), str(data), "ep1", timeout=600)
-    two = torchrun("multi_turn.py", 2, str(out), str(data), "ep2", "async0", "tp2", "async1", timeout=1200)
+    two = torchrun("multi_turn.py", 2, str(out), str(data), "ep2", "async0", "tp2", "async1", "ds", "async1_ds",
+                   timeout=1500)
     return {**one, **two}
 
 
@@ -471,3 +472,33 @@ def test_the_episode_budget_is_what_the_context_and_the_micro_batches_must_hold(
     with pytest.raises(ConfigError, match="environment.name=.nope. is not known; known: lookup, python"):
         check_run_config(load_config(os.path.join(ROOT, "configs/demo_tools_cpu.yaml"), ("environment.name=nope",)),
                          hf, world_size=2, log_warnings=False)
+
+
+def test_dynamic_sampling_on_episodes_sync_and_async(trainer_runs):
+    """algorithm.dynamic_sampling on multi-turn episodes: a group is a prompt's n episodes, judged when its last one
+    ends (the environments' rewards); over-sampled chunks (prompts.oversample 1.5) fill each step's quota of groups,
+    the surplus is carried one step. Synchronous: every step trains its quota of whole groups. Asynchronous
+    (max_staleness 1, partial rollout, syncs landing mid-turn): every trained episode is the engine's record (model
+    tokens, log-probs, per-token versions, every R3 routing row), and a carried group is trained only while within
+    the staleness bound, what leaves the carry counted."""
+    for run in ("ds", "async1_ds"):
+        r = trainer_runs[run]
+        assert r["rc"] == 0
+        steps = [h for h in r["history"] if "reward/mean" in h]
+        assert [h["step"] for h in steps] == ([1, 2] if run == "ds" else [1, 2, 3, 4])
+        for h in steps:
+            assert h["dynamic_sampling/kept"] == 4 and h["reward/samples"] == 8, h
+            assert h["episode/turns_mean"] > 1.5, h
+        out = [h["dynamic_sampling/carried_out"] for h in steps]
+        left = [h["dynamic_sampling/carried_in"] + h["dynamic_sampling/carry_stale"] for h in steps]
+        assert sum(out) > 0 and sum(h["dynamic_sampling/carried_in"] for h in steps) > 0, (out, left)
+        assert all(sum(left[:k + 1]) <= sum(out[:k]) for k in range(len(steps))), (out, left)
+    for rank in trainer_runs["ds"]["groups"]:  # whole groups of prompts.n_samples=2 episodes, 2 per rank
+        assert set(rank.values()) == {4}, rank
+    a1 = trainer_runs["async1_ds"]
+    for rank in a1["checks"]:
+        assert rank["problems"] == [] and rank["samples"] == 16 and rank["obs_tokens"] > 0, rank
+    assert sum(rank["continued"] for rank in a1["checks"]) > 0
+    for h in a1["history"]:
+        if "reward/mean" in h:
+            assert h["async/stale_dropped_groups"] == 0 and h["async/staleness_max"] <= 1, h

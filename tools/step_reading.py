@@ -8,6 +8,7 @@ a reader opens from the step's own modules (rlpo_mega/training/ and what they ca
 
   python tools/step_reading.py            (from the repository root; about a minute on 2 CPU cores)
   python tools/step_reading.py --json F   also writes the numbers to F
+  python tools/step_reading.py rollout.producer=async algorithm.dynamic_sampling.enabled=true   another step
 """
 from __future__ import annotations
 
@@ -42,7 +43,24 @@ def house_counts() -> dict:
                         inner += 1
     training = [p for p in (ROOT / "rlpo_mega" / "training").glob("*.py") if p.name != "__init__.py"]
     return {"in_function_own_imports": inner, "training_modules": len(training),
-            "largest_file": largest[0], "largest_file_lines": largest[1]}
+            "largest_file": largest[0], "largest_file_lines": largest[1], "name_branches": len(name_branches())}
+
+
+CHOICES = ("engine", "producer", "sync_transport")  # the registries' configured names (rollout.*)
+
+
+def name_branches() -> list[str]:
+    """Where the package branches on a registry's configured name (`x.engine == "sglang"`, `x.producer in (...)`)
+    instead of asking the registered class: file:line of each comparison."""
+    out = []
+    for pkg in PACKAGES:
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            for n in ast.walk(ast.parse(p.read_text())):
+                if isinstance(n, ast.Compare) and isinstance(n.left, ast.Attribute) and n.left.attr in CHOICES \
+                        and any(isinstance(c, ast.Constant) and isinstance(c.value, str)
+                                or isinstance(c, (ast.Tuple, ast.List, ast.Set)) for c in n.comparators):
+                    out.append(f"{p.relative_to(ROOT)}:{n.lineno}")
+    return out
 
 
 WORKER = r'''
@@ -54,7 +72,7 @@ from rlpo_mega.training.trainer import Trainer
 
 cfg = load_config("configs/demo_cpu.yaml", ("train_iters=2", "trainer.warmup.steps=1", "trainer.eval_every=0",
                                             "logging.mode=disabled", "logging.plot=false",
-                                            "logging.dir=" + {out!r}))
+                                            "logging.dir=" + {out!r}) + tuple({overrides!r}))
 trainer = Trainer(cfg)
 calls, calls_made = [], [0]
 roots = tuple(os.path.join({root!r}, p) + os.sep for p in ("rlpo_mega", "moe"))
@@ -91,11 +109,11 @@ if calls:
 '''
 
 
-def trace_step() -> list:
+def trace_step(overrides=()) -> list:
     with tempfile.TemporaryDirectory() as out:
         script = os.path.join(out, "worker.py")
         with open(script, "w") as f:
-            f.write(WORKER.format(root=str(ROOT), out=out))
+            f.write(WORKER.format(root=str(ROOT), out=out, overrides=list(overrides)))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
                script]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
@@ -109,8 +127,10 @@ def trace_step() -> list:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="also write the numbers to this file")
+    ap.add_argument("overrides", nargs="*", help="dotted config overrides of the traced run, e.g. "
+                    "rollout.producer=async algorithm.dynamic_sampling.enabled=true prompts.oversample=2.0")
     args = ap.parse_args()
-    calls = trace_step()
+    calls = trace_step(args.overrides)
     order, functions, entries = [], {}, {}
     for path, fn, caller in calls:
         if path not in functions:
@@ -132,6 +152,7 @@ def main():
                "rlpo_mega_functions": sum(len(functions[p]) for p in own),
                "files_entered_more_than_once": sum(len(entries[p]) > 1 for p in own),
                "files_opened_from_the_step_modules": len(opened), **house_counts()}
+    print("branches on a configured engine/producer/transport name:", ", ".join(name_branches()) or "none")
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -147,6 +147,11 @@ class RolloutEngine(abc.ABC):
         return list(range(world_size))
 
     @classmethod
+    def check_config(cls, run_cfg, warns: list, world_size: Optional[int] = None, nodes: Optional[int] = None) -> None:
+        """`rlpo-mega check` of this engine's own settings (a ConfigError for a refusal, a line in `warns` for a
+        warning), with the world size and node count when known. The engine's checks live with it."""
+
+    @classmethod
     @abc.abstractmethod
     def from_config(cls, run_cfg, hf_config) -> "RolloutEngine":
         """The engine of a RunConfig (on a rank of `ranks`)."""

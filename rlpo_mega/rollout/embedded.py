@@ -32,7 +32,7 @@ from moe.model import load_hf_config
 from moe.routing.decoders import HFRouteCapture
 from moe.routing.trace import TraceSpec
 from rlpo_mega import platform
-from rlpo_mega.config import EmbeddedEngineConfig
+from rlpo_mega.config import ConfigError, EmbeddedEngineConfig, response_budget
 from rlpo_mega.model_setup import PARAMS_DTYPES
 from rlpo_mega.residency import Residency, distinct_storages as _distinct_storages
 from rlpo_mega.weight_sync.transports import HFModelReceiver
@@ -148,6 +148,23 @@ class EmbeddedEngine(RolloutEngine):
         self.memory = Residency(lambda: list(self.model.parameters()) + list(self.model.buffers()))
         self.decode_steps = 0  # decoding steps of the running (or last) generate() call: progress to watch
         self.weight_version: Optional[str] = None  # set_weight_version: named in each answer's meta
+
+    @classmethod
+    def check_config(cls, cfg, warns: list, world_size: Optional[int] = None, nodes: Optional[int] = None) -> None:
+        ro = cfg.rollout
+        if ro.sync_transport not in ("in_process", "disk"):
+            raise ConfigError(f"rollout.sync_transport={ro.sync_transport} with rollout.engine=embedded: the "
+                              "embedded engine lives in the learner's process; use in_process (or disk)")
+        if cfg.routing.mode == "r3" and not ro.embedded.capture_routes:
+            raise ConfigError("routing.mode=r3 replays the rollout's routes, but rollout.embedded.capture_routes="
+                              "false records none; set rollout.embedded.capture_routes=true (or routing.mode=r2/off)")
+        if ro.embedded.batch_size is not None and ro.embedded.batch_size < 1:
+            raise ConfigError(f"rollout.embedded.batch_size={ro.embedded.batch_size} must be >= 1 (or null: every "
+                              "request of a step in one batch)")
+        response, key = response_budget(cfg)
+        if ro.embedded.max_batch_tokens is not None and ro.embedded.max_batch_tokens < response + 1:
+            raise ConfigError(f"rollout.embedded.max_batch_tokens={ro.embedded.max_batch_tokens} cannot hold one "
+                              f"prompt + {key}={response}; raise it (or null: no cap)")
 
     @classmethod
     def from_config(cls, run_cfg, hf_config=None) -> "EmbeddedEngine":

@@ -58,6 +58,7 @@ from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
 from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams, share_of
 from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
                             parse_logprobs, pool_size, receive_buffer, split_routes)
+from .sglang_checks import check_sglang
 from .sglang_launch import launch_node_servers
 
 log = logging.getLogger("rlpo_mega")
@@ -95,6 +96,10 @@ class SGLangEngine(RolloutEngine):
 
     # its servers join a weight-update group (rlpo_mega/weight_sync/sglang_distributed.py)
     weight_update_group = True
+
+    @classmethod
+    def check_config(cls, cfg, warns: list, world_size: Optional[int] = None, nodes: Optional[int] = None) -> None:
+        check_sglang(cfg, warns, world_size, nodes)
 
     @classmethod
     def ranks(cls, run_cfg, world_size: int) -> list[int]:

@@ -36,6 +36,15 @@ staleness from a reward of 0.53 to 0.81 (synchronous: 0.90; README, "Asynchronou
 weights did; at half the demo's learning rate, 0.88 against 0.90 (the weight's variance grows with the step).
 tests/test_async.py checks both levels against a float64 transcription.
 
+DAPO dynamic sampling (algorithm.dynamic_sampling) composes with this schedule: a step's job holds a chunk of
+prompts (oversample x its share), each group is judged as it is scored (kept while the step's quota is open, then
+surplus, or dropped when its rewards are all equal), and once the quota is kept the job's running requests end
+(those that complete meanwhile are surplus). A job whose chunk is spent short of its quota gets another, up to
+max_tries; chunks are drawn collectively (`_chunk`), so each rank takes the same chunks as under the sync producer
+and the prompt cursor is equal on every rank at every moment. Surplus groups are carried to later steps and trained
+on only within both bounds, max_carry_steps and the staleness bound (counted as carry_stale otherwise). At
+max_staleness 0 with nothing carried this is the sync producer's dynamic sampling exactly (tests/test_async.py).
+
 The engine guard's rebuild pauses the thread (EngineGuard.quiesce); a failure inside the thread reaches the
 step as the engine error it is (rebuilt and re-synced as in a synchronous step); SIGTERM while the step waits
 stops it. A checkpoint saves the prompts of the steps planned and not yet trained (their samples are generated

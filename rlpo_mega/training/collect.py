@@ -5,7 +5,8 @@ returns `ScoredGroups`: every sample's scalars on every rank (lengths, reward, f
 advantages and the step plan need), each sample's payload (tokens, log-probs, routes) on the rank whose engine
 made it. The trainer does not know how the groups were made: synchronous collection (with dynamic sampling
 streamed per engine rank) is the producer here; asynchronous RL (generation overlapped with training, bounded
-staleness, partial rollouts) is training/async_collect.py; multi-turn producers would be other entries.
+staleness, partial rollouts) is training/async_collect.py. Either runs single answers or multi-turn episodes
+(environment.name), with or without DAPO dynamic sampling (a group: a prompt's n answers or episodes).
 
 SPMD: engine ranks (training/engines.py) each generate a contiguous share of the prompts and score it; the
 scalars' gather (training/exchange.py) then gives every rank every sample, in rank order. With dynamic sampling

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from moe.bridge.digest import verify
+from rlpo_mega.config import ConfigError
 from rlpo_mega.engine_errors import EngineError
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
@@ -67,6 +68,13 @@ class SGLangDistributedTransport:
         # one name per group: a rebuilt engine's group, or the one after a group broken mid-sync (left on the
         # servers' side), never meets an old one's leftovers; the driver index keeps the names apart in the logs
         return f"rlpo_weight_sync_d{self.engine.driver}_{os.getpid()}_{next(self._instances)}"
+
+    @classmethod
+    def check_config(cls, cfg, engine_cls) -> None:
+        """`rlpo-mega check`: the configured engine's servers must take a weight-update group."""
+        if not getattr(engine_cls, "weight_update_group", False):
+            raise ConfigError(f"rollout.sync_transport=sglang_distributed needs rollout.engine=sglang "
+                              f"(got {cfg.rollout.engine})")
 
     @classmethod
     def from_config(cls, cfg, engine, hf):

@@ -1,6 +1,6 @@
 """Multi-turn episodes through the real trainer (embedded engine, fp32, R3), several layouts in one launch.
 
-argv: out_dir data_dir layout... (layouts: "ep1", "ep2", "tp2", "async0", "async1"). A short supervised warm-up
+argv: out_dir data_dir layout... (layouts: "ep1", "ep2", "tp2", "async0", "async1", "ds", "async1_ds"). A short supervised warm-up
 teaches the random tiny model to answer and close its turn (so episodes go on for several turns), then RL steps of
 episodes with the scripted tool environment. The policy objective is wrapped (test only) to record the gradient
 that reaches the new log-probs outside the loss mask (the observation, template, prompt and padding positions).
@@ -47,10 +47,15 @@ def _recording_objective(logp, batch, *args, **kw):
 update.policy_objective = _recording_objective
 
 ASYNC = ("parallel.expert=2", "rollout.producer=async")
+DYNAMIC = ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=1.5",
+           "algorithm.dynamic_sampling.max_carry_steps=1", "trainer.mini_batches=1")
 LAYOUTS = {"ep1": ("parallel.expert=1",), "ep2": ("parallel.expert=2",),
            "tp2": ("parallel.expert=1", "parallel.tensor=2"),
            "async0": (*ASYNC, "trainer.max_staleness=0"),
-           "async1": (*ASYNC, "trainer.max_staleness=1", "rollout.partial_rollout=true", "train_iters=4")}
+           "async1": (*ASYNC, "trainer.max_staleness=1", "rollout.partial_rollout=true", "train_iters=4"),
+           # dynamic sampling on episodes: a group is a prompt's n episodes, judged as its last one ends
+           "ds": ("parallel.expert=2", *DYNAMIC),
+           "async1_ds": (*ASYNC, "trainer.max_staleness=1", "rollout.partial_rollout=true", "train_iters=4", *DYNAMIC)}
 SLOW = "0.05"  # seconds per forward of the rollout (async1): a step's episodes outlast the learner's step
 TRAINED: dict = {}  # layout -> this rank's trained samples per step
 
@@ -136,7 +141,7 @@ def run(out, data, layout):
     trained = TRAINED[layout] = {}
     originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
     _fresh_record()
-    if layout == "async1":
+    if layout.startswith("async1"):
         os.environ["RLPO_DECODE_DELAY"] = SLOW
     try:
         rc = train(cfg, keep_world=True)
@@ -150,8 +155,10 @@ def run(out, data, layout):
     rep = {"rc": rc, "history": history, "grad": grad.tolist()}
     if layout == "async0":
         rep["same_as_ep2"] = _gathered(_same(TRAINED["ep2"], trained))
-    if layout == "async1":
+    if layout.startswith("async1"):
         rep["checks"] = _gathered(_check_episodes(trained))
+    if layout == "ds":  # this rank's groups per step: their sizes
+        rep["groups"] = _gathered({step: len(v) for step, v in trained.items()})
     return rep
 
 
