@@ -36,8 +36,8 @@ def test_join_keeps_each_tokens_own_routes_logprobs_and_version():
     out = join(first, cont, max_new_tokens=8, stop_token_ids=(9,))
     assert out.response_ids == [1, 2, 3, 4, 9] and out.finish_reason == "stop"
     assert torch.equal(out.logprobs, torch.cat([first.logprobs, cont.logprobs]))
-    assert out.meta["versions"] == [(3, 2), (4, 3)]
-    assert span_versions(out.meta["versions"]).tolist() == [3, 3, 4, 4, 4]
+    assert out.meta.versions == [(3, 2), (4, 3)]
+    assert span_versions(out.meta.versions).tolist() == [3, 3, 4, 4, 4]
     P, k = len(prompt), 2
     assert out.routes.shape[0] == out.span == P + 5 - 1
     # rows 0..P+k-2 (the prompt and the first part's tokens, whose successors version 3 sampled): the first part's;
@@ -67,7 +67,7 @@ def test_join_cuts_at_the_budget_and_refuses_half_routed_parts():
     first = _part([5, 6], [1, 2, 3], "abort", version=0)
     cont = _part(continuation_prompt(first), [4, 4, 4], "length", version=1)  # asked for more than was left
     out = join(first, cont, max_new_tokens=4)
-    assert out.response_ids == [1, 2, 3, 4] and out.finish_reason == "length" and out.meta["versions"] == [(0, 3), (1, 1)]
+    assert out.response_ids == [1, 2, 3, 4] and out.finish_reason == "length" and out.meta.versions == [(0, 3), (1, 1)]
     assert out.routes.shape[0] == 2 + 4 - 1
     # an aborted part whose routes do not cover its tokens (SGLang: queued or retracted) is restarted instead
     short = _part([5, 6], [1, 2, 3], "abort", version=0)
@@ -240,3 +240,17 @@ def test_dynamic_sampling_through_the_async_producer(runs):
     assert sum(out) > 0 and left[0] == 0, (out, left)
     assert all(sum(left[:k + 1]) <= sum(out[:k]) for k in range(len(hist))), (out, left)
     assert sum(h["dynamic_sampling/carried_in"] for h in hist) > 0
+
+
+def test_sample_meta_is_typed_and_an_older_checkpoints_dict_loads():
+    """Sample.meta is a SampleMeta (rollout/base.py); a sample pickled by an earlier version (the carried groups
+    of a dynamic-sampling checkpoint) held a dict of the same names ("rid" for the request id): it loads typed."""
+    import pickle
+
+    from rlpo_mega.rollout.base import SampleMeta
+
+    s = Sample([1, 2], [3, 4], torch.zeros(2), "stop")
+    assert isinstance(s.meta, SampleMeta) and s.meta.parts == 1 and s.meta.versions == []
+    s.__dict__["meta"] = {"rid": "r7", "server": "http://s:1", "versions": [(1, 2)], "parts": 2, "finish": {"type": "stop"}}
+    old = pickle.loads(pickle.dumps(s))
+    assert old.meta == SampleMeta(request_id="r7", server="http://s:1", versions=[(1, 2)], parts=2)

@@ -362,7 +362,7 @@ def test_a_dead_server_costs_its_requests_and_rejoins_after_it_answers(fake_serv
         assert all(s is not None and len(s.response_ids) == 4 and s.finish_reason == "length" for s in out)
         assert engine.faults["requests_resent"] >= 1 and engine.faults["servers_lost"] == 1, engine.faults
         assert [s.url for s in engine.live] == urls[1:]
-        served = [sum(s.meta["server"] == u for s in out) for u in urls]
+        served = [sum(s.meta.server == u for s in out) for u in urls]
         assert served[0] < min(served[1:]), served  # the dead one only until the kill
         engine.refresh()  # before a sync: still dead, still out
         assert len(engine.live) == 2 and engine.faults["server_rejoins"] == 0
@@ -370,7 +370,7 @@ def test_a_dead_server_costs_its_requests_and_rejoins_after_it_answers(fake_serv
         engine.refresh()
         assert [s.url for s in engine.live] == urls and engine.faults["server_rejoins"] == 1
         again = engine.generate(prompts[:12], SamplingParams(max_new_tokens=4), n=1)
-        assert urls[0] in {s.meta["server"] for s in again}  # back in the pool
+        assert urls[0] in {s.meta.server for s in again}  # back in the pool
     finally:
         engine.shutdown()
 
@@ -458,7 +458,7 @@ def test_a_failing_server_costs_its_requests(mode):
             took = time.monotonic() - t0
         finally:
             engine.shutdown()
-    assert len(out) == 12 and all(s.meta["server"] == good and s.finish_reason == "length" for s in out)
+    assert len(out) == 12 and all(s.meta.server == good and s.finish_reason == "length" for s in out)
     assert [s.url for s in engine.live] == [good] and engine.faults["servers_lost"] == 1, engine.faults
     assert engine.faults["requests_resent"] >= 1, engine.faults
     assert took < 10, took  # a hang costs hang_timeout (1.5 s) and a health poll, not request_timeout (600 s)

@@ -130,7 +130,7 @@ def test_a_turn_interrupted_by_a_weight_update_continues_on_the_new_version():
         version += 1  # a weight update after every call
     s = out[0][1][0]
     ids = list(s.prompt_ids) + list(s.response_ids)
-    assert ids == full[:len(ids)] and s.episode[0] == 3 and s.meta["parts"] == 2
+    assert ids == full[:len(ids)] and s.episode[0] == 3 and s.meta.parts == 2
     assert turns_seen == ["look k7", "look v4", "=9"]  # turn 2 (calls 1 and 2) seen whole, once
     assert engine.budgets[2] == [64 - 2]  # the rest of the interrupted turn's budget
     # per token: the version of the call that sampled it; an observation its turn's
@@ -140,7 +140,7 @@ def test_a_turn_interrupted_by_a_weight_update_continues_on_the_new_version():
         want += [a] * len(c.tokens)
         obs = [n for start, n in s.obs_spans if start == len(want)]
         want += [a] * (obs[0] if obs else 0)
-    assert span_versions(s.meta["versions"]).tolist() == want
+    assert span_versions(s.meta.versions).tolist() == want
     # routes: the interrupted part's rows are its call's, the continuation's from its last token on
     P1 = len(engine.calls[1].prompt)
     assert torch.equal(s.routes[P1 - 1:P1 + 1], engine.calls[1].routes[P1 - 1:P1 + 1])

@@ -96,7 +96,7 @@ def test_seeded_generation_is_reproducible(setup):
     d = setup.engine.generate(setup.prompts, SamplingParams(max_new_tokens=8), n=2)
     e = setup.engine.generate(setup.prompts, SamplingParams(max_new_tokens=8), n=2)
     assert [s.response_ids for s in d] != [s.response_ids for s in e]
-    replay = setup.engine.generate(setup.prompts, dataclasses.replace(params, seed=d[0].meta["seed"]), n=2)
+    replay = setup.engine.generate(setup.prompts, dataclasses.replace(params, seed=d[0].meta.seed), n=2)
     assert [s.response_ids for s in d] == [s.response_ids for s in replay]
 
 
@@ -231,7 +231,7 @@ def test_abort_from_another_thread(setup):
     engine.abort()  # everything else, too
     t.join(120)
     out = box["out"]
-    assert [s.meta["request_id"] for s in out] == ["a", "a", "b", "b"]
+    assert [s.meta.request_id for s in out] == ["a", "a", "b", "b"]
     assert all(s.finish_reason == "abort" for s in out)
     # batch_size=3: samples 0-2 were decoding; sample 3's batch never started (no tokens, no routes)
     assert all(3 <= len(s.response_ids) < max_new for s in out[:3])

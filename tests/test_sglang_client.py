@@ -152,15 +152,15 @@ def test_per_server_in_flight_limit():
     assert len(sent_a) > 0 and len(sent_b) > 0, (len(sent_a), len(sent_b))
     assert total.peak == 6, total.peak
     sent = {**sent_a, **sent_b}
-    assert len(out) == 20 and len(sent) == 20 and {s.meta["rid"] for s in out} == set(sent)
+    assert len(out) == 20 and len(sent) == 20 and {s.meta.request_id for s in out} == set(sent)
     assert [s.prompt_index for s in out] == [i for i in range(10) for _ in range(2)]
     for s in out:
         assert s.prompt_ids == prompts[s.prompt_index] and s.response_ids == [10, 11, 12]
-        assert s.finish_reason == "length" and s.meta["server"] in (url_a, url_b)
-        assert s.meta["rid"] in (sent_a if s.meta["server"] == url_a else sent_b)
+        assert s.finish_reason == "length" and s.meta.server in (url_a, url_b)
+        assert s.meta.request_id in (sent_a if s.meta.server == url_a else sent_b)
         assert s.logprobs.dtype == torch.float32
         assert torch.equal(s.logprobs, torch.tensor([-0.5, -0.625, -0.75], dtype=torch.float32))
-        assert s.routes.dtype == torch.uint8 and torch.equal(s.routes.long(), sent[s.meta["rid"]].long())
+        assert s.routes.dtype == torch.uint8 and torch.equal(s.routes.long(), sent[s.meta.request_id].long())
 
 
 def test_token_ids_outside_the_vocabulary_are_one_engine_error():
@@ -389,7 +389,7 @@ def test_stdlib_fallback_decodes_the_same(monkeypatch):
     for f, s in zip(fast, slow):
         assert f.response_ids == s.response_ids and torch.equal(f.logprobs, s.logprobs)
         assert torch.equal(f.routes, s.routes) and f.trace_checked and s.trace_checked
-        assert torch.equal(f.routes.long(), sent[f.meta["rid"]].long())
+        assert torch.equal(f.routes.long(), sent[f.meta.request_id].long())
 
 
 def test_a_group_goes_to_one_server():
@@ -402,7 +402,7 @@ def test_a_group_goes_to_one_server():
         engine.shutdown()
     by_prompt = {}
     for s in out:
-        by_prompt.setdefault(s.prompt_index, set()).add(s.meta["server"])
+        by_prompt.setdefault(s.prompt_index, set()).add(s.meta.server)
     assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
     assert {next(iter(v)) for v in by_prompt.values()} == {url_a, url_b}
 

@@ -12,7 +12,7 @@ input position t (the last sampled token never runs a forward); the trainer vali
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Sequence
 
 import numpy as np
@@ -56,6 +56,22 @@ class SamplingParams:
 
 
 @dataclass
+class SampleMeta:
+    """What an engine's answer and the rollout side record of a sample besides its tokens, typed (no string keys
+    crossing modules). It stays on the sample's owner: the scalars' gather does not carry it."""
+    request_id: Optional[str] = None  # the engine's id of the request (SGLang's rid): aborts and errors name it
+    server: Optional[str] = None  # the SGLang server that answered: an episode's next turn goes back there
+    weight_version: Optional[str] = None  # the version the engine says it generated with (set_weight_version)
+    weight_versions: Optional[list] = None  # SGLang: the versions' spans when one changed mid-request
+    versions: list = field(default_factory=list)  # per response token, the policy versions: [(version, count)]
+    parts: int = 1  # engine answers joined into it (a partial rollout's continuations, an episode's cut turns)
+    policy_version: Optional[int] = None  # the policy version of its last token (sync: the step that sampled it)
+    seed: Optional[int] = None  # the embedded engine's drawn seed (SamplingParams(seed=...) replays the call)
+    turns: int = 0  # a multi-turn episode's model turns
+    env_error: Optional[str] = None  # an episode its environment's failure ended: why
+
+
+@dataclass
 class Sample:
     """One response: the one sample type from the engine to the learner.
 
@@ -71,7 +87,7 @@ class Sample:
     finish_reason: str  # one of FINISH_REASONS
     routes: Optional[torch.Tensor] = None  # [prompt_len + response_len - 1, moe_layers, topk] (int32 from the engine)
     prompt_index: int = 0  # index of the prompt in the generate() call
-    meta: dict = field(default_factory=dict)
+    meta: SampleMeta = field(default_factory=SampleMeta)
     reward: float = 0.0
     failed: bool = False  # the reward function failed (scored 0)
     correct: bool = False
@@ -85,7 +101,7 @@ class Sample:
     trace_checked: bool = False  # routes already a clean compact trace (the engine checked them as they arrived)
     routes_from: int = 0  # the first trace row `routes` holds (a sequence-parallel rank receives its shard's rows)
     # the policy version (weight sync) that sampled the oldest token (-1: not tracked, the sync producer's); the
-    # per-token versions are meta["versions"] on the owner (rollout/partial.py)
+    # per-token versions are meta.versions on the owner (rollout/partial.py)
     version_min: int = -1
     masked_prefix: int = 0  # leading response tokens left out of the loss (rollout.partial_rollout_mask)
     # a multi-turn episode (rollout/episode.py): the response holds the model's turns and, between them, the
@@ -96,6 +112,15 @@ class Sample:
 
     SCALARS = ("prompt_len", "response_len", "reward", "failed", "correct", "finish_reason", "replaced_entries",
                "replaced_tokens", "has_routes", "version_min", "masked_prefix", "obs_spans", "episode")
+
+    def __setstate__(self, state: dict):
+        # a checkpoint of an earlier version (carried groups) holds its meta as a dict of the same names
+        meta = state.get("meta")
+        if isinstance(meta, dict):
+            known = {f.name for f in fields(SampleMeta)}
+            state = {**state, "meta": SampleMeta(**{("request_id" if k == "rid" else k): v for k, v in meta.items()
+                                                    if ("request_id" if k == "rid" else k) in known})}
+        self.__dict__.update(state)
 
     def __post_init__(self):
         if self.prompt_ids is not None:
@@ -171,7 +196,7 @@ class RolloutEngine(abc.ABC):
         ends everything at once; `send("stop_sending")` is a finish that leaves the running requests to the
         caller's abort() (one abort of everything, for a weight update's pause). max_new_tokens: one budget per
         prompt instead of params' (the continuations of a partial rollout, rollout/partial.py). Per prompt, for
-        a multi-turn episode's next turn (rollout/episode.py): affinity, the server (an answer's meta["server"])
+        a multi-turn episode's next turn (rollout/episode.py): affinity, the server (an answer's meta.server)
         whose prefix cache holds the prompt's tokens; routes_from, the first position whose routing row the
         caller needs (an engine may return only rows [routes_from, ...): the answer's `routes_from` says from where).
         An engine of one server, or that returns every row, ignores them. This default generates the whole call
@@ -215,7 +240,7 @@ class RolloutEngine(abc.ABC):
 
     def set_weight_version(self, version: str) -> None:
         """Name the weights the engine holds now (after a sync); an engine that records it answers each request
-        with meta["weight_version"], the version it generated with (the asynchronous producer checks it)."""
+        with meta.weight_version, the version it generated with (the asynchronous producer checks it)."""
 
     # colocated (rollout.colocate, training/colocate.py): the engine's accelerator memory given to the learner
     # while it trains, and taken back in SGLang's order (weights, then the KV cache)

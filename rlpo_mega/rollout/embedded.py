@@ -37,7 +37,7 @@ from rlpo_mega.model_setup import PARAMS_DTYPES
 from rlpo_mega.residency import Residency, distinct_storages as _distinct_storages
 from rlpo_mega.weight_sync.transports import HFModelReceiver
 
-from .base import ENGINES, EngineError, RolloutEngine, Sample, SamplingParams
+from .base import ENGINES, EngineError, RolloutEngine, Sample, SampleMeta, SamplingParams
 
 
 def _sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -219,8 +219,8 @@ class EmbeddedEngine(RolloutEngine):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                  request_ids: Optional[Sequence[str]] = None) -> list[Sample]:
         """len(prompts) * n samples, prompt-major. request_ids: one per prompt (its n samples share it, and
-        abort() stops all of them) or one per sample; None = generated ids. meta["request_id"] is the
-        sample's id; with seed=None meta["seed"] is the drawn seed (SamplingParams(seed=it) replays)."""
+        abort() stops all of them) or one per sample; None = generated ids. meta.request_id is the
+        sample's id; with seed=None meta.seed is the drawn seed (SamplingParams(seed=it) replays)."""
         prompts, rids = self._check(prompts, params, n, request_ids)
         with self._lock:
             if self._updating:
@@ -371,12 +371,10 @@ class EmbeddedEngine(RolloutEngine):
             routes = s.rows.routes[s.row, s.pad:s.pad + len(s.prompt) + n - 1]
         response = s.rows.tokens[s.row, :n].tolist() if s.rows is not None else []
         lp = s.rows.logprobs[s.row, :n] if s.rows is not None else torch.zeros(0, dtype=torch.float32)
-        meta = {"request_id": s.rid, "weight_version": self.weight_version}
-        if fresh:
-            meta["seed"] = base_seed  # replays the call with SamplingParams(seed=...)
+        # a fresh call's seed replays it with SamplingParams(seed=...)
+        meta = SampleMeta(request_id=s.rid, weight_version=self.weight_version, seed=base_seed if fresh else None)
         return Sample(prompt_ids=list(s.prompt), response_ids=response, logprobs=lp,
-                             finish_reason=s.finish or "length", routes=routes, prompt_index=s.prompt_index,
-                             meta=meta)
+                      finish_reason=s.finish or "length", routes=routes, prompt_index=s.prompt_index, meta=meta)
 
     def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:
         """Thread-safe: the running generate() finishes these samples (None: all) with reason "abort" at

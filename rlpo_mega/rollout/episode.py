@@ -32,7 +32,7 @@ import torch
 
 from rlpo_mega.data.dataset import DataError
 from rlpo_mega.environments import Action
-from rlpo_mega.rollout.base import EngineError, Sample
+from rlpo_mega.rollout.base import EngineError, Sample, SampleMeta
 from rlpo_mega.rollout.partial import continuable, merge_spans, tag, versions_of
 
 ANCHOR = ({"role": "user", "content": "?"}, {"role": "assistant", "content": "."})
@@ -103,7 +103,7 @@ class Episode:
     correct: bool = False
     failed: bool = False
     finish: Optional[str] = None  # set when the episode is over
-    meta: dict = field(default_factory=dict)
+    meta: SampleMeta = field(default_factory=SampleMeta)
 
     @property
     def ids(self) -> list[int]:
@@ -148,10 +148,10 @@ class Episode:
         self.logprobs.append(answer.logprobs.float())
         self.versions += versions_of(answer)
         for k in ("weight_version", "server"):
-            if k in answer.meta:
-                self.meta[k] = answer.meta[k]
+            if getattr(answer.meta, k) is not None:
+                setattr(self.meta, k, getattr(answer.meta, k))
         if aborted:
-            self.meta["parts"] = self.meta.get("parts", 1) + 1
+            self.meta.parts += 1
             return None
         self.turns += 1
         return self.response[self.turn_start:]
@@ -166,9 +166,7 @@ class Episode:
         self.turn_start = len(self.response)
 
     def sample(self) -> Sample:
-        meta = {**self.meta, "turns": self.turns}
-        if self.versions:
-            meta["versions"] = merge_spans(self.versions)
+        meta = replace(self.meta, turns=self.turns, versions=merge_spans(self.versions) if self.versions else [])
         return Sample(list(self.prompt_ids), list(self.response), torch.cat(self.logprobs) if self.logprobs else
                       torch.zeros(0), self.finish or "stop", routes=self.routes, prompt_index=self.prompt_index,
                       meta=meta, reward=self.reward, failed=self.failed, correct=self.correct,
@@ -225,7 +223,7 @@ class EpisodeBatch:
         answers: list = [None] * len(live)
         # each episode back to the server whose prefix cache holds it, asking only for the routing rows it lacks
         gen = engine.stream([e.ids for e in live], params, n=1, max_new_tokens=budgets,
-                            affinity=[e.meta.get("server") for e in live], routes_from=[e.held_rows for e in live])
+                            affinity=[e.meta.server for e in live], routes_from=[e.held_rows for e in live])
         self.calls += 1
         try:
             msg = None
@@ -235,7 +233,7 @@ class EpisodeBatch:
                 except StopIteration:
                     break
                 answers[i] = got[0] if version is None else tag(got[0], version)
-                self.confirmed += got[0].meta.get("weight_version") is not None
+                self.confirmed += got[0].meta.weight_version is not None
                 msg = interrupt() if interrupt is not None else None
         finally:
             gen.close()
@@ -307,7 +305,7 @@ def _settle(e: Episode, answer: Sample, fb, why: str, failure_reward: float, fmt
     """After a model turn and its environment step: the episode ends (finish reason set) or gets its observation."""
     if fb is None:  # the environment failed: the episode ends, flagged (counted in episode/env_failures)
         e.failed, e.reward, e.finish = True, failure_reward, answer.finish_reason
-        e.meta["env_error"] = why
+        e.meta.env_error = why
         return
     e.reward += float(fb.reward)
     e.tool_calls += int(fb.tool_calls)

@@ -20,17 +20,17 @@ restarted from its prompt, and counted.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Optional
 
 import torch
 
-from rlpo_mega.rollout.base import EngineError, Sample
+from rlpo_mega.rollout.base import EngineError, Sample, SampleMeta
 
 
 def versions_of(sample: Sample) -> list[tuple[int, int]]:
-    """The sample's per-token weight versions as spans [(version, count)] (meta["versions"])."""
-    return list(sample.meta.get("versions") or [])
+    """The sample's per-token weight versions as spans [(version, count)] (meta.versions)."""
+    return list(sample.meta.versions)
 
 
 def span_versions(spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -42,14 +42,14 @@ def span_versions(spans: list[tuple[int, int]]) -> torch.Tensor:
 
 def tag(sample: Sample, version: int) -> Sample:
     """A fresh answer: every token sampled by `version`, which the engine's own record confirms when it keeps one
-    (meta["weight_version"], set by RolloutEngine.set_weight_version; SGLang's spans when it changed mid-request)."""
+    (meta.weight_version, set by RolloutEngine.set_weight_version; SGLang's spans when it changed mid-request)."""
     n = len(sample.response_ids or ())
-    said, spans = sample.meta.get("weight_version"), sample.meta.get("weight_versions")
+    said, spans = sample.meta.weight_version, sample.meta.weight_versions
     if (said is not None and said != str(version)) or any(s.get("version") != str(version) for s in spans or ()):
-        raise EngineError(f"the engine answered request {sample.meta.get('rid') or sample.meta.get('request_id')} "
+        raise EngineError(f"the engine answered request {sample.meta.request_id} "
                           f"with weight version {spans or said}, but it was sent on version {version}: a weight "
                           "update reached a running request")
-    sample.meta["versions"] = [(int(version), n)] if n else []
+    sample.meta.versions = [(int(version), n)] if n else []
     return sample
 
 
@@ -98,8 +98,10 @@ def join(part: Sample, cont: Sample, max_new_tokens: int, stop_token_ids=()) -> 
             raise EngineError(f"a continued sample (prompt {part.prompt_index}) lacks routing rows: the continuation's "
                               f"start at {c0} (its part's at {part.routes_from}), the rows needed from {p + k - 1}")
         routes = torch.cat([part.routes[:p + k - 1], cont.routes[p + k - 1 - c0:p + end - 1 - c0]])
-    meta = {**part.meta, **cont.meta, "versions": spans,
-            "parts": part.meta.get("parts", 1) + cont.meta.get("parts", 1)}
+    # the continuation's own record, the part's where the continuation has none
+    meta = replace(cont.meta, **{f.name: getattr(part.meta, f.name) for f in fields(SampleMeta)
+                                 if getattr(cont.meta, f.name) is None},
+                   versions=spans, parts=part.meta.parts + cont.meta.parts)
     return replace(cont, prompt_ids=list(part.prompt_ids), response_ids=ids, logprobs=lps, finish_reason=finish,
                    routes=routes, routes_from=0, prompt_index=part.prompt_index, meta=meta, trace_checked=False,
                    has_routes=routes is not None, replaced=None)

@@ -55,7 +55,8 @@ from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
 
-from .base import ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SamplingParams, share_of
+from .base import (ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SampleMeta, SamplingParams,
+                   share_of)
 from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
                             parse_logprobs, pool_size, receive_buffer, split_routes)
 from .sglang_checks import check_sglang
@@ -620,9 +621,9 @@ class SGLangEngine(RolloutEngine):
                               "--enable-return-routed-experts (server_args: enable_return_routed_experts: true)")
         return Sample(prompt_ids=prompt, response_ids=ids, logprobs=lps, finish_reason=reason, routes=routes,
                       prompt_index=prompt_index, trace_checked=checked,
-                      routes_from=start, meta={"rid": rid, "server": server.url, "finish": fr,
-                            "weight_version": meta.get("weight_version"),
-                            "weight_versions": meta.get("weight_versions")})
+                      routes_from=start, meta=SampleMeta(request_id=rid, server=server.url,
+                                                         weight_version=meta.get("weight_version"),
+                                                         weight_versions=meta.get("weight_versions")))
 
     def _abort_quietly(self, inflight: dict):
         """Best-effort aborts, all at once, bounded by health_timeout: a hung server answers none of them."""

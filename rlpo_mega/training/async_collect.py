@@ -11,7 +11,7 @@ step s - 1, with the prompts and seeds of the sync producer: the same samples.
 Every weight sync pauses generation (`paused`): the running requests are aborted and come back with the tokens,
 log-probs and routes they have; the engine is idle while the new weights load and their digests are checked;
 then each interrupted sample continues from its tokens with max_new_tokens reduced (rollout/partial.py: a
-partial rollout), on the new version. Every token carries the version that sampled it (meta["versions"]), each
+partial rollout), on the new version. Every token carries the version that sampled it (meta.versions), each
 sample its oldest (`version_min`, a scalar every rank sees); at the step, a group holding a token older than
 s - k is not trained on (dropped and counted: the schedule above never makes one, a resumed or a held sample
 could). Routes of a continued sample: each token keeps the routes it was sampled under (rollout/partial.py).
@@ -322,7 +322,7 @@ class RolloutWorker:
                 except StopIteration:
                     break
                 for key, answer in zip(slots[k], answers):
-                    job.confirmed += answer.meta.get("weight_version") is not None
+                    job.confirmed += answer.meta.weight_version is not None
                     self._settle(job, key, tag(answer, version))
                 for i in sorted({key[0] for key in slots[k]}):
                     if not job.scored[i] and all(s is not None for s in job.groups[i]):
@@ -365,7 +365,7 @@ class RolloutWorker:
             self.cond.notify_all()
         for i, group in job.batch.settle(ended):
             job.groups[i] = group
-            job.continued += sum(s.meta.get("parts", 1) > 1 for s in group)
+            job.continued += sum(s.meta.parts > 1 for s in group)
             self._score(job, i)
         if job.reached:  # dynamic sampling's quota kept: the episodes still running end here
             job.batch.close()
@@ -393,7 +393,7 @@ class RolloutWorker:
             if not spans:  # no token (an episode ended by its environment's failure before it sampled one)
                 continue
             s.version_min = min(v for v, _ in spans)
-            s.meta["policy_version"] = spans[-1][0]
+            s.meta.policy_version = spans[-1][0]
             if self.mask:
                 s.masked_prefix = sum(c for v, c in spans if v < spans[-1][0])
         with self.cond:  # the step waiting for its last group wakes now

@@ -162,13 +162,13 @@ class Episodes:
 def score(items, samples: list[Sample], scorer, tokenizer, version: Optional[int] = None,
           correct_at: float = 1.0) -> list[float]:
     """Score samples (sample i answers items[i]) into their reward, failed and correct fields; `version`: the
-    policy version (step) that sampled them, kept in meta["policy_version"]."""
+    policy version (step) that sampled them, kept in meta.policy_version."""
     result = scorer.score([RewardInput(it.record.prompt, tokenizer.decode(s.response_ids, skip_special_tokens=True),
                                        it.record.reference, it.record.metadata) for it, s in zip(items, samples)])
     for s, r, f in zip(samples, result.rewards, result.failed):
         s.reward, s.failed, s.correct = float(r), bool(f), float(r) >= correct_at
         if version is not None:
-            s.meta["policy_version"] = version
+            s.meta.policy_version = version
     return [s.reward for s in samples]
 
 
@@ -264,7 +264,7 @@ class SyncProducer(RolloutProducer):
         def score_group(item, group):
             if episodes is not None:  # an episode's reward is its environment's
                 for s in group:
-                    s.meta["policy_version"] = step
+                    s.meta.policy_version = step
                 return [s.reward for s in group]
             return score([item] * len(group), group, self.rollouts.scorer, self.rollouts.tokenizer, step)
 

@@ -536,7 +536,7 @@ def sglang_async(out):
 
     def collect(self, step, timer):
         groups = original(self, step, timer)
-        seen.extend({"step": step, "versions": s.meta["versions"], "routes": s.routes is not None,
+        seen.extend({"step": step, "versions": s.meta.versions, "routes": s.routes is not None,
                      "len": s.response_len} for s in groups.samples if s.prompt_ids is not None)
         return groups
 
