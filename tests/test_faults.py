@@ -291,6 +291,7 @@ def test_a_resume_that_moves_the_engine_ranks_is_refused_before_anything_loads(r
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     c = cfg(str(os.path.dirname(ck)), "moved", f"checkpoint.save_dir={ck}", "checkpoint.resume=true",
             "checkpoint.overwrite=false", "rollout.engine=sglang", "rollout.sglang.drivers=1",
+            "reward.function=toy_arith",  # (the run's test_parity is registered in its workers, not here)
             "rollout.sglang.urls=[http://127.0.0.1:9,http://127.0.0.1:10]", "train_iters=3")
     with pytest.raises(ConfigError, match=r"engine ranks \[0, 1\].*from ranks \[0\].*rollout.sglang.drivers=1"):
         Trainer(c)
