@@ -267,7 +267,8 @@ def test_colocated_embedded_engine_hands_the_memory_over_and_changes_no_number(t
     # what rlpo-mega plan predicts for the same configuration, colocated, at world size 2
     from tests.workers.scenario_config import BASE, COLOCATE
 
-    cfg = load_config("configs/demo_cpu.yaml", BASE + COLOCATE + ("rollout.colocate=true",))
+    # (the run's reward, test_parity, is registered in its workers: the plan does not depend on it)
+    cfg = load_config("configs/demo_cpu.yaml", BASE + COLOCATE + ("rollout.colocate=true", "reward.function=toy_arith"))
     plan = make_plan(cfg, "colocate", world_size=2).to_json()
     row = {r["name"].split(", ")[1]: r for r in plan["learner_gpus"]}
     assert set(row) == {"training", "generation", "sync"}
