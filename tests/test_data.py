@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from rlpo_mega.data import DataError, GroupCollector, PromptSampler, group_ids, load_prompts, render_prompt
+from rlpo_mega.data import DataError, PromptSampler, group_ids, load_prompts, render_prompt
+from rlpo_mega.rollout.dynamic_sampling import GroupCollector
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = os.path.join(ROOT, "configs", "tokenizers", "tiny_char")

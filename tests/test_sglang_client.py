@@ -528,7 +528,8 @@ def test_dynamic_sampling_ends_the_step_when_its_groups_are_complete():
     The rank's share is 3 groups: the step ends as soon as 3 mixed groups are scored (long before the slow
     answers), the slow requests are aborted on the server, the mixed groups that ended meanwhile carry over to
     the next step marked with their policy version, where they are used first."""
-    from rlpo_mega.data import GroupCollector, PromptItem, PromptRecord
+    from rlpo_mega.data import PromptItem, PromptRecord
+    from rlpo_mega.rollout.dynamic_sampling import GroupCollector
 
     total = Gauge()
     slow, later, all_right = {8, 9}, {5, 6, 7}, {0, 1}

@@ -454,7 +454,7 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
             per_token = 16 + (moe_layers * topk * (1 if _num_experts(hf) <= 256 else 2) if routes else 0)
             answer = (prompt_tokens + response_budget(cfg)[0]) * hf.num_hidden_layers * topk * (16 // 3 + 4 + 2)
             decoding = cfg.rollout.sglang.decode_concurrency * answer if cfg.rollout.engine == "sglang" and routes else 0
-            # dynamic sampling (data.sampling.GroupCollector): a chunk of oversample x the share in flight, and
+            # dynamic sampling (rollout/dynamic_sampling.GroupCollector): a chunk of oversample x the share in flight, and
             # up to max_carry_steps chunks' surplus groups carried
             ds, over = cfg.algorithm.dynamic_sampling, max(1.0, cfg.prompts.oversample)
             held = over + ds.max_carry_steps * (over - 1) if ds.enabled else 1.0

@@ -12,8 +12,9 @@ input position t (the last sampled token never runs a forward); the trainer vali
 from __future__ import annotations
 
 import abc
+from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -262,3 +263,28 @@ class RolloutEngine(abc.ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+STOP = object()  # what a `drive` handler returns to end the loop at once (the stream closed: its requests aborted)
+
+
+def drive(stream, handle: Callable, wait: Optional[Callable] = None):
+    """The one loop over an engine's stream (RolloutEngine.stream's protocol): `handle(index, samples)` for each
+    group as it completes; what it returns is sent back to the stream -- "finish" (nothing more is sent, the running
+    requests end, the groups that complete meanwhile still come), "stop_sending" (a weight update's pause: the
+    running requests are left to its abort) or None -- and STOP ends the loop there. `wait()`: a context around
+    each wait for the next group (a phase timer). The stream is closed on every exit (a request still running is
+    aborted), so every request of the call has ended when this returns."""
+    msg = None
+    try:
+        while True:
+            with wait() if wait is not None else nullcontext():
+                try:
+                    index, samples = stream.send(msg)
+                except StopIteration:
+                    return
+            msg = handle(index, samples)
+            if msg is STOP:
+                return
+    finally:
+        stream.close()

@@ -32,7 +32,7 @@ import torch
 
 from rlpo_mega.data.dataset import DataError
 from rlpo_mega.environments import Action
-from rlpo_mega.rollout.base import EngineError, Sample, SampleMeta
+from rlpo_mega.rollout.base import EngineError, Sample, SampleMeta, drive
 from rlpo_mega.rollout.partial import continuable, merge_spans, tag, versions_of
 
 ANCHOR = ({"role": "user", "content": "?"}, {"role": "assistant", "content": "."})
@@ -225,18 +225,13 @@ class EpisodeBatch:
         gen = engine.stream([e.ids for e in live], params, n=1, max_new_tokens=budgets,
                             affinity=[e.meta.server for e in live], routes_from=[e.held_rows for e in live])
         self.calls += 1
-        try:
-            msg = None
-            while True:
-                try:
-                    i, got = gen.send(msg)
-                except StopIteration:
-                    break
-                answers[i] = got[0] if version is None else tag(got[0], version)
-                self.confirmed += got[0].meta.weight_version is not None
-                msg = interrupt() if interrupt is not None else None
-        finally:
-            gen.close()
+
+        def answered(i, got):
+            answers[i] = got[0] if version is None else tag(got[0], version)
+            self.confirmed += got[0].meta.weight_version is not None
+            return interrupt() if interrupt is not None else None
+
+        drive(gen, answered)
         ended, before = [], sum(len(e.response) for e in live)
         for e, a in zip(live, answers):
             turn = None if a is None else e.add_answer(a)

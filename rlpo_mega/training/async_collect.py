@@ -64,8 +64,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlpo_mega.data.sampling import DynamicSamplingReport, Group, judge_group
 from rlpo_mega.rollout import RolloutInterrupted, Sample
+from rlpo_mega.rollout.base import STOP, drive
+from rlpo_mega.rollout.dynamic_sampling import DynamicSamplingReport, Group, judge_group
 from rlpo_mega.rollout.episode import EpisodeBatch, with_call_seed
 from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, tag, versions_of
 from rlpo_mega.training.collect import (PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, sampling_params, score,
@@ -314,27 +315,24 @@ class RolloutWorker:
             gen = engine.stream(prompts, sampling_params(self.cfg, self.tokenizer, mix_seed(job.seed, job.rounds)),
                                 n=1, max_new_tokens=budgets, routes_from=held)
         job.rounds += 1
+
+        def answered(k, answers):
+            for key, answer in zip(slots[k], answers):
+                job.confirmed += answer.meta.weight_version is not None
+                self._settle(job, key, tag(answer, version))
+            for i in sorted({key[0] for key in slots[k]}):
+                if not job.scored[i] and all(s is not None for s in job.groups[i]):
+                    self._score(job, i)
+            if job.reached and not self.carry_steps:  # no surplus wanted: everything ends now
+                return STOP
+            with self.cond:  # a pause aborts every running request itself (_quiesce): only stop sending
+                # dynamic sampling's quota kept: nothing more is sent, the running requests end (the groups that
+                # complete meanwhile are carried)
+                return "finish" if job.reached else "stop_sending" if (self.pausing or self.closing) else None
+
         try:
-            msg = None
-            while True:
-                try:
-                    k, answers = gen.send(msg)
-                except StopIteration:
-                    break
-                for key, answer in zip(slots[k], answers):
-                    job.confirmed += answer.meta.weight_version is not None
-                    self._settle(job, key, tag(answer, version))
-                for i in sorted({key[0] for key in slots[k]}):
-                    if not job.scored[i] and all(s is not None for s in job.groups[i]):
-                        self._score(job, i)
-                if job.reached and not self.carry_steps:  # no surplus wanted: everything ends now
-                    break
-                with self.cond:  # a pause aborts every running request itself (_quiesce): only stop sending
-                    # dynamic sampling's quota kept: nothing more is sent, the running requests end (the groups that
-                    # complete meanwhile are carried)
-                    msg = "finish" if job.reached else "stop_sending" if (self.pausing or self.closing) else None
+            drive(gen, answered)
         finally:
-            gen.close()
             job.generate_s += time.perf_counter() - t0
 
     def _episode_round(self, job: _Job, version: int):

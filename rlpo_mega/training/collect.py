@@ -10,7 +10,7 @@ staleness, partial rollouts) is training/async_collect.py. Either runs single an
 
 SPMD: engine ranks (training/engines.py) each generate a contiguous share of the prompts and score it; the
 scalars' gather (training/exchange.py) then gives every rank every sample, in rank order. With dynamic sampling
-each engine rank fills its own share of the step's groups at its own pace (data.sampling.GroupCollector); the
+each engine rank fills its own share of the step's groups at its own pace (rollout/dynamic_sampling.GroupCollector); the
 ranks meet once, after, to agree on how many chunks of prompts were drawn (the cursor stays equal on every rank).
 """
 from __future__ import annotations
@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.algorithms.registry import Registry
-from rlpo_mega.data.sampling import DynamicSamplingReport, GroupCollector
 from rlpo_mega.environments import EnvRunner, environment_tools
 from rlpo_mega.rewards import RewardInput
 from rlpo_mega.rollout import Sample, SamplingParams
-from rlpo_mega.rollout.base import share_of
+from rlpo_mega.rollout.base import drive, share_of
+from rlpo_mega.rollout.dynamic_sampling import DynamicSamplingReport, GroupCollector
 from rlpo_mega.rollout.episode import EpisodeBatch, EpisodeLimits, TurnFormat, run_episodes
 from rlpo_mega.training.exchange import gather_scalars
 
@@ -123,18 +123,14 @@ def generate_local(engine, mine, n: int, params: SamplingParams, scorer, tokeniz
     groups: list = [None] * len(mine)
     stream = episodes.stream(engine, mine, params, n) if episodes else engine.stream(
         [it.input_ids for it in mine], params, n=n)
-    try:
-        while True:
-            with timer("rollout"):  # each group is scored as it completes, while the others still generate
-                i, samples = next(stream, (None, None))
-            if i is None:
-                break
-            if episodes is None:
-                with timer("reward"):
-                    score([mine[i]] * n, samples, scorer, tokenizer)
-            groups[i] = samples
-    finally:
-        stream.close()
+
+    def group(i, samples):  # each group is scored as it completes, while the others still generate
+        if episodes is None:
+            with timer("reward"):
+                score([mine[i]] * n, samples, scorer, tokenizer)
+        groups[i] = samples
+
+    drive(stream, group, lambda: timer("rollout"))
     return [s for g in groups for s in g]
 
 

@@ -178,7 +178,7 @@ def engine(out):
     # trains what a run without the crash trains
     ds = DYNAMIC[:3] + ("algorithm.dynamic_sampling.max_carry_steps=0", "trainer.mini_batches=1", "train_iters=3",
                         "rollout.engine=test_flaky", "trainer.engine_restarts=1")
-    from rlpo_mega.data.sampling import GroupCollector
+    from rlpo_mega.rollout.dynamic_sampling import GroupCollector
 
     trained, collect = {}, GroupCollector.collect
 
