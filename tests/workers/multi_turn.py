@@ -22,10 +22,12 @@ import tests.workers.train_hooks as hooks
 from rlpo_mega.config import load_config
 from rlpo_mega.rollout.partial import span_versions
 from rlpo_mega.training import update
+from rlpo_mega.training.async_collect import AsyncProducer
 from rlpo_mega.training.trainer import train
 from tests.dist import write_report
 from tests.multi_turn_support import ScriptEnv
-from tests.workers.async_scenarios import _fresh_record, _gathered, _recording, _restore, _same
+from tests.workers.async_scenarios import (_fresh_record, _gathered, _recording, _restore, _same,
+                                          _sync_after_first_tokens)
 
 GRAD = {"outside_max": 0.0, "inside_nonzero": 0, "inside": 0}
 _objective = update.policy_objective
@@ -141,13 +143,17 @@ def run(out, data, layout):
     trained = TRAINED[layout] = {}
     originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
     _fresh_record()
-    if layout.startswith("async1"):
-        os.environ["RLPO_DECODE_DELAY"] = SLOW
+    original_pause = None
+    if layout.startswith("async1"):  # every sync lands after the running call's first tokens (not by the race of
+        os.environ["RLPO_DECODE_DELAY"] = SLOW  # the slow engine against the learner's step)
+        original_pause = _sync_after_first_tokens()
     try:
         rc = train(cfg, keep_world=True)
     finally:
         _restore(originals)
         os.environ.pop("RLPO_DECODE_DELAY", None)
+        if original_pause is not None:
+            AsyncProducer.paused = original_pause
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         history = [json.loads(line) for line in f]
     grad = torch.tensor([GRAD["outside_max"], GRAD["inside_nonzero"], GRAD["inside"]], dtype=torch.float64)
