@@ -408,8 +408,8 @@ def test_a_group_goes_to_one_server():
 
 
 def test_episode_turns_go_back_to_their_server_and_ask_only_for_new_routing_rows():
-    """Multi-turn episodes through the SGLang client over two servers: every turn of an episode is sent to the
-    server that holds its prefix (the first turn's), continues from the episode's token ids, and asks only for
+    """Multi-turn episodes through the SGLang client over two servers: a prompt's n episodes start on one server,
+    every turn of an episode is sent to the server that holds its prefix (the first turn's), continues from the episode's token ids, and asks only for
     the routing rows the episode lacks (routed_experts_start_len); the stitched routes are the rows each server
     sent, in order."""
     from transformers import AutoTokenizer
@@ -435,7 +435,7 @@ def test_episode_turns_go_back_to_their_server_and_ask_only_for_new_routing_rows
         out = [s for _, g in run_episodes(engine, items, 2, params, runner, fmt, EpisodeLimits(4, 400), tok)
                for s in g]
         engine.shutdown()
-    served = {url_a: sent_a, url_b: sent_b}
+    served, servers = {url_a: sent_a, url_b: sent_b}, {}
     assert len(out) == 8 and {url for url, sent in served.items() if sent.requests} == {url_a, url_b}
     for s in out:
         ids = list(s.prompt_ids) + list(s.response_ids)
@@ -444,6 +444,7 @@ def test_episode_turns_go_back_to_their_server_and_ask_only_for_new_routing_rows
                  if r["input_ids"] + r["output_ids"] == ids[:len(r["input_ids"]) + len(r["output_ids"])]]
         turns.sort(key=lambda t: len(t[1]["input_ids"]))
         assert len(turns) == 3 and len({url for url, _ in turns}) == 1, turns  # one server for the episode
+        servers.setdefault(s.prompt_index, set()).add(turns[0][0])
         held = 0
         for url, r in turns:
             assert r.get("routed_experts_start_len", 0) == held  # only the rows it lacked
@@ -451,6 +452,9 @@ def test_episode_turns_go_back_to_their_server_and_ask_only_for_new_routing_rows
             assert torch.equal(s.routes[held:held + rows.shape[0]].to(torch.int32), rows)
             held += rows.shape[0]
         assert held == s.routes.shape[0] == len(ids) - 1
+    # a prompt's n episodes start on one server (its prompt cached once), the prompts spread over both
+    assert all(len(v) == 1 for v in servers.values()) and len(servers) == 4, servers
+    assert {next(iter(v)) for v in servers.values()} == {url_a, url_b}
 
 
 def test_drivers_each_drive_their_own_servers():

@@ -189,7 +189,7 @@ class RolloutEngine(abc.ABC):
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None,
-               affinity: Optional[Sequence[Optional[str]]] = None, routes_from: Optional[Sequence[int]] = None):
+               affinity: Optional[Sequence] = None, routes_from: Optional[Sequence[int]] = None):
         """Yields (prompt index, its n samples) as each prompt's group completes, in any order. The caller may
         `send("finish")` to the generator once it has enough: nothing more is started, running requests are
         aborted, and the generator goes on yielding the groups that end meanwhile (complete ones, and ones with
@@ -198,7 +198,8 @@ class RolloutEngine(abc.ABC):
         caller's abort() (one abort of everything, for a weight update's pause). max_new_tokens: one budget per
         prompt instead of params' (the continuations of a partial rollout, rollout/partial.py). Per prompt, for
         a multi-turn episode's next turn (rollout/episode.py): affinity, the server (an answer's meta.server)
-        whose prefix cache holds the prompt's tokens; routes_from, the first position whose routing row the
+        whose prefix cache holds the prompt's tokens, or (not a string) a key the prompts of one server share (a
+        prompt's n episodes at their first turn); routes_from, the first position whose routing row the
         caller needs (an engine may return only rows [routes_from, ...): the answer's `routes_from` says from where).
         An engine of one server, or that returns every row, ignores them. This default generates the whole call
         (one generate() per distinct budget), then yields every group (an engine that batches the call, e.g. the

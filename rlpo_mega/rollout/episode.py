@@ -221,9 +221,11 @@ class EpisodeBatch:
         live = [e for e in self.eps if e.finish is None]
         budgets = [e.budget(params.max_new_tokens, self.limits.max_tokens) for e in live]
         answers: list = [None] * len(live)
-        # each episode back to the server whose prefix cache holds it, asking only for the routing rows it lacks
+        # each episode back to the server whose prefix cache holds it (a prompt's n episodes start on one server:
+        # their prompt is cached once), asking only for the routing rows it lacks
         gen = engine.stream([e.ids for e in live], params, n=1, max_new_tokens=budgets,
-                            affinity=[e.meta.server for e in live], routes_from=[e.held_rows for e in live])
+                            affinity=[e.meta.server or ("prompt", e.prompt_index) for e in live],
+                            routes_from=[e.held_rows for e in live])
         self.calls += 1
 
         def answered(i, got):

@@ -366,7 +366,7 @@ class SGLangEngine(RolloutEngine):
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None,
-               affinity: Optional[Sequence[Optional[str]]] = None, routes_from: Optional[Sequence[int]] = None):
+               affinity: Optional[Sequence] = None, routes_from: Optional[Sequence[int]] = None):
         """Yields (prompt index, its n samples) as each group's last answer is decoded. `send("finish")`
         (RolloutEngine.stream): nothing more is sent, queued requests are dropped, running ones aborted on their
         servers; the groups that end meanwhile are still yielded (aborted samples with finish_reason "abort"),
@@ -375,7 +375,8 @@ class SGLangEngine(RolloutEngine):
         the requests still running and sends nothing more; every request of the call has ended when the
         generator is closed. max_new_tokens: one budget per prompt (a partial rollout's continuations).
         affinity: per prompt, the URL of the server whose prefix cache holds it (an episode's earlier turns): its
-        requests go there (while it is one of this engine's servers). routes_from: per prompt, the first position
+        requests go there (while it is one of this engine's servers); a key that is not a string groups prompts:
+        those sharing it go to one server (the first one's, as a prompt's n samples do). routes_from: per prompt, the first position
         whose routing row is returned (SGLang's routed_experts_start_len; the answer's routes_from)."""
         total = len(prompts) * n
         self._stop_ids = set(int(t) for t in params.stop_token_ids)
@@ -391,11 +392,14 @@ class SGLangEngine(RolloutEngine):
         for name, per in (("max_new_tokens", max_new_tokens), ("affinity", affinity), ("routes_from", routes_from)):
             if per is not None and len(per) != len(prompts):
                 raise ValueError(f"{len(per)} {name} for {len(prompts)} prompts")
+        group_of = list(range(len(prompts)))  # the slots' group of each prompt: its n samples share a server
         if affinity is not None:  # an episode's next turn goes back to the server that holds its prefix
             where = {s.url: k for k, s in enumerate(self.servers) if s.alive}
-            for i, url in enumerate(affinity):
-                if url in where:
-                    slots.place(i, where[url])
+            for i, key in enumerate(affinity):
+                if isinstance(key, str) and key in where:
+                    slots.place(i, where[key])
+                elif key is not None and not isinstance(key, str):  # a group key: one server for its prompts
+                    group_of[i] = ("affinity", key)
         futures = {}
         for i, p in enumerate(prompts):
             prompt = list(map(int, p))
@@ -409,7 +413,7 @@ class SGLangEngine(RolloutEngine):
                 start = int(routes_from[i]) if routes_from is not None and self.return_routes else 0
                 if not 0 <= start < max(len(prompt), 1):
                     raise ValueError(f"routes_from={start} outside prompt {i}'s {len(prompt)} positions")
-                futures[self._pool.submit(self._one, i, prompt, rid, sampling, slots, start)] = i
+                futures[self._pool.submit(self._one, i, prompt, rid, sampling, slots, start, group_of[i])] = i
         order, left, unsent = list(futures), [n] * len(prompts), [False] * len(prompts)
         try:
             for f in self._completed(order, slots):
@@ -503,14 +507,14 @@ class SGLangEngine(RolloutEngine):
                         if err is not None:
                             raise EngineError(f"SGLang server {url}: {what}; restart it ({err})")
 
-    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots, start: int = 0) -> Sample:
+    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots, start: int = 0, group=None) -> Sample:
         body = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
                 "return_routed_experts": self.return_routes}
         if start:  # rows [start, seqlen - 1) only: the caller holds the rows before (an episode's earlier turns)
             body["routed_experts_start_len"] = start
         payload = dumps(body)
         while True:  # once per server tried: a dead or failing one's request is sent again to another of this driver's
-            server, (status, raw, size) = self._send(prompt_index, rid, payload, slots)
+            server, (status, raw, size) = self._send(prompt_index if group is None else group, rid, payload, slots)
             try:
                 return self._answer(server, prompt_index, prompt, rid, status, raw, size, start)
             except EngineError as e:
@@ -523,12 +527,12 @@ class SGLangEngine(RolloutEngine):
                 self._buffers.give(raw)
                 self._decoding.release()
 
-    def _send(self, prompt_index, rid, payload, slots: ServerSlots):
+    def _send(self, group, rid, payload, slots: ServerSlots):
         """One POST /generate on a slot -> (server, (status, body, size)), a decode permit held. A connection that
         fails because its server died (refused, reset, closed mid-body) is sent again to another server here (the
         dead one leaves the pool: _retire); a timeout, or a failure with too few servers left, ends the request."""
         while True:
-            slot = slots.acquire(group=prompt_index)  # blocks while the server(s) it may use are full
+            slot = slots.acquire(group=group)  # blocks while the server(s) it may use are full
             server = self.servers[slot]
             with self._lock:
                 self._inflight[rid] = server
