@@ -52,6 +52,18 @@ def _restore(originals):
         cls.collect = fn
 
 
+def _trained_run(config) -> dict:
+    """Train `config` on a fresh engine record; returns this rank's trained samples per step (_recording)."""
+    trained = {}
+    originals = _recording(trained)
+    _fresh_record()
+    try:
+        train(config)
+    finally:
+        _restore(originals)
+    return trained
+
+
 def _fresh_record():
     hooks.RecordedEngine.record.clear()
     hooks.RecordedEngine.syncs.clear()
@@ -155,13 +167,7 @@ def equal_at_zero(out):
     routes), losses, gradients, and final weights."""
     runs, weights = {}, {}
     for run, extra in (("sync", ()), ("async0", ("rollout.producer=async", "trainer.max_staleness=0"))):
-        trained = {}
-        originals = _recording(trained)
-        _fresh_record()
-        try:
-            train(cfg(out, run, "train_iters=3", "rollout.engine=test_recorded", *extra))
-        finally:
-            _restore(originals)
+        trained = _trained_run(cfg(out, run, "train_iters=3", "rollout.engine=test_recorded", *extra))
         runs[run], weights[run] = trained, hooks.RecordedEngine.syncs[-1]
     return {"sync": history(out, "sync"), "async0": history(out, "async0"),
             "samples": _gathered(_same(runs["sync"], runs["async0"])), "weights": _gathered(weights)}
@@ -198,13 +204,7 @@ def mid_generation(out):
         for run, extra in (("k1", ("rollout.partial_rollout=true",)),
                            ("k1_mask", ("rollout.partial_rollout=true", "rollout.partial_rollout_mask=true")),
                            ("k1_wait", ())):  # the default: a sync waits for the running call
-            trained = {}
-            originals = _recording(trained)
-            _fresh_record()
-            try:
-                train(cfg(out, run, "train_iters=4", "trainer.max_staleness=1", *ASYNC, *extra))
-            finally:
-                _restore(originals)
+            trained = _trained_run(cfg(out, run, "train_iters=4", "trainer.max_staleness=1", *ASYNC, *extra))
             rep[run] = {"history": history(out, run), "checks": _gathered(_check_against_record(trained)),
                         "masked": _gathered(sum(s["masked_prefix"] for v in trained.values() for s in v)),
                         "old_tokens": _gathered(sum(int((span_versions(s["versions"]) < max(v for v, _ in s["versions"])).sum())
@@ -305,26 +305,17 @@ def dynamic(out):
     step the group counts."""
     runs, rep = {}, {}
     for run, extra in (("sync", ()), ("async0", ("rollout.producer=async", "trainer.max_staleness=0"))):
-        trained = {}
-        originals = _recording(trained)
-        _fresh_record()
-        try:
-            train(cfg(out, run, "train_iters=3", "algorithm.dynamic_sampling.max_carry_steps=0", *DYNAMIC, *extra))
-        finally:
-            _restore(originals)
-        runs[run] = trained
+        runs[run] = _trained_run(cfg(out, run, "train_iters=3", "algorithm.dynamic_sampling.max_carry_steps=0",
+                                     *DYNAMIC, *extra))
         rep[run] = history(out, run)
     rep["samples"] = _gathered(_same(runs["sync"], runs["async0"]))
     os.environ["RLPO_DECODE_DELAY"] = SLOW
     original_pause = _sync_after_first_tokens()
-    trained = {}
-    originals = _recording(trained)
-    _fresh_record()
     try:
-        train(cfg(out, "async1", "train_iters=4", "trainer.max_staleness=1", "rollout.producer=async",
-                  "rollout.partial_rollout=true", "algorithm.dynamic_sampling.max_carry_steps=1", *DYNAMIC))
+        trained = _trained_run(cfg(out, "async1", "train_iters=4", "trainer.max_staleness=1", "rollout.producer=async",
+                                   "rollout.partial_rollout=true", "algorithm.dynamic_sampling.max_carry_steps=1",
+                                   *DYNAMIC))
     finally:
-        _restore(originals)
         os.environ.pop("RLPO_DECODE_DELAY")
         AsyncProducer.paused = original_pause
     rep["async1"] = history(out, "async1")
