@@ -285,11 +285,13 @@ def _check_counts(cfg, warns: list[str]):
                      "tokens sampled by older policy versions as if on-policy: algorithm.mismatch.mode=tis with "
                      "level=sequence and a high tis_cap weights each sample by pi_old / mu (README, "
                      "\"Asynchronous RL\")")
-    if cfg.rollout.producer == "async" and ds.enabled and ds.max_carry_steps > cfg.trainer.max_staleness:
+    if cfg.rollout.producer == "async" and ds.enabled and ds.max_carry_steps > 0:
+        # a job for step t starts on version t - k when it can, so its oldest tokens are as old as the bound allows
         warns.append(f"algorithm.dynamic_sampling.max_carry_steps={ds.max_carry_steps} with rollout.producer=async "
-                     f"and trainer.max_staleness={cfg.trainer.max_staleness}: a carried group is trained on only while "
-                     "its tokens are within the staleness bound, so groups carried longer are dropped "
-                     "(dynamic_sampling/carry_stale); set max_carry_steps <= max_staleness")
+                     f"(trainer.max_staleness={cfg.trainer.max_staleness}): a step's groups start generating as soon "
+                     "as the staleness bound allows, so its surplus groups are mostly too old for a later step "
+                     "(counted in dynamic_sampling/carry_stale); set algorithm.dynamic_sampling.max_carry_steps=0 "
+                     "to end a step's requests once its groups are kept")
     env = cfg.environment
     if env.name is not None:
         if env.name not in ENVIRONMENTS:
