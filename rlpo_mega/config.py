@@ -135,7 +135,7 @@ class TrainerConfig:
     # asynchronous RL (rollout.producer=async): a sample whose oldest token was sampled more than this many
     # policy versions (weight syncs) before the learner's is not trained on. 0: each step's groups are generated
     # on the weights of the last sync (today's synchronous step); k >= 1: generation for the next k steps runs
-    # while the learner trains (training/async_collect.py)
+    # while the learner trains (rollout/producers/asynchronous.py)
     max_staleness: int = 0
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
 
@@ -340,7 +340,7 @@ class SGLangEngineConfig:
 @dataclass
 class RolloutConfig:
     engine: str = "embedded"  # embedded | sglang (rlpo_mega.rollout ENGINES)
-    producer: str = "sync"  # how a step's scored groups are made (rlpo_mega.training.collect PRODUCERS): sync, async
+    producer: str = "sync"  # how a step's scored groups are made (rlpo_mega.rollout.producers PRODUCERS): sync, async
     # async: true: a weight sync aborts the running requests and each continues after it, on the new weights,
     # from the tokens it has (partial rollout; its tokens carry both versions); false: the sync waits for the
     # running engine call to finish (every sample from one version). tools/bench_async.py on a CPU SGLang server:
@@ -352,7 +352,7 @@ class RolloutConfig:
     # overlapped rollout ran 30% slower than alone (tools/bench_async.py); null: leave Python's
     client_switch_interval: Optional[float] = 0.0005
     # async: tokens a sample got before its last continuation (sampled by an older policy version than its last
-    # tokens, training/async_collect.py) are left out of the loss, as slime's partial-rollout masking
+    # tokens, rollout/producers/asynchronous.py) are left out of the loss, as slime's partial-rollout masking
     partial_rollout_mask: bool = False
     temperature: float = 1.0  # must equal algorithm.temperature (the log-probs are of these logits)
     top_p: float = 1.0

@@ -1,6 +1,6 @@
 """The rollout engine's failure types, at the bottom of the package: the engines raise them, and so do the
 weight-sync transports below the rollout side (a server that fails mid-sync is an engine failure, handled as any
-other: rlpo_mega/training/engines.py rebuilds the engine)."""
+other: rlpo_mega/rollout/engines.py rebuilds the engine)."""
 
 
 class EngineError(RuntimeError):

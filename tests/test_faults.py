@@ -24,14 +24,14 @@ import pytest
 import torch
 
 import rlpo_mega.rollout.sglang_engine as sglang_engine
-import rlpo_mega.training.engines as engines_module
+import rlpo_mega.rollout.engines as engines_module
 from moe.bridge.digest import tensor_digest
 from rlpo_mega.errors import EXIT_STOPPED
 from moe.model import load_hf_config
 from rlpo_mega.config import SGLangEngineConfig, load_config
 from rlpo_mega.rollout import EngineError, SamplingParams
 from rlpo_mega.rollout.sglang_engine import REPORT_LOADER, SGLangEngine
-from rlpo_mega.training.engines import EngineSlot
+from rlpo_mega.rollout.engines import EngineSlot
 from rlpo_mega.weight_sync.transports import InProcessTransport
 from tests.dist import ROOT, torchrun
 from tests.test_engine_timeouts import engine_for
@@ -598,7 +598,7 @@ def test_a_colocated_server_that_fails_to_release_or_resume_is_a_failed_engine(s
     state back for the sync alone, the call retried. The learner's state is back after the rollout, bit-exact."""
     from rlpo_mega.residency import Residency
     from rlpo_mega.training.colocate import HandOver
-    from rlpo_mega.training.engines import EngineGuard
+    from rlpo_mega.rollout.engines import EngineGuard
 
     server = stubs(1)[0]
 

@@ -54,6 +54,16 @@ def test_training_sits_above_everything_but_the_cli():
     assert bad == []
 
 
+def test_the_rollout_side_lives_in_rollout():
+    """Every producer (a schedule over a task through filters), the engine ranks' slot and guard and the scalars'
+    gather are the rollout side's: the trainer only calls a producer through its interface."""
+    from rlpo_mega.rollout.producers import PRODUCERS
+
+    assert {PRODUCERS.get(n).__module__.rsplit(".", 1)[0] for n in PRODUCERS.names()} == {"rlpo_mega.rollout.producers"}
+    assert sorted(f for f in os.listdir(os.path.join(ROOT, "rlpo_mega", "training"))
+                  if f in ("collect.py", "async_collect.py", "engines.py")) == []
+
+
 def _under(module, *packages):
     return any(module == p or module.startswith(p + ".") for p in packages)
 

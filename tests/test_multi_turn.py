@@ -156,8 +156,8 @@ def test_a_weight_sync_does_not_wait_for_the_environment_steps():
 
     from rlpo_mega.config import load_config
     from rlpo_mega.data.sampling import PromptItem
-    from rlpo_mega.training.async_collect import RolloutWorker, _Job
-    from rlpo_mega.training.collect import Episodes
+    from rlpo_mega.rollout.producers.asynchronous import RolloutWorker, _Job
+    from rlpo_mega.rollout.producers import Episodes
     from tests.multi_turn_support import STEPPING
 
     tok = _tok("tiny_chatml")
@@ -170,7 +170,7 @@ def test_a_weight_sync_does_not_wait_for_the_environment_steps():
     engine = ScriptedEngine(lambda p: [20, 21, fmt.end_id])
     engine.set_weight_version = lambda v: None
     engines = SimpleNamespace(slot=SimpleNamespace(engine=engine))
-    worker = RolloutWorker(cfg, engines, None, tok, lag=1, episodes=Episodes(cfg, tok))
+    worker = RolloutWorker(cfg, engines, Episodes(cfg, tok), tok, lag=1)
     items = [PromptItem(0, PromptRecord(0, "k?", None), fmt.render([{"role": "user", "content": "k?"}], True))]
     worker.version = 0
     STEPPING.clear()

@@ -173,7 +173,7 @@ def test_rollout_drivers_split_the_driver_rows():
 
 def test_async_holds_the_samples_of_the_steps_ahead():
     """rollout.producer=async: each driver holds the samples of 1 + trainer.max_staleness steps (the one trained
-    and those generating ahead, training/async_collect.py): its host row grows by one step's samples per step of
+    and those generating ahead, rollout/producers/asynchronous.py): its host row grows by one step's samples per step of
     staleness, the rest (decoding and exchange buffers) stays."""
     recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml"
     driver = {}

@@ -79,9 +79,10 @@ def worker(args):
     from rlpo_mega.training.update import policy_step
     from rlpo_mega.config import load_config
     from tools.batch_support import prepare_step
-    from rlpo_mega.training.exchange import gather_scalars, own_share_bytes
+    from rlpo_mega.rollout.gather import gather_scalars
+    from rlpo_mega.training.exchange import own_share_bytes
     from rlpo_mega.model_setup import build_policy
-    from rlpo_mega.training.collect import share
+    from rlpo_mega.rollout.producers import share
 
     hf = load_hf_config(MODEL)
     spec = TraceSpec.from_hf(hf)

@@ -6,7 +6,7 @@ at the size a real one sends, answered from a body made once per shape (or after
 driver is the real engine (rlpo_mega.rollout.sglang_engine.SGLangEngine) generating S samples of L new tokens
 (each answer decoded and its trace checked as it arrives) in the steady state of a run (after one rollout of the
 same size: connections, worker threads and receive buffers made; the trainer's garbage collection, --gc), then
-what its rank does with them, as the trainer does: the scalars' gather (training/exchange.gather_scalars) and
+what its rank does with them, as the trainer does: the scalars' gather (rollout/gather.py) and
 the exchange of the payloads in bounded rounds (training/exchange.exchange, a one-rank gloo group whose rank
 trains every MoE layer).
 
@@ -134,7 +134,8 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
     from rlpo_mega.config import SGLangEngineConfig
     from rlpo_mega.rollout import SamplingParams
     from rlpo_mega.rollout.sglang_engine import SGLangEngine
-    from rlpo_mega.training.exchange import exchange, gather_scalars
+    from rlpo_mega.rollout.gather import gather_scalars
+    from rlpo_mega.training.exchange import exchange
     from rlpo_mega.training.garbage import StepCollector
 
     collector = StepCollector(gc)

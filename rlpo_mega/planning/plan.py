@@ -119,7 +119,7 @@ class StepSummary:
 
 def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_tokens: int, drivers: int = 1
                    ) -> StepSummary:
-    """drivers: the engine ranks; each generates a contiguous share of a step's prompts (training/collect.share)."""
+    """drivers: the engine ranks; each generates a contiguous share of a step's prompts (rollout/producers.share)."""
     t, s = cfg.trainer, StepSummary()
     n = cfg.prompts.n_samples
     for k, responses in enumerate(lengths):
@@ -447,7 +447,7 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
             # (rollout.sglang.decode_concurrency: the body, base64 of int32 rows of every hidden layer, its decoded
             # int32 and the uint8 copies) and one exchange round's send and receive buffers on the host
             # (training/exchange.py); asynchronous RL holds the samples of 1 + trainer.max_staleness steps
-            # (training/async_collect.py)
+            # (rollout/producers/asynchronous.py)
             moe_layers = sum(get_family(hf.model_type).moe_layer_pattern(hf))
             topk = memory.Shape.of(hf, 1, 1).topk
             routes = cfg.routing.mode != "off"

@@ -29,7 +29,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def share_of(items: Sequence, index: int, parts: int) -> list:
     """Part `index` of `parts` contiguous shares of `items`, the first len(items) % parts one longer: how prompts
-    split over engine ranks (training/collect.share) and servers over SGLang drivers."""
+    split over engine ranks (rollout/producers.share) and servers over SGLang drivers."""
     per, extra = divmod(len(items), parts)
     start = index * per + min(index, extra)
     return list(items[start:start + per + (1 if index < extra else 0)])
@@ -77,7 +77,7 @@ class Sample:
     """One response: the one sample type from the engine to the learner.
 
     The engine fills the tokens, the log-probs it sampled them with, the finish reason and the raw routing rows;
-    the rollout producer (training/collect.py) adds the reward and, validating the routes, the compact trace and
+    the rollout producer (rollout/producers/) adds the reward and, validating the routes, the compact trace and
     the entries the live router decides (`replaced`). Every rank then learns every sample's scalars
     (`scalars` / `from_scalars`: the wire format of the scalars' gather); a sample another rank holds has no
     payload (`prompt_ids is None`). The exchange (training/exchange.py) carries the payload to the ranks that

@@ -146,7 +146,7 @@ class SGLangEngine(RolloutEngine):
                                   f"{driver} has none to drive; set rollout.sglang.drivers <= {len(cfg.urls)}")
             self.servers = [_Server(u) for u in mine]
             log.info("SGLang driver %d of %d drives %s", driver, cfg.drivers, ", ".join(mine))
-        elif cfg.launch:  # this process alone (a trainer launches per node: training/engines.EngineSlot)
+        elif cfg.launch:  # this process alone (a trainer launches per node: rollout/engines.EngineSlot)
             self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
@@ -913,7 +913,7 @@ class SGLangEngine(RolloutEngine):
         return {n: per_server[0][n] for n in names if n in per_server[0]}
 
     def adopt(self, launched: dict) -> None:
-        """Servers started by this run's node launchers (training/engines.EngineSlot), as {url: node}, with this
+        """Servers started by this run's node launchers (rollout/engines.EngineSlot), as {url: node}, with this
         process's own as {url: (node, SGLangServer)}; only those this engine drives are taken. It restarts the
         ones this process launched itself; a dead server launched by another process fails the rollout, and
         the rebuilt engine's launchers restart them."""

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from moe.bridge.megatron_io import ExportStream
 from rlpo_mega.model_setup import PARAMS_DTYPES
 from rlpo_mega.rollout import EngineError
-from rlpo_mega.training.engines import engine_ranks
+from rlpo_mega.rollout.engines import engine_ranks
 
 
 def sync_weights(chunks, cfg, slot) -> dict:
-    """Learner -> engine(s) through `slot`'s transport (training/engines.EngineSlot), digest-verified."""
+    """Learner -> engine(s) through `slot`'s transport (rollout/engines.EngineSlot), digest-verified."""
     ranks = engine_ranks(cfg)
     # every rank an engine (embedded): one broadcast per tensor; a few (SGLang drivers): sent to each of them
     dst = None if len(ranks) == dist.get_world_size() else ranks

@@ -56,14 +56,13 @@ from rlpo_mega.logging.metrics import count_host_syncs
 from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps, unwrap
 from rlpo_mega.rewards.scorer import RewardScorer
 from rlpo_mega.rollout import ENGINES
-from rlpo_mega.training import async_collect  # noqa: F401  (registers the "async" rollout producer)
 from rlpo_mega.training import report
 from rlpo_mega.training.batches import plan_and_exchange
 from rlpo_mega.residency import learner_residency
-from rlpo_mega.training.collect import PRODUCERS, Rollouts, sampling_params, share
+from rlpo_mega.rollout.producers import PRODUCERS, Rollouts, sampling_params, share
 from rlpo_mega.training.colocate import HandOver
 from rlpo_mega.training.critic import Critic
-from rlpo_mega.training.engines import Engines, StopRequested
+from rlpo_mega.rollout.engines import Engines, StopRequested
 from rlpo_mega.training.garbage import StepCollector
 from rlpo_mega.training.old_logprobs import old_logprobs, old_pass_needed
 from rlpo_mega.training.sync import sync_weights

@@ -16,8 +16,8 @@ import torch.distributed as dist
 import tests.workers.train_hooks as hooks
 from rlpo_mega.checkpoint import run as ckpt_state
 from rlpo_mega.rollout.partial import span_versions, versions_of
-from rlpo_mega.training.async_collect import AsyncProducer
-from rlpo_mega.training.collect import SyncProducer
+from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
+from rlpo_mega.rollout.producers import SyncProducer
 from rlpo_mega.training.trainer import Trainer
 from tests.dist import write_report
 from tests.workers.train_scenarios import cfg, history, train

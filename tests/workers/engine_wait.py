@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega import distributed
-from rlpo_mega.training.engines import agree
+from rlpo_mega.rollout.engines import agree
 from tests.dist import write_report
 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))

@@ -22,7 +22,7 @@ import tests.workers.train_hooks as hooks
 from rlpo_mega.config import load_config
 from rlpo_mega.rollout.partial import span_versions
 from rlpo_mega.training import update
-from rlpo_mega.training.async_collect import AsyncProducer
+from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
 from rlpo_mega.training.trainer import train
 from tests.dist import write_report
 from tests.multi_turn_support import ScriptEnv

@@ -17,7 +17,7 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.rollout import EngineError
-from rlpo_mega.training.engines import EngineSlot
+from rlpo_mega.rollout.engines import EngineSlot
 from tests.dist import ROOT, write_report
 
 STANDIN = os.path.join(ROOT, "tests", "sglang_support", "standin")

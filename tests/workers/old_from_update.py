@@ -24,12 +24,12 @@ from moe.routing.transport import gather_recipients  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from tools.batch_support import prepare_step  # noqa: E402
-from rlpo_mega.training.exchange import gather_scalars  # noqa: E402
+from rlpo_mega.rollout.gather import gather_scalars  # noqa: E402
 from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
 from rlpo_mega.training.old_logprobs import attach_old_logprobs, old_pass_needed  # noqa: E402
 from rlpo_mega.training.update import policy_step  # noqa: E402
 from rlpo_mega.rollout import Sample as Scored  # noqa: E402
-from rlpo_mega.training.collect import share  # noqa: E402
+from rlpo_mega.rollout.producers import share  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 from tests.workers.packed_parity import N, rollout  # noqa: E402
 

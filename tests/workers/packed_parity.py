@@ -25,10 +25,10 @@ from rlpo_mega.training.old_logprobs import attach_old_logprobs  # noqa: E402
 from rlpo_mega.training.update import policy_step  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
 from tools.batch_support import prepare_step  # noqa: E402
-from rlpo_mega.training.exchange import gather_scalars  # noqa: E402
+from rlpo_mega.rollout.gather import gather_scalars  # noqa: E402
 from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
 from rlpo_mega.rollout import Sample as Scored  # noqa: E402
-from rlpo_mega.training.collect import share  # noqa: E402
+from rlpo_mega.rollout.producers import share  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 
 N, GROUP = 16, 4

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.rewards import REWARDS
-from rlpo_mega.training.collect import PRODUCERS, ScoredGroups, SyncProducer
+from rlpo_mega.rollout.producers import PRODUCERS, ScoredGroups, SyncProducer
 from rlpo_mega.rollout import ENGINES, EngineError
 from rlpo_mega.rollout.embedded import EmbeddedEngine
 

@@ -243,7 +243,7 @@ def colocate(out):
     generation, at the start of the update, after the step (the sync and the save)."""
     import rlpo_mega.training.trainer as trainer_module
     from rlpo_mega.model_setup import unwrap
-    from rlpo_mega.training.collect import SyncProducer
+    from rlpo_mega.rollout.producers import SyncProducer
     from tests.workers.plan_memory import allocated
 
     extra = COLOCATE
@@ -530,7 +530,7 @@ def sglang_async(out):
     running requests (one abort per server) and continues them on the new weights. Each answer's weight version,
     as the server names it (POST /update_weight_version after each sync), must be the one the request was sent
     on (rollout/partial.tag raises otherwise); rank 0 reports its trained samples' per-token versions."""
-    from rlpo_mega.training.async_collect import AsyncProducer
+    from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
 
     original, seen = AsyncProducer.collect, []
 

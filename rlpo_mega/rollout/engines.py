@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from rlpo_mega.rollout import ENGINES, EngineError, RolloutInterrupted
+from rlpo_mega.rollout.base import ENGINES, EngineError, RolloutInterrupted
 from rlpo_mega.rollout.sglang_launch import launch_node_servers
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 

@@ -64,15 +64,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlpo_mega.rollout import RolloutInterrupted, Sample
-from rlpo_mega.rollout.base import STOP, drive
+from rlpo_mega.rollout.base import STOP, RolloutInterrupted, Sample, drive
 from rlpo_mega.rollout.dynamic_sampling import DynamicSamplingReport, Group, judge_group
+from rlpo_mega.rollout.engines import agree
 from rlpo_mega.rollout.episode import EpisodeBatch, with_call_seed
+from rlpo_mega.rollout.gather import gather_scalars
 from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, tag, versions_of
-from rlpo_mega.training.collect import (PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, sampling_params, score,
-                                        share, trim_to_divisor)
-from rlpo_mega.training.engines import agree
-from rlpo_mega.training.exchange import gather_scalars
+from rlpo_mega.rollout.producers.base import (PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, share,
+                                              trim_to_divisor)
+from rlpo_mega.rollout.producers.tasks import Episodes, Task, sampling_params
 
 log = logging.getLogger("rlpo_mega")
 
@@ -141,9 +141,10 @@ class RolloutWorker:
     """The generation thread of one engine rank: runs the planned jobs' engine calls (rounds) in step order,
     each on the engine's current version, while allowed (`lag`), and not while paused."""
 
-    def __init__(self, cfg, engines, scorer, tokenizer, lag: int, episodes=None):
-        self.cfg, self.engines, self.scorer, self.tokenizer, self.lag = cfg, engines, scorer, tokenizer, lag
-        self.episodes = episodes  # training.collect.Episodes: multi-turn (environment.name), else None
+    def __init__(self, cfg, engines, task: Task, tokenizer, lag: int):
+        self.cfg, self.engines, self.tokenizer, self.lag = cfg, engines, tokenizer, lag
+        self.task = task
+        self.episodes = task if isinstance(task, Episodes) else None  # multi-turn: advanced round by round
         self.cond = threading.Condition()
         self.jobs: dict[int, _Job] = {}
         self.version: Optional[int] = None  # the weights the engine holds (None before the first sync)
@@ -384,8 +385,7 @@ class RolloutWorker:
 
     def _score(self, job: _Job, i: int):
         group = job.groups[i]
-        if self.episodes is None:  # an episode's reward is its environment's
-            score([job.items[i]] * len(group), group, self.scorer, self.tokenizer)
+        self.task.score(job.items[i], group)
         for s in group:
             spans = versions_of(s)
             if not spans:  # no token (an episode ended by its environment's failure before it sampled one)
@@ -409,8 +409,7 @@ class AsyncProducer(RolloutProducer):
         super().__init__(cfg, sampler, rollouts, divisor)
         self.lag = cfg.trainer.max_staleness
         self.engines = rollouts.engines
-        self.worker = RolloutWorker(cfg, self.engines, rollouts.scorer, rollouts.tokenizer, self.lag,
-                                    rollouts.episodes)
+        self.worker = RolloutWorker(cfg, self.engines, rollouts.task, rollouts.tokenizer, self.lag)
         self.planned = None  # the last step whose prompts are drawn
         ds = cfg.algorithm.dynamic_sampling
         self.ds = ds if ds.enabled else None
