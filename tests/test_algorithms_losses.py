@@ -11,6 +11,7 @@ from rlpo_mega.algorithms.aggregation import MODES, global_mean
 from rlpo_mega.algorithms.objective import AggregationPitfallWarning, policy_objective, resolve_loss
 from rlpo_mega.training.batches import MicroBatch
 from rlpo_mega.config import AlgorithmConfig
+from rlpo_mega.reductions import Stat
 from tests import algo_reference as ref
 
 LOSS_NAMES = ["ppo_clip", "grpo", "dapo", "gspo", "gspo_token", "sapo"]
@@ -239,7 +240,7 @@ def test_mismatch_correction_matches_reference(mode, level):
     tok = [w for wt in ref.mismatch_weight_terms(batch["old_logp"], batch["rollout_logp"], mask, "token") for w in wt]
     k3 = sum(w - 1 - math.log(w) for w in tok) / len(tok)
     assert float(report["mismatch/k3_kl"][0] / report["mismatch/k3_kl"][1]) == pytest.approx(k3, rel=1e-12)
-    assert float(report["max:mismatch/ratio_dev_max"][0]) == pytest.approx(max(abs(w - 1) for w in tok), rel=1e-12)
+    assert float(report[Stat("mismatch/ratio_dev_max", "max")][0]) == pytest.approx(max(abs(w - 1) for w in tok), rel=1e-12)
 
 
 @pytest.mark.parametrize("mode", MODES)

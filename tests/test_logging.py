@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 from omegaconf import OmegaConf
 
+from rlpo_mega.reductions import Stat
 from rlpo_mega.logging import (METRICS_FILE, LoggingConfig, MetricsLogger, PhaseTimer, format_console_line,
                                progress_bar, reduce_metrics)
 from rlpo_mega.logging import plot as plot_mod
@@ -140,7 +141,7 @@ def test_missing_metrics():
 
 
 def test_reduce_metrics_single_process():
-    out = reduce_metrics({"b": 2, "max:a": 3.0, "sum:c": 4})
+    out = reduce_metrics({"b": 2, Stat("a", "max"): 3.0, Stat("c", "sum"): 4})
     assert out == {"a": 3.0, "b": 2.0, "c": 4.0}
 
 
@@ -266,3 +267,17 @@ def test_a_host_sync_is_placed_in_our_code_and_in_the_library(monkeypatch, tmp_p
     assert metrics_mod.sync_site(stack) == ("megatron/core/transformer/moe/moe_utils.py:7 permute <- "
                                             "rlpo_mega/training/update.py:40 update_phase")
     assert metrics_mod.sync_site(stack[:2]) == "rlpo_mega/training/update.py:40 update_phase"
+
+
+def test_a_report_key_declares_its_reduction_once():
+    """rlpo_mega/reductions.py is the one schema: a plain name is a mean, a Stat names another reduction; an
+    unknown one is refused where it is written, and fault counts are never logged."""
+    from rlpo_mega.reductions import by_reduction
+
+    with pytest.raises(ValueError, match="unknown reduction 'median'"):
+        Stat("x", "median")
+    groups = by_reduction(["b", Stat("a", "max"), Stat("labels", "fault"), "a"])
+    assert groups["mean"] == [Stat("a"), Stat("b")] and groups["max"] == [Stat("a", "max")]
+    assert groups["fault"] == [Stat("labels", "fault")]
+    with pytest.raises(ValueError, match="fault counts are raised"):
+        reduce_metrics({Stat("labels", "fault"): 1})

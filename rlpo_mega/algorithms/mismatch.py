@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .losses import metric
+from rlpo_mega.reductions import Stat
 
 MODES = ("none", "tis", "mis")
 LEVELS = ("token", "sequence", "geometric")
@@ -48,7 +49,7 @@ def mismatch_metrics(old_logp, rollout_logp, mask) -> dict:
     # 0 when no token is valid, as the masked max already gives: no host sync to ask mask.any()
     dev_max = torch.where(mask, dev, torch.zeros_like(dev)).max() if dev.numel() else dev.new_zeros(())
     return {"mismatch/k3_kl": metric(w - 1 - lw, mask), "mismatch/ratio_dev_mean": metric(dev, mask),
-            "max:mismatch/ratio_dev_max": dev_max.reshape(1)}
+            Stat("mismatch/ratio_dev_max", "max"): dev_max.reshape(1)}
 
 
 def apply_correction(loss, mask, old_logp, rollout_logp, cfg):

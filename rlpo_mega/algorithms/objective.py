@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -18,6 +18,7 @@ from . import mismatch as mismatch_mod
 from .aggregation import aggregate, check_mode
 from .kl import KL_ESTIMATORS, kl_penalty
 from .losses import LOSSES, LossParams, LossSpec, metric
+from rlpo_mega.reductions import Stat
 
 
 class AggregationPitfallWarning(UserWarning):
@@ -86,12 +87,9 @@ def validate(cfg) -> ResolvedLoss:
     return resolved
 
 
-FAULT = "bad:"  # report keys counting bad inputs (summed over micro-batches and ranks, see raise_input_faults)
-
-
 def _check_inputs(logp, batch, spec: LossSpec):
     """Shapes and presence are checked here (host facts, free); the values' faults are counted on the device
-    -> (mask, advantages, {FAULT key: count}). Reading them here would stop the host once per check and
+    -> (mask, advantages, {fault name: count}). Reading them here would stop the host once per check and
     micro-batch on a GPU: the trainer reads them once per step (raise_input_faults)."""
     mask = batch.loss_mask
     if mask.dim() != 2:
@@ -117,7 +115,7 @@ def _check_inputs(logp, batch, spec: LossSpec):
         a = torch.where(mask, adv, torch.zeros_like(adv))
         seq = a.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         varying = torch.where(mask, adv - seq, torch.zeros_like(adv)).abs() > 1e-6 * (1 + seq.abs())
-        faults[FAULT + "token_varying_advantages"] = varying.any(dim=1).sum()
+        faults["token_varying_advantages"] = varying.any(dim=1).sum()
     # Inputs only: non-finite NEW log-probs are a numerical failure of this forward; they make the loss
     # non-finite and the trainer skips the step.
     tensors = {"old_logp": batch.old_logp, "advantages": adv}
@@ -125,19 +123,18 @@ def _check_inputs(logp, batch, spec: LossSpec):
         if getattr(batch, key) is not None:
             tensors[key] = getattr(batch, key)
     for name, t in tensors.items():
-        faults[FAULT + "nonfinite/" + name] = (mask & ~torch.isfinite(t.detach())).sum()
+        faults["nonfinite/" + name] = (mask & ~torch.isfinite(t.detach())).sum()
     return mask, adv, faults
 
 
-def raise_input_faults(counts: dict) -> dict:
-    """`counts`: a reduced report (floats) or one micro-batch's faults (device scalars). Raises the first bad
-    input's one-line error; returns the other entries (the metrics). Every rank holds the same reduced counts,
-    so every rank raises together (none is left waiting in a collective)."""
-    for key in sorted(k for k in counts if k.startswith(FAULT)):
-        n = int(counts[key])
+def raise_input_faults(faults: Mapping) -> None:
+    """`faults`: name -> count of bad inputs, a reduced report's (Reduced.faults: every rank holds the same
+    counts, so every rank raises together and none is left waiting in a collective) or one micro-batch's (device
+    scalars). Raises the first bad input's one-line error."""
+    for what in sorted(faults):
+        n = int(faults[what])
         if n == 0:
             continue
-        what = key[len(FAULT):]
         if what == "token_varying_advantages":
             raise ValueError(f"gspo needs one advantage per sequence; got token-varying advantages in {n} "
                              "sequence(s) (use loss.name=gspo_token for per-token advantages)")
@@ -146,13 +143,6 @@ def raise_input_faults(counts: dict) -> dict:
                              "(a rollout engine with another tokenizer or vocabulary than model.hf_config?)")
         name = what.split("/", 1)[1]
         raise ValueError(f"{name} has {n} NaN/inf values at valid (unmasked) tokens")
-    return {k: v for k, v in counts.items() if not k.startswith(FAULT)}
-
-
-def fault_entry(count: torch.Tensor) -> torch.Tensor:
-    """A fault count as a report entry: [count, 0] is a [sum, count] pair whose reduction is the plain sum."""
-    count = count.double()
-    return torch.stack([count, torch.zeros_like(count)])
 
 
 def _clean(t, mask, dtype):
@@ -173,8 +163,8 @@ def drift_metrics(logp, old, mask) -> dict:
     out = {"kl_old_k3": metric(k3, mask),
            "seq_ratio_mean": torch.stack([torch.where(has, seq, 0.0).sum(), has.sum().double()])}
     if seq.numel():  # +-inf where no sequence has a token: reduce_report reports NaN then
-        out["max:seq_ratio_max"] = torch.where(has, seq, -math.inf).max().reshape(1)
-        out["min:seq_ratio_min"] = torch.where(has, seq, math.inf).min().reshape(1)
+        out[Stat("seq_ratio_max", "max")] = torch.where(has, seq, -math.inf).max().reshape(1)
+        out[Stat("seq_ratio_min", "min")] = torch.where(has, seq, math.inf).min().reshape(1)
     return out
 
 
@@ -185,9 +175,10 @@ def policy_objective(logp, batch, cfg, resolved: Optional[ResolvedLoss] = None, 
     logp: [b, s] new log-probs (with grad). batch: the micro-batch's loss inputs by attribute (a
     rlpo_mega.training.batches.MicroBatch): loss_mask [b, s], old_logp [b, s], advantages [b] or [b, s],
     ref_logp (KL, when kl.coef > 0) and rollout_logp (mismatch metrics / correction) or None.
-    cfg: AlgorithmConfig. report: name -> [sum, count] (means) or, for "max:" keys, [max].
+    cfg: AlgorithmConfig. report: rlpo_mega/reductions.py's schema (a name: a [sum, count] mean; Stat: max, min,
+    fault counts).
     defer_checks: bad input values (non-finite log-probs or advantages, GSPO's token-varying advantages) are
-    counted into the report's FAULT keys for raise_input_faults after the step's one reduction, instead of
+    counted into the report's fault entries for raise_input_faults after the step's one reduction, instead of
     raised here (which reads them on the host, once per check and micro-batch).
     """
     resolved = resolved or validate(cfg)
@@ -216,5 +207,5 @@ def policy_objective(logp, batch, cfg, resolved: Optional[ResolvedLoss] = None, 
     numerator, count = aggregate(loss, mask, resolved.aggregation, resolved.norm_length)
     report["policy_loss"] = torch.stack([numerator.detach().double(), count.double()])
     if defer_checks:
-        report.update({k: fault_entry(v) for k, v in faults.items()})
+        report.update({Stat(k, "fault"): v for k, v in faults.items()})
     return numerator, count, report

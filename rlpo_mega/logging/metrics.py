@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from typing import Mapping, Optional
 
 from rlpo_mega.config import LoggingConfig  # the typed config lives with the others
+from rlpo_mega.reductions import Key, stat
 
 METRICS_FILE = "metrics.jsonl"  # one JSON object per logged step: {"step", "time", <metric>: value, ...}
 CONFIG_FILE = "config.json"  # the run config, next to it (W&B gets it too)
@@ -27,17 +28,15 @@ MODES = ("offline", "online", "disabled")
 
 
 # ----------------------------------------------------------------------------------------- reduction
-_OPS = ("max:", "min:", "sum:")
-
-
 def _as_float(value) -> float:
     return float(value.item() if hasattr(value, "item") else value)
 
 
-def reduce_metrics(metrics: Mapping[str, object], group=None) -> dict[str, float]:
-    """Scalars averaged over the ranks of `group` (default: world); keys "max:x" / "min:x" / "sum:x" reduce
-    x by max / min / sum instead (the prefix is dropped). NaN (a rank with nothing to measure) is skipped
-    by the mean, max and min. Every rank gets the result.
+def reduce_metrics(metrics: Mapping[Key, object], group=None) -> dict[str, float]:
+    """Scalars reduced over the ranks of `group` (default: world) by their keys' reductions
+    (rlpo_mega/reductions.py: a plain name is averaged; Stat(x, "max" / "min" / "sum") reduces x by that), named
+    by the Stat's name. NaN (a rank with nothing to measure) is skipped by the mean, max and min. Every rank gets
+    the result.
 
     One collective: an all_gather of the sorted values as one float64 tensor on platform.device(), as every
     metric reduction of the learner (NCCL takes device tensors only; gloo takes CPU and CUDA ones), so
@@ -45,8 +44,11 @@ def reduce_metrics(metrics: Mapping[str, object], group=None) -> dict[str, float
     an error instead of silently mixed values (a different *number* of keys is a size mismatch the
     backend reports).
     """
-    keys = sorted(metrics)
-    values = [_as_float(metrics[k]) for k in keys]
+    stats = {stat(k): v for k, v in metrics.items()}
+    keys = sorted(stats)
+    if any(k.how == "fault" for k in keys):
+        raise ValueError("reduce_metrics: fault counts are raised (algorithms/objective.raise_input_faults), not logged")
+    values = [_as_float(stats[k]) for k in keys]
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
@@ -57,25 +59,25 @@ def reduce_metrics(metrics: Mapping[str, object], group=None) -> dict[str, float
         # lazy, as torch: platform imports transformers, and every CLI command imports this package (plot's parser)
         from rlpo_mega import platform
 
-        local = torch.tensor([float(zlib.crc32("\n".join(keys).encode()))] + values, dtype=torch.float64,
+        local = torch.tensor([float(zlib.crc32(repr(keys).encode()))] + values, dtype=torch.float64,
                              device=platform.device())
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, local, group=group)
         rows = torch.stack(gathered).tolist()  # one device-to-host copy
         if len({r[0] for r in rows}) != 1:
-            raise ValueError(f"reduce_metrics: ranks passed different metric names (this rank: {keys})")
+            raise ValueError(f"reduce_metrics: ranks passed different metric names (this rank: {[k.name for k in keys]})")
     out = {}
     for i, key in enumerate(keys, start=1):
         column = [r[i] for r in rows]
         finite = [v for v in column if not math.isnan(v)]
-        op, name = (key[:4], key[4:]) if key[:4] in _OPS else ("mean", key)
-        if op == "sum:":
+        op, name = key.how, key.name
+        if op == "sum":
             out[name] = math.fsum(column)
         elif not finite:
             out[name] = math.nan
-        elif op == "max:":
+        elif op == "max":
             out[name] = max(finite)
-        elif op == "min:":
+        elif op == "min":
             out[name] = min(finite)
         else:
             out[name] = math.fsum(finite) / len(finite)

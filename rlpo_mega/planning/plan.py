@@ -20,7 +20,7 @@ import math
 import os
 import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from moe.families import get_family
@@ -33,15 +33,14 @@ from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
 from rlpo_mega.planning import memory
 from rlpo_mega.planning.meta_build import Request, run_cached as meta_run
+from rlpo_mega.planning.rows import GB, EnginePlan, PlanError, Row  # noqa: F401  (PlanError: the CLI's)
 from rlpo_mega.rollout import ENGINES
+from rlpo_mega.rollout.producers import PRODUCERS
 from rlpo_mega.rollout.base import share_of
 
-GB = 1e9
 LENGTH_DISTS = ("uniform", "heavy-tail", "all-max")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the rollout engine's default share of a GPU for weights + KV pool when the recipe does not state it
-DEFAULT_MEM_FRACTION = 0.85
-SGLANG_RUNTIME_GB = 4.0  # a server's CUDA graphs, activations of a prefill chunk, NCCL (assumed)
 
 
 def quiet_megatron():
@@ -51,10 +50,6 @@ def quiet_megatron():
 
     warnings.filterwarnings("ignore")
     logging.getLogger("megatron").setLevel(logging.WARNING)
-
-
-class PlanError(ValueError):
-    """The recipe does not fit, or cannot be planned: one line naming the first budget exceeded."""
 
 
 # ---- response lengths
@@ -152,26 +147,6 @@ def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_token
 
 
 # ---- roles
-@dataclass
-class Row:
-    """One GPU or host: bytes by kind against a budget."""
-    role: str
-    name: str
-    budget: int
-    parts: dict = field(default_factory=dict)  # kind -> bytes
-    info: dict = field(default_factory=dict)  # counts, not bytes
-    notes: list = field(default_factory=list)
-    problem: Optional[str] = None  # a failure that is not a sum over budget
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    @property
-    def headroom(self) -> int:
-        return self.budget - self.total
-
-
 def _request(cfg, layout, value_head: bool) -> Request:
     optim = cfg.critic.optim if value_head else cfg.optim
     return Request(cfg.model.hf_config, layout, cfg.model.params_dtype, cfg.model.vocab_divisible_by,
@@ -184,7 +159,7 @@ def _stage_layers(hf, pp: int, stage: int) -> range:
 
 
 def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optional[list], budget: int,
-                 reserved: int, imbalance: float, engine_ranks: list[int]) -> list[Row]:
+                 reserved: int, imbalance: float, engine_ranks: list[int], engine: EnginePlan) -> list[Row]:
     shape = memory.Shape.of(hf, cfg.model.vocab_divisible_by, layout.tensor)
     tp, pp = layout.tensor, layout.pipeline
     tokens = steps.largest_micro_tokens
@@ -224,7 +199,7 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         per_token = 8 + (moe_here * topk * route_item if cfg.routing.mode == "r3" else 0)
         recv = steps.largest_rank_tokens * per_token
         send = steps.driver_tokens * (8 + sum(shape.moe_layers) * topk * route_item) \
-            if cfg.rollout.engine == "sglang" and stage in driver_stages else recv
+            if engine.driver_sends_all_layers and stage in driver_stages else recv
         row.parts["exchange"] = min(recv + send, 2 * (cfg.trainer.exchange_round_mb << 20))
         if stage in driver_stages:  # an engine rank receives the full weights at each sync, a bucket at a time
             row.parts["sync bucket"] = cfg.rollout.sync_bucket_mb << 20
@@ -242,18 +217,6 @@ _LEARNER_STATE = _LEARNER_KEPT + ("grads", "critic grads")
 # resumed; the digest hook's tensors; the update's tensors are the learner's bucket, opened by CUDA IPC)
 _ENGINE_GENERATING = ("weights", "KV pool", "KV cache", "runtime")
 _ENGINE_SYNCING = ("weights", "digest", "runtime")
-
-
-def embedded_kv_bytes(cfg, hf, world_size: int, prompt_tokens: int) -> int:
-    """The embedded engine's KV cache at its longest: a rank's share of the step's samples in one batch (or
-    rollout.embedded.batch_size), every layer's keys and values for prompt + response, in the parameters' dtype."""
-    shape = memory.Shape.of(hf, 1, 1)
-    rows = math.ceil(cfg.prompts.prompts_per_step * cfg.prompts.n_samples / world_size)
-    if cfg.rollout.embedded.batch_size:
-        rows = min(rows, cfg.rollout.embedded.batch_size)
-    tokens = prompt_tokens + response_budget(cfg)[0]
-    return rows * tokens * hf.num_hidden_layers * 2 * shape.kv_heads * shape.head_dim * \
-        memory.ITEMSIZE[cfg.model.params_dtype]
 
 
 def colocated_rows(learner: list[Row], engine: dict, released: int) -> list[Row]:
@@ -292,67 +255,6 @@ def total_params(built: list, layout) -> int:
     replicated over TP, are counted TP times: a few hundred thousand parameters)."""
     return sum((r["params"] - r["expert_params"]) * layout.tensor + r["expert_params"] * layout.expert
                * layout.expert_tensor for r in built)
-
-
-def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt_tokens: int) -> list[Row]:
-    """One row per kind of server (they are alike): weights at its TP, the KV pool, the transients.
-    largest_tensor: bytes of the largest HF tensor (bf16): the digest hook's unit of work."""
-    sg = cfg.rollout.sglang
-    tp = sg.tp_size
-    servers = planned_servers(cfg)
-    fraction = float(sg.server_args.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
-    shape = memory.Shape.of(hf, 1, 1)
-    weights = 2 * n_params // tp  # bf16, every tensor split over the server's TP (vocabulary included)
-    kv_per_token = hf.num_hidden_layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * 2
-    pool = max(0, int(fraction * budget) - weights)
-    # each driver spreads its share of the prompts over its share of the servers: the busiest server's load
-    p = cfg.prompts
-    in_flight = min(sg.max_in_flight_per_server, max(
-        math.ceil(len(share_of(range(p.prompts_per_step), d, sg.drivers)) * p.n_samples
-                  / len(share_of(range(servers), d, sg.drivers))) for d in range(sg.drivers)))
-    row = Row("server GPU", f"{servers} x TP{tp}", budget)
-    row.parts.update({
-        "weights": weights, "KV pool": pool,
-        # the sync receives one bucket of full HF tensors on every server rank; the digest hook
-        # (launch/rlpo_sglang_hooks.py) gathers one tensor at a time: TP shards, their concatenation
-        "sync bucket": cfg.rollout.sync_bucket_mb << 20, "digest": 2 * largest_tensor,
-        "runtime": int(SGLANG_RUNTIME_GB * GB)})
-    longest = prompt_tokens + response_budget(cfg)[0]  # a request at its longest (an episode's last turn)
-    need = in_flight * longest
-    row.info.update({"KV tokens": pool // kv_per_token, "tokens in flight (worst)": need,
-                     "requests in flight": in_flight})
-    if pool == 0:
-        row.problem = (f"the weights ({weights / GB:.1f} GB at TP{tp}) leave no KV pool in mem_fraction_static="
-                       f"{fraction} of {budget / GB:.0f} GB: raise rollout.sglang.tp_size")
-    row.notes.append(f"mem_fraction_static={fraction}" + ("" if "mem_fraction_static" in sg.server_args else
-                                                            " (assumed; the launch's SGLANG_ARGS set it)"))
-    if need > pool // kv_per_token:
-        row.notes.append(f"the requests in flight need {need} KV tokens at their longest, the pool holds "
-                         f"{pool // kv_per_token}: SGLang queues or retracts the rest (slower, not an error)")
-    if pool and not pool // kv_per_token >= longest:
-        row.problem = (f"the KV pool ({pool // kv_per_token} tokens) cannot hold one request of "
-                       f"{longest} tokens: raise rollout.sglang.tp_size")
-    return [row]
-
-
-def planned_servers(cfg) -> int:
-    """The SGLang servers a plan sizes: the URLs given, the launched ones, or every GPU of cluster.rollout_nodes
-    at the servers' TP; refused when there are none, or fewer than rollout drivers."""
-    sg, c = cfg.rollout.sglang, cfg.cluster
-    if sg.urls:
-        servers, where = len(sg.urls), "in rollout.sglang.urls"
-    elif sg.launch:
-        servers, where = sg.num_servers, "launched (rollout.sglang.num_servers)"
-    else:
-        servers = c.rollout_nodes * c.gpus_per_node // sg.tp_size
-        where = f"on cluster.rollout_nodes={c.rollout_nodes} x {c.gpus_per_node} GPUs at TP{sg.tp_size}"
-    if servers < 1:
-        raise PlanError("rollout.engine=sglang with no servers to plan: set cluster.rollout_nodes (the nodes the "
-                        "SGLang servers run on), rollout.sglang.urls or rollout.sglang.launch + num_servers")
-    if sg.drivers > servers:
-        raise PlanError(f"rollout.sglang.drivers={sg.drivers} but the plan has {servers} SGLang server(s) {where}: "
-                        f"each driver drives its own servers; set rollout.sglang.drivers <= {servers}")
-    return servers
 
 
 def dp_positions(layout) -> tuple[dict, dict]:
@@ -406,7 +308,8 @@ def offloaded_bytes(cfg, layout, built: list, critic: Optional[list]) -> list[in
 
 
 def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, prompt_tokens: int,
-              engine_ranks: list[int], offloaded: Optional[list[int]] = None) -> tuple[list[Row], dict]:
+              engine_ranks: list[int], engine: EnginePlan, offloaded: Optional[list[int]] = None
+              ) -> tuple[list[Row], dict]:
     """Per learner node: the checkpoint's host memory (the distributed optimizer's state a save writes and a load
     reads, optimizer_state_bytes) and the rollout drivers' buffers (the engine ranks on that node, each with its
     share of a step); and the checkpoint's size and save time
@@ -453,13 +356,12 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
             routes = cfg.routing.mode != "off"
             per_token = 16 + (moe_layers * topk * (1 if _num_experts(hf) <= 256 else 2) if routes else 0)
             answer = (prompt_tokens + response_budget(cfg)[0]) * hf.num_hidden_layers * topk * (16 // 3 + 4 + 2)
-            decoding = cfg.rollout.sglang.decode_concurrency * answer if cfg.rollout.engine == "sglang" and routes else 0
+            decoding = engine.answers_decoding * answer
             # dynamic sampling (rollout/dynamic_sampling.GroupCollector): a chunk of oversample x the share in flight, and
             # up to max_carry_steps chunks' surplus groups carried
             ds, over = cfg.algorithm.dynamic_sampling, max(1.0, cfg.prompts.oversample)
             held = over + ds.max_carry_steps * (over - 1) if ds.enabled else 1.0
-            if cfg.rollout.producer == "async":  # the step trained, and up to max_staleness steps generating ahead
-                held *= 1 + cfg.trainer.max_staleness
+            held *= PRODUCERS.get(cfg.rollout.producer).steps_held(cfg)  # async: and the steps generating ahead
             row.parts["rollout driver"] = drivers * (int(steps.driver_tokens * held) * per_token + decoding
                                                      + 2 * (cfg.trainer.exchange_round_mb << 20))
             row.info["drivers"] = drivers
@@ -535,40 +437,30 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     hf = load_hf_config(cfg.model.hf_config)
     warnings = check_run_config(cfg, hf, world_size=world_size, log_warnings=False, files=False)
     layout = resolve_layout(cfg.parallel, world_size, hf)
-    if cfg.rollout.engine == "sglang":
-        planned_servers(cfg)  # refused before the meta build
+    engine_cls = ENGINES.get(cfg.rollout.engine)
+    engine_cls.plan_check(cfg)  # refused before the meta build
     batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
     drawn = response_lengths(lengths, response_budget(cfg)[0], batch, steps, seed)
-    engine_ranks = ENGINES.get(cfg.rollout.engine).ranks(cfg, world_size)
+    engine_ranks = engine_cls.ranks(cfg, world_size)
     summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens, drivers=len(engine_ranks))
     built = meta_run(_request(cfg, layout, value_head=False))
     critic = meta_run(_request(cfg, layout, value_head=True)) if cfg.algorithm.advantage.name == "gae" else None
     gpu = int(c.gpu_memory_gb * GB)
-    rows = learner_rows(cfg, hf, layout, summary, built, critic, gpu, int(c.gpu_reserved_gb * GB), imbalance,
-                        engine_ranks)
     n_params = total_params(built, layout)
-    servers = []
-    if cfg.rollout.engine == "sglang":
-        shape = memory.Shape.of(hf, 1, 1)
-        servers = server_rows(cfg, hf, n_params, gpu, shape.padded_vocab * shape.hidden * 2, prompt_tokens)
-    engine_copy, hand = 0, None
+    engine = engine_cls.plan(cfg, hf, world_size, n_params, gpu, prompt_tokens)
+    rows = learner_rows(cfg, hf, layout, summary, built, critic, gpu, int(c.gpu_reserved_gb * GB), imbalance,
+                        engine_ranks, engine)
+    hand = None
     if cfg.rollout.colocate:
-        if servers:  # the servers on the learner's GPUs: a server's parts in generation, its runtime while released
-            engine = dict(servers[0].parts)
-            released = engine["runtime"]
-        else:  # the embedded engine: its weights (a host copy while released) and its KV cache while generating
-            engine_copy = memory.hf_model_bytes(hf, cfg.model.params_dtype)
-            engine = {"weights": engine_copy, "KV cache": embedded_kv_bytes(cfg, hf, world_size, prompt_tokens)}
-            released = 0
-        hand = handover(cfg, rows, engine_copy)
-        rows = colocated_rows(rows, engine, released)
-        for row in servers:
+        hand = handover(cfg, rows, engine.host_copy)
+        rows = colocated_rows(rows, engine.colocated, engine.released)
+        for row in engine.servers:
             row.notes.append("on the learner's GPUs (rollout.colocate): see the learner rows' generation phase")
-    rows += servers
+    rows += engine.servers
     # the critic's weights and optimizer state are saved in the same checkpoints, by the same ranks
     saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"]} for r, v in zip(built, critic)]
     hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens, engine_ranks,
-                          offloaded_bytes(cfg, layout, built, critic))
+                          engine, offloaded_bytes(cfg, layout, built, critic))
     if hand is not None:  # the learner's state (and the embedded engine's weights) on the host during the hand-over
         per_gpu = hand["bytes_per_gpu"] // 2
         for row in hosts:

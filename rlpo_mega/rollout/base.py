@@ -21,6 +21,7 @@ import torch
 
 from rlpo_mega.algorithms.registry import Registry
 from rlpo_mega.engine_errors import EngineError, RolloutInterrupted  # noqa: F401  (the engines' own types)
+from rlpo_mega.planning.rows import EnginePlan
 
 ENGINES = Registry("rollout engine")
 
@@ -176,6 +177,15 @@ class RolloutEngine(abc.ABC):
     def check_config(cls, run_cfg, warns: list, world_size: Optional[int] = None, nodes: Optional[int] = None) -> None:
         """`rlpo-mega check` of this engine's own settings (a ConfigError for a refusal, a line in `warns` for a
         warning), with the world size and node count when known. The engine's checks live with it."""
+
+    @classmethod
+    def plan_check(cls, run_cfg) -> None:
+        """`rlpo-mega plan`: a PlanError for what the plan cannot size at all, before the model's meta build."""
+
+    @classmethod
+    @abc.abstractmethod
+    def plan(cls, run_cfg, hf, world_size: int, n_params: int, gpu_bytes: int, prompt_tokens: int) -> EnginePlan:
+        """`rlpo-mega plan`: this engine's rows and parts at the recipe's real size (planning/rows.EnginePlan)."""
 
     @classmethod
     @abc.abstractmethod

@@ -21,6 +21,7 @@ routes a few tokens differently from a full forward (float reassociation near ro
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 import threading
 import uuid
@@ -34,6 +35,8 @@ from moe.routing.trace import TraceSpec
 from rlpo_mega import platform
 from rlpo_mega.config import ConfigError, EmbeddedEngineConfig, response_budget
 from rlpo_mega.model_setup import PARAMS_DTYPES
+from rlpo_mega.planning import memory
+from rlpo_mega.planning.rows import EnginePlan
 from rlpo_mega.residency import Residency, distinct_storages as _distinct_storages
 from rlpo_mega.weight_sync.transports import HFModelReceiver
 
@@ -165,6 +168,16 @@ class EmbeddedEngine(RolloutEngine):
         if ro.embedded.max_batch_tokens is not None and ro.embedded.max_batch_tokens < response + 1:
             raise ConfigError(f"rollout.embedded.max_batch_tokens={ro.embedded.max_batch_tokens} cannot hold one "
                               f"prompt + {key}={response}; raise it (or null: no cap)")
+
+    @classmethod
+    def plan(cls, run_cfg, hf, world_size: int, n_params: int, gpu_bytes: int, prompt_tokens: int) -> EnginePlan:
+        """No servers: it generates on the learner's GPUs. Colocated, its weights (copied to the host while the
+        learner trains) and its KV cache while it generates (`kv_bytes`)."""
+        if not run_cfg.rollout.colocate:
+            return EnginePlan()
+        weights = memory.hf_model_bytes(hf, run_cfg.model.params_dtype)
+        return EnginePlan(colocated={"weights": weights, "KV cache": kv_bytes(run_cfg, hf, world_size, prompt_tokens)},
+                          host_copy=weights)
 
     @classmethod
     def from_config(cls, run_cfg, hf_config=None) -> "EmbeddedEngine":
@@ -459,3 +472,15 @@ class EmbeddedEngine(RolloutEngine):
 
 
 __all__ = ["EmbeddedEngine", "filter_probs"]
+
+
+def kv_bytes(cfg, hf, world_size: int, prompt_tokens: int) -> int:
+    """The embedded engine's KV cache at its longest: a rank's share of the step's samples in one batch (or
+    rollout.embedded.batch_size), every layer's keys and values for prompt + response, in the parameters' dtype."""
+    shape = memory.Shape.of(hf, 1, 1)
+    rows = math.ceil(cfg.prompts.prompts_per_step * cfg.prompts.n_samples / world_size)
+    if cfg.rollout.embedded.batch_size:
+        rows = min(rows, cfg.rollout.embedded.batch_size)
+    tokens = prompt_tokens + response_budget(cfg)[0]
+    return rows * tokens * hf.num_hidden_layers * 2 * shape.kv_heads * shape.head_dim * \
+        memory.ITEMSIZE[cfg.model.params_dtype]

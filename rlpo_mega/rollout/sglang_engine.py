@@ -59,6 +59,7 @@ from .base import (ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Samp
                    share_of)
 from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
                             parse_logprobs, pool_size, receive_buffer, split_routes)
+from . import sglang_plan
 from .sglang_checks import check_sglang
 from .sglang_launch import launch_node_servers
 
@@ -97,6 +98,14 @@ class SGLangEngine(RolloutEngine):
 
     # its servers join a weight-update group (rlpo_mega/weight_sync/sglang_distributed.py)
     weight_update_group = True
+
+    @classmethod
+    def plan_check(cls, run_cfg) -> None:
+        sglang_plan.planned_servers(run_cfg)
+
+    @classmethod
+    def plan(cls, run_cfg, hf, world_size: int, n_params: int, gpu_bytes: int, prompt_tokens: int):
+        return sglang_plan.plan(run_cfg, hf, n_params, gpu_bytes, prompt_tokens)
 
     @classmethod
     def check_config(cls, cfg, warns: list, world_size: Optional[int] = None, nodes: Optional[int] = None) -> None:

@@ -28,6 +28,7 @@ from moe.bridge.megatron_io import weight_tensors
 from moe.routing.replay import RoutingReplay
 from rlpo_mega.algorithms.gae import gae, token_rewards, value_loss
 from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps, unwrap
+from rlpo_mega.reductions import Stat
 from rlpo_mega.training.batches import MicroBatch
 from rlpo_mega.training.report import mean_dicts
 from rlpo_mega.training.update import forward_only, forward_step_of, reduce_report, unpack, update
@@ -115,11 +116,13 @@ class Critic:
                    "res_sq": _pair((ret - v) ** 2, mask)}
             if kl is not None:
                 rep["kl"] = _pair(kl, mask)
-            # reduce_report names these by what follows "max:"/"min:" (not the means' names); every report has
-            # every key (the DP ranks reduce one vector); masked positions are -inf / +inf (an empty mask: NaN)
+            # every report has every key (the DP ranks reduce one vector); masked positions are -inf / +inf (an
+            # empty mask: NaN)
             inf = torch.full_like(adv, math.inf)
-            rep.update({"max:adv_max": torch.where(mask, adv, -inf), "min:adv_min": torch.where(mask, adv, inf),
-                        "max:ret_max": torch.where(mask, ret, -inf), "min:ret_min": torch.where(mask, ret, inf)})
+            rep.update({Stat("adv_max", "max"): torch.where(mask, adv, -inf),
+                        Stat("adv_min", "min"): torch.where(mask, adv, inf),
+                        Stat("ret_max", "max"): torch.where(mask, ret, -inf),
+                        Stat("ret_min", "min"): torch.where(mask, ret, inf)})
             reports.append(rep)
         s = reduce_report(reports)
         var = lambda a, b: max(s[b] - s[a] ** 2, 0.0)  # noqa: E731  E[x^2] - E[x]^2 over the batch's tokens

@@ -32,9 +32,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlpo_mega import platform
 from rlpo_mega.algorithms.logprobs import bad_label_count, vocab_parallel_logprobs
-from rlpo_mega.algorithms.objective import FAULT, fault_entry, policy_objective, raise_input_faults, validate
+from rlpo_mega.algorithms.objective import policy_objective, raise_input_faults, validate
 from rlpo_mega.distributed import all_ok
 from rlpo_mega.model_setup import unwrap
+from rlpo_mega.reductions import Reduced, Stat, by_reduction, stat
 from rlpo_mega.training.batches import MicroBatch
 
 
@@ -97,7 +98,7 @@ def policy_loss(batch, logits, *, cfg, resolved, real_vocab, old_from_update=Fal
     b = replace(batch, old_logp=logp.detach()) if old_from_update else batch
     numerator, count, report = policy_objective(logp, b, cfg, resolved, entropy=unpack(entropy.detach(), batch),
                                                 defer_checks=True)
-    report[FAULT + "labels"] = fault_entry(bad_label_count(batch.labels, real_vocab))
+    report[Stat("labels", "fault")] = bad_label_count(batch.labels, real_vocab)
     return numerator, count, report
 
 
@@ -155,50 +156,56 @@ def run_schedule(model_chunks, micro_batches, forward_only, forward_step=None):
     )
 
 
-def reduce_report(reports: list[dict]) -> dict:
-    """Global metrics from per-micro-batch reports: [sum, count] pairs are summed over micro-batches and
-    DP ranks then divided (a count of 0: the plain sum, as the objective's fault counts use); "max:"/"min:"
-    keys take the max/min (NaN when no micro-batch had one). Every
-    rank gets the values (sent from the last stage). The sums stay on platform.device() (the reports'
-    device; NCCL reduces nothing else) and reach the host in one copy at the end."""
+def reduce_report(reports: list[dict]) -> Reduced:
+    """Global metrics from per-micro-batch reports, by each key's reduction (rlpo_mega/reductions.py: means from
+    [sum, count] pairs, sums, fault counts, max and min over micro-batches and DP ranks). Every rank gets the
+    values (sent from the last stage). The sums stay on platform.device() (the reports' device; NCCL reduces
+    nothing else) and reach the host in one copy at the end. The fault counts come apart (`Reduced.faults`) for
+    raise_input_faults."""
     last = parallel_state.is_pipeline_last_stage()
-    keys = sorted(reports[0]) if reports else []
+    keys = sorted({stat(k) for k in reports[0]}) if reports else []
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         box = [keys]
         dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                    group=parallel_state.get_pipeline_model_parallel_group())
         keys = box[0]
-    mean_keys = [k for k in keys if not k.startswith(("max:", "min:"))]
-    max_keys = [k for k in keys if k.startswith("max:")]
-    min_keys = [k for k in keys if k.startswith("min:")]
+    how = by_reduction(keys)
+    means, counted, maxes, mins = how["mean"], how["sum"] + how["fault"], how["max"], how["min"]
     device = platform.device()
-    sums = torch.zeros(len(mean_keys), 2, dtype=torch.float64, device=device)
+    pairs = torch.zeros(len(means), 2, dtype=torch.float64, device=device)
+    totals = torch.zeros(len(counted), dtype=torch.float64, device=device)
     # max over ranks of (max, -min): a micro-batch without the key (no valid sequence) contributes -inf
-    extremes = torch.full((len(max_keys) + len(min_keys),), -math.inf, dtype=torch.float64, device=device)
-    for r in reports:
-        if mean_keys:
-            sums += torch.stack([r[k].detach().double() for k in mean_keys])
-        for i, k in enumerate(max_keys + min_keys):
+    extremes = torch.full((len(maxes) + len(mins),), -math.inf, dtype=torch.float64, device=device)
+    for report in reports:
+        r = {stat(k): v for k, v in report.items()}
+        if means:
+            pairs += torch.stack([r[k].detach().double() for k in means])
+        if counted:
+            totals += torch.stack([r[k].detach().double().sum() for k in counted])
+        for i, k in enumerate(maxes + mins):
             if k in r:
                 v = r[k].detach().double()
-                extremes[i] = torch.maximum(extremes[i], v.max() if i < len(max_keys) else -v.min())
+                extremes[i] = torch.maximum(extremes[i], v.max() if i < len(maxes) else -v.min())
     if last:
         dp = parallel_state.get_data_parallel_group()
-        dist.all_reduce(sums, group=dp)
+        dist.all_reduce(pairs, group=dp)
+        dist.all_reduce(totals, group=dp)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=dp)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         src = parallel_state.get_pipeline_model_parallel_last_rank()
         group = parallel_state.get_pipeline_model_parallel_group()
-        dist.broadcast(sums, src=src, group=group)
-        dist.broadcast(extremes, src=src, group=group)
-    host = torch.cat([sums.flatten(), extremes]).tolist()  # the one device-to-host copy
-    sums = [host[2 * i:2 * i + 2] for i in range(len(mean_keys))]
-    extremes = host[2 * len(mean_keys):]
-    out = {k: sums[i][0] / max(sums[i][1], 1.0) for i, k in enumerate(mean_keys)}
-    for i, k in enumerate(max_keys + min_keys):
-        v = extremes[i]
-        out[k[4:]] = (v if i < len(max_keys) else -v) if math.isfinite(v) else math.nan
-    return out
+        for t in (pairs, totals, extremes):
+            dist.broadcast(t, src=src, group=group)
+    host = torch.cat([pairs.flatten(), totals, extremes]).tolist()  # the one device-to-host copy
+    out = {k.name: host[2 * i] / max(host[2 * i + 1], 1.0) for i, k in enumerate(means)}
+    at = 2 * len(means)
+    out.update({k.name: host[at + i] for i, k in enumerate(how["sum"])})
+    faults = {k.name: host[at + len(how["sum"]) + i] for i, k in enumerate(how["fault"])}
+    at += len(counted)
+    for i, k in enumerate(maxes + mins):
+        v = host[at + i]
+        out[k.name] = (v if i < len(maxes) else -v) if math.isfinite(v) else math.nan
+    return Reduced(out, faults)
 
 
 def forward_backward(model_chunks, optimizer, micro_batches, forward_step=None):
@@ -248,7 +255,8 @@ def update(model_chunks, optimizer, micro_batches, forward_step, loss_key: str, 
     (the objective's fault counts) -> the step when the loss and every gradient are finite -> megatron's
     optimizer step (clipping) and the LR schedule. Returns the metrics with grad_norm and skipped (1.0: not
     applied). strict: a skipped step raises FloatingPointError instead."""
-    out = raise_input_faults(reduce_report(forward_backward(model_chunks, optimizer, micro_batches, forward_step)))
+    out = reduce_report(forward_backward(model_chunks, optimizer, micro_batches, forward_step))
+    raise_input_faults(out.faults)
     if math.isfinite(out[loss_key]) and grads_finite(model_chunks):
         applied, out["grad_norm"] = optimizer_step(optimizer, lr_schedule, strict=False)
     else:
@@ -286,7 +294,8 @@ def policy_step(model_chunks, optimizer, micro_batches: list[MicroBatch], cfg, s
     if step_optimizer:
         out = update(model_chunks, optimizer, micro_batches, step, "policy_loss", lr_schedule)
     else:
-        out = raise_input_faults(reduce_report(forward_backward(model_chunks, optimizer, micro_batches, step)))
+        out = reduce_report(forward_backward(model_chunks, optimizer, micro_batches, step))
+        raise_input_faults(out.faults)
     if routing is not None:
         out.update(routing.metrics())
     return out

@@ -9,12 +9,13 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from tests.dist import write_report  # noqa: E402
 from rlpo_mega.logging import reduce_metrics  # noqa: E402
+from rlpo_mega.reductions import Stat  # noqa: E402
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 # rank r: mean of (1, 3) = 2; max/min of (10, 20); sum of (5, 7) = 12; NaN on rank 1 only -> rank 0's 4.0
-metrics = {"reward/mean": torch.tensor(1.0 + 2 * rank), "max:response/length_max": 10 + 10 * rank,
-           "min:ratio/seq_min": 10.0 + 10 * rank, "sum:dynamic_sampling/kept": 5 + 2 * rank,
+metrics = {"reward/mean": torch.tensor(1.0 + 2 * rank), Stat("response/length_max", "max"): 10 + 10 * rank,
+           Stat("ratio/seq_min", "min"): 10.0 + 10 * rank, Stat("dynamic_sampling/kept", "sum"): 5 + 2 * rank,
            "entropy/mean": math.nan if rank else 4.0, "kl/policy": math.nan}
 out = reduce_metrics(metrics, group=dist.new_group(backend="gloo"))
 try:

@@ -22,6 +22,7 @@ from rlpo_mega.training.update import model_forward as _model_out, policy_step
 from tools.batch_support import assemble_batch, prepare_micro_batches
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy
+from rlpo_mega.reductions import Stat, stat
 from rlpo_mega.training.update import forward_backward
 from tests.dist import write_report
 from tests.workers.bridge import make_hf_checkpoint
@@ -69,7 +70,7 @@ def logprob_mismatch(train_logp, rollout_logp, mask, prefix: str) -> dict:
     kl, dev = m["mismatch/k3_kl"], m["mismatch/ratio_dev_mean"]
     return {f"{prefix}/k3_kl": float(kl[0] / kl[1].clamp(min=1)),
             f"{prefix}/ratio_dev_mean": float(dev[0] / dev[1].clamp(min=1)),
-            f"{prefix}/ratio_dev_max": float(m["max:mismatch/ratio_dev_max"].max())}
+            f"{prefix}/ratio_dev_max": float(m[Stat("mismatch/ratio_dev_max", "max")].max())}
 
 
 def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
@@ -87,7 +88,8 @@ def mismatch_report(self, model_chunks, micro: list[dict], algo_cfg) -> dict:
         rep = {}
         for tag, logp in (("replay", mb.old_logp), ("no_replay", lp)):
             for k, v in mismatch_metrics(logp, mb.rollout_logp, mask).items():
-                rep[k.replace("mismatch/", f"routing/mismatch_{tag}/")] = v
+                k = stat(k)
+                rep[Stat(k.name.replace("mismatch/", f"routing/mismatch_{tag}/"), k.how)] = v
         reports.append(rep)
     out = reduce_report(reports)
     out.update(self.stats.reduce(phases=["no_replay"]))

@@ -405,6 +405,11 @@ class RolloutWorker:
 class AsyncProducer(RolloutProducer):
     """Generation overlapped with training, bounded by trainer.max_staleness (the module docstring)."""
 
+    @classmethod
+    def steps_held(cls, cfg) -> int:
+        """The step trained, and up to max_staleness steps generating ahead."""
+        return 1 + cfg.trainer.max_staleness
+
     def __init__(self, cfg, sampler, rollouts, divisor: int):
         super().__init__(cfg, sampler, rollouts, divisor)
         self.lag = cfg.trainer.max_staleness

@@ -54,6 +54,11 @@ class RolloutProducer(abc.ABC):
     def __init__(self, cfg, sampler, rollouts: "Rollouts", divisor: int):
         self.cfg, self.sampler, self.rollouts, self.divisor = cfg, sampler, rollouts, divisor
 
+    @classmethod
+    def steps_held(cls, cfg) -> int:
+        """How many steps' samples an engine rank holds at once (`rlpo-mega plan`'s driver rows): the step's."""
+        return 1
+
     @abc.abstractmethod
     def collect(self, step: int, timer) -> ScoredGroups:
         """The groups to train on at `step`; none (an empty list) means the step makes no update."""
