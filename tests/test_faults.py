@@ -30,7 +30,8 @@ from rlpo_mega.errors import EXIT_STOPPED
 from moe.model import load_hf_config
 from rlpo_mega.config import SGLangEngineConfig, load_config
 from rlpo_mega.rollout import EngineError, SamplingParams
-from rlpo_mega.rollout.sglang_engine import REPORT_LOADER, SGLangEngine
+from rlpo_mega.rollout.sglang_engine import SGLangEngine
+from rlpo_mega.rollout.sglang_reports import REPORT_LOADER
 from rlpo_mega.rollout.engines import EngineSlot
 from rlpo_mega.weight_sync.transports import InProcessTransport
 from tests.dist import ROOT, torchrun

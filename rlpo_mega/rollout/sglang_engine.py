@@ -15,10 +15,7 @@ Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, 
   reload_from_disk    update_weights_from_disk
   "sglang_distributed" transport (rlpo_mega/weight_sync/sglang_distributed.py): init_weights_update_group +
                       update_weights_from_distributed
-weight_digests asks every server what it actually holds: SGLang cannot return MoE weights over HTTP, so a
-custom weight loader (launch/rlpo_sglang_hooks.report_digests) gathers the server's TP shards, maps them to
-HF names and digests them inside the server; only the digests come back, through a TCP store each driver
-hosts (the same store the sglang_distributed group meets at). No shared filesystem, no weights on the wire.
+weight_digests asks every server what it actually holds, digested inside the server (sglang_reports.py).
 
 Time limits: control calls (weight updates, digests, flushes) use `control_timeout`; a generation may take
 `request_timeout`, but while it runs every server with requests in flight must answer GET /health within
@@ -33,24 +30,20 @@ import itertools
 import json
 import logging
 import os
-import pickle
 import queue
-import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor, wait
-from datetime import timedelta
+from concurrent.futures import wait
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from moe.bridge.digest import DigestMismatchError, verify
 from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
@@ -62,9 +55,9 @@ from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, 
 from . import sglang_plan
 from .sglang_checks import check_sglang
 from .sglang_launch import launch_node_servers
+from .sglang_reports import InServerReports
 
 log = logging.getLogger("rlpo_mega")
-REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 # control calls (urllib) ignore http_proxy & co.: a server address is never reached through a proxy
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -90,7 +83,7 @@ class _Server:
 
 
 @ENGINES.register("sglang")
-class SGLangEngine(RolloutEngine):
+class SGLangEngine(InServerReports, RolloutEngine):
     """cfg: SGLangEngineConfig. hf_config: the served model's transformers config (or a config.json path /
     HF directory), for route decoding and digest read-back. model_path: the HF directory to launch from
     (launch mode) or to restart from. driver: this client's index among the cfg.drivers clients: of
@@ -143,9 +136,7 @@ class SGLangEngine(RolloutEngine):
         self._lock = threading.Lock()
         self.weights_updated = False  # since the servers started: a restart would silently undo it
         self.should_stop: Optional[Callable[[], bool]] = None  # the trainer's stop flag, polled while waiting
-        self._store = None  # TCP store hosted here: digest reports, the sglang_distributed rendezvous
-        self._store_lock = threading.Lock()
-        self.digest_peak_bytes: dict[str, Optional[int]] = {}  # per server URL: the last digest report's peak
+        self._init_reports()
         self._closed = False
         self.servers: list[_Server] = []
         if cfg.urls:
@@ -829,97 +820,6 @@ class SGLangEngine(RolloutEngine):
                         self._post_ok_all("/end_weight_update")
         self.weights_updated = True
         self.flush_cache()
-
-    # ---------------------------------------------------------------- digests (what the servers hold)
-    def learner_address(self) -> str:
-        """How servers reach this rank. On node 0 (torchrun's GROUP_RANK): rollout.sglang.learner_address, else
-        torchrun's MASTER_ADDR (node 0's host), else loopback. A driver on another node: its hostname (as
-        launched servers on a wildcard host are addressed), since MASTER_ADDR names node 0."""
-        if int(os.environ.get("GROUP_RANK", "0")) != 0:
-            return socket.gethostname()
-        return self.cfg.learner_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
-
-    def store(self):
-        """The TCP store this rank hosts for its servers (created once; port rollout.sglang.store_port + this
-        driver's index, so drivers sharing a host never collide; 0 = any free port). Hosted directly, not through
-        rendezvous(): under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous() turns rank 0 into a client of the
-        agent's store and the servers wait for a host that never comes."""
-        # under a lock: the digest reports of a driver's servers are asked for concurrently (weight_digests), and
-        # two threads that both found no store each created one: the first server was told a port whose store
-        # the second assignment then dropped, its report hook retried that closed port for control_timeout and
-        # the sync failed (two servers per driver; one server never raced)
-        with self._store_lock:
-            if self._store is None:
-                port = self.cfg.store_port + self.driver if self.cfg.store_port else 0
-                self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
-                                            timeout=timedelta(seconds=self.cfg.control_timeout))
-            return self._store
-
-    def _hook_request(self, server: _Server, request: dict, what: str) -> dict:
-        """Run launch/rlpo_sglang_hooks.py's loader in every TP rank of `server` with `request`; its TP rank 0's
-        report (a JSON object) comes back through this rank's TCP store. what: the report, for the errors."""
-        key = f"rlpo_reports/{uuid.uuid4().hex}"
-        request = json.dumps({**request, "store": [self.learner_address(), self.store().port], "key": key,
-                              "timeout": self.cfg.control_timeout})
-        # a plain pickle (bytes inline), not shared memory: the server may be on another host
-        payload = base64.b64encode(pickle.dumps([(request, torch.zeros(1))])).decode()
-        self._begin(server)
-        try:
-            status, body = self._http(server, "/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": REPORT_LOADER,
-                "flush_cache": False})
-        except BaseException:
-            self._end_quietly([server])
-            raise
-        self._post_ok(server, "/end_weight_update")
-        if status != 200:
-            raise EngineError(f"SGLang server {server.url} could not report its {what} ({status}: "
-                              f"{body[:300]!r}): start it with --custom-weight-loader {REPORT_LOADER} and the "
-                              "repository root and launch/ on its PYTHONPATH (launch/sglang_server.py does both)")
-        try:
-            self.store().wait([key], timedelta(seconds=self.cfg.control_timeout))
-        except Exception as e:
-            raise EngineError(f"SGLang server {server.url} ran the report hook but its {what} never reached "
-                              f"{self.learner_address()}:{self.store().port} within control_timeout: can the "
-                              f"server reach this host (rollout.sglang.learner_address)? ({e})") from e
-        report = json.loads(self.store().get(key))
-        self.store().delete_key(key)
-        if "error" in report:
-            raise EngineError(f"SGLang server {server.url}: its report hook failed ({what}): {report['error']}")
-        return report
-
-    def _digest_request(self, server: _Server, algorithm: str) -> dict[str, str]:
-        self._check_layout()
-        report = self._hook_request(server, {"algorithm": algorithm}, "weight digests")
-        self.digest_peak_bytes[server.url] = report.get("peak_extra_bytes")  # the hook's own cost (host RSS)
-        return report["digests"]
-
-    def environments(self) -> dict[str, dict]:
-        """{server URL: its environment} (torch, CUDA and NCCL versions of its TP rank 0; NCCL None without
-        CUDA), as launch/rlpo_sglang_hooks.py reports it from inside the server."""
-        self._check_layout()
-        return {s.url: self._hook_request(s, {"what": "environment"}, "environment")["environment"]
-                for s in self.live}
-
-    def weight_digests(self, names, algorithm: str) -> dict[str, str]:
-        """{HF name: digest} of what the servers hold, digested inside each server; servers must agree."""
-        servers = self.live
-        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-            per_server = list(pool.map(lambda server: self._digest_request(server, algorithm), servers))
-        if self.tied:
-            for s, d in zip(servers, per_server):
-                if self._head in d and d[self._head] != d.get(self._embed):
-                    raise DigestMismatchError(
-                        f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
-                        "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "
-                        "(it sends lm_head too) or serve an untied checkpoint")
-        for s, d in zip(servers[1:], per_server[1:]):
-            try:
-                verify({n: per_server[0][n] for n in names if n in per_server[0]}, d,
-                       where=f"SGLang server {s.url} (vs {servers[0].url})")
-            except DigestMismatchError as e:
-                raise DigestMismatchError(f"SGLang servers disagree: {e}") from e
-        return {n: per_server[0][n] for n in names if n in per_server[0]}
 
     def adopt(self, launched: dict) -> None:
         """Servers started by this run's node launchers (rollout/engines.EngineSlot), as {url: node}, with this

@@ -1,0 +1,130 @@
+"""What SGLang servers report from inside themselves: the weights they hold (digests) and their environment.
+
+SGLang cannot return MoE weights over HTTP, so a custom weight loader (launch/rlpo_sglang_hooks.report_digests)
+runs in every TP rank of a server: it gathers the server's TP shards, maps them to HF names and digests them
+inside the server; only the digests come back, through a TCP store each driver hosts (the same store the
+sglang_distributed group meets at). No shared filesystem, no weights on the wire.
+
+`InServerReports` is the SGLang engine's part that asks for them (SGLangEngine inherits it); it uses the
+engine's HTTP calls (_http, _post_ok, _begin, _end_quietly), its config (cfg: control_timeout, store_port,
+learner_address, tp_size), its driver index, its live servers and its model's tied head (tied, _head, _embed).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import socket
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from moe.bridge.digest import DigestMismatchError, verify
+from rlpo_mega.engine_errors import EngineError
+
+REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
+
+
+class InServerReports:
+    """Digests and environments reported from inside the servers, through this driver's TCP store."""
+
+    def _init_reports(self):
+        self._store = None  # TCP store hosted here: digest reports, the sglang_distributed rendezvous
+        self._store_lock = threading.Lock()
+        self.digest_peak_bytes: dict[str, Optional[int]] = {}  # per server URL: the last digest report's peak
+
+    def learner_address(self) -> str:
+        """How servers reach this rank. On node 0 (torchrun's GROUP_RANK): rollout.sglang.learner_address, else
+        torchrun's MASTER_ADDR (node 0's host), else loopback. A driver on another node: its hostname (as
+        launched servers on a wildcard host are addressed), since MASTER_ADDR names node 0."""
+        if int(os.environ.get("GROUP_RANK", "0")) != 0:
+            return socket.gethostname()
+        return self.cfg.learner_address or os.environ.get("MASTER_ADDR") or "127.0.0.1"
+
+    def store(self):
+        """The TCP store this rank hosts for its servers (created once; port rollout.sglang.store_port + this
+        driver's index, so drivers sharing a host never collide; 0 = any free port). Hosted directly, not through
+        rendezvous(): under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous() turns rank 0 into a client of the
+        agent's store and the servers wait for a host that never comes."""
+        # under a lock: the digest reports of a driver's servers are asked for concurrently (weight_digests), and
+        # two threads that both found no store each created one: the first server was told a port whose store
+        # the second assignment then dropped, its report hook retried that closed port for control_timeout and
+        # the sync failed (two servers per driver; one server never raced)
+        with self._store_lock:
+            if self._store is None:
+                port = self.cfg.store_port + self.driver if self.cfg.store_port else 0
+                self._store = dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=self.cfg.control_timeout))
+            return self._store
+
+    def _hook_request(self, server: _Server, request: dict, what: str) -> dict:
+        """Run launch/rlpo_sglang_hooks.py's loader in every TP rank of `server` with `request`; its TP rank 0's
+        report (a JSON object) comes back through this rank's TCP store. what: the report, for the errors."""
+        key = f"rlpo_reports/{uuid.uuid4().hex}"
+        request = json.dumps({**request, "store": [self.learner_address(), self.store().port], "key": key,
+                              "timeout": self.cfg.control_timeout})
+        # a plain pickle (bytes inline), not shared memory: the server may be on another host
+        payload = base64.b64encode(pickle.dumps([(request, torch.zeros(1))])).decode()
+        self._begin(server)
+        try:
+            status, body = self._http(server, "/update_weights_from_tensor", {
+                "serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": REPORT_LOADER,
+                "flush_cache": False})
+        except BaseException:
+            self._end_quietly([server])
+            raise
+        self._post_ok(server, "/end_weight_update")
+        if status != 200:
+            raise EngineError(f"SGLang server {server.url} could not report its {what} ({status}: "
+                              f"{body[:300]!r}): start it with --custom-weight-loader {REPORT_LOADER} and the "
+                              "repository root and launch/ on its PYTHONPATH (launch/sglang_server.py does both)")
+        try:
+            self.store().wait([key], timedelta(seconds=self.cfg.control_timeout))
+        except Exception as e:
+            raise EngineError(f"SGLang server {server.url} ran the report hook but its {what} never reached "
+                              f"{self.learner_address()}:{self.store().port} within control_timeout: can the "
+                              f"server reach this host (rollout.sglang.learner_address)? ({e})") from e
+        report = json.loads(self.store().get(key))
+        self.store().delete_key(key)
+        if "error" in report:
+            raise EngineError(f"SGLang server {server.url}: its report hook failed ({what}): {report['error']}")
+        return report
+
+    def _digest_request(self, server: _Server, algorithm: str) -> dict[str, str]:
+        self._check_layout()
+        report = self._hook_request(server, {"algorithm": algorithm}, "weight digests")
+        self.digest_peak_bytes[server.url] = report.get("peak_extra_bytes")  # the hook's own cost (host RSS)
+        return report["digests"]
+
+    def environments(self) -> dict[str, dict]:
+        """{server URL: its environment} (torch, CUDA and NCCL versions of its TP rank 0; NCCL None without
+        CUDA), as launch/rlpo_sglang_hooks.py reports it from inside the server."""
+        self._check_layout()
+        return {s.url: self._hook_request(s, {"what": "environment"}, "environment")["environment"]
+                for s in self.live}
+
+    def weight_digests(self, names, algorithm: str) -> dict[str, str]:
+        """{HF name: digest} of what the servers hold, digested inside each server; servers must agree."""
+        servers = self.live
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            per_server = list(pool.map(lambda server: self._digest_request(server, algorithm), servers))
+        if self.tied:
+            for s, d in zip(servers, per_server):
+                if self._head in d and d[self._head] != d.get(self._embed):
+                    raise DigestMismatchError(
+                        f"SGLang server {s.url} holds an lm_head that is not its (tied) embedding: its model class "
+                        "ignores tie_word_embeddings (sglang 0.5.23 Mixtral); sync all weights through this engine "
+                        "(it sends lm_head too) or serve an untied checkpoint")
+        for s, d in zip(servers[1:], per_server[1:]):
+            try:
+                verify({n: per_server[0][n] for n in names if n in per_server[0]}, d,
+                       where=f"SGLang server {s.url} (vs {servers[0].url})")
+            except DigestMismatchError as e:
+                raise DigestMismatchError(f"SGLang servers disagree: {e}") from e
+        return {n: per_server[0][n] for n in names if n in per_server[0]}
