@@ -268,6 +268,11 @@ class EnvironmentConfig:
     timeout: Optional[float] = 30.0  # seconds per environment step; None = no limit
     num_workers: int = 8  # threads running environment steps concurrently
     failure_reward: float = 0.0  # reward of an episode whose environment step raised or timed out (flagged)
+    # lockstep: each engine call carries every live episode's next turn, after all their environment steps
+    # (reproducible: the calls' contents and seeds do not depend on timing); continuous: an episode's next turn
+    # joins the next engine call as soon as its own environment step returns, so a slow tool holds back only its
+    # episode (rollout/episode.py)
+    turns: Literal["lockstep", "continuous"] = "lockstep"
     options: dict = field(default_factory=dict)  # the environment's own settings
 
 

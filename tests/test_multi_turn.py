@@ -189,6 +189,53 @@ def test_a_weight_sync_does_not_wait_for_the_environment_steps():
     assert [versions_of(s) for s in samples] == [[(0, len(s.response_ids) - 3), (1, 3)] for s in samples]
 
 
+def test_continuous_turns_do_not_wait_for_a_slow_tool():
+    """environment.turns=continuous: an episode's next turn joins the next engine call as soon as its own step
+    returns. Four episodes, one of which has a slow tool (0.6 s) on its first turn: the others finish all their
+    turns in calls without it, and every episode is what lockstep turns make of it (tokens, observations, rewards,
+    turns); lockstep waits for the slow tool at the first turn."""
+    import time
+
+    from rlpo_mega.environments.base import Environment, Feedback
+
+    tok = _tok("tiny_chatml")
+    fmt = TurnFormat(tok, (tok.eos_token_id,))
+    prompts = [fmt.render([{"role": "user", "content": f"q{i}?"}], True) for i in range(4)]
+
+    class Slow(Environment):
+        def step(self, action):
+            if self.record.prompt == "q0?" and action.turn == 0:
+                time.sleep(0.6)
+            if action.turn >= 2:
+                return Feedback(reward=1.0 + len(self.record.prompt), done=True)
+            return Feedback([{"role": "tool", "content": "v"}], reward=0.25, tool_calls=1)
+
+    def run(mode):
+        from rlpo_mega.environments import ENVIRONMENTS
+
+        ENVIRONMENTS._entries["test_slow_first"] = Slow  # test-only, removed below
+        try:
+            engine = ScriptedEngine(lambda p: [20, 21, fmt.end_id])
+            cfg = EnvironmentConfig(name="test_slow_first", turns=mode)
+            items = [(p, PromptRecord(i, f"q{i}?", None)) for i, p in enumerate(prompts)]
+            t0 = time.monotonic()
+            groups = dict(run_episodes(engine, items, 1, SamplingParams(max_new_tokens=8, stop_token_ids=(fmt.end_id,)),
+                                       EnvRunner(cfg), fmt, EpisodeLimits(4, 200), tok, continuous=mode == "continuous"))
+            return groups, engine, time.monotonic() - t0
+        finally:
+            del ENVIRONMENTS._entries["test_slow_first"]
+
+    lock, lock_engine, _ = run("lockstep")
+    cont, engine, _ = run("continuous")
+    assert [len(c) for c in engine.budgets[:3]] == [4, 3, 3]  # episodes 1-3 went on without episode 0
+    assert len(lock_engine.budgets) == 3 and all(len(c) == 4 for c in lock_engine.budgets)
+    for i in range(4):
+        a, b = lock[i][0], cont[i][0]
+        assert (a.response_ids, a.obs_spans, a.reward, a.meta.turns) == (b.response_ids, b.obs_spans, b.reward,
+                                                                            b.meta.turns)
+        assert b.meta.turns == 3
+
+
 def test_tool_schemas_reach_the_prompt_and_the_turn_format():
     """An environment's tool schemas (Environment.tools: the python tool with options.format=tool_call) are
     rendered by the chat template into the prompt (render_prompt, as the sampler, the warm-up and evaluation

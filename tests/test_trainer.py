@@ -155,6 +155,15 @@ def test_resume_keeps_the_groups_carried_to_the_next_step(resumed):
         for key in ("loss/policy", "reward/mean", "optim/grad_norm", "dynamic_sampling/carried_in",
                     "dynamic_sampling/kept", "dynamic_sampling/prompts_drawn"):
             assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
+    # the async producer (max_staleness 0): its drawn chunks and carried groups saved and loaded, the carry
+    # counted stale at the bound
+    full = {h["step"]: h for h in resumed["full_ads"]}
+    second = {h["step"]: h for h in resumed["second_ads"]}
+    assert sorted(second) == [2, 3] and full[1]["dynamic_sampling/carried_out"] > 0
+    for step in (2, 3):
+        for key in ("loss/policy", "reward/mean", "optim/grad_norm", "dynamic_sampling/carry_stale",
+                    "dynamic_sampling/kept", "dynamic_sampling/prompts_drawn"):
+            assert second[step][key] == full[step][key], (step, key, second[step][key], full[step][key])
 
 
 def test_resume_with_a_critic_equals_uninterrupted_run(tmp_path):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional, Sequence
+import threading
+from typing import Callable, Optional, Sequence
 
 from rlpo_mega.calls import run_calls
 
@@ -27,6 +28,8 @@ class EnvRunner:
         self.total_failed = 0
         self._logged: set[str] = set()
         self._closed = False
+        self._slots = threading.BoundedSemaphore(max(1, cfg.num_workers))  # submit(): steps running at once
+        self._count = threading.Lock()
 
     def make(self, record) -> Environment:
         return self.cls(record, self.cfg)
@@ -46,9 +49,10 @@ class EnvRunner:
         outs = run_calls(lambda i: (self._step(envs[i], actions[i]), ""), range(len(envs)),
                          num_workers=self.cfg.num_workers, timeout=self.cfg.timeout, name="environment",
                          on_failure=lambda i, why: (None, why), stopped=lambda: self._closed)
-        self.total_steps += len(outs)
         failed = [why for fb, why in outs if fb is None]
-        self.total_failed += len(failed)
+        with self._count:  # submit()'s threads count here too
+            self.total_steps += len(outs)
+            self.total_failed += len(failed)
         for why in failed:
             kind = why.split(":", 1)[0]
             if kind not in self._logged:  # once per kind: a broken tool would flood the log
@@ -56,6 +60,16 @@ class EnvRunner:
                 log.warning("environment %r failed a step (the episode ends, reward %s, counted in "
                             "episode/env_failures): %s", self.cfg.name, self.cfg.failure_reward, why)
         return outs
+
+    def submit(self, env: Environment, action: Action, done: Callable) -> None:
+        """env's step on a thread of its own, at most num_workers at once (continuous turns); done((Feedback, "")
+        or (None, why)) when it returns, failed or timed out as `step` says."""
+        def run():
+            with self._slots:
+                out = self.step([env], [action])[0]
+            done(out)
+
+        threading.Thread(target=run, name="environment", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True

@@ -25,6 +25,8 @@ template would not have closed that way.
 """
 from __future__ import annotations
 
+import queue
+import time
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -36,6 +38,9 @@ from rlpo_mega.rollout.base import EngineError, Sample, SampleMeta, drive
 from rlpo_mega.rollout.partial import continuable, merge_spans, tag, versions_of
 
 ANCHOR = ({"role": "user", "content": "?"}, {"role": "assistant", "content": "."})
+# continuous turns: once the first environment step is back, how long a call waits for the others still running
+# before it starts (steps that return together join one call; a slow one is not waited for)
+GATHER_S = 0.02
 
 
 class TurnFormat:
@@ -104,6 +109,7 @@ class Episode:
     failed: bool = False
     finish: Optional[str] = None  # set when the episode is over
     meta: SampleMeta = field(default_factory=SampleMeta)
+    stepping: bool = False  # continuous turns: its environment step is running (no engine call until it returns)
 
     @property
     def ids(self) -> list[int]:
@@ -182,13 +188,23 @@ class EpisodeLimits:
 
 class EpisodeBatch:
     """n episodes per prompt item, advanced one engine call at a time (`call`): every live episode's next turn,
-    or the rest of a turn a weight update interrupted, each with its own token budget; then, at once on the
-    runner's threads, the environment steps of the turns that ended. items: (prompt ids, prompt record) pairs.
-    The synchronous producer calls it until done (`run_episodes`); the asynchronous one call by call, each on
-    the engine's current policy version, pausing between calls for weight updates."""
+    or the rest of a turn a weight update interrupted, each with its own token budget; then the environment steps
+    of the turns that ended. items: (prompt ids, prompt record) pairs. The synchronous producer calls it until
+    done (`run_episodes`); the asynchronous one call by call, each on the engine's current policy version,
+    pausing between calls for weight updates.
 
-    def __init__(self, items: Sequence, n: int, runner, fmt: TurnFormat, limits: EpisodeLimits, tokenizer):
+    Lockstep turns: a call's environment steps run at once on the runner's threads and the next call waits for
+    all of them, so every turn waits for the slowest step. Continuous turns (`continuous`): each step runs on its
+    own (EnvRunner.submit) and the next call carries the episodes whose steps have returned -- waiting only when
+    none has (then for the first, and GATHER_S for the others) -- so a slow tool holds back its own episode only.
+    Budgets, versions, partial rollout and R3 stitching are the episode's own either way."""
+
+    def __init__(self, items: Sequence, n: int, runner, fmt: TurnFormat, limits: EpisodeLimits, tokenizer,
+                 continuous: bool = False):
         self.n, self.runner, self.fmt, self.limits, self.tokenizer = n, runner, fmt, limits, tokenizer
+        self.continuous = continuous
+        self.returned: queue.Queue = queue.Queue()  # continuous: (episode, answer, step outcome) as steps return
+        self.stepping = 0
         self.eps = [Episode([int(t) for t in ids], i, runner.make(record)) for i, (ids, record) in enumerate(items)
                     for _ in range(n)]
         self.open_groups = set(range(len(items)))
@@ -218,7 +234,10 @@ class EpisodeBatch:
         `settle`. version: the policy version the engine holds (each answer tagged with it, rollout/partial.tag).
         interrupt(): a message for the engine's stream after each answer ("stop_sending" when a weight update
         waits: the episodes not answered, or answered "abort", continue at the next call)."""
-        live = [e for e in self.eps if e.finish is None]
+        live = [e for e in self.eps if e.finish is None and not e.stepping]
+        if not live:
+            self.progressed = True
+            return []
         budgets = [e.budget(params.max_new_tokens, self.limits.max_tokens) for e in live]
         answers: list = [None] * len(live)
         # each episode back to the server whose prefix cache holds it (a prompt's n episodes start on one server:
@@ -246,9 +265,14 @@ class EpisodeBatch:
         """The environment phase of a call (no engine: a weight sync may run meanwhile): the steps of the turns
         that ended, at once on the runner's threads, each episode then ended or given its observation; returns
         (item index, its n episodes as samples) for each group whose episodes have all ended."""
-        if ended:
-            actions = [Action(tuple(t), self.tokenizer.decode(t, skip_special_tokens=True), e.turns - 1)
-                       for e, _, t in ended]
+        actions = [Action(tuple(t), self.tokenizer.decode(t, skip_special_tokens=True), e.turns - 1)
+                   for e, _, t in ended]
+        if self.continuous:
+            for (e, a, _), action in zip(ended, actions):
+                e.stepping, self.stepping = True, self.stepping + 1
+                self.runner.submit(e.env, action, lambda out, e=e, a=a: self.returned.put((e, a, out)))
+            self._returns()
+        elif ended:
             for (e, a, _), (fb, why) in zip(ended, self.runner.step([e.env for e, _, _ in ended], actions)):
                 _settle(e, a, fb, why, self.runner.cfg.failure_reward, self.fmt, self.limits)
         out = []
@@ -260,6 +284,28 @@ class EpisodeBatch:
                     e.env.close()
                 out.append((i, [e.sample() for e in group]))
         return out
+
+    def _returns(self) -> None:
+        """Continuous turns: settle the environment steps that have returned; when no live episode is left to send
+        (all wait for their steps), wait for the first to return and up to GATHER_S more for the others."""
+        got = []
+        if self.stepping and not any(e.finish is None and not e.stepping for e in self.eps):
+            got.append(self.returned.get())
+            deadline = time.monotonic() + GATHER_S
+            while len(got) < self.stepping and (left := deadline - time.monotonic()) > 0:
+                try:
+                    got.append(self.returned.get(timeout=left))
+                except queue.Empty:
+                    break
+        while True:
+            try:
+                got.append(self.returned.get_nowait())
+            except queue.Empty:
+                break
+        for e, a, (fb, why) in got:
+            e.stepping, self.stepping = False, self.stepping - 1
+            if e.finish is None:  # not closed meanwhile
+                _settle(e, a, fb, why, self.runner.cfg.failure_reward, self.fmt, self.limits)
 
     def close(self) -> None:
         """Close the environments of the episodes still running (an abandoned batch)."""
@@ -279,13 +325,13 @@ def with_call_seed(params, call: int):
 
 
 def run_episodes(engine, items: Sequence, n: int, params, runner, fmt: TurnFormat, limits: EpisodeLimits,
-                 tokenizer):
+                 tokenizer, continuous: bool = False):
     """Yields (item index, its n episodes as samples) as each group's episodes end, in any order (the protocol of
     RolloutEngine.stream; `send("finish")`: no turn is started after the running call, whose groups that ended
     are still yielded, and the episodes still running are closed, their groups never yielded -- what dynamic
     sampling asks once it has its groups). items: (prompt ids, prompt record) pairs. The episodes' turns run in
-    lockstep: one engine call for every live episode's next turn (EpisodeBatch.call)."""
-    batch = EpisodeBatch(items, n, runner, fmt, limits, tokenizer)
+    lockstep, or continuous (EpisodeBatch)."""
+    batch = EpisodeBatch(items, n, runner, fmt, limits, tokenizer, continuous)
     finish = False
     try:
         while not batch.done and not finish:

@@ -62,17 +62,19 @@ SLOW = "0.05"  # seconds per forward of the rollout (async1): a step's episodes 
 TRAINED: dict = {}  # layout -> this rank's trained samples per step
 
 
-def _check_episodes(trained: dict) -> dict:
+def _check_episodes(trained: dict, versioned: bool = True) -> dict:
     """Every trained episode of this rank against the engine's record. Its model tokens (outside obs_spans) are,
     region by region, the answers of the calls that continued from exactly the tokens before them (a turn
     interrupted by a sync: several calls), with their log-probs; each token's version is its call's weights' (an
     observation: its turn's); routing row t is the one of the call that sampled the next model token at or after
-    t + 1 (the prompt's and an observation's rows: the next turn's prefill); no answer is used twice."""
+    t + 1 (the prompt's and an observation's rows: the next turn's prefill); no answer is used twice. A single
+    answer is an episode without observations. versioned=False (the sync producer tags no versions): the versions
+    its calls ran on are only reported, per step (`step_versions`)."""
     record, syncs = hooks.RecordedEngine.record, hooks.RecordedEngine.syncs
     version = {}
     for v, d in enumerate(syncs):
         version.setdefault(d, v)
-    used, problems, continued, rows, versions_seen = set(), [], 0, 0, set()
+    used, problems, continued, rows, versions_seen, step_versions = set(), [], 0, 0, set(), {}
     for step, samples in trained.items():
         for i, s in enumerate(samples):
             P, resp, lps = s["prompt"], s["response"], s["logprobs"]
@@ -107,10 +109,11 @@ def _check_episodes(trained: dict) -> dict:
                 pos += m
             if problems and problems[-1].startswith(f"step {step} sample {i}:"):
                 continue
-            got = span_versions(s["versions"]).tolist()
+            step_versions.setdefault(step, set()).update(want_v)
+            got = span_versions(s["versions"]).tolist() if versioned else want_v
             if got != want_v:
                 problems.append(f"step {step} sample {i}: versions {s['versions']}, the calls' {want_v}")
-            if s["version_min"] != min(want_v) or step - s["version_min"] > 1:
+            if versioned and (s["version_min"] != min(want_v) or step - s["version_min"] > 1):
                 problems.append(f"step {step} sample {i}: version_min {s['version_min']} at step {step}")
             for t in range(s["routes"].shape[0]):
                 j = max(t - len(P) + 1, 0)
@@ -122,6 +125,7 @@ def _check_episodes(trained: dict) -> dict:
                     break
                 rows += 1
     return {"problems": problems[:10], "continued": continued, "rows": rows, "versions": sorted(versions_seen),
+            "step_versions": {step: sorted(v) for step, v in step_versions.items()},
             "samples": sum(len(v) for v in trained.values()),
             "obs_tokens": sum(c for v in trained.values() for s in v for _, c in s["obs_spans"])}
 

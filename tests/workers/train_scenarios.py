@@ -68,7 +68,13 @@ def resume(out):
     train(cfg(out, "first_ds", "train_iters=1", f"checkpoint.save_dir={ck_ds}", *ds))  # step 1 carries 4 groups
     saved = sorted(os.listdir(os.path.join(ck_ds, "step_00000001", "rank_state")))
     train(cfg(out, "second_ds", "train_iters=4", f"checkpoint.save_dir={ck_ds}", "checkpoint.resume=true", *ds))
-    runs = ("full", "first", "second", "tp2", "full_ds", "first_ds", "second_ds")
+    # the same through the async producer at max_staleness 0 (its saved state: the chunks drawn and not taken, the
+    # carried groups, which the bound then counts as stale)
+    ads, ck_ads = ds + ("rollout.producer=async", "trainer.max_staleness=0"), os.path.join(out, "ckpt_ads")
+    train(cfg(out, "full_ads", "train_iters=3", *ads))
+    train(cfg(out, "first_ads", "train_iters=1", f"checkpoint.save_dir={ck_ads}", *ads))
+    train(cfg(out, "second_ads", "train_iters=3", f"checkpoint.save_dir={ck_ads}", "checkpoint.resume=true", *ads))
+    runs = ("full", "first", "second", "tp2", "full_ds", "first_ds", "second_ds", "full_ads", "second_ads")
     return {run: history(out, run) for run in runs} | {
         "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck, "rank_state": saved}
 

@@ -70,15 +70,16 @@ class Episodes(Task):
         self.fmt = TurnFormat(tokenizer, sampling_params(cfg, tokenizer, 0).stop_token_ids, environment_tools(e))
         self.limits = EpisodeLimits(e.max_turns, e.max_tokens)
         self.tokenizer = tokenizer
+        self.continuous = e.turns == "continuous"
 
     def batch(self, items, n: int) -> EpisodeBatch:
         """n episodes per item, advanced call by call (the asynchronous producer)."""
         return EpisodeBatch([(it.input_ids, it.record) for it in items], n, self.runner, self.fmt, self.limits,
-                            self.tokenizer)
+                            self.tokenizer, self.continuous)
 
     def stream(self, engine, items, params: SamplingParams, n: int):
         return run_episodes(engine, [(it.input_ids, it.record) for it in items], n, params, self.runner, self.fmt,
-                            self.limits, self.tokenizer)
+                            self.limits, self.tokenizer, self.continuous)
 
     def score(self, item, group: list[Sample], version: Optional[int] = None) -> list[float]:
         """An episode's reward is its environment's, already in the sample."""

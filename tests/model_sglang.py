@@ -1,0 +1,158 @@
+"""A stub SGLang server backed by a real model: SGLang 0.5.23's HTTP surface (the calls the SGLang engine makes)
+over an embedded engine in this process, so that a trainer run on `rollout.engine=sglang` trains on real tokens,
+log-probs and routes that the embedded engine's own record (tests/workers/train_hooks.RecordedEngine) can check.
+
+/generate answers one request (the client sends one per sample) with SGLang's JSON: output_ids, meta_info's
+finish_reason {"type"}, output_token_logprobs [[logprob, id, None]], weight_version and routed_experts (base64
+of little-endian int32 [rows, num_hidden_layers, topk] from routed_experts_start_len on; the dense layers' rows
+0). Requests run one at a time (the embedded engine is one batch at a time); /abort_request ends the running
+one through the engine's abort (its tokens so far come back, finish "abort") or a queued one before it starts.
+Weight updates: begin/end sessions (the engine's own update spans a session's loads: one record entry per sync),
+update_weights_from_tensor (a ForkingPickler payload, or the digest report
+hook, REPORT_LOADER, answered through the driver's TCP store as launch/rlpo_sglang_hooks.py does),
+update_weight_version, flush_cache, server_info (tp_size 1)."""
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import threading
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import torch
+
+from moe.routing.trace import TraceSpec
+from rlpo_mega.rollout import SamplingParams
+from rlpo_mega.rollout.sglang_reports import REPORT_LOADER
+
+
+class ModelSGLang:
+    def __init__(self, engine, hf, primary: bool = True):
+        # primary: this server's engine records the syncs (RecordedEngine.syncs, one entry per sync); the others
+        # receive the same weights and record their calls only
+        self.engine, self.hf, self.primary = engine, hf, primary
+        self.spec = TraceSpec.from_hf(hf)
+        self.lock = threading.Lock()  # one generation at a time
+        self.state = threading.Lock()
+        self.aborted: set = set()
+        self.abort_all = 0  # generation of abort_all calls: a request queued before one is aborted
+        self.session, self.loading, self.version, self.names = False, False, None, set()
+        self.requests = 0
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/server_info":
+                    return self._send(200, {"tp_size": 1})
+                self._send(200 if self.path == "/health" else 404, {})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                status, out = stub.answer(self.path, body)
+                self._send(status, out)
+
+            def _send(self, status, out):
+                data = json.dumps(out).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 1024
+            daemon_threads = True
+
+        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def answer(self, path, body):
+        if path == "/generate":
+            return self.generate(body)
+        if path == "/abort_request":
+            with self.state:
+                if body.get("abort_all"):
+                    self.abort_all += 1
+                    self.engine.abort()
+                else:
+                    self.aborted.add(body["rid"])
+                    self.engine.abort([body["rid"]])
+            return 200, {}
+        if path == "/begin_weight_update":
+            if self.session:
+                return 400, {"success": False, "message": "a weight-update session is already open"}
+            self.session = True
+            return 200, {"success": True}
+        if path == "/end_weight_update":
+            was, self.session = self.session, False
+            if self.loading:  # the session's loads end here: the engine records the weights it now holds
+                self.loading = False
+                try:
+                    self.engine.end_weight_update()
+                    if not self.primary:
+                        type(self.engine).syncs.pop()
+                finally:
+                    self.lock.release()
+            return (200, {"success": True}) if was else (400, {"success": False, "message": "no session is open"})
+        if path == "/flush_cache":
+            return 200, {}
+        if path == "/update_weight_version":
+            self.version = body["new_version"]
+            return 200, {"success": True}
+        if path == "/update_weights_from_tensor":
+            named = pickle.loads(base64.b64decode(body["serialized_named_tensors"][0]))
+            if body.get("load_format") == REPORT_LOADER:
+                req = json.loads(named[0][0])
+                store = torch.distributed.TCPStore(req["store"][0], int(req["store"][1]), is_master=False,
+                                                   timeout=timedelta(seconds=req["timeout"]))
+                digests = self.engine.weight_digests(sorted(self.names), req["algorithm"])
+                store.set(req["key"], json.dumps({"digests": digests}))
+                return 200, {"success": True}
+            if not self.loading:  # the session's first load: no generation runs until it ends
+                self.lock.acquire()
+                self.engine.begin_weight_update()
+                self.loading = True
+            self.engine.load_weights([(n, t) for n, t in named])
+            self.names |= {n for n, _ in named}
+            return 200, {"success": True}
+        return 404, {}
+
+    def generate(self, body):
+        rid, sp = body["rid"], body["sampling_params"]
+        start = int(body.get("routed_experts_start_len", 0))
+        params = SamplingParams(temperature=sp["temperature"], top_p=sp["top_p"], top_k=sp["top_k"],
+                                max_new_tokens=sp["max_new_tokens"], stop_token_ids=tuple(sp["stop_token_ids"]),
+                                seed=sp.get("sampling_seed"))
+        with self.state:
+            epoch = self.abort_all
+        with self.lock:
+            with self.state:
+                self.requests += 1
+                skipped = rid in self.aborted or self.abort_all != epoch
+            if skipped:  # aborted while it waited: nothing generated, as SGLang answers a request it dropped
+                sample = None
+            else:
+                sample = self.engine.generate([body["input_ids"]], params, n=1, request_ids=[rid])[0]
+            version = self.version
+        if sample is None:
+            return 200, {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "weight_version": version,
+                                                         "output_token_logprobs": []}}
+        ids = [int(t) for t in sample.response_ids]
+        meta = {"finish_reason": {"type": sample.finish_reason}, "weight_version": version,
+                "output_token_logprobs": [[float(lp), t, None] for lp, t in zip(sample.logprobs.tolist(), ids)]}
+        if body.get("return_routed_experts") and sample.routes is not None:
+            rows = sample.routes[start:].to(torch.int32)
+            full = torch.zeros(rows.shape[0], self.hf.num_hidden_layers, rows.shape[2], dtype=torch.int32)
+            full[:, list(self.spec.moe_layers)] = rows
+            meta["routed_experts"] = base64.b64encode(np.ascontiguousarray(full.numpy(), dtype="<i4").tobytes()).decode()
+        return 200, {"output_ids": ids, "meta_info": meta}
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()

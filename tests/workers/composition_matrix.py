@@ -1,0 +1,97 @@
+"""The rollout side's composition matrix through the real trainer, one process: {sync, async} x {single answers,
+episodes} x {dynamic sampling off, on}, each on the embedded engine (test_recorded) and on two stub SGLang servers
+backed by the same recorded engine (tests/model_sglang.py: SGLang's HTTP surface, so the SGLang client, its
+route decoding and the weight sync over HTTP with in-server digests all run), its episodes in continuous turns.
+
+argv: out_dir data_dir [cell prefix...] (default: every cell). Rank 0 writes {cell: {"rc", "history", "groups", "checks"}}: per step the trained groups
+(sizes, one prompt per group) and every trained sample against the engine's own record (tests/workers/multi_turn.
+_check_episodes: tokens and log-probs are recorded answers, each used once; each token's version is its call's
+weights'; every R3 routing row is its call's)."""
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+import tests.workers.train_hooks as hooks
+from moe.model import load_hf_config
+from rlpo_mega.config import load_config
+from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
+from rlpo_mega.training.trainer import train
+from tests.dist import write_report
+from tests.model_sglang import ModelSGLang
+from tests.multi_turn_support import ScriptEnv
+from tests.workers.async_scenarios import _fresh_record, _recording, _restore, _sync_after_first_tokens
+from tests.workers.multi_turn import _check_episodes
+
+SCHEDULES = {"sync": (), "async": ("rollout.producer=async", "trainer.max_staleness=1", "rollout.partial_rollout=true")}
+# single answers: the demo's prompts and tokenizer, no warm-up (a random model's answers: mixed parities)
+TASKS = {"single": ("reward.function=test_parity", "trainer.warmup.steps=0"),
+         "episode": ("prompts.path={data}/prompts.jsonl", "prompts.tokenizer=configs/tokenizers/tiny_chatml",
+                     "environment.name=test_script", "environment.options.observations=[ab,cd]",
+                     "environment.options.vary_reward=true", "environment.max_turns=3", "environment.max_tokens=200",
+                     "trainer.warmup.path={data}/warmup.jsonl", "trainer.warmup.steps=40", "trainer.warmup.batch_size=8", "trainer.warmup.lr=3e-3")}
+FILTERS = {"all": (), "ds": ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=1.5",
+                            "algorithm.dynamic_sampling.max_carry_steps=1", "trainer.mini_batches=1")}
+N, PROMPTS, STEPS = 2, 4, 3
+
+
+def _groups(trained: dict) -> dict:
+    """Per step: the number of samples and whether every run of N consecutive samples shares one prompt."""
+    return {step: {"samples": len(v), "whole": len(v) % N == 0 and all(
+        v[i]["prompt"] == v[i + j]["prompt"] for i in range(0, len(v), N) for j in range(N))}
+        for step, v in trained.items()}
+
+
+def run(out, data, engine, schedule, task, filt):
+    name = f"{engine}/{schedule}/{task}/{filt}"
+    run_dir = os.path.join(out, name.replace("/", "_"))
+    if schedule == "async":  # a slow engine: the next step's calls still run when the learner syncs
+        os.environ["RLPO_DECODE_DELAY"] = "0.02"
+    servers, extra = [], ()
+    if engine == "sglang":
+        base = load_config("configs/demo_cpu.yaml", ("rollout.engine=test_recorded",))
+        hf = load_hf_config(base.model.hf_config)
+        servers = [ModelSGLang(hooks.RecordedEngine.from_config(base, hf), hf, primary=i == 0) for i in range(2)]
+        extra = ("rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(s.url for s in servers)}]",
+                 "rollout.sglang.drivers=1", "rollout.sglang.max_in_flight_per_server=4",
+                 "environment.turns=continuous")  # (single answers: unused)
+    else:
+        extra = ("rollout.engine=test_recorded",)
+    cfg = load_config("configs/demo_cpu.yaml", (
+        f"train_iters={STEPS}", f"prompts.prompts_per_step={PROMPTS}", f"prompts.n_samples={N}", "rollout.max_new_tokens=6",
+        "rollout.temperature=1.0", "algorithm.temperature=1.0", "logging.progress_bar=false", "logging.console_every=0",
+        "logging.mode=disabled", f"logging.dir={run_dir}", "trainer.eval_every=0", "checkpoint.save_dir=null",
+        "routing.mode=r3", "algorithm.mismatch.mode=tis",
+        "algorithm.mismatch.level=sequence", "parallel.expert=1",
+        *extra, *SCHEDULES[schedule], *(o.format(data=data) for o in TASKS[task]), *FILTERS[filt]))
+    ScriptEnv.made = 0
+    trained: dict = {}
+    originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
+    _fresh_record()
+    pause = None
+    if schedule == "async":  # every sync lands after the running call's first tokens: partial rollouts happen
+        pause = _sync_after_first_tokens()
+    try:
+        rc = train(cfg, keep_world=True)
+    finally:
+        _restore(originals)
+        os.environ.pop("RLPO_DECODE_DELAY", None)
+        if pause is not None:
+            AsyncProducer.paused = pause
+        for s in servers:
+            s.close()
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        history = [json.loads(line) for line in f]
+    return name, {"rc": rc, "history": history, "groups": _groups(trained),
+                  "checks": _check_episodes(trained, versioned=schedule == "async"),
+                  "requests": sum(s.requests for s in servers)}
+
+
+if __name__ == "__main__":
+    out, data, *only = sys.argv[1:]
+    report = dict(run(out, data, engine, schedule, task, filt) for engine in ("embedded", "sglang")
+                  for schedule in SCHEDULES for task in TASKS for filt in FILTERS
+                  if not only or any(f"{engine}/{schedule}/{task}/{filt}".startswith(o) for o in only))
+    if dist.get_rank() == 0:
+        write_report(report)
