@@ -33,6 +33,7 @@ from rlpo_mega.distributed import ParallelLayoutError, resolve_layout
 from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
 from rlpo_mega.rewards import REWARDS
 from rlpo_mega.rollout import ENGINES  # the package registers the engines
+from rlpo_mega.rollout.producers import PRODUCERS
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
@@ -184,13 +185,6 @@ def _check_algorithm(cfg, warns: list[str]):
         raise ConfigError(f"algorithm.logprob_chunk_size={alg.logprob_chunk_size} must be >= 1 (or null: auto)")
 
 
-def _check_colocate(cfg):
-    r = cfg.rollout
-    if r.colocate and r.producer != "sync":
-        raise ConfigError(f"rollout.colocate=true with rollout.producer={r.producer}: generation ahead of training "
-                          "would need the learner's accelerators while it trains; use rollout.producer=sync")
-
-
 def _check_rollout(cfg, warns: list[str]):
     ro = cfg.rollout
     _choice("reward.function", cfg.reward.function, REWARDS.names())
@@ -277,21 +271,11 @@ def _check_counts(cfg, warns: list[str]):
         raise ConfigError(f"prompts.oversample={cfg.prompts.oversample} must be >= 1")
     ds = cfg.algorithm.dynamic_sampling
     at_least("trainer.max_staleness", cfg.trainer.max_staleness, 0, "0: synchronous steps")
-    if cfg.trainer.max_staleness > 0 and cfg.rollout.producer != "async":
-        raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout.producer=async (the "
-                          f"{cfg.rollout.producer} producer generates each step on the weights of the last sync)")
     if cfg.trainer.max_staleness > 0 and cfg.algorithm.mismatch.mode == "none":
         warns.append(f"trainer.max_staleness={cfg.trainer.max_staleness} with algorithm.mismatch.mode=none trains "
                      "tokens sampled by older policy versions as if on-policy: algorithm.mismatch.mode=tis with "
                      "level=sequence and a high tis_cap weights each sample by pi_old / mu (README, "
                      "\"Asynchronous RL\")")
-    if cfg.rollout.producer == "async" and ds.enabled and ds.max_carry_steps > 0:
-        # a job for step t starts on version t - k when it can, so its oldest tokens are as old as the bound allows
-        warns.append(f"algorithm.dynamic_sampling.max_carry_steps={ds.max_carry_steps} with rollout.producer=async "
-                     f"(trainer.max_staleness={cfg.trainer.max_staleness}): a step's groups start generating as soon "
-                     "as the staleness bound allows, so its surplus groups are mostly too old for a later step "
-                     "(counted in dynamic_sampling/carry_stale); set algorithm.dynamic_sampling.max_carry_steps=0 "
-                     "to end a step's requests once its groups are kept")
     env = cfg.environment
     if env.name is not None:
         if env.name not in ENVIRONMENTS:
@@ -305,9 +289,6 @@ def _check_counts(cfg, warns: list[str]):
     if cfg.rollout.client_switch_interval is not None and not cfg.rollout.client_switch_interval > 0:
         raise ConfigError(f"rollout.client_switch_interval={cfg.rollout.client_switch_interval} must be > 0 seconds "
                           "(or null: Python's own)")
-    if cfg.rollout.partial_rollout_mask and not (cfg.rollout.producer == "async" and cfg.rollout.partial_rollout):
-        raise ConfigError("rollout.partial_rollout_mask=true masks the tokens of continued samples, which only "
-                          "rollout.producer=async with rollout.partial_rollout=true makes: set both or leave it false")
     at_least("algorithm.dynamic_sampling.max_tries", ds.max_tries, 1, "chunks of prompts per step and engine rank")
     at_least("algorithm.dynamic_sampling.max_carry_steps", ds.max_carry_steps, 0,
              "0: surplus groups are never carried to a later step")
@@ -479,7 +460,8 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
                           f"(max_position_embeddings={context} in model.hf_config): lower it")
     _check_algorithm(cfg, warns)
     _check_rollout(cfg, warns)
-    _check_colocate(cfg)
+    if cfg.rollout.producer in PRODUCERS:  # an unknown one: the trainer names it (a plugin may register it)
+        PRODUCERS.get(cfg.rollout.producer).check_config(cfg, warns)  # the producer's own settings
     engine = ENGINES.get(cfg.rollout.engine)
     engine.check_config(cfg, warns, world_size, nodes)  # the engine's own settings
     transport = TRANSPORTS.get(cfg.rollout.sync_transport)

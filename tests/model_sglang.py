@@ -40,6 +40,7 @@ class ModelSGLang:
         self.abort_all = 0  # generation of abort_all calls: a request queued before one is aborted
         self.session, self.loading, self.version, self.names = False, False, None, set()
         self.requests = 0
+        self.closed = False
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -114,6 +115,8 @@ class ModelSGLang:
                 digests = self.engine.weight_digests(sorted(self.names), req["algorithm"])
                 store.set(req["key"], json.dumps({"digests": digests}))
                 return 200, {"success": True}
+            if self.closed:
+                return 503, {"success": False, "message": "the server is shutting down"}
             if not self.loading:  # the session's first load: no generation runs until it ends
                 self.lock.acquire()
                 self.engine.begin_weight_update()
@@ -135,11 +138,12 @@ class ModelSGLang:
             with self.state:
                 self.requests += 1
                 skipped = rid in self.aborted or self.abort_all != epoch
-            if skipped:  # aborted while it waited: nothing generated, as SGLang answers a request it dropped
+            version = self.version  # the version of the weights it runs on (they cannot change under the lock)
+            if skipped or self.closed:  # aborted while it waited: nothing generated, as SGLang answers a request it
+                # dropped
                 sample = None
             else:
                 sample = self.engine.generate([body["input_ids"]], params, n=1, request_ids=[rid])[0]
-            version = self.version
         if sample is None:
             return 200, {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "weight_version": version,
                                                          "output_token_logprobs": []}}
@@ -154,5 +158,10 @@ class ModelSGLang:
         return 200, {"output_ids": ids, "meta_info": meta}
 
     def close(self):
+        """Stop serving, then wait for the generation or weight session still running: its engine writes to the
+        class-level record, which the next run starts afresh."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.closed = True
+        if self.lock.acquire(timeout=60):
+            self.lock.release()

@@ -2,6 +2,8 @@
 and an engine that answers with given tokens and records what it returned."""
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -13,6 +15,17 @@ from rlpo_mega.rollout import Sample
 
 
 STEPPING = threading.Event()
+
+
+def write_episode_data(folder) -> None:
+    """prompts.jsonl (16 prompts) and warmup.jsonl, whose answers close the turn: after the warm-up, episodes of
+    the scripted environment run several turns."""
+    with open(os.path.join(folder, "prompts.jsonl"), "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"k{i}?", "answer": "0"}) + "\n")
+    with open(os.path.join(folder, "warmup.jsonl"), "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": f"k{i}?", "answer": "go"}) + "\n")
 
 
 @ENVIRONMENTS.register("test_script")

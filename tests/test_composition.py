@@ -4,6 +4,7 @@ The SGLang cells' episodes run continuous turns (environment.turns=continuous), 
 import pytest
 
 from tests.dist import torchrun
+from tests.multi_turn_support import write_episode_data
 
 N, PROMPTS, STEPS = 2, 4, 3
 CELLS = [f"{engine}/{schedule}/{task}/{filt}" for engine in ("embedded", "sglang") for schedule in ("sync", "async")
@@ -12,15 +13,8 @@ CELLS = [f"{engine}/{schedule}/{task}/{filt}" for engine in ("embedded", "sglang
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    import json
-
     data = tmp_path_factory.mktemp("matrix_data")
-    with open(data / "prompts.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"k{i}?", "answer": "0"}) + "\n")
-    with open(data / "warmup.jsonl", "w") as f:  # answer and close the turn: episodes then run several turns
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"k{i}?", "answer": "go"}) + "\n")
+    write_episode_data(data)
     return torchrun("composition_matrix.py", 1, str(tmp_path_factory.mktemp("matrix_out")), str(data), timeout=1500)
 
 

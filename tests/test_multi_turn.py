@@ -363,17 +363,11 @@ def test_observation_tokens_get_exactly_zero_gradient(loss):
 @pytest.fixture(scope="module")
 def trainer_runs(tmp_path_factory):
     """The real trainer on multi-turn episodes: 1 process (ep1), then 2 processes at EP2 and at TP2."""
-    import json
-
     from tests.dist import torchrun
+    from tests.multi_turn_support import write_episode_data
 
     data = tmp_path_factory.mktemp("mt_data")
-    with open(data / "prompts.jsonl", "w") as f:
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"k{i}?", "answer": "0"}) + "\n")
-    with open(data / "warmup.jsonl", "w") as f:  # answer and close the turn: episodes then run several turns
-        for i in range(16):
-            f.write(json.dumps({"prompt": f"k{i}?", "answer": "go"}) + "\n")
+    write_episode_data(data)
     out = tmp_path_factory.mktemp("mt_out")
     one = torchrun("multi_turn.py", 1, str(out), str(data), "ep1", timeout=600)
     two = torchrun("multi_turn.py", 2, str(out), str(data), "ep2", "async0", "tp2", "async1", "ds", "async1_ds",

@@ -179,6 +179,11 @@ class RolloutEngine(abc.ABC):
         warning), with the world size and node count when known. The engine's checks live with it."""
 
     @classmethod
+    def launches_servers(cls, run_cfg) -> bool:
+        """Whether the run starts this engine's servers itself, one launcher per node (rollout/engines.EngineSlot)."""
+        return False
+
+    @classmethod
     def plan_check(cls, run_cfg) -> None:
         """`rlpo-mega plan`: a PlanError for what the plan cannot size at all, before the model's meta build."""
 

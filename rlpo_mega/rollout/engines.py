@@ -60,8 +60,7 @@ class EngineSlot:
         self.build()
 
     def _launches(self) -> bool:
-        sg = self.cfg.rollout.sglang
-        return self.cfg.rollout.engine == "sglang" and sg.launch and not sg.urls
+        return ENGINES.get(self.cfg.rollout.engine).launches_servers(self.cfg)
 
     def _launch_per_node(self):
         """Every node's servers started by its local rank 0 -> (the run config attached to their URLs in node

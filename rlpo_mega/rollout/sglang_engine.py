@@ -93,6 +93,11 @@ class SGLangEngine(InServerReports, RolloutEngine):
     weight_update_group = True
 
     @classmethod
+    def launches_servers(cls, run_cfg) -> bool:
+        sg = run_cfg.rollout.sglang
+        return bool(sg.launch and not sg.urls)
+
+    @classmethod
     def plan_check(cls, run_cfg) -> None:
         sglang_plan.planned_servers(run_cfg)
 

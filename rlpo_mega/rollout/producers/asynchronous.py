@@ -64,14 +64,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from rlpo_mega.config import ConfigError
 from rlpo_mega.rollout.base import STOP, RolloutInterrupted, Sample, drive
 from rlpo_mega.rollout.dynamic_sampling import DynamicSamplingReport, Group, judge_group
 from rlpo_mega.rollout.engines import agree
 from rlpo_mega.rollout.episode import EpisodeBatch, with_call_seed
 from rlpo_mega.rollout.gather import gather_scalars
 from rlpo_mega.rollout.partial import continuable, continuation_prompt, join, tag, versions_of
-from rlpo_mega.rollout.producers.base import (PRODUCERS, RolloutProducer, ScoredGroups, mix_seed, share,
-                                              trim_to_divisor)
+from rlpo_mega.rollout.producers.base import (MASK_NEEDS_PARTIAL, PRODUCERS, RolloutProducer, ScoredGroups, mix_seed,
+                                              share, trim_to_divisor)
 from rlpo_mega.rollout.producers.tasks import Episodes, Task, sampling_params
 
 log = logging.getLogger("rlpo_mega")
@@ -404,6 +405,23 @@ class RolloutWorker:
 @PRODUCERS.register("async")
 class AsyncProducer(RolloutProducer):
     """Generation overlapped with training, bounded by trainer.max_staleness (the module docstring)."""
+
+    @classmethod
+    def check_config(cls, cfg, warns: list) -> None:
+        r, ds = cfg.rollout, cfg.algorithm.dynamic_sampling
+        if r.colocate:
+            raise ConfigError(f"rollout.colocate=true with rollout.producer={r.producer}: generation ahead of training "
+                              "would need the learner's accelerators while it trains; use rollout.producer=sync")
+        if ds.enabled and ds.max_carry_steps > 0:
+            # a job for step t starts on version t - k when it can, so its oldest tokens are as old as the bound
+            # allows
+            warns.append(f"algorithm.dynamic_sampling.max_carry_steps={ds.max_carry_steps} with rollout.producer="
+                         f"async (trainer.max_staleness={cfg.trainer.max_staleness}): a step's groups start generating "
+                         "as soon as the staleness bound allows, so its surplus groups are mostly too old for a later "
+                         "step (counted in dynamic_sampling/carry_stale); set algorithm.dynamic_sampling."
+                         "max_carry_steps=0 to end a step's requests once its groups are kept")
+        if r.partial_rollout_mask and not r.partial_rollout:
+            raise ConfigError(MASK_NEEDS_PARTIAL)
 
     @classmethod
     def steps_held(cls, cfg) -> int:

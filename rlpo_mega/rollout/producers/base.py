@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.algorithms.registry import Registry
+from rlpo_mega.config import ConfigError
 from rlpo_mega.rollout.base import Sample, SamplingParams, drive, share_of
 from rlpo_mega.rollout.gather import gather_scalars
 from rlpo_mega.rollout.producers.tasks import Episodes, SingleAnswers, Task
@@ -55,6 +56,17 @@ class RolloutProducer(abc.ABC):
         self.cfg, self.sampler, self.rollouts, self.divisor = cfg, sampler, rollouts, divisor
 
     @classmethod
+    def check_config(cls, cfg, warns: list) -> None:
+        """`rlpo-mega check` of the settings this producer reads (a ConfigError for a refusal, a line in `warns` for
+        a warning). A schedule that generates each step on the weights of the last sync takes no staleness and
+        continues no sample."""
+        if cfg.trainer.max_staleness > 0:
+            raise ConfigError(f"trainer.max_staleness={cfg.trainer.max_staleness} needs rollout.producer=async (the "
+                              f"{cfg.rollout.producer} producer generates each step on the weights of the last sync)")
+        if cfg.rollout.partial_rollout_mask:
+            raise ConfigError(MASK_NEEDS_PARTIAL)
+
+    @classmethod
     def steps_held(cls, cfg) -> int:
         """How many steps' samples an engine rank holds at once (`rlpo-mega plan`'s driver rows): the step's."""
         return 1
@@ -77,6 +89,10 @@ class RolloutProducer(abc.ABC):
 
     def close(self):
         pass
+
+
+MASK_NEEDS_PARTIAL = ("rollout.partial_rollout_mask=true masks the tokens of continued samples, which only "
+                      "rollout.producer=async with rollout.partial_rollout=true makes: set both or leave it false")
 
 
 def mix_seed(*parts: int) -> int:
