@@ -246,6 +246,21 @@ def test_dynamic_sampling_through_the_async_producer(runs):
     assert sum(h["dynamic_sampling/carried_in"] for h in hist) > 0
 
 
+def test_sigterm_under_async_dynamic_sampling_saves_and_resumes(runs):
+    """The bad day of async + dynamic sampling (max_staleness 1, partial rollout, groups carried): SIGTERM after
+    step 1 while step 2's groups generate saves step 1 with the producer's state and stops; the resumed run trains
+    steps 2 and 3, each its quota of whole groups, and no prompt's group is trained twice over both runs."""
+    r = runs["dynamic"]["ds_sigterm"]
+    assert r["stopped_rc"] == EXIT_STOPPED and r["busy_at_signal"] is True and r["saved"] == [1], r
+    assert r["state"], r  # the producer had state to save (planned prompts, drawn chunks or carried groups)
+    assert r["resumed_rc"] == 0 and [h["step"] for h in r["resumed"]] == [2, 3], r
+    for h in r["resumed"]:
+        assert h["dynamic_sampling/kept"] == 4 and h["reward/samples"] == 16, h
+    for rank in r["trained"]:
+        assert rank["stopped"] == [0] and rank["resumed"] == [1, 2], rank
+        assert rank["groups"] == 3 * 2 and rank["distinct"] == rank["groups"], rank
+
+
 def test_sample_meta_is_typed_and_an_older_checkpoints_dict_loads():
     """Sample.meta is a SampleMeta (rollout/base.py); a sample pickled by an earlier version (the carried groups
     of a dynamic-sampling checkpoint) held a dict of the same names ("rid" for the request id): it loads typed."""

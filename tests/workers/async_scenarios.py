@@ -5,6 +5,7 @@ record of each call (the weights it ran on, what it returned), which the checks 
 Rank 0 writes the report; the checks that need a rank's own samples run on every rank and are all-gathered.
 """
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -320,7 +321,56 @@ def dynamic(out):
         AsyncProducer.paused = original_pause
     rep["async1"] = history(out, "async1")
     rep["async1_checks"] = _gathered(_check_against_record(trained))
+    rep.update(_dynamic_sigterm(out))
     return rep
+
+
+def _dynamic_sigterm(out) -> dict:
+    """SIGTERM on rank 0 after step 1 of async dynamic sampling (max_staleness 1, partial rollout, groups carried),
+    while step 2's groups generate: the run saves step 1 with the producer's state (the chunks drawn and not taken,
+    the carried groups, the planned prompts) and stops; the resumed run trains steps 2 and 3, each its full quota
+    of whole groups, no prompt trained twice over both runs."""
+    ck, data = os.path.join(out, "ckpt_ds"), os.path.join(out, "distinct.jsonl")
+    if dist.get_rank() == 0:  # the demo's data repeats prompts: distinct ones, so that a group trained twice shows
+        with open(data, "w") as f:
+            for i in range(300):
+                f.write(json.dumps({"prompt": f"{i // 20}+{i % 20}=", "answer": str(i // 20 + i % 20)}) + "\n")
+    dist.barrier()
+    step, seen = Trainer.train_step, {}
+    config = (f"prompts.path={data}", "train_iters=3", "trainer.max_staleness=1", "rollout.producer=async", "rollout.partial_rollout=true",
+              "algorithm.dynamic_sampling.max_carry_steps=1", f"checkpoint.save_dir={ck}", *DYNAMIC)
+
+    def signalled(self):
+        m = step(self)
+        if self.step == 1 and dist.get_rank() == 0:
+            job = self.producer.worker.jobs.get(1)
+            seen["busy"] = job is not None and not job.complete
+            seen["state"] = sorted(self.producer.state_dict())
+            os.kill(os.getpid(), signal.SIGTERM)
+        return m
+
+    trained: dict = {}
+    originals = _recording(trained)
+    os.environ["RLPO_DECODE_DELAY"] = SLOW
+    Trainer.train_step = signalled
+    _fresh_record()
+    try:
+        stopped_rc = train(cfg(out, "ds_stopped", "checkpoint.save_every=0", *config))
+        saved = ckpt_state.complete_steps(ck)
+        Trainer.train_step = step
+        first = {k: list(v) for k, v in trained.items()}
+        trained.clear()
+        resumed_rc = train(cfg(out, "ds_resumed", "checkpoint.resume=true", *config))
+    finally:
+        Trainer.train_step = step
+        _restore(originals)
+        os.environ.pop("RLPO_DECODE_DELAY")
+    prompts = [tuple(s["prompt"]) for v in (first, trained) for samples in v.values() for s in samples[::4]]
+    return {"ds_sigterm": {"stopped_rc": stopped_rc, "busy_at_signal": seen.get("busy"), "state": seen.get("state"),
+                           "saved": saved, "resumed_rc": resumed_rc,
+                           "resumed": history(out, "ds_resumed"),
+                           "trained": _gathered({"stopped": sorted(first), "resumed": sorted(trained),
+                                                 "groups": len(prompts), "distinct": len(set(prompts))})}}
 
 
 def everything(out):
