@@ -151,7 +151,7 @@ def test_stop_on_reused_keepalive_connections_ends_every_request():
         with pytest.raises(RolloutInterrupted):
             engine.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=3), n=2)
         took = time.monotonic() - t0
-        busy = [t for t in engine._pool.threads if t.is_alive()]
+        busy = [t for t in engine._io.threads if t.is_alive()]
         engine.shutdown()
         assert took < 4.0, took  # 1 s, then aborts bounded by health_timeout; not the 6 s wait for workers
         assert busy and not any(t.is_alive() for t in busy)

@@ -23,7 +23,7 @@ from moe.routing.trace import RoutingTraceError, TraceSpec, validate_trace
 from rlpo_mega.config import ConfigError, SGLangEngineConfig, load_config
 from rlpo_mega.config_checks import check_run_config
 from rlpo_mega.rollout import EngineError, RolloutInterrupted, SamplingParams
-from rlpo_mega.rollout.sglang_client import ServerSlots, SlotsClosed, decode_routes, parse_logprobs
+from rlpo_mega.rollout.sglang_client import IOLoop, ServerSlots, SlotsClosed, decode_routes, parse_logprobs
 from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.weight_sync.sglang_distributed import SGLangDistributedTransport
 from tests.dist import ROOT, free_port
@@ -210,18 +210,24 @@ def test_connections_bound_their_receive_buffer(monkeypatch):
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), KeepAlive)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url, conns = f"http://127.0.0.1:{server.server_address[1]}", client.Connections(512 << 10)
+    io = client.IOLoop()
+    url, conns = f"http://127.0.0.1:{server.server_address[1]}", client.Connections(io, 512 << 10)
+
+    async def post():
+        status, buf, size = await conns.post(url, "/generate", b"{}", 5.0)
+        return bytes(buf[:size])
+
     try:
         for _ in range(2):
-            with conns.post(url, "/generate", b"{}", 5.0) as resp:
-                assert resp.read() == b"{}"
+            assert io.run(post, timeout=5.0) == b"{}"
             (conn,) = conns._idle[url]  # the same one both times
         with open("/proc/sys/net/core/rmem_max") as f:
             rmem_max = int(f.read())
-        got = conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        got = conn.transport.get_extra_info("socket").getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
         assert got == 2 * min(512 << 10, rmem_max), got
     finally:
         conns.close()
+        io.close()
         server.shutdown()
         server.server_close()
 
@@ -250,25 +256,30 @@ def test_stop_sends_nothing_more():
 
 def test_server_slots_least_loaded_then_round_robin():
     slots = ServerSlots(3, limit=2, start=1)
-    got = [slots.acquire() for _ in range(6)]
+    io = IOLoop()
+
+    def acquire():
+        return io.run(slots.acquire, timeout=2.0)
+
+    got = [acquire() for _ in range(6)]
     assert got == [1, 2, 0, 1, 2, 0] and slots.peak == [2, 2, 2]
     slots.release(2)
-    assert slots.acquire() == 2  # the only server with a free slot
+    assert acquire() == 2  # the only server with a free slot
     outcome = []
 
-    def wait_for_slot():
+    async def wait_for_slot():
         try:
-            outcome.append(slots.acquire())
+            outcome.append(await slots.acquire())
         except SlotsClosed:
             outcome.append("closed")
 
-    waiter = threading.Thread(target=wait_for_slot, daemon=True)
-    waiter.start()  # every server full: it waits, and close() wakes it with SlotsClosed
+    (waiter,) = io.submit([(wait_for_slot, ())])  # every server full: it waits, and close() wakes it with SlotsClosed
     time.sleep(0.1)
-    assert waiter.is_alive() and outcome == []
+    assert not waiter.done() and outcome == []
     slots.close()
-    waiter.join(2)
+    waiter.result(2)
     assert outcome == ["closed"]
+    io.close()
 
 
 @pytest.mark.parametrize("experts,dtype", [(64, torch.uint8), (256, torch.uint8), (300, torch.int16)])
@@ -497,7 +508,7 @@ def test_closing_a_stream_aborts_the_rest_and_leaves_no_worker_busy():
         time.sleep(0.5)
         assert len(sent) <= 4, len(sent)  # the first group, plus at most one more in flight when it closed
         assert total.now == 0
-        threads = list(engine._pool.threads)
+        threads = list(engine._io.threads)
         engine.shutdown()
     assert threads and not any(t.is_alive() for t in threads)
 

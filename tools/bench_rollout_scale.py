@@ -170,7 +170,7 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
     wall2, cpu1 = time.perf_counter(), time.process_time()
     peak = _rss("VmHWM")
     collector.close()
-    idle = sum(t.is_alive() for t in engine._pool.threads)  # reused by the next rollout: idle, holding nothing
+    idle = sum(t.is_alive() for t in engine._io.threads)  # reused by the next rollout: idle, holding nothing
     engine.shutdown()
     left = sum(t.is_alive() for t in threading.enumerate() if t.name.startswith("rlpo-sglang"))
     rows = sum(s.span for s in out)
@@ -187,6 +187,7 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
             "compact_bytes_per_row": spec.num_layers * spec.topk,
             "rollout_user_us_per_row": (ru1.ru_utime - ru0.ru_utime) / rows * 1e6,
             "rollout_sys_us_per_row": (ru1.ru_stime - ru0.ru_stime) / rows * 1e6,
+            "rollout_cpu_us_per_answer": (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) / samples * 1e6,
             "context_switches": (ru1.ru_nvcsw - ru0.ru_nvcsw, ru1.ru_nivcsw - ru0.ru_nivcsw), "workers": idle, "workers_after_shutdown": left}
 
 
@@ -253,6 +254,7 @@ def main():
         print(f"  rows={r['rows']} rows/s={r['rows_per_s']:.0f} rollout {r['rollout_s']:.1f} s, after the last answer "
               f"{r['tail_s']:.1f} s ({r['exchange_rounds']} exchange rounds); during the rollout "
               f"{r['rollout_user_us_per_row']:.2f} us user + {r['rollout_sys_us_per_row']:.2f} us system per row, "
+              f"{r['rollout_cpu_us_per_answer']:.0f} us per answer, "
               f"{r['context_switches'][0]} + {r['context_switches'][1]} context switches (voluntary + not); compact {r['compact_bytes_per_row']} B "
               f"per row; {r['workers']} worker threads, "
               f"{r['workers_after_shutdown']} left after shutdown", flush=True)

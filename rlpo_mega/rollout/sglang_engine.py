@@ -4,8 +4,9 @@ Servers are attached by URL (`rollout.sglang.urls`) or started here (`launch: tr
 `rollout.sglang.drivers` learner ranks run a client each (SGLangEngine.ranks), over its own contiguous share of
 the servers: no server is driven by two clients, and each client receives the weights and pushes them to its own.
 Requests go to /generate with input_ids, our own rids, return_logprob and return_routed_experts, at most
-`max_in_flight_per_server` at once per server; answers are decoded on the request's thread as they arrive
-(sglang_client.py: the in-flight limit, vectorized log-prob and route decoding). Plain HTTP (urllib): the
+`max_in_flight_per_server` at once per server; every request is a task on the engine's one I/O thread, which
+reads and decodes each answer as it arrives (sglang_client.py: the event loop, the in-flight limit, vectorized
+log-prob and route decoding). Plain HTTP (urllib): the
 learner's environment needs no sglang; only update_weights_from_tensor's payload uses torch's ForkingPickler
 (what sglang's MultiprocessingSerializer is), with CPU tensors in shared-memory files (file_system strategy:
 the default file-descriptor passing cannot cross HTTP and crashed the server).
@@ -23,6 +24,7 @@ Time limits: control calls (weight updates, digests, flushes) use `control_timeo
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.client
 import io
@@ -50,8 +52,8 @@ from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
 
 from .base import (ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SampleMeta, SamplingParams,
                    share_of)
-from .sglang_client import (BodyBuffers, Connections, ServerSlots, SlotsClosed, WorkerPool, decode_routes, dumps, loads,
-                            parse_logprobs, pool_size, receive_buffer, split_routes)
+from .sglang_client import (Connections, IOLoop, ServerSlots, SlotsClosed, decode_routes, dumps, loads, parse_logprobs,
+                            receive_buffer, split_routes)
 from . import sglang_plan
 from .sglang_checks import check_sglang
 from .sglang_launch import launch_node_servers
@@ -162,14 +164,13 @@ class SGLangEngine(InServerReports, RolloutEngine):
         self.faults = {"requests_resent": 0, "server_rejoins": 0, "servers_lost": 0}
         self._rr = itertools.cycle(range(len(self.servers)))
         self._layout_checked = False
-        # generation: keep-alive connections and workers reused across rollouts, ended by shutdown() (or at
-        # interpreter exit: no worker thread outlives the engine)
-        # bounded kernel buffers for this engine's requests in flight (sglang_client.receive_buffer says why)
-        self._conns = Connections(receive_buffer(cfg.max_in_flight_per_server * len(self.servers)))
-        self._pool = WorkerPool(pool_size(len(self.servers), cfg.max_in_flight_per_server))
-        self._decoding = threading.BoundedSemaphore(cfg.decode_concurrency)
-        self._buffers = BodyBuffers()
-        self._finalizer = weakref.finalize(self, _close_client, self._conns, self._pool)
+        # generation: one I/O thread and keep-alive connections reused across rollouts, ended by shutdown() (or
+        # at interpreter exit: the thread does not outlive the engine); bounded kernel buffers for this engine's
+        # requests in flight (sglang_client.receive_buffer says why)
+        self._io = IOLoop()
+        self._conns = Connections(self._io, receive_buffer(cfg.max_in_flight_per_server * len(self.servers)))
+        self._decoding = asyncio.Semaphore(cfg.decode_concurrency)  # bodies read and decoded at once
+        self._finalizer = weakref.finalize(self, _close_client, self._conns, self._io)
 
     def _check_layout(self):
         """Each server's own parallel layout (GET /server_info) against rollout.sglang.tp_size, which sizes the
@@ -405,7 +406,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
                     slots.place(i, where[key])
                 elif key is not None and not isinstance(key, str):  # a group key: one server for its prompts
                     group_of[i] = ("affinity", key)
-        futures = {}
+        jobs, index = [], []
         for i, p in enumerate(prompts):
             prompt = list(map(int, p))
             for j in range(n):
@@ -418,7 +419,9 @@ class SGLangEngine(InServerReports, RolloutEngine):
                 start = int(routes_from[i]) if routes_from is not None and self.return_routes else 0
                 if not 0 <= start < max(len(prompt), 1):
                     raise ValueError(f"routes_from={start} outside prompt {i}'s {len(prompt)} positions")
-                futures[self._pool.submit(self._one, i, prompt, rid, sampling, slots, start, group_of[i])] = i
+                jobs.append((self._one, (i, prompt, rid, sampling, slots, start, group_of[i])))
+                index.append(i)
+        futures = dict(zip(self._io.submit(jobs), index))
         order, left, unsent = list(futures), [n] * len(prompts), [False] * len(prompts)
         try:
             for f in self._completed(order, slots):
@@ -512,14 +515,16 @@ class SGLangEngine(InServerReports, RolloutEngine):
                         if err is not None:
                             raise EngineError(f"SGLang server {url}: {what}; restart it ({err})")
 
-    def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots, start: int = 0, group=None) -> Sample:
+    async def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots, start: int = 0,
+                   group=None) -> Sample:
         body = {"input_ids": prompt, "sampling_params": sampling, "rid": rid, "return_logprob": True,
                 "return_routed_experts": self.return_routes}
         if start:  # rows [start, seqlen - 1) only: the caller holds the rows before (an episode's earlier turns)
             body["routed_experts_start_len"] = start
         payload = dumps(body)
         while True:  # once per server tried: a dead or failing one's request is sent again to another of this driver's
-            server, (status, raw, size) = self._send(prompt_index if group is None else group, rid, payload, slots)
+            server, (status, raw, size) = await self._send(prompt_index if group is None else group, rid, payload,
+                                                           slots)
             try:
                 return self._answer(server, prompt_index, prompt, rid, status, raw, size, start)
             except EngineError as e:
@@ -529,15 +534,15 @@ class SGLangEngine(InServerReports, RolloutEngine):
                 log.debug("request %s sent again after %s", rid, e)
                 self.faults["requests_resent"] += 1
             finally:
-                self._buffers.give(raw)
+                self._conns.buffers.give(raw)
                 self._decoding.release()
 
-    def _send(self, group, rid, payload, slots: ServerSlots):
+    async def _send(self, group, rid, payload, slots: ServerSlots):
         """One POST /generate on a slot -> (server, (status, body, size)), a decode permit held. A connection that
         fails because its server died (refused, reset, closed mid-body) is sent again to another server here (the
         dead one leaves the pool: _retire); a timeout, or a failure with too few servers left, ends the request."""
         while True:
-            slot = slots.acquire(group=group)  # blocks while the server(s) it may use are full
+            slot = await slots.acquire(group=group)  # waits while the server(s) it may use are full
             server = self.servers[slot]
             with self._lock:
                 self._inflight[rid] = server
@@ -546,15 +551,10 @@ class SGLangEngine(InServerReports, RolloutEngine):
                     self._inflight.pop(rid, None)
                 slots.release(slot)
                 raise SlotsClosed(f"request {rid} not sent: its rollout has ended")
-            held = False  # a decode permit: answers read and decoded at once are bounded (decode_concurrency)
-            try:
-                with self._conns.post(server.url, "/generate", payload, self.cfg.request_timeout) as resp:
-                    self._decoding.acquire()
-                    held = True
-                    status, (body, size) = resp.status, self._buffers.read(resp)
+            try:  # returns holding a decode permit: answers read and decoded at once are bounded (decode_concurrency)
+                status, body, size = await self._conns.post(server.url, "/generate", payload,
+                                                            self.cfg.request_timeout, self._decoding)
             except BaseException as e:
-                if held:
-                    self._decoding.release()
                 if not isinstance(e, (OSError, http.client.HTTPException)):
                     raise
                 if slots.closed:  # this rollout was ended (stop, hang, enough groups): its sockets were shut
@@ -567,7 +567,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
                     if self._retire(server, what) is None:
                         self.faults["requests_resent"] += 1
                         continue
-                raise self._dead(server, what) from e
+                # _dead asks /health and may restart a server: off the I/O thread, which serves the other requests
+                raise await asyncio.get_running_loop().run_in_executor(None, self._dead, server, what) from e
             finally:
                 with self._lock:
                     self._inflight.pop(rid, None)
@@ -635,20 +636,21 @@ class SGLangEngine(InServerReports, RolloutEngine):
                                                          weight_versions=meta.get("weight_versions")))
 
     def _abort_quietly(self, inflight: dict):
-        """Best-effort aborts, all at once, bounded by health_timeout: a hung server answers none of them."""
-        def one(rid, server):
-            try:
-                req = urllib.request.Request(server.url + "/abort_request", data=json.dumps({"rid": rid}).encode(),
-                                             headers={"Content-Type": "application/json"})
-                _OPENER.open(req, timeout=self.cfg.health_timeout).close()
-            except Exception:
-                pass
-        threads = [threading.Thread(target=one, args=item, daemon=True) for item in inflight.items()]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + self.cfg.health_timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        """Best-effort aborts, all at once on the I/O loop, bounded by health_timeout: a hung server answers none."""
+        if not inflight:
+            return
+        try:
+            self._io.run(self._aborts, inflight, timeout=self.cfg.health_timeout)
+        except TimeoutError:
+            pass
+
+    async def _aborts(self, inflight: dict) -> None:
+        async def one(rid, server):
+            _, buf, _ = await self._conns.post(server.url, "/abort_request", dumps({"rid": rid}),
+                                               self.cfg.health_timeout)
+            self._conns.buffers.give(buf)
+
+        await asyncio.gather(*(one(rid, server) for rid, server in inflight.items()), return_exceptions=True)
 
     def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:
         if request_ids is None:
@@ -845,9 +847,9 @@ class SGLangEngine(InServerReports, RolloutEngine):
         self._store = None
 
 
-def _close_client(conns: Connections, pool: WorkerPool) -> None:
+def _close_client(conns: Connections, io: IOLoop) -> None:
     conns.close()
-    pool.close()
+    io.close()
 
 
 __all__ = ["EngineRestarted", "SGLangEngine"]
