@@ -272,12 +272,14 @@ class SGLangEngine(InServerReports, RolloutEngine):
 
     def _gone(self, server: _Server) -> bool:
         """Certainly dead: its process (launched here) has exited, or its port refuses or resets a connection. A
-        server that is only slow to answer /health (busy, or hung: the next call's own timeout names that) is not
-        taken out of the weight group for it."""
+        server that is only slow to answer (busy, or hung: the next call's own timeout names that) is not taken out
+        of the weight group for it. Asked before every weight sync, so on GET /ready, which the server answers
+        at once: its /health generates a token and answers after at least a second (sglang 0.5.23's
+        health_generate polls once a second), which was most of a sync's time on bench_async."""
         if server.launched is not None and not server.launched.alive():
             return True
         try:
-            with _OPENER.open(urllib.request.Request(server.url + "/health"), timeout=self.cfg.health_timeout) as r:
+            with _OPENER.open(urllib.request.Request(server.url + "/ready"), timeout=self.cfg.health_timeout) as r:
                 r.read()
             return False
         except urllib.error.HTTPError:
