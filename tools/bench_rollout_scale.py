@@ -5,7 +5,7 @@ ids, `output_token_logprobs`, `routed_experts` as base64 of int32 [prompt + resp
 at the size a real one sends, answered from a body made once per shape (or after `--latency` seconds). The
 driver is the real engine (rlpo_mega.rollout.sglang_engine.SGLangEngine) generating S samples of L new tokens
 (each answer decoded and its trace checked as it arrives) in the steady state of a run (after one rollout of the
-same size: connections, worker threads and receive buffers made; the trainer's garbage collection, --gc), then
+same size: connections, the I/O thread and receive buffers made; the trainer's garbage collection, --gc), then
 what its rank does with them, as the trainer does: the scalars' gather (rollout/gather.py) and
 the exchange of the payloads in bounded rounds (training/exchange.exchange, a one-rank gloo group whose rank
 trains every MoE layer).
@@ -17,8 +17,9 @@ payloads, per route row (a token position with routes: prompt + response - 1 per
 its peak resident memory over the resident memory before the rollout (Linux VmHWM after clear_refs), per route
 row (the compact form is layers x top-k bytes: 384 for Qwen3-30B-A3B); tail_frac: the time from the last answer
 (generate's return) to the exchanged payloads, over the rollout's wall time. Also printed: rows/s, the exchange's
-rounds, the rollout's user and system CPU per row and context switches, and the engine's worker threads (idle
-between rollouts; none left after its shutdown).
+rounds, the rollout's user and system CPU per row and per answer (with tiny answers, --tokens 1 --prompt-tokens 16:
+the per-answer fixed cost) and context switches, and the engine's I/O threads (idle between rollouts; none left
+after its shutdown).
 
   .venv/bin/python tools/bench_rollout_scale.py                       512 x 1k and 256 x 4k, 4 servers
   .venv/bin/python tools/bench_rollout_scale.py --samples 64 --tokens 256 --servers-count 2
@@ -144,7 +145,7 @@ def run_size(urls, hf, samples: int, tokens: int, prompt_tokens: int, round_mb: 
     prompts = [[5 + (i % 50)] * prompt_tokens for i in range(samples)]
     params = SamplingParams(max_new_tokens=tokens)
     spec = engine.spec
-    # the steady state of a run's steps: one rollout of the same size first (its connections, worker threads and
+    # the steady state of a run's steps: one rollout of the same size first (its connections, I/O thread and
     # receive buffers are the next step's; a trainer makes them at its first step, once per run)
     engine.generate(prompts, params, n=1)
     torch.set_num_threads(1)
@@ -256,7 +257,7 @@ def main():
               f"{r['rollout_user_us_per_row']:.2f} us user + {r['rollout_sys_us_per_row']:.2f} us system per row, "
               f"{r['rollout_cpu_us_per_answer']:.0f} us per answer, "
               f"{r['context_switches'][0]} + {r['context_switches'][1]} context switches (voluntary + not); compact {r['compact_bytes_per_row']} B "
-              f"per row; {r['workers']} worker threads, "
+              f"per row; {r['workers']} I/O threads, "
               f"{r['workers_after_shutdown']} left after shutdown", flush=True)
         if args.kill_one_half_way:
             print(f"  one of {r['servers']} servers killed half-way: {r['delivered']} of {s} samples delivered, "
