@@ -581,3 +581,118 @@ def test_dynamic_sampling_ends_the_step_when_its_groups_are_complete():
     assert sorted(g.item.uid for g in collector.carry) == [5, 6, 7] and {g.version for g in collector.carry} == {5}
     kept2, r2 = collector.collect(3, 6, lambda: [], stream, score)
     assert r2.carried_in == 3 and sorted(g.item.uid for g in kept2) == [5, 6, 7]
+
+
+@contextlib.contextmanager
+def raw_http(answer):
+    """A TCP server whose every connection runs answer(conn, request_number_on_it, total_so_far): raw bytes, to
+    give the client what uvicorn, a proxy or a dying server can send."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    seen = {"connections": 0, "requests": 0}
+
+    def read_request(conn) -> bool:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return False
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = int(re.search(rb"Content-Length: (\d+)", head).group(1))
+        while len(body) < length:
+            body += conn.recv(65536)
+        return True
+
+    def serve(conn):
+        with conn:
+            k = 0
+            while read_request(conn):
+                seen["requests"] += 1
+                if not answer(conn, k):
+                    return
+                k += 1
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            seen["connections"] += 1
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", seen
+    finally:
+        listener.close()
+
+
+def test_event_loop_client_failures_and_body_framings():
+    """The one I/O loop's HTTP client (sglang_client.Connections) meets what a blocking client met: an idle
+    keep-alive connection the server closed as the next request went out is retried once on a new one; a wait
+    without data past its timeout is TimeoutError; a connection closed mid-body names how much arrived; bodies
+    framed by Content-Length, chunks or the connection's end all read whole."""
+    from rlpo_mega.rollout import sglang_client as client
+
+    io = client.IOLoop()
+    conns = client.Connections(io)
+
+    def post(url, timeout=5.0):
+        async def one():
+            status, buf, size = await conns.post(url, "/generate", b'{"x": 1}', timeout)
+            out = bytes(buf[:size])
+            conns.buffers.give(buf)
+            return status, out
+        return io.run(one, timeout=10.0)
+
+    # a server that answers one request per connection and drops the next one unanswered (uvicorn's idle close
+    # racing the request): the second POST goes out on the kept connection, dies, and is sent again on a new one
+    def one_per_connection(conn, k):
+        if k:
+            return False
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+        return True
+
+    with raw_http(one_per_connection) as (url, seen):
+        assert post(url) == (200, b"{}")
+        assert post(url) == (200, b"{}")
+        assert seen == {"connections": 2, "requests": 3}, seen
+
+    def framings(conn, k):
+        if k == 0:  # chunked, with a trailer
+            conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"3\r\n{\"a\r\n4;x=y\r\n\": 1\r\n1\r\n}\r\n0\r\nX-Trailer: 1\r\n\r\n")
+            return True
+        conn.sendall(b"HTTP/1.0 503 Busy\r\n\r\n" + b"z" * 100000)  # no length: the body ends with the connection
+        return False
+
+    with raw_http(framings) as (url, seen):
+        assert post(url) == (200, b'{"a": 1}')
+        assert post(url) == (503, b"z" * 100000)
+        assert seen["connections"] == 1
+
+    def silent(conn, k):
+        time.sleep(3)
+        return False
+
+    with raw_http(silent) as (url, _):
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no data for 0.3 s"):
+            post(url, timeout=0.3)
+        assert time.monotonic() - t0 < 2.0
+
+    def cut(conn, k):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
+        return False
+
+    with raw_http(cut) as (url, _):
+        with pytest.raises(ConnectionResetError, match="after 10 of 100 bytes"):
+            post(url)
+    conns.close()
+    io.close()
+    assert not any(t.is_alive() for t in io.threads)
