@@ -14,7 +14,7 @@ from __future__ import annotations
 import abc
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import numpy as np
 import torch
@@ -73,6 +73,9 @@ class SampleMeta:
     env_error: Optional[str] = None  # an episode its environment's failure ended: why
 
 
+SampleState = Literal["answered", "owned", "remote", "received"]  # Sample.state
+
+
 @dataclass
 class Sample:
     """One response: the one sample type from the engine to the learner.
@@ -128,6 +131,20 @@ class Sample:
         if self.prompt_ids is not None:
             self.prompt_len, self.response_len = len(self.prompt_ids), len(self.response_ids)
         self.has_routes = self.has_routes or self.routes is not None
+
+    @property
+    def state(self) -> "SampleState":
+        """Where the sample is in its life (read from its fields, which say it):
+        answered  an engine's answer on the rank that generated it: payload, no owner yet (the producer scores it)
+        owned     on that rank after the scalars' gather (rollout/gather.py): payload, scalars, `owner` = this rank
+        remote    another rank's sample after the gather: scalars only (`prompt_ids is None`)
+        received  on a rank that trains it, after the exchange (training/exchange.py): int64 id tensors, `routes`
+                  and `replaced` of that rank's MoE layers (and, under sequence parallelism, from `routes_from`)"""
+        if self.prompt_ids is None:
+            return "remote"
+        if isinstance(self.prompt_ids, torch.Tensor):
+            return "received"
+        return "answered" if self.owner < 0 else "owned"
 
     @property
     def num_tokens(self) -> int:

@@ -27,7 +27,8 @@ def full(i):
     replaced = (torch.rand(p + r - 1, 4, generator=g) < 0.3) if flagged else None
     s = Sample(ids[:p].tolist(), ids[p:].tolist(), torch.randn(r, generator=g), "stop", routes=routes,
                replaced=replaced, replaced_entries=int(replaced.sum()) if flagged else 0)
-    s.owner = i % 2
+    assert s.state == "answered"
+    s.owner = i % 2  # what the scalars' gather sets
     return s
 
 
@@ -57,12 +58,14 @@ for name, (recipients, dp_of) in layouts.items():
         lo, hi = sh[i][me] if sh else (0, t.span)
         rows += hi - lo
         same &= a.routes_from == b.routes_from == lo
+        same &= a.state == b.state == "received"
         same &= torch.equal(a.ids, b.ids) and torch.equal(a.ids, t.ids) and torch.equal(a.logprobs, b.logprobs)
         same &= torch.equal(a.routes, b.routes) and torch.equal(a.routes, t.routes[lo:hi, cols])
         same &= (a.replaced is None) == (t.replaced is None) and (
             a.replaced is None or (torch.equal(a.replaced, b.replaced)
                                    and torch.equal(a.replaced, t.replaced[lo:hi, cols])))
     cut = rounds(samples, dp_of, recipients, spec, 600, sh)
+    same &= [s.state for s in samples] == ["owned" if t.owner == me else "remote" for t in truth]
     report[name] = {"same": bool(same), "rounds": [s1["rounds"], s2["rounds"]],
                     "covered": sorted(sum(cut, [])) == list(range(n)), "route_rows": rows,
                     "bytes": [s1["bytes_received"], s2["bytes_received"]]}
