@@ -229,7 +229,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
         if self._healthy(server):
             return EngineError(f"SGLang server {server.url}: {what} (the server answers /health: a timeout? see "
                                "rollout.sglang.request_timeout for generation, control_timeout for other calls)")
-        if self._closed:  # a request thread abandoned by a hang or a stop: never restart after shutdown
+        if self._closed:  # a request abandoned by a hang or a stop: never restart after shutdown
             return EngineError(f"SGLang server {server.url}: {what} (engine already shut down)")
         if self.should_stop is not None and self.should_stop():  # the job is stopping: no restart begins now
             return EngineError(f"SGLang server {server.url}: {what} (a stop is requested: not restarted)")
