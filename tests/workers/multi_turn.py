@@ -71,9 +71,11 @@ def _check_episodes(trained: dict, versioned: bool = True) -> dict:
     answer is an episode without observations. versioned=False (the sync producer tags no versions): the versions
     its calls ran on are only reported, per step (`step_versions`)."""
     record, syncs = hooks.RecordedEngine.record, hooks.RecordedEngine.syncs
+    # a weights digest -> the syncs that sent those weights: more than one when a step left the weights as they
+    # were (every group's rewards equal: no advantage, no update), and then a call on them may be either version
     version = {}
     for v, d in enumerate(syncs):
-        version.setdefault(d, v)
+        version.setdefault(d, []).append(v)
     used, problems, continued, rows, versions_seen, step_versions = set(), [], 0, 0, set(), {}
     for step, samples in trained.items():
         for i, s in enumerate(samples):
@@ -102,8 +104,13 @@ def _check_episodes(trained: dict, versioned: bool = True) -> dict:
                 c, k, m = found
                 used.add((c, k))
                 owner[pos:pos + m] = [(c, k)] * m
-                want_v += [version[record[c]["weights"]]] * m
-                versions_seen.add(version[record[c]["weights"]])
+                allowed = version[record[c]["weights"]]
+                tagged = span_versions(s["versions"])[pos:pos + m].tolist() if versioned else []
+                # the tagged version where the weights allow it (the same weights as another sync's), else the first
+                # sync that sent them (a mismatch, reported below)
+                want = tagged[0] if tagged and len(set(tagged)) == 1 and tagged[0] in allowed else allowed[0]
+                want_v += [want] * m
+                versions_seen.add(want)
                 continued += pos > 0 and pos not in {a + n for a, n in obs.items()}
                 segs += 1
                 pos += m
