@@ -107,8 +107,10 @@ def _check_episodes(trained: dict, versioned: bool = True) -> dict:
                 allowed = version[record[c]["weights"]]
                 tagged = span_versions(s["versions"])[pos:pos + m].tolist() if versioned else []
                 # the tagged version where the weights allow it (the same weights as another sync's), else the first
-                # sync that sent them (a mismatch, reported below)
-                want = tagged[0] if tagged and len(set(tagged)) == 1 and tagged[0] in allowed else allowed[0]
+                # sync that sent them (a mismatch, reported below); untagged (the sync producer): the step's own sync
+                # where it sent these weights
+                claim = tagged[0] if tagged and len(set(tagged)) == 1 else None if versioned else step
+                want = claim if claim in allowed else allowed[0]
                 want_v += [want] * m
                 versions_seen.add(want)
                 continued += pos > 0 and pos not in {a + n for a, n in obs.items()}
