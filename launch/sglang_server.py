@@ -108,7 +108,24 @@ class SGLangServer:
         log.close()
         atexit.register(self.stop, 2.0)
         self.wait_healthy(timeout)
+        self.freeze_gc()
         return self
+
+    def freeze_gc(self):
+        """POST /freeze_gc once the server answers: what it holds now (its modules, torch, the model) leaves Python's
+        collector. SGLang does this itself after its warm-up, but with skip_server_warmup it posts before its HTTP
+        server listens ("post-warmup freeze_gc failed ... connection refused" in the log) and runs unfrozen. That
+        matters on its CPU platform, where every /flush_cache (each weight sync's) runs gc.collect() in the
+        scheduler (platforms/cpu.py empty_cache): 0.35 s a sync over the unfrozen heap in tools/bench_async.py,
+        2 ms frozen. A server without the endpoint still serves: the failure goes to its log."""
+        try:
+            req = urllib.request.Request(self.url + "/freeze_gc", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                r.read()
+        except Exception as e:
+            with open(self.log_path, "ab") as log:
+                log.write(f"=== rlpo_mega: POST /freeze_gc failed ({e}); the server runs with its collector unfrozen\n"
+                          .encode())
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:

@@ -37,7 +37,9 @@ def report(tmp_path_factory):
 def test_each_node_launches_its_own_servers(report):
     """Node k's local rank 0 starts node k's server (its parent process is that rank; port base + k, so URLs stay
     distinct on one host; bound to 0.0.0.0 and named by the hostname); rank 0's engine attaches to both, restarts
-    its own node's itself and leaves node 1's to node 1's launcher; closing the slot stops both."""
+    its own node's itself and leaves node 1's to node 1's launcher; closing the slot stops both. Each launcher froze
+    its server's collector once it answered (POST /freeze_gc: SGLang's own after-warm-up freeze misses a server
+    started with skip_server_warmup)."""
     runs, base = report
     ranks = runs["ok"]
     host = socket.gethostname()
@@ -50,6 +52,7 @@ def test_each_node_launches_its_own_servers(report):
         assert rec["ppid"] == r["pid"], (k, rec, r)  # started by that node's own rank
         argv = rec["argv"]
         assert argv[argv.index("--host") + 1] == "0.0.0.0" and argv[argv.index("--port") + 1] == str(base + k)
+        assert rec.get("freeze_gc") is True, rec
     assert ranks[0]["alive_before_close"] == [True, True] and ranks[0]["alive_after_close"] == [False, False]
 
 
