@@ -180,6 +180,8 @@ def test_weight_update_mid_generation_matches_the_engines_record(runs):
         for h in hist[1:]:  # each sync lands after the running call's first tokens (_sync_after_first_tokens)
             assert h["async/staleness_max"] == 1 and h["async/continued_samples"] > 0, h
             assert h["async/stale_dropped_groups"] == 0 and h["async/restarted_samples"] == 0, h
+            # the continuation calls' share of generation, and the pause that interrupted them, are timed
+            assert 0 < h["async/continue_s"] < h["async/generate_s"] and h["async/pause_s"] > 0, h
         assert hist[0]["async/staleness_max"] == 0
     assert runs["mid_generation"]["k1"]["masked"] == [0, 0]
     # partial_rollout=false (the default): each sync waited for the running call; every sample from one version
@@ -189,6 +191,7 @@ def test_weight_update_mid_generation_matches_the_engines_record(runs):
     assert wait["old_tokens"] == [0, 0]
     for h in wait["history"][1:]:
         assert h["async/staleness_max"] == 1 and h["async/continued_samples"] == 0, h
+        assert h["async/continue_s"] == 0 and h["async/pause_s"] >= 0, h
     # partial_rollout_mask: exactly the tokens sampled before each sample's last continuation leave the loss
     masked = runs["mid_generation"]["k1_mask"]
     assert masked["masked"] == masked["old_tokens"] and sum(masked["masked"]) > 0

@@ -6,7 +6,10 @@ Qwen3-MoE checkpoint, GSPO + R3, the recipes' sglang_distributed weight sync, --
 
 Reads each run's metrics.jsonl and prints, over the steady steps (the first --skip left out):
   sync:  generation = time/rollout + time/reward (waiting for the server and scoring), training = the rest of the step
-  async: the step time, and `async: step/max(gen,train) = R` against the synchronous run's generation and training.
+  async: the step time, and `async: step/max(gen,train) = R` against the synchronous run's generation and training;
+         async/pause_s: the syncs' waits for the engine (partial rollout: aborting and collecting the running
+         requests; without: the running call); async/continue_s: of async/generate_s, the calls after a step's
+         first (its continued and restarted samples).
 
   .venv/bin/python tools/bench_async.py [--steps 10] [--prompts 32] [--n 4] [--tokens 24]
 Needs the SGLang venv (make venv-sglang) and 2 cores.
@@ -146,8 +149,8 @@ def main():
         return statistics.mean(vals) if vals else float("nan")
 
     keys = ["time/step", "time/rollout", "time/reward", "time/gather", "time/prepare", "time/old_logprob",
-            "time/update", "time/sync", "async/generate_s", "async/staleness_mean", "async/continued_samples",
-            "reward/mean"]
+            "time/update", "time/sync", "async/pause_s", "async/generate_s", "async/continue_s",
+            "async/staleness_mean", "async/continued_samples", "async/restarted_samples", "reward/mean"]
     print(f"{args.steps} steps ({args.skip} left out), {args.prompts} prompts x {args.n} samples, "
           f"{args.tokens} new tokens, {args.epochs} epochs; learner on core 0, SGLang server on core 1; out: {out}")
     print("staleness 0: the sync producer; async_partial: max_staleness=1, partial_rollout=true (a sync interrupts "

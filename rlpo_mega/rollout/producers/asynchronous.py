@@ -97,6 +97,7 @@ class _Job:
     continued: int = 0  # samples finished by a continuation
     restarted: int = 0  # samples generated again from their prompt after an interruption
     generate_s: float = 0.0
+    continue_s: float = 0.0  # of generate_s, the rounds after the first (single answers: continued and restarted)
     confirmed: int = 0  # answers whose weight version the engine itself named (checked: partial.tag)
     batch: Optional[EpisodeBatch] = None  # multi-turn: the job's episodes, advanced one engine call per round
     kept: list = field(default_factory=list)  # dynamic sampling: items kept, in the order they were judged
@@ -150,6 +151,7 @@ class RolloutWorker:
         self.jobs: dict[int, _Job] = {}
         self.version: Optional[int] = None  # the weights the engine holds (None before the first sync)
         self.pausing = 0
+        self.pause_s = 0.0  # the pauses' waits for the engine (abort and collect, or the running round), summed
         self.busy = False
         self.error: Optional[BaseException] = None
         self.closing = False
@@ -207,6 +209,7 @@ class RolloutWorker:
         forgets a failure (the engine was rebuilt)."""
         with self.cond:
             self.pausing += 1
+        t0 = time.perf_counter()
         try:
             if abort:
                 self._quiesce()
@@ -214,6 +217,8 @@ class RolloutWorker:
                 with self.cond:
                     while self.busy:
                         self.cond.wait()
+            with self.cond:
+                self.pause_s += time.perf_counter() - t0
             yield
             engine, named = self.engines.slot.engine, version if version is not None else (
                 self.version if clear_error else None)  # a rebuilt engine holds the re-synced version
@@ -247,6 +252,12 @@ class RolloutWorker:
                 if self.busy:
                     self.cond.wait(wait)
             wait = min(wait * 2, 0.2)
+
+    def paused_s(self) -> float:
+        """The pauses' waits for the engine since the last call (the learner's collect reports them)."""
+        with self.cond:
+            waited, self.pause_s = self.pause_s, 0.0
+        return waited
 
     def close(self):
         with self.cond:
@@ -298,7 +309,8 @@ class RolloutWorker:
         if self.episodes is not None:
             return self._episode_round(job, version)
         engine, t0 = self.engines.slot.engine, time.perf_counter()
-        if job.sent < len(job.items):  # a chunk's fresh groups (the first round: the sync producer's one call)
+        fresh = job.sent < len(job.items)
+        if fresh:  # a chunk's fresh groups (the first round: the sync producer's one call)
             first, seed = next(c for c in job.chunks if c[0] == job.sent)
             end = next((c[0] for c in job.chunks if c[0] > first), len(job.items))
             slots = [[(i, j) for j in range(job.n)] for i in range(first, end)]
@@ -335,7 +347,10 @@ class RolloutWorker:
         try:
             drive(gen, answered)
         finally:
-            job.generate_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            job.generate_s += took
+            if not fresh:
+                job.continue_s += took
 
     def _episode_round(self, job: _Job, version: int):
         """Multi-turn: one engine call for the job's live episodes on `version` (each one's next turn, or the rest
@@ -564,6 +579,10 @@ class AsyncProducer(RolloutProducer):
                         "async/staleness_max": max(ages, default=0)})
         if job is not None:
             metrics["async/generate_s"] = job.generate_s  # this rank's engine calls for the step, end to end
+            metrics["async/continue_s"] = job.continue_s  # of those, the calls after its first (partial rollout)
+        # the last syncs' waits for the engine (partial rollout: aborting the running requests and collecting
+        # their answers; without: the running call): time/sync less this is the weight sync itself
+        metrics["async/pause_s"] = self.worker.paused_s()
         samples, trimmed = trim_to_divisor(samples, n, self.divisor)
         if trimmed:
             metrics["async/trimmed_groups"] = trimmed
