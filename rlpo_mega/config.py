@@ -349,9 +349,19 @@ class RolloutConfig:
     # async: true: a weight sync aborts the running requests and each continues after it, on the new weights,
     # from the tokens it has (partial rollout; its tokens carry both versions); false: the sync waits for the
     # running engine call to finish (every sample from one version). tools/bench_async.py on a CPU SGLang server:
-    # the aborts and re-prefills cost more than the wait saves there; partial rollout pays off when a few long
-    # requests would hold the sync
+    # the aborts and re-prefills (partial_rollout_kv=recompute) cost more than the wait saves there; keep costs
+    # neither
     partial_rollout: bool = False
+    # async, partial_rollout=true: how an interrupted request continues. recompute: it is aborted and sent again as
+    # prompt + its tokens, prefilled under the new weights (AReaL's interruptible generation); keep: it is held in
+    # place on its server with its KV cache (SGLang's pause_generation mode=in_place) while the new weights load,
+    # then goes on from there, each token tagged with the version the server held when it was sampled (PipelineRL's
+    # in-flight weight update): nothing is aborted or sent again, and a continued token attends to a prefix whose
+    # KV the older weights computed (its log-prob is the one it was sampled with, so the mismatch correction still
+    # weighs it right). keep needs an engine that can hold requests (SGLang) and its radix cache off
+    # (server_args.disable_radix_cache): a finished request's prefix, cached under older weights, must not serve a
+    # later request
+    partial_rollout_kv: Literal["recompute", "keep"] = "recompute"
     # async: Python's thread switch interval (s) while generation overlaps training (sys.setswitchinterval): how
     # long the rollout client's threads may wait for the GIL the training thread holds. At Python's 0.005 the
     # overlapped rollout ran 30% slower than alone (tools/bench_async.py); null: leave Python's

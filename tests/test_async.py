@@ -63,6 +63,30 @@ def test_join_takes_a_continuation_that_returned_only_its_new_routing_rows():
         join(first, dc_replace(cont, routes=cont.routes[start + 1:].clone(), routes_from=start + 1), 8, (9,))
 
 
+def test_held_requests_take_each_tokens_version_from_the_engines_spans():
+    """rollout.partial_rollout_kv=keep: a weight update lands under a running request; SGLang names each token's
+    version (meta_info weight_versions spans), which become the sample's versions; a span before the version the
+    request was sent on, out of order, or not covering the tokens is refused."""
+    def answer(spans, said, n=5):
+        s = Sample(prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)), logprobs=torch.zeros(n), finish_reason="stop")
+        s.meta.weight_version, s.meta.weight_versions = said, spans
+        return s
+
+    def span(v, a, b):
+        return {"version": str(v), "start": a, "end": b}
+
+    assert tag(answer([span(3, 0, 2), span(4, 2, 5)], "4"), 3, held=True).meta.versions == [(3, 2), (4, 3)]
+    assert tag(answer(None, "4"), 3, held=True).meta.versions == [(4, 5)]  # sent while held: all on the next one
+    assert tag(answer([span(3, 0, 5)], "3"), 3, held=True).meta.versions == [(3, 5)]
+    for bad in ([span(2, 0, 2), span(3, 2, 5)], [span(4, 0, 2), span(3, 2, 5)], [span(3, 0, 2), span(4, 2, 4)]):
+        with pytest.raises(EngineError, match="not the updates it ran through"):
+            tag(answer(bad, "4"), 3, held=True)
+    with pytest.raises(EngineError, match="not the step numbers"):
+        tag(answer([span("default", 0, 5)], "default"), 3, held=True)
+    with pytest.raises(EngineError, match="a weight update reached a running request"):  # recompute: never
+        tag(answer([span(3, 0, 2), span(4, 2, 5)], "4"), 3)
+
+
 def test_join_cuts_at_the_budget_and_refuses_half_routed_parts():
     first = _part([5, 6], [1, 2, 3], "abort", version=0)
     cont = _part(continuation_prompt(first), [4, 4, 4], "length", version=1)  # asked for more than was left
@@ -144,6 +168,20 @@ def test_async_config_refusals():
         "algorithm.dynamic_sampling.max_carry_steps=0"))
     with pytest.raises(ConfigError, match="partial_rollout_mask"):
         check("rollout.partial_rollout_mask=true")
+    # partial_rollout_kv=keep: a partial rollout's, on an engine that can hold its requests, servers without a radix
+    # cache (external servers: the engine reads it from /server_info, tests/test_sglang_trainer.py)
+    keep = ("rollout.producer=async", "trainer.max_staleness=1", "rollout.partial_rollout_kv=keep")
+    with pytest.raises(ConfigError, match="only rollout.producer=async makes"):
+        check("rollout.partial_rollout_kv=keep")
+    with pytest.raises(ConfigError, match="set rollout.partial_rollout=true with it"):
+        check(*keep)
+    with pytest.raises(ConfigError, match="the embedded engine cannot hold its requests"):
+        check(*keep, "rollout.partial_rollout=true")
+    launched = ("rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m", "routing.mode=off",
+                "rollout.sync_transport=sglang_distributed", "rollout.partial_rollout=true")
+    with pytest.raises(ConfigError, match="server_args.disable_radix_cache=true"):
+        check(*keep, *launched)
+    check(*keep, *launched, "rollout.sglang.server_args.disable_radix_cache=true")
     with pytest.raises(ConfigError, match="partial_rollout_mask"):
         check("rollout.producer=async", "rollout.partial_rollout_mask=true")  # without partial_rollout=true
     with pytest.raises(ConfigError, match="client_switch_interval"):

@@ -242,6 +242,12 @@ def test_server_tp_size_and_environment_are_read(family):
                                           r"rollout\.sglang\.tp_size=1"):
         wrong.begin_weight_update()
     wrong.shutdown()
+    # rollout.partial_rollout_kv=keep updates weights under held requests with no flush: a server with its radix
+    # cache on (this one) is refused, from its own /server_info (external servers have no server_args to check)
+    held = SGLangEngine(SGLangEngineConfig(urls=[engine.servers[0].url], control_timeout=60), hf, keep_kv=True)
+    with pytest.raises(EngineError, match="runs with its radix cache on.*--disable-radix-cache"):
+        held.begin_weight_update()
+    held.shutdown()
     engine._layout_checked = False
     engine._check_layout()  # the launched one agrees
     assert engine._layout_checked
@@ -269,6 +275,37 @@ def test_abort_by_rid(family):
     assert len(s.logprobs) == len(s.response_ids)
     engine.flush_cache()  # retried until the aborted request has left
     assert engine.generate([PROMPTS[1]], greedy(2))[0].finish_reason == "length"
+
+
+@engine_path_once
+def test_held_requests_wait_and_an_abort_while_held_ends_them(family):
+    """rollout.partial_rollout_kv=keep's hold (POST /pause_generation mode=in_place): a request sent while the
+    server is held waits (as one running does: tests/test_sglang_trainer.py's keep run) and is answered after
+    resume(); an abort while held (the rebuild after a failed sync) resumes first -- a held scheduler never ends
+    what it aborts -- so the request ends at once instead of hanging."""
+    engine, *_ = family
+    for abort in (False, True):
+        got, rid = {}, f"rlpo-test-held-{abort}"
+        engine.pause()
+        t = threading.Thread(target=lambda: got.setdefault("s", engine.generate(
+            [PROMPTS[0]], SamplingParams(max_new_tokens=400 if abort else 16), request_ids=[rid])))
+        t.start()
+        t.join(1.5)
+        assert t.is_alive()  # held: not answered
+        if abort:
+            engine.abort([rid])
+            assert not engine._held
+            deadline = time.monotonic() + 60  # (as test_abort_by_rid: again until it ends, the first may come early)
+            while t.is_alive() and time.monotonic() < deadline:
+                t.join(0.2)
+                engine.abort([rid])
+        else:
+            engine.resume()
+        t.join(60)
+        assert not t.is_alive()
+        s = got["s"][0]
+        assert (s.finish_reason == "abort") == abort and len(s.logprobs) == len(s.response_ids), s
+    engine.flush_cache()
 
 
 def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family, monkeypatch):

@@ -114,18 +114,25 @@ def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
     print(f"SIGTERM -> save {r['sigterm_to_save_s']:.1f} s, -> exit {r['sigterm_to_exit_s']:.1f} s")
 
 
-def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path):
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path, kv):
     """Asynchronous RL on a launched SGLang server: max_staleness=1 with partial rollout, 4 steps of 64 tokens, so
     that each sync lands while the next step generates. The server names the weight version of every answer;
     each matched the version its request was sent on (or the run would have stopped); continued samples keep
-    their routes (every token replayed, no fallback) and carry two versions, the older one step behind."""
+    their routes (every token replayed, no fallback) and carry two versions, the older one step behind.
+    kv=keep (rollout.partial_rollout_kv): the syncs hold the running requests in place instead of aborting them,
+    and the server's own spans name each token's version: one engine call per step, nothing sent again."""
     hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
     ckpt = str(tmp_path / "hf")
     make_hf_checkpoint(hf, ckpt)
-    r = torchrun("train_scenarios.py", 2, "sglang_async", str(tmp_path / "run"), timeout=900,
-                 env=_trainer_env(sglang_python, ckpt))
+    r = torchrun("train_scenarios.py", 2, "sglang_async" if kv == "recompute" else "sglang_async_keep",
+                 str(tmp_path / "run"), timeout=900, env=_trainer_env(sglang_python, ckpt))
     hist = r["history"]
     assert r["rc"] == 0 and [h["step"] for h in hist] == [1, 2, 3, 4], r
+    if kv == "keep":  # held, not aborted: each step's samples come from its one call, none continued or restarted
+        assert all(h["async/engine_calls"] == 1 and h["async/continue_s"] == 0 and h["async/restarted_samples"] == 0
+                   for h in hist), hist
+        assert sum(h["async/held_s"] for h in hist) > 0, hist  # the syncs ran under the calls
     for h in hist:
         assert h["routing/update/fallback_entries"] == 0, h  # every token replayed the server's routes
         assert h["async/versions_confirmed"] >= 16 and h["async/stale_dropped_groups"] == 0, h

@@ -9,7 +9,8 @@ Reads each run's metrics.jsonl and prints, over the steady steps (the first --sk
   async: the step time, and `async: step/max(gen,train) = R` against the synchronous run's generation and training;
          async/pause_s: the syncs' waits for the engine (partial rollout: aborting and collecting the running
          requests; without: the running call); async/continue_s: of async/generate_s, the calls after a step's
-         first (its continued and restarted samples).
+         first (its continued and restarted samples); async/held_s: of async/generate_s, the syncs that ran under
+         its calls (partial_rollout_kv=keep): generation under async is generate_s less held_s.
 
   .venv/bin/python tools/bench_async.py [--steps 10] [--prompts 32] [--n 4] [--tokens 24]
 Needs the SGLang venv (make venv-sglang) and 2 cores.
@@ -47,7 +48,8 @@ def make_checkpoint(path: str):
     model.save_pretrained(path)
 
 
-def run(out: str, name: str, staleness: int, partial: bool, args, hf: str, python: str, port: int) -> list[dict]:
+def run(out: str, name: str, staleness: int, partial: bool, kv: str, args, hf: str, python: str,
+        port: int) -> list[dict]:
     run_dir = os.path.join(out, name)
     over = [f"train_iters={args.steps}", "trainer.warmup.steps=0", "trainer.eval_every=0", "checkpoint.save_dir=null",
             "parallel.expert=1", f"model.init_from_hf={hf}", f"prompts.prompts_per_step={args.prompts}",
@@ -58,7 +60,9 @@ def run(out: str, name: str, staleness: int, partial: bool, args, hf: str, pytho
             f"rollout.sglang.env.PYTHONPATH={os.path.join(ROOT, 'tests', 'sglang_support', 'path')}",
             f"rollout.sglang.max_in_flight_per_server={args.prompts * args.n}",
             f"logging.dir={run_dir}", "logging.wandb=false", "logging.progress_bar=false", "logging.plot=false",
-            f"trainer.max_staleness={staleness}", f"rollout.partial_rollout={str(partial).lower()}", "rollout.producer=async" if staleness else "rollout.producer=sync",
+            f"trainer.max_staleness={staleness}", f"rollout.partial_rollout={str(partial).lower()}",
+            "rollout.producer=async" if staleness else "rollout.producer=sync", f"rollout.partial_rollout_kv={kv}",
+            *(["rollout.sglang.server_args.disable_radix_cache=true"] if kv == "keep" else []),
             *(f"rollout.sglang.server_args.{k}={str(v).lower() if isinstance(v, bool) else v}"
               for k, v in SERVER_ARGS.items())]
     cmd = ["taskset", "-c", "0", os.path.join(ROOT, ".venv", "bin", "rlpo-mega"), "train", "configs/demo_cpu.yaml",
@@ -117,7 +121,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--epochs", type=int, default=1, help="trainer.epochs: the learner's share of a step")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--modes", nargs="+", default=["async_partial", "async_wait"], help="async runs beside sync")
+    ap.add_argument("--modes", nargs="+", default=["async_partial", "async_keep", "async_wait"],
+                    help="async runs beside sync")
     ap.add_argument("--port", type=int, default=31700)
     ap.add_argument("--learn", action="store_true", help="the demo task over --seeds, sync vs max_staleness=1")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
@@ -140,22 +145,24 @@ def main():
     with open(python, "w") as f:
         f.write(f"#!/bin/sh\nexec taskset -c 1 {sgl} \"$@\"\n")
     os.chmod(python, 0o755)
-    modes = {"sync": (0, False), "async_partial": (1, True), "async_wait": (1, False)}
-    runs = {name: run(out, name, k, partial, args, hf, python, args.port + 10 * i)
-            for i, (name, (k, partial)) in enumerate(modes.items()) if name in args.modes or name == "sync"}
+    modes = {"sync": (0, False, "recompute"), "async_partial": (1, True, "recompute"), "async_keep": (1, True, "keep"),
+             "async_wait": (1, False, "recompute")}
+    runs = {name: run(out, name, k, partial, kv, args, hf, python, args.port + 10 * i)
+            for i, (name, (k, partial, kv)) in enumerate(modes.items()) if name in args.modes or name == "sync"}
 
     def mean(hist, key):
         vals = [h.get(key, 0.0) for h in hist[args.skip:]]
         return statistics.mean(vals) if vals else float("nan")
 
     keys = ["time/step", "time/rollout", "time/reward", "time/gather", "time/prepare", "time/old_logprob",
-            "time/update", "time/sync", "async/pause_s", "async/generate_s", "async/continue_s",
+            "time/update", "time/sync", "async/pause_s", "async/generate_s", "async/continue_s", "async/held_s",
             "async/staleness_mean", "async/continued_samples", "async/restarted_samples", "reward/mean"]
     print(f"{args.steps} steps ({args.skip} left out), {args.prompts} prompts x {args.n} samples, "
           f"{args.tokens} new tokens, {args.epochs} epochs; learner on core 0, SGLang server on core 1; out: {out}")
-    print("staleness 0: the sync producer; async_partial: max_staleness=1, partial_rollout=true (a sync interrupts "
-          "and continues the running requests); async_wait: max_staleness=1, partial_rollout=false (a sync waits "
-          "for them)")
+    print("staleness 0: the sync producer; async_partial: max_staleness=1, partial_rollout=true (a sync aborts the "
+          "running requests and sends them again, prefilled anew); async_keep: the same with partial_rollout_kv=keep "
+          "(a sync holds them in place, KV cache and all; radix cache off); async_wait: max_staleness=1, "
+          "partial_rollout=false (a sync waits for them)")
     print(f"{'mean per steady step (s)':28s}" + "".join(f"{name:>15s}" for name in runs))
     for k in keys:
         print(f"{k:28s}" + "".join(f"{mean(h, k):15.3f}" for h in runs.values()))
@@ -163,10 +170,12 @@ def main():
     gen = [h.get("time/rollout", 0.0) + h.get("time/reward", 0.0) for h in sync]
     g, t = statistics.mean(gen), statistics.mean(h["time/step"] - x for h, x in zip(sync, gen))
     print(f"sync: generation {g:.3f} s, training {t:.3f} s, step {mean(runs['sync'], 'time/step'):.3f} s")
-    for name in [m for m in ("async_partial", "async_wait") if m in runs]:
+    for name in [m for m in ("async_partial", "async_keep", "async_wait") if m in runs]:
         step = mean(runs[name], "time/step")
         print(f"{name}: step {step:.3f} s, {mean(runs['sync'], 'time/step') / step:.2f}x the sync step's speed")
-        print(f"async: step/max(gen,train) = {step / max(g, t):.3f}  ({name})")
+        print(f"async: step/max(gen,train) = {step / max(g, t):.3f}  ({name}); generation under async "
+              f"{mean(runs[name], 'async/generate_s') - mean(runs[name], 'async/held_s'):.3f} s against {g:.3f} s "
+              "alone")
 
 
 if __name__ == "__main__":

@@ -276,6 +276,20 @@ class RolloutEngine(abc.ABC):
         """Name the weights the engine holds now (after a sync); an engine that records it answers each request
         with meta.weight_version, the version it generated with (the asynchronous producer checks it)."""
 
+    # rollout.partial_rollout_kv=keep: the engine holds its running requests, KV cache and all, across a weight
+    # update (pause/resume) and names each token's version (meta.weight_versions spans)
+    pauses_in_place = False
+
+    def pause(self) -> None:
+        """Hold the running requests where they are, their KV cache kept, until resume(); requests sent meanwhile
+        wait. A weight update in between reaches them: their next tokens are the new weights'."""
+        raise EngineError(f"{type(self).__name__} cannot hold its requests across a weight update "
+                          "(rollout.partial_rollout_kv=keep)")
+
+    def resume(self) -> None:
+        raise EngineError(f"{type(self).__name__} cannot hold its requests across a weight update "
+                          "(rollout.partial_rollout_kv=keep)")
+
     # colocated (rollout.colocate, training/colocate.py): the engine's accelerator memory given to the learner
     # while it trains, and taken back in SGLang's order (weights, then the KV cache)
     def release_memory(self) -> None:

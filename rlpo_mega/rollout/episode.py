@@ -229,9 +229,11 @@ class EpisodeBatch:
         ended."""
         return self.settle(self.generate(engine, params, version, interrupt))
 
-    def generate(self, engine, params, version: Optional[int] = None, interrupt=None) -> list[tuple]:
+    def generate(self, engine, params, version: Optional[int] = None, interrupt=None,
+                 held: bool = False) -> list[tuple]:
         """The engine phase of a call: every live episode's answer appended; returns the turns that ended, for
-        `settle`. version: the policy version the engine holds (each answer tagged with it, rollout/partial.tag).
+        `settle`. version: the policy version the engine holds (each answer tagged with it, rollout/partial.tag;
+        held: weight updates may land under the call, each token tagged with its own).
         interrupt(): a message for the engine's stream after each answer ("stop_sending" when a weight update
         waits: the episodes not answered, or answered "abort", continue at the next call)."""
         live = [e for e in self.eps if e.finish is None and not e.stepping]
@@ -248,7 +250,7 @@ class EpisodeBatch:
         self.calls += 1
 
         def answered(i, got):
-            answers[i] = got[0] if version is None else tag(got[0], version)
+            answers[i] = got[0] if version is None else tag(got[0], version, held)
             self.confirmed += got[0].meta.weight_version is not None
             return interrupt() if interrupt is not None else None
 

@@ -40,11 +40,27 @@ def span_versions(spans: list[tuple[int, int]]) -> torch.Tensor:
     return torch.cat([torch.full((n,), v, dtype=torch.int64) for v, n in spans])
 
 
-def tag(sample: Sample, version: int) -> Sample:
+def tag(sample: Sample, version: int, held: bool = False) -> Sample:
     """A fresh answer: every token sampled by `version`, which the engine's own record confirms when it keeps one
-    (meta.weight_version, set by RolloutEngine.set_weight_version; SGLang's spans when it changed mid-request)."""
+    (meta.weight_version, set by RolloutEngine.set_weight_version; SGLang's spans when it changed mid-request).
+    held (rollout.partial_rollout_kv=keep): weight updates land under running requests, so the engine's record
+    is each token's version: spans in order, from `version` on (a request sent while the engine was held starts
+    on the next one)."""
     n = len(sample.response_ids or ())
     said, spans = sample.meta.weight_version, sample.meta.weight_versions
+    if held and (spans or said is not None):
+        try:
+            got = ([(int(s["version"]), int(s["end"]) - int(s["start"])) for s in spans] if spans
+                   else [(int(said), n)])
+        except (KeyError, TypeError, ValueError) as e:
+            raise EngineError(f"the engine answered request {sample.meta.request_id} with weight versions "
+                              f"{spans or said!r}, not the step numbers set_weight_version named ({e})") from None
+        versions = [v for v, _ in got]
+        if versions != sorted(versions) or versions[0] < version or sum(c for _, c in got) != n:
+            raise EngineError(f"the engine answered request {sample.meta.request_id} ({n} tokens, sent on version "
+                              f"{version}) with weight versions {spans or said}: not the updates it ran through")
+        sample.meta.versions = merge_spans(got)
+        return sample
     if (said is not None and said != str(version)) or any(s.get("version") != str(version) for s in spans or ()):
         raise EngineError(f"the engine answered request {sample.meta.request_id} "
                           f"with weight version {spans or said}, but it was sent on version {version}: a weight "

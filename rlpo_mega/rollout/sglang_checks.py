@@ -38,6 +38,10 @@ def check_sglang(cfg, warns: list[str], world_size: Optional[int] = None, nodes:
         if not cfg.model.init_from_hf:
             raise ConfigError("rollout.sglang.launch=true starts the servers from the model's HF directory: "
                               "set model.init_from_hf")
+        if ro.partial_rollout and ro.partial_rollout_kv == "keep" and not sg.server_args.get("disable_radix_cache"):
+            raise ConfigError("rollout.partial_rollout_kv=keep updates the servers' weights under running requests, "
+                              "without a flush: a prefix cached under older weights would serve later requests; add "
+                              "rollout.sglang.server_args.disable_radix_cache=true")
         if cfg.routing.mode == "r3" and not sg.server_args.get("enable_return_routed_experts"):
             raise ConfigError("routing.mode=r3 with launched SGLang servers needs their routes: add "
                               "rollout.sglang.server_args.enable_return_routed_experts=true")

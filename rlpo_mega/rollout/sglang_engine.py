@@ -93,6 +93,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
 
     # its servers join a weight-update group (rlpo_mega/weight_sync/sglang_distributed.py)
     weight_update_group = True
+    pauses_in_place = True  # POST /pause_generation mode=in_place (rollout.partial_rollout_kv=keep)
 
     @classmethod
     def launches_servers(cls, run_cfg) -> bool:
@@ -120,15 +121,19 @@ class SGLangEngine(InServerReports, RolloutEngine):
     @classmethod
     def from_config(cls, run_cfg, hf_config) -> "SGLangEngine":
         driver = cls.ranks(run_cfg, dist.get_world_size()).index(dist.get_rank()) if dist.is_initialized() else 0
-        return cls(run_cfg.rollout.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
-                   return_routes=run_cfg.routing.mode != "off", driver=driver, colocate=run_cfg.rollout.colocate)
+        ro = run_cfg.rollout
+        return cls(ro.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
+                   return_routes=run_cfg.routing.mode != "off", driver=driver, colocate=ro.colocate,
+                   keep_kv=ro.partial_rollout and ro.partial_rollout_kv == "keep")
 
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True,
-                 driver: int = 0, colocate: bool = False):
+                 driver: int = 0, colocate: bool = False, keep_kv: bool = False):
         if isinstance(hf_config, str):
             hf_config = load_hf_config(hf_config)
         self.cfg, self.hf, self.model_path, self.driver = cfg, hf_config, model_path, driver
         self.colocate = colocate  # the servers on the learner's GPUs (rollout.colocate): weights by CUDA IPC there
+        # rollout.partial_rollout_kv=keep: weight updates land under held requests (pause); _held while they are
+        self.keep_kv, self._held = keep_kv, False
         self._stop_ids, self._stops_seen = set(), set()  # the last call's stop ids; stop tokens already seen
         self.spec = TraceSpec.from_hf(hf_config)
         self.num_hidden_layers = int(hf_config.num_hidden_layers)
@@ -192,6 +197,11 @@ class SGLangEngine(InServerReports, RolloutEngine):
                 raise EngineError(f"SGLang server {s.url} runs at tensor parallel size {info['tp_size']} but "
                                   f"rollout.sglang.tp_size={self.cfg.tp_size}: set rollout.sglang.tp_size="
                                   f"{info['tp_size']} (launch/slurm/train_disaggregated.sbatch passes SGLANG_TP)")
+            if self.keep_kv and not info.get("disable_radix_cache"):
+                raise EngineError(f"SGLang server {s.url} runs with its radix cache on, and rollout.partial_rollout_kv"
+                                  "=keep updates its weights under running requests without a flush: a prefix cached "
+                                  "under older weights would serve later requests; start it with "
+                                  "--disable-radix-cache (server_args: disable_radix_cache: true)")
             for knob in ("pp_size", "dp_size"):
                 if int(info.get(knob) or 1) != 1:
                     raise EngineError(f"SGLang server {s.url} runs with {knob}={info[knob]}: the weight sync knows "
@@ -502,6 +512,9 @@ class SGLangEngine(InServerReports, RolloutEngine):
             now = time.monotonic()
             if left and now >= next_check:
                 next_check = now + self.cfg.health_interval
+                if self._held:  # held on purpose for a weight update (pause): /health waits for it, it is not hung
+                    last_ok = dict.fromkeys(last_ok, now)
+                    continue
                 with self._lock:
                     busy = {s.url: s for s in self._inflight.values()}
                 for s in self.servers:
@@ -655,6 +668,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
         await asyncio.gather(*(one(rid, server) for rid, server in inflight.items()), return_exceptions=True)
 
     def abort(self, request_ids: Optional[Sequence[str]] = None) -> None:
+        if self._held:  # a held scheduler never ends what it aborts (a rebuild after a failed sync aborts it all)
+            self.resume()
         if request_ids is None:
             for s in self.live:
                 self._post_ok_empty(s, "/abort_request", {"abort_all": True})
@@ -767,7 +782,23 @@ class SGLangEngine(InServerReports, RolloutEngine):
     def end_weight_update(self) -> None:
         self._post_ok_all("/end_weight_update")
         self.weights_updated = True
-        self.flush_cache()
+        if not self._held:  # held requests keep their KV (pause): nothing else is cached, the radix cache is off
+            self.flush_cache()
+
+    def pause(self) -> None:
+        """POST /pause_generation mode=in_place on every live server: SGLang keeps the running batch and its KV
+        cache, and requests that arrive wait in its tokenizer manager, until resume(); the weight update between
+        runs without its lock (SGLang's paused path) and without a flush (end_weight_update)."""
+        self._held = True
+        for s in self.live:
+            self._post_ok(s, "/pause_generation", {"mode": "in_place"})
+
+    def resume(self) -> None:
+        """POST /continue_generation on every live server (a server that rejoined during the sync was not held:
+        continuing it changes nothing)."""
+        self._held = False
+        for s in self.live:
+            self._post_ok(s, "/continue_generation", {})
 
     @property
     def _ipc(self) -> bool:
@@ -841,6 +872,11 @@ class SGLangEngine(InServerReports, RolloutEngine):
                 s.launched, s.node = handle, (None if handle is not None else node)
 
     def shutdown(self) -> None:
+        if self._held:  # servers this engine does not stop would stay held for the engine that replaces it
+            try:
+                self.resume()
+            except EngineError as e:
+                log.warning("resuming the servers as the engine shuts down: %s", e)
         self._closed = True
         self._finalizer()  # connections closed, workers joined
         for s in self.servers:

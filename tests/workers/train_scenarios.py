@@ -531,7 +531,7 @@ def sglang_colocate(out):
     return rep
 
 
-def sglang_async(out):
+def sglang_async(out, *extra):
     """max_staleness=1 with partial rollout on a launched SGLang server (rank 0 drives it): every sync aborts the
     running requests (one abort per server) and continues them on the new weights. Each answer's weight version,
     as the server names it (POST /update_weight_version after each sync), must be the one the request was sent
@@ -549,10 +549,17 @@ def sglang_async(out):
     AsyncProducer.collect = collect
     try:
         rc = train(_sglang_cfg(out, "async", "train_iters=4", "rollout.producer=async", "trainer.max_staleness=1",
-                               "rollout.partial_rollout=true", "rollout.max_new_tokens=64"))
+                               "rollout.partial_rollout=true", "rollout.max_new_tokens=64", *extra))
     finally:
         AsyncProducer.collect = original
     return {"rc": rc, "history": history(out, "async"), "samples": seen}
+
+
+def sglang_async_keep(out):
+    """sglang_async with rollout.partial_rollout_kv=keep: every sync holds the running requests in place on the
+    server (POST /pause_generation mode=in_place), loads the weights under them and lets them go on; the server's
+    weight_versions spans name each token's version (rollout/partial.tag, held)."""
+    return sglang_async(out, "rollout.partial_rollout_kv=keep", "rollout.sglang.server_args.disable_radix_cache=true")
 
 
 if __name__ == "__main__":

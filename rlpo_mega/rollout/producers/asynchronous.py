@@ -15,6 +15,12 @@ partial rollout), on the new version. Every token carries the version that sampl
 sample its oldest (`version_min`, a scalar every rank sees); at the step, a group holding a token older than
 s - k is not trained on (dropped and counted: the schedule above never makes one, a resumed or a held sample
 could). Routes of a continued sample: each token keeps the routes it was sampled under (rollout/partial.py).
+With rollout.partial_rollout_kv=keep a sync aborts nothing: the engine holds the running requests in place
+(RolloutEngine.pause: SGLang's pause_generation mode=in_place, KV cache kept), the weights load under them, and
+they go on (`hold`); the engine names each token's version (SGLang's weight_versions spans: partial.tag, held),
+and a token's routes are those of the forward that sampled it, as the server recorded them. Nothing is sent
+again; a token after the sync attends to KV the older weights computed (PipelineRL's in-flight update), its
+log-prob being the one it was sampled with.
 
 The objective on these samples is the configured loss, with the rollout/train mismatch correction
 (algorithm.mismatch) as the off-policy weight. Per response token t of sample i, with mu_v the policy that
@@ -65,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.config import ConfigError
-from rlpo_mega.rollout.base import STOP, RolloutInterrupted, Sample, drive
+from rlpo_mega.rollout.base import ENGINES, STOP, EngineError, RolloutInterrupted, Sample, drive
 from rlpo_mega.rollout.dynamic_sampling import DynamicSamplingReport, Group, judge_group
 from rlpo_mega.rollout.engines import agree
 from rlpo_mega.rollout.episode import EpisodeBatch, with_call_seed
@@ -98,6 +104,7 @@ class _Job:
     restarted: int = 0  # samples generated again from their prompt after an interruption
     generate_s: float = 0.0
     continue_s: float = 0.0  # of generate_s, the rounds after the first (single answers: continued and restarted)
+    held_s: float = 0.0  # of generate_s, held for syncs (rollout.partial_rollout_kv=keep: they run under its calls)
     confirmed: int = 0  # answers whose weight version the engine itself named (checked: partial.tag)
     batch: Optional[EpisodeBatch] = None  # multi-turn: the job's episodes, advanced one engine call per round
     kept: list = field(default_factory=list)  # dynamic sampling: items kept, in the order they were judged
@@ -152,6 +159,7 @@ class RolloutWorker:
         self.version: Optional[int] = None  # the weights the engine holds (None before the first sync)
         self.pausing = 0
         self.pause_s = 0.0  # the pauses' waits for the engine (abort and collect, or the running round), summed
+        self.held_total = 0.0  # the holds' durations (hold=True: pause to resume), summed over the run
         self.busy = False
         self.error: Optional[BaseException] = None
         self.closing = False
@@ -161,6 +169,7 @@ class RolloutWorker:
         self.max_new = r.max_new_tokens
         self.stops = tuple(sampling_params(cfg, tokenizer, seed=0).stop_token_ids)
         self.mask = r.partial_rollout_mask
+        self.hold = r.partial_rollout and r.partial_rollout_kv == "keep"  # a sync holds the running requests
         self.carry_steps = cfg.algorithm.dynamic_sampling.max_carry_steps
 
     # --- the learner's side --------------------------------------------------------------------------
@@ -203,15 +212,24 @@ class RolloutWorker:
         return job
 
     @contextlib.contextmanager
-    def paused(self, version: Optional[int] = None, clear_error: bool = False, abort: bool = True):
+    def paused(self, version: Optional[int] = None, clear_error: bool = False, abort: bool = True,
+               hold: bool = False):
         """No engine call runs inside: the running one is aborted (its samples continue after), or with
-        abort=False waited for. On a clean exit the engine holds `version` (a weight sync), and clear_error
-        forgets a failure (the engine was rebuilt)."""
+        abort=False waited for, or with hold=True held where it is on the engine (RolloutEngine.pause; its calls
+        go on after, the new weights under them). On a clean exit the engine holds `version` (a weight sync), and
+        clear_error forgets a failure (the engine was rebuilt)."""
         with self.cond:
-            self.pausing += 1
-        t0 = time.perf_counter()
+            self.pausing += not hold  # a held call goes on sending: its requests wait on the engine
+        t0, held = time.perf_counter(), None
         try:
-            if abort:
+            if hold:
+                held = self.engines.slot.engine
+                if held is not None:
+                    try:
+                        held.pause()
+                    except EngineError as e:  # a dead server: its requests fail on their own; the sync's refresh
+                        log.debug("pause before a sync raised %s", e)  # takes it out
+            elif abort:
                 self._quiesce()
             else:
                 with self.cond:
@@ -230,8 +248,15 @@ class RolloutWorker:
                 if clear_error:
                     self.error = None
         finally:
+            if held is not None:
+                try:
+                    held.resume()
+                except EngineError as e:  # as pause: a server that died meanwhile fails its own requests
+                    log.warning("resuming generation after a sync: %s", e)
+                with self.cond:
+                    self.held_total += time.perf_counter() - t0
             with self.cond:
-                self.pausing -= 1
+                self.pausing -= not hold
                 self.cond.notify_all()
 
     def _quiesce(self):
@@ -293,6 +318,7 @@ class RolloutWorker:
                         break
                     self.cond.wait()
                 self.busy, version, job.running = True, self.version, True
+                held0 = self.held_total
             try:
                 self._round(job, version)
             except BaseException as e:  # the step that waits for it raises it (EngineGuard: rebuild, or stop)
@@ -301,6 +327,7 @@ class RolloutWorker:
             finally:
                 with self.cond:
                     self.busy = job.running = False
+                    job.held_s += self.held_total - held0  # (a hold still open is counted by the next round)
                     self.cond.notify_all()
 
     def _round(self, job: _Job, version: int):
@@ -333,7 +360,7 @@ class RolloutWorker:
         def answered(k, answers):
             for key, answer in zip(slots[k], answers):
                 job.confirmed += answer.meta.weight_version is not None
-                self._settle(job, key, tag(answer, version))
+                self._settle(job, key, tag(answer, version, self.hold))
             for i in sorted({key[0] for key in slots[k]}):
                 if not job.scored[i] and all(s is not None for s in job.groups[i]):
                     self._score(job, i)
@@ -371,7 +398,7 @@ class RolloutWorker:
                 return "stop_sending" if (self.pausing or self.closing) else None
 
         try:
-            ended = job.batch.generate(engine, params, version, interrupt)
+            ended = job.batch.generate(engine, params, version, interrupt, self.hold)
         finally:
             job.confirmed = job.batch.confirmed
             job.generate_s += time.perf_counter() - t0
@@ -394,7 +421,7 @@ class RolloutWorker:
             answer = join(prev, answer, self.max_new, self.stops)
         if answer.finish_reason != "abort":
             job.groups[key[0]][key[1]] = answer
-            job.continued += prev is not None
+            job.continued += prev is not None or len(versions_of(answer)) > 1  # (held: spanning a sync)
         elif continuable(answer):
             job.parts[key] = answer
         # else: aborted before it had a token (or without its routes): generated again from its prompt
@@ -437,6 +464,13 @@ class AsyncProducer(RolloutProducer):
                          "max_carry_steps=0 to end a step's requests once its groups are kept")
         if r.partial_rollout_mask and not r.partial_rollout:
             raise ConfigError(MASK_NEEDS_PARTIAL)
+        if r.partial_rollout_kv == "keep":
+            if not r.partial_rollout:
+                raise ConfigError("rollout.partial_rollout_kv=keep says how an interrupted request continues: set "
+                                  "rollout.partial_rollout=true with it, or leave it recompute")
+            if not ENGINES.get(r.engine).pauses_in_place:
+                raise ConfigError(f"rollout.partial_rollout_kv=keep: the {r.engine} engine cannot hold its requests "
+                                  "across a weight update; use rollout.engine=sglang or partial_rollout_kv=recompute")
 
     @classmethod
     def steps_held(cls, cfg) -> int:
@@ -457,12 +491,14 @@ class AsyncProducer(RolloutProducer):
 
     @contextlib.contextmanager
     def paused(self, version: Optional[int] = None):
-        """A weight sync (version given) interrupts the running requests with rollout.partial_rollout, else waits
-        for them; an evaluation waits for them. Before a sync every rank agrees it is past its pause: a driver
+        """A weight sync (version given) interrupts the running requests with rollout.partial_rollout (aborted, or
+        held in place with partial_rollout_kv=keep), else waits for them; an evaluation waits for them. Before a sync every rank agrees it is past its pause: a driver
         waiting for its running round (partial_rollout=false: up to a whole generation) holds the others on the
         gloo control group (rollout.wait_timeout, as the sync producer's rollout wait), not in the export's
         collectives under NCCL's timeout."""
-        with self.worker.paused(version, abort=version is not None and self.cfg.rollout.partial_rollout):
+        r = self.cfg.rollout
+        sync = version is not None and r.partial_rollout
+        with self.worker.paused(version, abort=sync, hold=sync and r.partial_rollout_kv == "keep"):
             if version is not None:
                 agree(0, self.engines.guard.group)
             yield
@@ -580,6 +616,7 @@ class AsyncProducer(RolloutProducer):
         if job is not None:
             metrics["async/generate_s"] = job.generate_s  # this rank's engine calls for the step, end to end
             metrics["async/continue_s"] = job.continue_s  # of those, the calls after its first (partial rollout)
+            metrics["async/held_s"] = job.held_s  # of those, held for syncs that ran under them (kv=keep)
         # the last syncs' waits for the engine (partial rollout: aborting the running requests and collecting
         # their answers; without: the running call): time/sync less this is the weight sync itself
         metrics["async/pause_s"] = self.worker.paused_s()

@@ -65,6 +65,10 @@ class RolloutProducer(abc.ABC):
                               f"{cfg.rollout.producer} producer generates each step on the weights of the last sync)")
         if cfg.rollout.partial_rollout_mask:
             raise ConfigError(MASK_NEEDS_PARTIAL)
+        if cfg.rollout.partial_rollout_kv == "keep":
+            raise ConfigError(f"rollout.partial_rollout_kv=keep holds requests across a weight sync, which only "
+                              f"rollout.producer=async makes (the {cfg.rollout.producer} producer generates nothing "
+                              "during one): leave it recompute")
 
     @classmethod
     def steps_held(cls, cfg) -> int:
