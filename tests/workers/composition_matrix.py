@@ -31,8 +31,13 @@ TASKS = {"single": ("reward.function=test_parity", "trainer.warmup.steps=0"),
                      "environment.name=test_script", "environment.options.observations=[ab,cd]",
                      "environment.options.vary_reward=true", "environment.max_turns=3", "environment.max_tokens=200",
                      "trainer.warmup.path={data}/warmup.jsonl", "trainer.warmup.steps=40", "trainer.warmup.batch_size=8", "trainer.warmup.lr=3e-3")}
+# ds: up to 8 chunks of 6 prompts for a quota of 4 groups of 2 (a random model's parities: about half the groups
+# mixed). At max_tries' default 3, a step ran out of chunks at 3 groups once in a CI run (sglang/sync/single/ds:
+# a legal short step, which the cell's invariants do not expect); which groups a step keeps depends on which
+# answers come first, so the cells are not replayed exactly
 FILTERS = {"all": (), "ds": ("algorithm.dynamic_sampling.enabled=true", "prompts.oversample=1.5",
-                            "algorithm.dynamic_sampling.max_carry_steps=1", "trainer.mini_batches=1")}
+                            "algorithm.dynamic_sampling.max_carry_steps=1", "algorithm.dynamic_sampling.max_tries=8",
+                            "trainer.mini_batches=1")}
 N, PROMPTS, STEPS = 2, 4, 3
 
 
