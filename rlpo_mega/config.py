@@ -362,6 +362,12 @@ class RolloutConfig:
     # (server_args.disable_radix_cache): a finished request's prefix, cached under older weights, must not serve a
     # later request
     partial_rollout_kv: Literal["recompute", "keep"] = "recompute"
+
+    @property
+    def holds_requests(self) -> bool:
+        """A weight sync holds the running requests in place (partial rollout with partial_rollout_kv=keep)."""
+        return self.partial_rollout and self.partial_rollout_kv == "keep"
+
     # async: Python's thread switch interval (s) while generation overlaps training (sys.setswitchinterval): how
     # long the rollout client's threads may wait for the GIL the training thread holds. At Python's 0.005 the
     # overlapped rollout ran 30% slower than alone (tools/bench_async.py); null: leave Python's

@@ -38,7 +38,7 @@ def check_sglang(cfg, warns: list[str], world_size: Optional[int] = None, nodes:
         if not cfg.model.init_from_hf:
             raise ConfigError("rollout.sglang.launch=true starts the servers from the model's HF directory: "
                               "set model.init_from_hf")
-        if ro.partial_rollout and ro.partial_rollout_kv == "keep" and not sg.server_args.get("disable_radix_cache"):
+        if ro.holds_requests and not sg.server_args.get("disable_radix_cache"):
             raise ConfigError("rollout.partial_rollout_kv=keep updates the servers' weights under running requests, "
                               "without a flush: a prefix cached under older weights would serve later requests; add "
                               "rollout.sglang.server_args.disable_radix_cache=true")

@@ -124,7 +124,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
         ro = run_cfg.rollout
         return cls(ro.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
                    return_routes=run_cfg.routing.mode != "off", driver=driver, colocate=ro.colocate,
-                   keep_kv=ro.partial_rollout and ro.partial_rollout_kv == "keep")
+                   keep_kv=ro.holds_requests)
 
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True,
                  driver: int = 0, colocate: bool = False, keep_kv: bool = False):

@@ -169,7 +169,7 @@ class RolloutWorker:
         self.max_new = r.max_new_tokens
         self.stops = tuple(sampling_params(cfg, tokenizer, seed=0).stop_token_ids)
         self.mask = r.partial_rollout_mask
-        self.hold = r.partial_rollout and r.partial_rollout_kv == "keep"  # a sync holds the running requests
+        self.hold = r.holds_requests  # a sync holds the running requests (RolloutEngine.pause)
         self.carry_steps = cfg.algorithm.dynamic_sampling.max_carry_steps
 
     # --- the learner's side --------------------------------------------------------------------------
@@ -492,13 +492,12 @@ class AsyncProducer(RolloutProducer):
     @contextlib.contextmanager
     def paused(self, version: Optional[int] = None):
         """A weight sync (version given) interrupts the running requests with rollout.partial_rollout (aborted, or
-        held in place with partial_rollout_kv=keep), else waits for them; an evaluation waits for them. Before a sync every rank agrees it is past its pause: a driver
-        waiting for its running round (partial_rollout=false: up to a whole generation) holds the others on the
-        gloo control group (rollout.wait_timeout, as the sync producer's rollout wait), not in the export's
-        collectives under NCCL's timeout."""
-        r = self.cfg.rollout
-        sync = version is not None and r.partial_rollout
-        with self.worker.paused(version, abort=sync, hold=sync and r.partial_rollout_kv == "keep"):
+        held in place with partial_rollout_kv=keep), else waits for them; an evaluation waits for them. Before a
+        sync every rank agrees it is past its pause: a driver waiting for its running round (partial_rollout=false:
+        up to a whole generation) holds the others on the gloo control group (rollout.wait_timeout, as the sync
+        producer's rollout wait), not in the export's collectives under NCCL's timeout."""
+        sync = version is not None and self.cfg.rollout.partial_rollout
+        with self.worker.paused(version, abort=sync, hold=sync and self.worker.hold):
             if version is not None:
                 agree(0, self.engines.guard.group)
             yield
