@@ -10,7 +10,12 @@ one through the engine's abort (its tokens so far come back, finish "abort") or 
 Weight updates: begin/end sessions (the engine's own update spans a session's loads: one record entry per sync),
 update_weights_from_tensor (a ForkingPickler payload, or the digest report
 hook, REPORT_LOADER, answered through the driver's TCP store as launch/rlpo_sglang_hooks.py does),
-update_weight_version, flush_cache, server_info (tp_size 1)."""
+update_weight_version, flush_cache, server_info (tp_size 1, no radix cache: the stub caches nothing).
+rollout.partial_rollout_kv=keep: /pause_generation (mode in_place) holds the server: the running generation ends
+first (the embedded engine generates a request at once), the next wait, the weights load under the hold (no lock
+of their own), and /continue_generation lets them go on, on the new weights (their weight_version says so).
+kill() is a dead server: it stops listening and every request on it, queued, held or on a kept-alive connection,
+ends without an answer (the connection closed), as a SIGKILLed server's do."""
 from __future__ import annotations
 
 import base64
@@ -41,18 +46,31 @@ class ModelSGLang:
         self.session, self.loading, self.version, self.names = False, False, None, set()
         self.requests = 0
         self.closed = False
+        self.held, self.pauses, self.continues = False, 0, 0  # /pause_generation in_place .. /continue_generation
+        self.go = threading.Event()  # cleared while held: a generation waits to start
+        self.go.set()
+        self.dead = False  # kill()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
+                if stub.dead:
+                    return self._drop()
                 if self.path == "/server_info":
-                    return self._send(200, {"tp_size": 1})
+                    return self._send(200, {"tp_size": 1, "disable_radix_cache": True})
                 self._send(200 if self.path == "/health" else 404, {})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if stub.dead:
+                    return self._drop()
                 status, out = stub.answer(self.path, body)
+                if stub.dead:  # killed while it ran or waited: no answer comes
+                    return self._drop()
                 self._send(status, out)
+
+            def _drop(self):
+                self.close_connection = True
 
             def _send(self, status, out):
                 data = json.dumps(out).encode()
@@ -93,15 +111,31 @@ class ModelSGLang:
         if path == "/end_weight_update":
             was, self.session = self.session, False
             if self.loading:  # the session's loads end here: the engine records the weights it now holds
-                self.loading = False
+                locked, self.loading = self.loading == "locked", False
                 try:
                     self.engine.end_weight_update()
                     if not self.primary:
                         type(self.engine).syncs.pop()
                 finally:
-                    self.lock.release()
+                    if locked:
+                        self.lock.release()
             return (200, {"success": True}) if was else (400, {"success": False, "message": "no session is open"})
         if path == "/flush_cache":
+            return 200, {}
+        if path == "/pause_generation":
+            if body.get("mode") != "in_place":
+                return 400, {"success": False, "message": f"test stub: pause mode {body.get('mode')!r}"}
+            with self.state:
+                self.pauses += 1
+                self.held = True
+                self.go.clear()  # none starts until /continue_generation (the queued ones before this pause)
+            with self.lock:  # the running generation ends first
+                return 200, {}
+        if path == "/continue_generation":
+            with self.state:
+                self.continues += 1
+                self.held = False
+                self.go.set()
             return 200, {}
         if path == "/update_weight_version":
             self.version = body["new_version"]
@@ -117,10 +151,14 @@ class ModelSGLang:
                 return 200, {"success": True}
             if self.closed:
                 return 503, {"success": False, "message": "the server is shutting down"}
-            if not self.loading:  # the session's first load: no generation runs until it ends
-                self.lock.acquire()
+            if not self.loading:  # the session's first load: no generation runs until it ends (held: the hold
+                # keeps them waiting already)
+                with self.state:
+                    held = self.held
+                if not held:
+                    self.lock.acquire()
                 self.engine.begin_weight_update()
-                self.loading = True
+                self.loading = "held" if held else "locked"
             self.engine.load_weights([(n, t) for n, t in named])
             self.names |= {n for n, _ in named}
             return 200, {"success": True}
@@ -134,16 +172,24 @@ class ModelSGLang:
                                 seed=sp.get("sampling_seed"))
         with self.state:
             epoch = self.abort_all
-        with self.lock:
+        while True:  # the lock, and no hold (a held server's queued requests wait: the pause comes first)
+            self.go.wait()
+            self.lock.acquire()
+            if self.go.is_set():
+                break
+            self.lock.release()
+        try:
             with self.state:
                 self.requests += 1
                 skipped = rid in self.aborted or self.abort_all != epoch
             version = self.version  # the version of the weights it runs on (they cannot change under the lock)
-            if skipped or self.closed:  # aborted while it waited: nothing generated, as SGLang answers a request it
-                # dropped
+            if skipped or self.closed or self.dead:  # aborted while it waited (or gone): nothing generated, as
+                # SGLang answers a request it dropped
                 sample = None
             else:
                 sample = self.engine.generate([body["input_ids"]], params, n=1, request_ids=[rid])[0]
+        finally:
+            self.lock.release()
         if sample is None:
             return 200, {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}, "weight_version": version,
                                                          "output_token_logprobs": []}}
@@ -157,11 +203,22 @@ class ModelSGLang:
             meta["routed_experts"] = base64.b64encode(np.ascontiguousarray(full.numpy(), dtype="<i4").tobytes()).decode()
         return 200, {"output_ids": ids, "meta_info": meta}
 
+    def kill(self):
+        """A dead server (SIGKILL): it stops listening, and its requests end without an answer."""
+        with self.state:
+            self.dead, self.held = True, False
+            self.go.set()  # the requests waiting on the hold wake to find it dead
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
     def close(self):
         """Stop serving, then wait for the generation or weight session still running: its engine writes to the
         class-level record, which the next run starts afresh."""
         self.httpd.shutdown()
         self.httpd.server_close()
         self.closed = True
+        with self.state:  # left held (a failed run): nothing more will continue it
+            self.held = False
+            self.go.set()
         if self.lock.acquire(timeout=60):
             self.lock.release()

@@ -10,6 +10,10 @@ twice, none lost.
 Server side (stub SGLang servers that answer as SGLang 0.5.23 does, in this process): two servers on one driver
 report their digests through one store; a failed sync closes every server's update session, and a session left
 open by someone else is closed before the next begin.
+
+rollout.partial_rollout_kv=keep (one launch, tests/workers/keep_faults.py, stub servers that hold in place): a
+SIGTERM while the servers are held saves and lets them go; the resume trains what an uninterrupted run trains; a
+server that dies while held costs only its requests.
 """
 import base64
 import contextlib
@@ -651,3 +655,63 @@ def test_a_colocated_server_that_fails_to_release_or_resume_is_a_failed_engine(s
     finally:
         slot.close()
 
+
+
+# --- rollout.partial_rollout_kv=keep: the hold's bad days (stub servers that hold: tests/workers/keep_faults.py) ---
+@pytest.fixture(scope="module")
+def keep_runs(tmp_path_factory):
+    from tests.multi_turn_support import write_episode_data
+
+    data = tmp_path_factory.mktemp("keep_data")
+    write_episode_data(data)
+    return torchrun("keep_faults.py", 1, str(tmp_path_factory.mktemp("keep")), str(data),
+                    env={"WANDB_MODE": "disabled"}, timeout=900)
+
+
+def _keep_steps(r):
+    return [h for h in r["history"] if "reward/mean" in h]
+
+
+def test_keep_holds_every_sync_and_lets_every_hold_go(keep_runs):
+    """The clean run: every step's sync held both servers (a pause each) and let them go (a continue each); the
+    samples are the engine's record (tokens, log-probs, each token's version its call's weights, R3 rows)."""
+    r = keep_runs["clean"]
+    assert r["rc"] == 0 and r["steps"] == [1, 2, 3] and max(r["saved"]) == 3, r
+    assert r["pauses"] == r["continues"] and min(r["pauses"]) >= STEPS and r["held"] == [False, False], r
+    assert r["checks"]["problems"] == [] and r["checks"]["samples"] == STEPS * 8, r["checks"]
+    assert r["checks"]["versions"] == [0, 1, 2], r["checks"]  # requests held across a sync ran on the next weights
+    steps = _keep_steps(r)
+    assert all(h["async/restarted_samples"] == 0 and h["async/engine_calls"] == 1 for h in steps), steps
+    assert all(h["async/held_s"] > 0 for h in steps[1:]), steps  # every sync held a running call
+
+
+def test_a_stop_while_the_servers_are_held_saves_and_lets_them_go(keep_runs):
+    """A SIGTERM once step 2's sync held the servers: the sync ends, step 2 is saved, exit 75, and no server is
+    left held (each pause was followed by a continue: servers the trainer does not stop serve the next run)."""
+    r = keep_runs["stop"]
+    assert r["rc"] == EXIT_STOPPED and r["stopped"] and max(r["saved"]) == 2 and r["steps"] == [1, 2], r
+    assert r["held"] == [False, False] and r["pauses"] == r["continues"], r
+    assert r["checks"]["problems"] == [], r["checks"]
+    clean = keep_runs["clean"]["trained"]
+    assert all(sorted(r["trained"][s]) == sorted(clean[s]) for s in r["trained"]), (r["trained"], clean)
+
+
+def test_the_resumed_keep_run_trains_what_the_uninterrupted_one_trains(keep_runs):
+    r, clean = keep_runs["resumed"], keep_runs["clean"]
+    assert r["rc"] == 0 and r["steps"] == [3] and max(r["saved"]) == 3, r
+    assert sorted(r["trained"]["3"]) == sorted(clean["trained"]["3"])
+    assert r["checks"]["problems"] == [], r["checks"]
+
+
+def test_a_server_dead_while_held_costs_only_its_requests(keep_runs):
+    """The second server dies while held in step 1's sync: the sync goes on without it, its requests are sent
+    again to the first (held too: they run on the new weights), and the run trains every step, whole groups, on
+    the engine's record; the survivor is let go after every hold."""
+    r = keep_runs["dead"]
+    assert r["rc"] == 0 and r["steps"] == [1, 2, 3], r
+    assert r["groups"] == {str(s): {"samples": 8, "whole": True} for s in range(STEPS)}, r["groups"]
+    assert r["checks"]["problems"] == [] and r["checks"]["samples"] == STEPS * 8, r["checks"]
+    last = _keep_steps(r)[-1]
+    assert last["engine/servers_lost"] == 1 and last["engine/servers_alive"] == 1, last
+    assert last["engine/requests_resent"] >= 1 and last["engine/restarts"] == 0, last
+    assert r["pauses"][0] == r["continues"][0] and not r["held"][0], r

@@ -48,28 +48,39 @@ def _groups(trained: dict) -> dict:
         for step, v in trained.items()}
 
 
-def run(out, data, engine, schedule, task, filt):
-    name = f"{engine}/{schedule}/{task}/{filt}"
-    run_dir = os.path.join(out, name.replace("/", "_"))
-    if schedule == "async":  # a slow engine: the next step's calls still run when the learner syncs
-        os.environ["RLPO_DECODE_DELAY"] = "0.02"
-    servers, extra = [], ()
-    if engine == "sglang":
-        base = load_config("configs/demo_cpu.yaml", ("rollout.engine=test_recorded",))
-        hf = load_hf_config(base.model.hf_config)
-        servers = [ModelSGLang(hooks.RecordedEngine.from_config(base, hf), hf, primary=i == 0) for i in range(2)]
-        extra = ("rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(s.url for s in servers)}]",
-                 "rollout.sglang.drivers=1", "rollout.sglang.max_in_flight_per_server=4",
-                 "environment.turns=continuous")  # (single answers: unused)
-    else:
-        extra = ("rollout.engine=test_recorded",)
-    cfg = load_config("configs/demo_cpu.yaml", (
+def stub_servers(count: int = 2) -> list[ModelSGLang]:
+    """Stub SGLang servers over the recorded engine (the first records the syncs)."""
+    base = load_config("configs/demo_cpu.yaml", ("rollout.engine=test_recorded",))
+    hf = load_hf_config(base.model.hf_config)
+    return [ModelSGLang(hooks.RecordedEngine.from_config(base, hf), hf, primary=i == 0) for i in range(count)]
+
+
+def sglang_extra(servers) -> tuple:
+    return ("rollout.engine=sglang", f"rollout.sglang.urls=[{','.join(s.url for s in servers)}]",
+            "rollout.sglang.drivers=1", "rollout.sglang.max_in_flight_per_server=4",
+            "environment.turns=continuous")  # (single answers: unused)
+
+
+def cell_config(run_dir, data, extra, schedule, task, filt, *more):
+    return load_config("configs/demo_cpu.yaml", (
         f"train_iters={STEPS}", f"prompts.prompts_per_step={PROMPTS}", f"prompts.n_samples={N}", "rollout.max_new_tokens=6",
         "rollout.temperature=1.0", "algorithm.temperature=1.0", "logging.progress_bar=false", "logging.console_every=0",
         "logging.mode=disabled", f"logging.dir={run_dir}", "trainer.eval_every=0", "checkpoint.save_dir=null",
         "routing.mode=r3", "algorithm.mismatch.mode=tis",
         "algorithm.mismatch.level=sequence", "parallel.expert=1",
-        *extra, *SCHEDULES[schedule], *(o.format(data=data) for o in TASKS[task]), *FILTERS[filt]))
+        *extra, *SCHEDULES[schedule], *(o.format(data=data) for o in TASKS[task]), *FILTERS[filt], *more))
+
+
+def run(out, data, engine, schedule, task, filt):
+    name = f"{engine}/{schedule}/{task}/{filt}"
+    run_dir = os.path.join(out, name.replace("/", "_"))
+    if schedule == "async":  # a slow engine: the next step's calls still run when the learner syncs
+        os.environ["RLPO_DECODE_DELAY"] = "0.02"
+    servers, extra = [], ("rollout.engine=test_recorded",)
+    if engine == "sglang":
+        servers = stub_servers()
+        extra = sglang_extra(servers)
+    cfg = cell_config(run_dir, data, extra, schedule, task, filt)
     ScriptEnv.made = 0
     trained: dict = {}
     originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})

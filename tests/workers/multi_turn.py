@@ -62,20 +62,21 @@ SLOW = "0.05"  # seconds per forward of the rollout (async1): a step's episodes 
 TRAINED: dict = {}  # layout -> this rank's trained samples per step
 
 
-def _check_episodes(trained: dict, versioned: bool = True) -> dict:
+def _check_episodes(trained: dict, versioned: bool = True, first_version: int = 0) -> dict:
     """Every trained episode of this rank against the engine's record. Its model tokens (outside obs_spans) are,
     region by region, the answers of the calls that continued from exactly the tokens before them (a turn
     interrupted by a sync: several calls), with their log-probs; each token's version is its call's weights' (an
     observation: its turn's); routing row t is the one of the call that sampled the next model token at or after
     t + 1 (the prompt's and an observation's rows: the next turn's prefill); no answer is used twice. A single
     answer is an episode without observations. versioned=False (the sync producer tags no versions): the versions
-    its calls ran on are only reported, per step (`step_versions`)."""
+    its calls ran on are only reported, per step (`step_versions`). first_version: the version of the record's
+    first sync (a resumed run's: the step it resumed from)."""
     record, syncs = hooks.RecordedEngine.record, hooks.RecordedEngine.syncs
     # a weights digest -> the syncs that sent those weights: more than one when a step left the weights as they
     # were (every group's rewards equal: no advantage, no update), and then a call on them may be either version
     version = {}
     for v, d in enumerate(syncs):
-        version.setdefault(d, []).append(v)
+        version.setdefault(d, []).append(v + first_version)
     used, problems, continued, rows, versions_seen, step_versions = set(), [], 0, 0, set(), {}
     for step, samples in trained.items():
         for i, s in enumerate(samples):
