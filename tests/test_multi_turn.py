@@ -236,6 +236,141 @@ def test_continuous_turns_do_not_wait_for_a_slow_tool():
         assert b.meta.turns == 3
 
 
+def test_continuous_turns_join_the_running_call_on_sglang():
+    """On an engine that takes prompts into a running stream (SGLang: Feed), an episode's next turn is sent as soon
+    as its step returns, not with the next call: four episodes of three turns, episode 0's first step slow (0.6 s).
+    All twelve turns go out in one engine call; episodes 1-3 send all their turns while episode 0's tool runs;
+    every episode is what lockstep makes of it (tokens, observations, rewards, turns)."""
+    import time
+
+    from rlpo_mega.environments import ENVIRONMENTS
+    from rlpo_mega.environments.base import Environment, Feedback
+    from rlpo_mega.rollout.sglang_engine import SGLangEngine
+    from tests.test_engine_timeouts import engine_for
+    from tests.test_sglang_client import Gauge, fake_sglang
+
+    tok = _tok("tiny_chatml")
+    fmt = TurnFormat(tok, (tok.eos_token_id,))
+    prompts = [fmt.render([{"role": "user", "content": f"q{i}?"}], True) for i in range(4)]
+    stepped = []
+
+    class Slow(Environment):
+        def step(self, action):
+            if self.record.prompt == "q0?" and action.turn == 0:
+                time.sleep(0.6)
+            stepped.append((self.record.prompt, action.turn, time.monotonic()))
+            if action.turn >= 2:
+                return Feedback(reward=1.0 + len(self.record.prompt), done=True)
+            return Feedback([{"role": "tool", "content": "v"}], reward=0.25, tool_calls=1)
+
+    streams = []
+    original = SGLangEngine.stream
+
+    def stream(engine, *a, **kw):
+        streams.append("more" in kw)
+        return original(engine, *a, **kw)
+
+    def run(mode, url):
+        engine = engine_for(url)
+        cfg = EnvironmentConfig(name="test_slow_turn", turns=mode)
+        items = [(p, PromptRecord(i, f"q{i}?", None)) for i, p in enumerate(prompts)]
+        try:
+            return dict(run_episodes(engine, items, 1, SamplingParams(max_new_tokens=8, stop_token_ids=(fmt.end_id,)),
+                                     EnvRunner(cfg), fmt, EpisodeLimits(4, 200), tok, continuous=mode == "continuous"))
+        finally:
+            engine.shutdown()
+
+    ENVIRONMENTS._entries["test_slow_turn"] = Slow  # test-only, removed below
+    SGLangEngine.stream = stream
+    try:
+        with fake_sglang(Gauge(), delay=0.02, tokens=lambda req: [10, 11, fmt.end_id]) as (url, _, sent):
+            lock = run("lockstep", url)
+            assert streams == [False] * 3  # a call per turn
+            streams.clear(), stepped.clear()
+            t0 = len(sent.requests)
+            cont = run("continuous", url)
+            requests = sent.requests[t0:]
+    finally:
+        SGLangEngine.stream = original
+        del ENVIRONMENTS._entries["test_slow_turn"]
+    assert streams == [True] and len(requests) == 12, (streams, len(requests))  # one call, every turn
+    slow_done = next(t for p, turn, t in stepped if p == "q0?" and turn == 0)
+    others_done = max(t for p, turn, t in stepped if p != "q0?")
+    assert others_done < slow_done, stepped  # episodes 1-3 ended while episode 0's first tool ran
+    for i in range(4):
+        a, b = lock[i][0], cont[i][0]
+        assert (a.response_ids, a.obs_spans, a.reward, a.meta.turns) == (b.response_ids, b.obs_spans, b.reward,
+                                                                            b.meta.turns)
+        assert b.meta.turns == 3 and b.routes.shape[0] == len(b.prompt_ids) + len(b.response_ids) - 1
+
+
+def test_a_weight_sync_ends_a_fed_call_waiting_for_a_tool():
+    """A fed call (continuous turns on SGLang) that waits only for a slow step (1 s) ends within a poll once a
+    weight sync asks it to stop sending (the async producer's interrupt): the sync need not wait for the tool. The
+    episode whose step returns later goes on in the next call; a stop request (SIGTERM) during the wait ends it."""
+    import threading
+    import time
+
+    from rlpo_mega.environments import ENVIRONMENTS
+    from rlpo_mega.environments.base import Environment, Feedback
+    from rlpo_mega.rollout import RolloutInterrupted
+    from rlpo_mega.rollout.episode import EpisodeBatch
+    from tests.test_engine_timeouts import engine_for
+    from tests.test_sglang_client import Gauge, fake_sglang
+
+    tok = _tok("tiny_chatml")
+    fmt = TurnFormat(tok, (tok.eos_token_id,))
+    release = threading.Event()
+
+    class Tool(Environment):
+        def step(self, action):
+            if action.turn == 0:
+                release.wait(5)
+            return Feedback(reward=1.0, done=True) if action.turn >= 1 else Feedback([{"role": "tool", "content": "v"}])
+
+    ENVIRONMENTS._entries["test_gated_tool"] = Tool  # test-only, removed below
+    params = SamplingParams(max_new_tokens=8, stop_token_ids=(fmt.end_id,))
+    items = [(fmt.render([{"role": "user", "content": "q?"}], True), PromptRecord(0, "q?", None))]
+    try:
+        with fake_sglang(Gauge(), delay=0.02, tokens=lambda req: [10, 11, fmt.end_id]) as (url, _, sent):
+            for stop in ("sync", "sigterm"):
+                engine = engine_for(url)
+                batch = EpisodeBatch(items, 2, EnvRunner(EnvironmentConfig(name="test_gated_tool")), fmt,
+                                     EpisodeLimits(3, 200), tok, continuous=True)
+                asked, t = [], {}
+
+                def interrupt():
+                    return "stop_sending" if asked else None
+
+                def ask():
+                    time.sleep(0.3)  # both first turns answered, their steps out
+                    t["asked"] = time.monotonic()
+                    asked.append(True)
+                threading.Thread(target=ask, daemon=True).start()
+                release.clear()
+                try:
+                    if stop == "sync":
+                        assert batch.generate(engine, params, interrupt=interrupt) == []
+                        t["ended"] = time.monotonic()
+                        assert batch.stepping == 2 and len(sent.requests) >= 2
+                        release.set()
+                        while not batch.done:  # the next calls: the episodes' second turns, fed
+                            batch.settle(batch.generate(engine, params))
+                        assert all(e.turns == 2 and e.reward == 1.0 for e in batch.eps), batch.eps
+                    else:
+                        engine.should_stop = lambda: bool(asked)
+                        with pytest.raises(RolloutInterrupted):
+                            batch.generate(engine, params)
+                        t["ended"] = time.monotonic()
+                    assert t["ended"] - t["asked"] < 0.5, (stop, t)  # not the tool's 5 s
+                finally:
+                    release.set()
+                    batch.close()
+                    engine.shutdown()
+    finally:
+        del ENVIRONMENTS._entries["test_gated_tool"]
+
+
 def test_tool_schemas_reach_the_prompt_and_the_turn_format():
     """An environment's tool schemas (Environment.tools: the python tool with options.format=tool_call) are
     rendered by the chat template into the prompt (render_prompt, as the sampler, the warm-up and evaluation

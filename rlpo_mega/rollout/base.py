@@ -290,6 +290,10 @@ class RolloutEngine(abc.ABC):
         raise EngineError(f"{type(self).__name__} cannot hold its requests across a weight update "
                           "(rollout.partial_rollout_kv=keep)")
 
+    # continuous episode turns (environment.turns=continuous): a running stream takes more prompts as they come
+    # (stream(..., more=Feed)): an episode's next turn is sent as soon as its environment step returns
+    takes_more = False
+
     # colocated (rollout.colocate, training/colocate.py): the engine's accelerator memory given to the learner
     # while it trains, and taken back in SGLang's order (weights, then the KV cache)
     def release_memory(self) -> None:
@@ -313,6 +317,24 @@ class RolloutEngine(abc.ABC):
 
 
 STOP = object()  # what a `drive` handler returns to end the loop at once (the stream closed: its requests aborted)
+
+
+class Feed:
+    """Prompts a running stream takes as they come (`stream(..., more=feed)` on an engine whose class says
+    `takes_more`). The stream asks `take()` after each answer, when woken (`wake()`, from any thread) and at
+    least every POLL_S: it returns [(prompt ids, max_new_tokens, affinity, routes_from)] to send now, numbered
+    after the prompts sent so far, n samples each; or None: send nothing more (as "stop_sending"). The stream
+    ends once nothing it sent runs and `waiting()` (more may come) is false."""
+    POLL_S = 0.02
+
+    def __init__(self, take: Callable[[], Optional[list]], waiting: Callable[[], bool]):
+        self.take, self.waiting = take, waiting
+        self.woken: Optional[Callable[[], None]] = None  # set by the stream that reads this feed
+
+    def wake(self) -> None:
+        woken = self.woken
+        if woken is not None:
+            woken()
 
 
 def drive(stream, handle: Callable, wait: Optional[Callable] = None):

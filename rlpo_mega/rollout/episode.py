@@ -34,7 +34,7 @@ import torch
 
 from rlpo_mega.data.dataset import DataError
 from rlpo_mega.environments import Action
-from rlpo_mega.rollout.base import EngineError, Sample, SampleMeta, drive
+from rlpo_mega.rollout.base import EngineError, Feed, Sample, SampleMeta, drive
 from rlpo_mega.rollout.partial import continuable, merge_spans, tag, versions_of
 
 ANCHOR = ({"role": "user", "content": "?"}, {"role": "assistant", "content": "."})
@@ -195,9 +195,12 @@ class EpisodeBatch:
 
     Lockstep turns: a call's environment steps run at once on the runner's threads and the next call waits for
     all of them, so every turn waits for the slowest step. Continuous turns (`continuous`): each step runs on its
-    own (EnvRunner.submit) and the next call carries the episodes whose steps have returned -- waiting only when
-    none has (then for the first, and GATHER_S for the others) -- so a slow tool holds back its own episode only.
-    Budgets, versions, partial rollout and R3 stitching are the episode's own either way."""
+    own (EnvRunner.submit) as soon as its turn's answer is back, and its episode's next turn is sent as soon as it
+    returns -- into the running call on an engine that `takes_more` (a Feed: the call ends once no turn runs and
+    no step is out, or when a weight update stops its sending), else with the next call, which carries the
+    episodes whose steps have returned (waiting only when none has: for the first, and GATHER_S for the others)
+    -- so a slow tool holds back its own episode only. Budgets, versions, partial rollout and R3 stitching are
+    the episode's own either way."""
 
     def __init__(self, items: Sequence, n: int, runner, fmt: TurnFormat, limits: EpisodeLimits, tokenizer,
                  continuous: bool = False):
@@ -205,6 +208,7 @@ class EpisodeBatch:
         self.continuous = continuous
         self.returned: queue.Queue = queue.Queue()  # continuous: (episode, answer, step outcome) as steps return
         self.stepping = 0
+        self._feed: Optional[Feed] = None  # continuous, an engine that takes_more: the running call's feed
         self.eps = [Episode([int(t) for t in ids], i, runner.make(record)) for i, (ids, record) in enumerate(items)
                     for _ in range(n)]
         self.open_groups = set(range(len(items)))
@@ -237,44 +241,65 @@ class EpisodeBatch:
         interrupt(): a message for the engine's stream after each answer ("stop_sending" when a weight update
         waits: the episodes not answered, or answered "abort", continue at the next call)."""
         live = [e for e in self.eps if e.finish is None and not e.stepping]
-        if not live:
+        feed = Feed(lambda: take(), lambda: self.stepping > 0) \
+            if self.continuous and getattr(engine, "takes_more", False) else None
+        if not live and not (feed is not None and self.stepping):
             self.progressed = True
             return []
-        budgets = [e.budget(params.max_new_tokens, self.limits.max_tokens) for e in live]
-        answers: list = [None] * len(live)
+        sent = list(live)  # by the stream's prompt index: then the feed's, as it takes them
+        ended, appended = [], []  # appended: per answer or steps settled, whether an episode moved on
+
+        def take() -> Optional[list]:
+            """The feed: the episodes whose steps have returned and go on, sent into the running call (appended to
+            `sent`); None once a weight update stops the sending."""
+            if interrupt is not None and interrupt() == "stop_sending":
+                return None
+            got = self._drain()
+            appended.append(bool(got))
+            back = self._settle_returned(got)
+            sent.extend(back)
+            return [(e.ids, e.budget(params.max_new_tokens, self.limits.max_tokens),
+                     e.meta.server or ("prompt", e.prompt_index), e.held_rows) for e in back]
+
         # each episode back to the server whose prefix cache holds it (a prompt's n episodes start on one server:
         # their prompt is cached once), asking only for the routing rows it lacks
-        gen = engine.stream([e.ids for e in live], params, n=1, max_new_tokens=budgets,
+        gen = engine.stream([e.ids for e in live], params, n=1,
+                            max_new_tokens=[e.budget(params.max_new_tokens, self.limits.max_tokens) for e in live],
                             affinity=[e.meta.server or ("prompt", e.prompt_index) for e in live],
-                            routes_from=[e.held_rows for e in live])
+                            routes_from=[e.held_rows for e in live], **({} if feed is None else {"more": feed}))
         self.calls += 1
 
         def answered(i, got):
-            answers[i] = got[0] if version is None else tag(got[0], version, held)
+            a = got[0] if version is None else tag(got[0], version, held)
             self.confirmed += got[0].meta.weight_version is not None
+            e, before = sent[i], len(sent[i].response)
+            turn = e.add_answer(a)
+            appended.append(turn is not None or len(e.response) > before)
+            if turn is not None:
+                if feed is not None:  # its step now: the episode's next turn joins this call when it returns
+                    self._step(e, a, turn)
+                else:
+                    ended.append((e, a, turn))
             return interrupt() if interrupt is not None else None
 
-        drive(gen, answered)
-        ended, before = [], sum(len(e.response) for e in live)
-        for e, a in zip(live, answers):
-            turn = None if a is None else e.add_answer(a)
-            if turn is not None:
-                ended.append((e, a, turn))
-        self.progressed = bool(ended) or sum(len(e.response) for e in live) > before
+        self._feed = feed
+        try:
+            drive(gen, answered)
+        finally:
+            self._feed = None
+        self.progressed = any(appended)
         return ended
 
     def settle(self, ended: list[tuple]) -> list[tuple[int, list[Sample]]]:
         """The environment phase of a call (no engine: a weight sync may run meanwhile): the steps of the turns
         that ended, at once on the runner's threads, each episode then ended or given its observation; returns
         (item index, its n episodes as samples) for each group whose episodes have all ended."""
-        actions = [Action(tuple(t), self.tokenizer.decode(t, skip_special_tokens=True), e.turns - 1)
-                   for e, _, t in ended]
         if self.continuous:
-            for (e, a, _), action in zip(ended, actions):
-                e.stepping, self.stepping = True, self.stepping + 1
-                self.runner.submit(e.env, action, lambda out, e=e, a=a: self.returned.put((e, a, out)))
+            for e, a, turn in ended:
+                self._step(e, a, turn)
             self._returns()
         elif ended:
+            actions = [self._action(e, t) for e, _, t in ended]
             for (e, a, _), (fb, why) in zip(ended, self.runner.step([e.env for e, _, _ in ended], actions)):
                 _settle(e, a, fb, why, self.runner.cfg.failure_reward, self.fmt, self.limits)
         out = []
@@ -286,6 +311,37 @@ class EpisodeBatch:
                     e.env.close()
                 out.append((i, [e.sample() for e in group]))
         return out
+
+    def _action(self, e: Episode, turn: list[int]) -> Action:
+        return Action(tuple(turn), self.tokenizer.decode(turn, skip_special_tokens=True), e.turns - 1)
+
+    def _step(self, e: Episode, answer: Sample, turn: list[int]) -> None:
+        """Continuous turns: the environment step of e's ended turn, on its own (its outcome: `returned`)."""
+        e.stepping, self.stepping = True, self.stepping + 1
+        self.runner.submit(e.env, self._action(e, turn), lambda out: self._stepped(e, answer, out))
+
+    def _stepped(self, e: Episode, answer: Sample, out) -> None:
+        """On the runner's thread: a step returned (the running call's feed woken, to send the next turn)."""
+        self.returned.put((e, answer, out))
+        feed = self._feed
+        if feed is not None:
+            feed.wake()
+
+    def _drain(self) -> list:
+        got = []
+        while True:
+            try:
+                got.append(self.returned.get_nowait())
+            except queue.Empty:
+                return got
+
+    def _settle_returned(self, got: list) -> list[Episode]:
+        """The returned steps settled (ended, or given their observation) -> the episodes that go on."""
+        for e, a, (fb, why) in got:
+            e.stepping, self.stepping = False, self.stepping - 1
+            if e.finish is None:  # not closed meanwhile
+                _settle(e, a, fb, why, self.runner.cfg.failure_reward, self.fmt, self.limits)
+        return [e for e, _, _ in got if e.finish is None]
 
     def _returns(self) -> None:
         """Continuous turns: settle the environment steps that have returned; when no live episode is left to send
@@ -299,15 +355,7 @@ class EpisodeBatch:
                     got.append(self.returned.get(timeout=left))
                 except queue.Empty:
                     break
-        while True:
-            try:
-                got.append(self.returned.get_nowait())
-            except queue.Empty:
-                break
-        for e, a, (fb, why) in got:
-            e.stepping, self.stepping = False, self.stepping - 1
-            if e.finish is None:  # not closed meanwhile
-                _settle(e, a, fb, why, self.runner.cfg.failure_reward, self.fmt, self.limits)
+        self._settle_returned(got + self._drain())
 
     def close(self) -> None:
         """Close the environments of the episodes still running (an abandoned batch)."""

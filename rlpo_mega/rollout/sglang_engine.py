@@ -50,8 +50,8 @@ from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
 
-from .base import (ENGINES, EngineError, RolloutEngine, RolloutInterrupted, Sample, SampleMeta, SamplingParams,
-                   share_of)
+from .base import (ENGINES, EngineError, Feed, RolloutEngine, RolloutInterrupted, Sample, SampleMeta,
+                   SamplingParams, share_of)
 from .sglang_client import (Connections, IOLoop, ServerSlots, SlotsClosed, decode_routes, dumps, loads, parse_logprobs,
                             receive_buffer, split_routes)
 from . import sglang_plan
@@ -61,6 +61,7 @@ from .sglang_reports import InServerReports
 
 log = logging.getLogger("rlpo_mega")
 FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_WAKE = object()  # a feed's wake-up in a stream's queue of finished requests (Feed.wake)
 # control calls (urllib) ignore http_proxy & co.: a server address is never reached through a proxy
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -94,6 +95,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
     # its servers join a weight-update group (rlpo_mega/weight_sync/sglang_distributed.py)
     weight_update_group = True
     pauses_in_place = True  # POST /pause_generation mode=in_place (rollout.partial_rollout_kv=keep)
+    takes_more = True  # a running stream sends a Feed's prompts as they come (continuous episode turns)
 
     @classmethod
     def launches_servers(cls, run_cfg) -> bool:
@@ -384,59 +386,82 @@ class SGLangEngine(InServerReports, RolloutEngine):
 
     def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams, n: int = 1,
                request_ids: Optional[Sequence[str]] = None, max_new_tokens: Optional[Sequence[int]] = None,
-               affinity: Optional[Sequence] = None, routes_from: Optional[Sequence[int]] = None):
+               affinity: Optional[Sequence] = None, routes_from: Optional[Sequence[int]] = None,
+               more: Optional[Feed] = None):
         """Yields (prompt index, its n samples) as each group's last answer is decoded. `send("finish")`
         (RolloutEngine.stream): nothing more is sent, queued requests are dropped, running ones aborted on their
         servers; the groups that end meanwhile are still yielded (aborted samples with finish_reason "abort"),
         groups with a request never sent are not. `send("stop_sending")`: the same, except that the running
-        requests are left to the caller's abort() (a weight update's pause aborts everything at once). Leaving the loop early (break, close(), an exception) aborts
-        the requests still running and sends nothing more; every request of the call has ended when the
-        generator is closed. max_new_tokens: one budget per prompt (a partial rollout's continuations).
-        affinity: per prompt, the URL of the server whose prefix cache holds it (an episode's earlier turns): its
-        requests go there (while it is one of this engine's servers); a key that is not a string groups prompts:
-        those sharing it go to one server (the first one's, as a prompt's n samples do). routes_from: per prompt, the first position
-        whose routing row is returned (SGLang's routed_experts_start_len; the answer's routes_from)."""
-        total = len(prompts) * n
-        self._stop_ids = set(int(t) for t in params.stop_token_ids)
-        if request_ids is not None and len(request_ids) != total:
-            raise ValueError(f"{len(request_ids)} request_ids for {total} samples (prompts x n)")
-        if not total:
+        requests are left to the caller's abort() (a weight update's pause aborts everything at once). Leaving the
+        loop early (break, close(), an exception) aborts the requests still running and sends nothing more; every
+        request of the call has ended when the generator is closed. max_new_tokens: one budget per prompt (a
+        partial rollout's continuations). affinity: per prompt, the URL of the server whose prefix cache holds it
+        (an episode's earlier turns): its requests go there (while it is one of this engine's servers); a key that
+        is not a string groups prompts: those sharing it go to one server (the first one's, as a prompt's n
+        samples do). routes_from: per prompt, the first position whose routing row is returned (SGLang's
+        routed_experts_start_len; the answer's routes_from). more: prompts taken while the stream runs (Feed:
+        continuous episode turns), numbered after these."""
+        if request_ids is not None and len(request_ids) != len(prompts) * n:
+            raise ValueError(f"{len(request_ids)} request_ids for {len(prompts) * n} samples (prompts x n)")
+        for name, per in (("max_new_tokens", max_new_tokens), ("affinity", affinity), ("routes_from", routes_from)):
+            if per is not None and len(per) != len(prompts):
+                raise ValueError(f"{len(per)} {name} for {len(prompts)} prompts")
+        if not prompts and more is None:
             return
+        self._stop_ids = set(int(t) for t in params.stop_token_ids)
         # per-server limit (rollout.sglang.max_in_flight_per_server): a group's first request takes a slot on
         # the least-loaded server when it is sent (sglang_client.ServerSlots; ties rotate over calls), the
         # group's other samples follow it there (one prefix cache per prompt)
         slots = ServerSlots(len(self.servers), self.cfg.max_in_flight_per_server, start=next(self._rr),
                             out=lambda k: not self.servers[k].alive)
-        for name, per in (("max_new_tokens", max_new_tokens), ("affinity", affinity), ("routes_from", routes_from)):
-            if per is not None and len(per) != len(prompts):
-                raise ValueError(f"{len(per)} {name} for {len(prompts)} prompts")
-        group_of = list(range(len(prompts)))  # the slots' group of each prompt: its n samples share a server
-        if affinity is not None:  # an episode's next turn goes back to the server that holds its prefix
-            where = {s.url: k for k, s in enumerate(self.servers) if s.alive}
-            for i, key in enumerate(affinity):
-                if isinstance(key, str) and key in where:
+        futures, order, left, unsent = {}, [], [], []  # per request its prompt; in order; per prompt
+
+        def send(batch, budgets=None, keys=None, starts=None, rids=None) -> list:
+            """Submit the requests of `batch` (prompts numbered from len(left) on) -> their futures."""
+            where = {s.url: k for k, s in enumerate(self.servers) if s.alive} if keys is not None else {}
+            jobs, index = [], []
+            for b, p in enumerate(batch):
+                i, prompt = len(left), list(map(int, p))
+                group = i  # the slots' group of a prompt: its n samples share a server
+                key = keys[b] if keys is not None else None
+                if isinstance(key, str) and key in where:  # an episode's next turn: the server of its prefix
                     slots.place(i, where[key])
                 elif key is not None and not isinstance(key, str):  # a group key: one server for its prompts
-                    group_of[i] = ("affinity", key)
-        jobs, index = [], []
-        for i, p in enumerate(prompts):
-            prompt = list(map(int, p))
-            for j in range(n):
-                k = i * n + j
-                rid = request_ids[k] if request_ids is not None else f"rlpo-{self._prefix}-{next(self._rid)}"
-                seed = None if params.seed is None else (params.seed * 1000003 + k) % (2 ** 31)
-                sampling = self._sampling(params, seed)
-                if max_new_tokens is not None:
-                    sampling["max_new_tokens"] = int(max_new_tokens[i])
-                start = int(routes_from[i]) if routes_from is not None and self.return_routes else 0
+                    group = ("affinity", key)
+                start = int(starts[b]) if starts is not None and self.return_routes else 0
                 if not 0 <= start < max(len(prompt), 1):
                     raise ValueError(f"routes_from={start} outside prompt {i}'s {len(prompt)} positions")
-                jobs.append((self._one, (i, prompt, rid, sampling, slots, start, group_of[i])))
-                index.append(i)
-        futures = dict(zip(self._io.submit(jobs), index))
-        order, left, unsent = list(futures), [n] * len(prompts), [False] * len(prompts)
+                for j in range(n):
+                    k = i * n + j
+                    rid = rids[b * n + j] if rids is not None else f"rlpo-{self._prefix}-{next(self._rid)}"
+                    sampling = self._sampling(params, None if params.seed is None
+                                              else (params.seed * 1000003 + k) % (2 ** 31))
+                    if budgets is not None:
+                        sampling["max_new_tokens"] = int(budgets[b])
+                    jobs.append((self._one, (i, prompt, rid, sampling, slots, start, group)))
+                    index.append(i)
+                left.append(n)
+                unsent.append(False)
+            submitted = self._io.submit(jobs)
+            futures.update(zip(submitted, index))
+            order.extend(submitted)
+            return submitted
+
+        def fresh() -> list:
+            """The feed's prompts sent now (its None: nothing more is sent, as "stop_sending")."""
+            if more is None or slots.closed:
+                return []
+            got = more.take()
+            if got is None:
+                self._finish(futures, slots, abort=False)
+                return []
+            return send([g[0] for g in got], [g[1] for g in got], [g[2] for g in got], [g[3] for g in got]) \
+                if got else []
+
+        first = send(prompts, max_new_tokens, affinity, routes_from, request_ids)
         try:
-            for f in self._completed(order, slots):
+            for f in self._completed(first, slots, more=more, fresh=fresh,
+                                     coming=lambda: more is not None and not slots.closed and more.waiting()):
                 i = futures[f]
                 left[i] -= 1
                 unsent[i] |= f.cancelled() or f.exception() is not None  # dropped by a finish: never answered
@@ -476,59 +501,72 @@ class SGLangEngine(InServerReports, RolloutEngine):
         self._conns.close_active()
         wait(running, timeout=self.cfg.health_timeout * 6)
 
-    def _completed(self, futures, slots: Optional[ServerSlots] = None, poll: float = 0.2):
+    def _completed(self, futures, slots: Optional[ServerSlots] = None, poll: float = 0.2, more: Optional[Feed] = None,
+                   fresh=lambda: [], coming=lambda: False):
         """Yield the requests as they finish while watching two things a blocking HTTP read cannot: the
         trainer's stop flag (SIGTERM: abort the requests, raise RolloutInterrupted) and servers that accept
         connections but stop answering (no /health answer for hang_timeout s while requests are in flight:
-        EngineError)."""
+        EngineError). With a feed (`more`): the requests `fresh()` sent after each answer, wake-up and poll join
+        them, and the loop goes on while `coming()`."""
         # one wake-up per answer (concurrent.futures.wait re-arms every future). queue.Queue, not SimpleQueue: a
         # signal (the trainer's SIGTERM) landing in SimpleQueue.get(timeout) can turn the timeout into "forever"
         # in CPython 3.11's _queue; Queue waits on a threading.Condition, which recomputes it correctly
         finished = queue.Queue()
+        if more is not None:
+            more.woken, poll = lambda: finished.put(_WAKE), min(poll, Feed.POLL_S)
         for f in futures:
             f.add_done_callback(finished.put)
         left = len(futures)
         last_ok = {s.url: time.monotonic() for s in self.servers}
         next_check = time.monotonic() + self.cfg.health_interval
-        while left:
-            try:
-                f = finished.get(timeout=poll)
-            except queue.Empty:
-                f = None
-            if f is not None:
-                left -= 1
-                # after a finish (slots closed) a request cancelled before it ran, or one that was waiting for a
-                # slot (SlotsClosed), was never answered: its caller skips it
-                dropped = f.cancelled() or isinstance(f.exception(), SlotsClosed)
-                if not (dropped and slots is not None and slots.closed) and f.exception() is not None:
-                    if self.should_stop is not None and self.should_stop():  # servers stopping with the job
-                        raise RolloutInterrupted(f"stop requested during a rollout (and {f.exception()})")
-                    raise f.exception()
-                yield f
-            if self.should_stop is not None and self.should_stop():
-                with self._lock:
-                    inflight = dict(self._inflight)
-                raise RolloutInterrupted(f"stop requested during a rollout: {len(inflight)} requests aborted")
-            now = time.monotonic()
-            if left and now >= next_check:
-                next_check = now + self.cfg.health_interval
-                if self._held:  # held on purpose for a weight update (pause): /health waits for it, it is not hung
-                    last_ok = dict.fromkeys(last_ok, now)
+        try:
+            while left or coming():
+                for f in fresh():
+                    f.add_done_callback(finished.put)
+                    left += 1
+                try:
+                    f = finished.get(timeout=poll)
+                except queue.Empty:
+                    f = None
+                if f is _WAKE:
                     continue
-                with self._lock:
-                    busy = {s.url: s for s in self._inflight.values()}
-                for s in self.servers:
-                    if s.url not in busy or not s.alive:
-                        last_ok[s.url] = now  # idle servers (and those already out) are not on the clock
-                for url, s in busy.items():
-                    if self._healthy(s):
-                        last_ok[url] = time.monotonic()
-                    elif time.monotonic() - last_ok[url] >= self.cfg.hang_timeout:
-                        what = (f"no answer to /health for {self.cfg.hang_timeout:g} s while requests are in flight "
-                                "(rollout.sglang.hang_timeout): it is hung")
-                        err = self._retire(s, what)  # out: its requests fail now and go to the other servers
-                        if err is not None:
-                            raise EngineError(f"SGLang server {url}: {what}; restart it ({err})")
+                if f is not None:
+                    left -= 1
+                    # after a finish (slots closed) a request cancelled before it ran, or one that was waiting for a
+                    # slot (SlotsClosed), was never answered: its caller skips it
+                    dropped = f.cancelled() or isinstance(f.exception(), SlotsClosed)
+                    if not (dropped and slots is not None and slots.closed) and f.exception() is not None:
+                        if self.should_stop is not None and self.should_stop():  # servers stopping with the job
+                            raise RolloutInterrupted(f"stop requested during a rollout (and {f.exception()})")
+                        raise f.exception()
+                    yield f
+                if self.should_stop is not None and self.should_stop():
+                    with self._lock:
+                        inflight = dict(self._inflight)
+                    raise RolloutInterrupted(f"stop requested during a rollout: {len(inflight)} requests aborted")
+                now = time.monotonic()
+                if left and now >= next_check:
+                    next_check = now + self.cfg.health_interval
+                    if self._held:  # held on purpose for a weight update (pause): /health waits for it, not hung
+                        last_ok = dict.fromkeys(last_ok, now)
+                        continue
+                    with self._lock:
+                        busy = {s.url: s for s in self._inflight.values()}
+                    for s in self.servers:
+                        if s.url not in busy or not s.alive:
+                            last_ok[s.url] = now  # idle servers (and those already out) are not on the clock
+                    for url, s in busy.items():
+                        if self._healthy(s):
+                            last_ok[url] = time.monotonic()
+                        elif time.monotonic() - last_ok[url] >= self.cfg.hang_timeout:
+                            what = (f"no answer to /health for {self.cfg.hang_timeout:g} s while requests are in "
+                                    "flight (rollout.sglang.hang_timeout): it is hung")
+                            err = self._retire(s, what)  # out: its requests fail now and go to the other servers
+                            if err is not None:
+                                raise EngineError(f"SGLang server {url}: {what}; restart it ({err})")
+        finally:
+            if more is not None:
+                more.woken = None
 
     async def _one(self, prompt_index, prompt, rid, sampling, slots: ServerSlots, start: int = 0,
                    group=None) -> Sample:

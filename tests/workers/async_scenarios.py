@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -195,13 +196,37 @@ def _sync_after_first_tokens(forwards: int = 3):
     return original
 
 
+@contextlib.contextmanager
+def slow_mid_call(delay: str = SLOW):
+    """A slow engine (RLPO_DECODE_DELAY seconds per forward) whose every sync lands after the running call's first
+    tokens (_sync_after_first_tokens), restored after."""
+    os.environ["RLPO_DECODE_DELAY"] = delay
+    original = _sync_after_first_tokens()
+    try:
+        yield
+    finally:
+        os.environ.pop("RLPO_DECODE_DELAY", None)
+        AsyncProducer.paused = original
+
+
+@contextlib.contextmanager
+def recorded(trained: dict, slow: Optional[str] = None):
+    """Around a training run: this rank's trained samples per step into `trained` (_recording, with their
+    observation spans) on a fresh engine record; slow: slow_mid_call(slow) too."""
+    originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
+    _fresh_record()
+    try:
+        with slow_mid_call(slow) if slow is not None else contextlib.nullcontext():
+            yield
+    finally:
+        _restore(originals)
+
+
 def mid_generation(out):
     """max_staleness=1 with a slow engine: every sync lands while the next step generates. The trained samples
     against the engine's record: with partial rollout, then with rollout.partial_rollout_mask, then waiting."""
     rep = {}
-    os.environ["RLPO_DECODE_DELAY"] = SLOW
-    original_pause = _sync_after_first_tokens()
-    try:
+    with slow_mid_call():
         for run, extra in (("k1", ("rollout.partial_rollout=true",)),
                            ("k1_mask", ("rollout.partial_rollout=true", "rollout.partial_rollout_mask=true")),
                            ("k1_wait", ())):  # the default: a sync waits for the running call
@@ -210,9 +235,6 @@ def mid_generation(out):
                         "masked": _gathered(sum(s["masked_prefix"] for v in trained.values() for s in v)),
                         "old_tokens": _gathered(sum(int((span_versions(s["versions"]) < max(v for v, _ in s["versions"])).sum())
                                                     for v in trained.values() for s in v if s["versions"]))}
-    finally:
-        os.environ.pop("RLPO_DECODE_DELAY")
-        AsyncProducer.paused = original_pause
     return rep
 
 
@@ -310,15 +332,10 @@ def dynamic(out):
                                      *DYNAMIC, *extra))
         rep[run] = history(out, run)
     rep["samples"] = _gathered(_same(runs["sync"], runs["async0"]))
-    os.environ["RLPO_DECODE_DELAY"] = SLOW
-    original_pause = _sync_after_first_tokens()
-    try:
+    with slow_mid_call():
         trained = _trained_run(cfg(out, "async1", "train_iters=4", "trainer.max_staleness=1", "rollout.producer=async",
                                    "rollout.partial_rollout=true", "algorithm.dynamic_sampling.max_carry_steps=1",
                                    *DYNAMIC))
-    finally:
-        os.environ.pop("RLPO_DECODE_DELAY")
-        AsyncProducer.paused = original_pause
     rep["async1"] = history(out, "async1")
     rep["async1_checks"] = _gathered(_check_against_record(trained))
     rep.update(_dynamic_sigterm(out))

@@ -16,12 +16,11 @@ import torch.distributed as dist
 import tests.workers.train_hooks as hooks
 from moe.model import load_hf_config
 from rlpo_mega.config import load_config
-from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
 from rlpo_mega.training.trainer import train
 from tests.dist import write_report
 from tests.model_sglang import ModelSGLang
 from tests.multi_turn_support import ScriptEnv
-from tests.workers.async_scenarios import _fresh_record, _recording, _restore, _sync_after_first_tokens
+from tests.workers.async_scenarios import recorded
 from tests.workers.multi_turn import _check_episodes
 
 SCHEDULES = {"sync": (), "async": ("rollout.producer=async", "trainer.max_staleness=1", "rollout.partial_rollout=true")}
@@ -74,8 +73,6 @@ def cell_config(run_dir, data, extra, schedule, task, filt, *more):
 def run(out, data, engine, schedule, task, filt):
     name = f"{engine}/{schedule}/{task}/{filt}"
     run_dir = os.path.join(out, name.replace("/", "_"))
-    if schedule == "async":  # a slow engine: the next step's calls still run when the learner syncs
-        os.environ["RLPO_DECODE_DELAY"] = "0.02"
     servers, extra = [], ("rollout.engine=test_recorded",)
     if engine == "sglang":
         servers = stub_servers()
@@ -83,18 +80,11 @@ def run(out, data, engine, schedule, task, filt):
     cfg = cell_config(run_dir, data, extra, schedule, task, filt)
     ScriptEnv.made = 0
     trained: dict = {}
-    originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
-    _fresh_record()
-    pause = None
-    if schedule == "async":  # every sync lands after the running call's first tokens: partial rollouts happen
-        pause = _sync_after_first_tokens()
-    try:
-        rc = train(cfg, keep_world=True)
+    try:  # async: a slow engine, the next step's calls still running when the learner syncs, each sync after their
+        # first tokens (partial rollouts happen)
+        with recorded(trained, slow="0.02" if schedule == "async" else None):
+            rc = train(cfg, keep_world=True)
     finally:
-        _restore(originals)
-        os.environ.pop("RLPO_DECODE_DELAY", None)
-        if pause is not None:
-            AsyncProducer.paused = pause
         for s in servers:
             s.close()
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

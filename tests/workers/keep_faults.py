@@ -16,11 +16,10 @@ import os
 import sys
 
 from rlpo_mega.checkpoint import run as state
-from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
 from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import train
 from tests.dist import write_report
-from tests.workers.async_scenarios import _fresh_record, _recording, _restore, _sync_after_first_tokens
+from tests.workers.async_scenarios import recorded, slow_mid_call
 from tests.workers.composition_matrix import _groups, cell_config, sglang_extra, stub_servers
 from tests.workers.faults import Faults
 from tests.workers.multi_turn import _check_episodes
@@ -62,13 +61,10 @@ def _run(out, data, name, *more, first_version=0, **faults):
     cfg = cell_config(run_dir, data, sglang_extra(servers), "async", "single", "all",
                       f"checkpoint.save_dir={ck}", *KEEP, *more)
     trained: dict = {}
-    originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
-    _fresh_record()
     try:
-        with Holds(**faults) as f:
+        with recorded(trained), Holds(**faults) as f:
             rc = train(cfg, keep_world=True)
     finally:
-        _restore(originals)
         held = [s.held for s in servers]  # before close() lets a held one go
         for s in servers:
             s.close()
@@ -83,16 +79,12 @@ def _run(out, data, name, *more, first_version=0, **faults):
 
 if __name__ == "__main__":
     out, data = sys.argv[1:]
-    # a slow engine: the next step's calls still run when the learner syncs (a stub server answers one request at a
-    # time: 4 requests of 6 tokens each, the others queued on it)
-    os.environ["RLPO_DECODE_DELAY"] = "0.08"
-    pause = _sync_after_first_tokens()  # and every sync lands after their first tokens
-    try:
+    # a slow engine: the next step's calls still run when the learner syncs, after their first tokens (a stub server
+    # answers one request at a time: 4 requests of 6 tokens each, the others queued on it)
+    with slow_mid_call("0.08"):
         report = {"clean": _run(out, data, "clean"),
                   "stop": _run(out, data, "stop", phase="hold", at=2),
                   "resumed": _run(out, data, "stop_resumed", "checkpoint.resume=true", "checkpoint.overwrite=false",
                                       first_version=2),
                   "dead": _run(out, data, "dead", "trainer.engine_restarts=1", kill_at=1)}
-    finally:
-        AsyncProducer.paused = pause
     write_report(report)

@@ -22,12 +22,10 @@ import tests.workers.train_hooks as hooks
 from rlpo_mega.config import load_config
 from rlpo_mega.rollout.partial import span_versions
 from rlpo_mega.training import update
-from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
 from rlpo_mega.training.trainer import train
 from tests.dist import write_report
 from tests.multi_turn_support import ScriptEnv
-from tests.workers.async_scenarios import (_fresh_record, _gathered, _recording, _restore, _same,
-                                          _sync_after_first_tokens)
+from tests.workers.async_scenarios import _gathered, _same, recorded
 
 GRAD = {"outside_max": 0.0, "inside_nonzero": 0, "inside": 0}
 _objective = update.policy_objective
@@ -155,19 +153,10 @@ def run(out, data, layout):
     GRAD.update(outside_max=0.0, inside_nonzero=0, inside=0)
     ScriptEnv.made = 0  # the environments' rewards follow their order of creation: the same in every run
     trained = TRAINED[layout] = {}
-    originals = _recording(trained, extra=lambda s: {"obs_spans": list(s.obs_spans)})
-    _fresh_record()
-    original_pause = None
-    if layout.startswith("async1"):  # every sync lands after the running call's first tokens (not by the race of
-        os.environ["RLPO_DECODE_DELAY"] = SLOW  # the slow engine against the learner's step)
-        original_pause = _sync_after_first_tokens()
-    try:
+    # async1: every sync lands after the running call's first tokens (not by the race of the slow engine against
+    # the learner's step)
+    with recorded(trained, slow=SLOW if layout.startswith("async1") else None):
         rc = train(cfg, keep_world=True)
-    finally:
-        _restore(originals)
-        os.environ.pop("RLPO_DECODE_DELAY", None)
-        if original_pause is not None:
-            AsyncProducer.paused = original_pause
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         history = [json.loads(line) for line in f]
     grad = torch.tensor([GRAD["outside_max"], GRAD["inside_nonzero"], GRAD["inside"]], dtype=torch.float64)
