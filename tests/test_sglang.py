@@ -308,11 +308,13 @@ def test_held_requests_wait_and_an_abort_while_held_ends_them(family):
     engine.flush_cache()
 
 
-def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family, monkeypatch):
+@pytest.mark.parametrize("turns", ["lockstep", "continuous"])
+def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family, monkeypatch, turns):
     """Multi-turn episodes on a real SGLang server (each family): each turn continues from the episode's token ids
     and asks only for the routing rows the episode lacks (routed_experts_start_len), and the stitched routes
     are the routing of every position: equal to a fresh prefill of the whole episode (cache flushed). A test-only
-    logit bias on the end-of-turn token makes the random model close its turns."""
+    logit bias on the end-of-turn token makes the random model close its turns. Continuous turns: every turn goes
+    into one running call (a Feed)."""
     from transformers import AutoTokenizer
 
     import tests.multi_turn_support  # noqa: F401  (the test_script environment)
@@ -335,12 +337,21 @@ def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family
         return got
 
     monkeypatch.setattr(engine, "_answer", recorded)
+    stream, fed = engine.stream, []
+
+    def counted(*a, **kw):
+        fed.append("more" in kw)
+        return stream(*a, **kw)
+
+    monkeypatch.setattr(engine, "stream", counted)
     runner = EnvRunner(EnvironmentConfig(name="test_script", options={"observations": ["ab", "cd"]}))
     items = [(fmt.render([{"role": "user", "content": f"k{i}?"}], True), PromptRecord(i, f"k{i}?", None))
              for i in range(3)]
     params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(tok.eos_token_id,), seed=5)
-    out = [s for _, g in run_episodes(engine, items, 2, params, runner, fmt, EpisodeLimits(4, 200), tok) for s in g]
+    out = [s for _, g in run_episodes(engine, items, 2, params, runner, fmt, EpisodeLimits(4, 200), tok,
+                                      continuous=turns == "continuous") for s in g]
     assert len(out) == 6 and sum(s.episode[0] == 3 for s in out) >= 4, [s.episode for s in out]
+    assert fed == [True] if turns == "continuous" else (len(fed) >= 3 and not any(fed)), fed
     # the server stopped each turn at the end-of-turn token (SGLang's ignore_eos would switch stop ids off)
     for s in out:
         spans = [0] + [a + c for a, c in s.obs_spans]
@@ -350,6 +361,7 @@ def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family
     assert len(later) >= 8 and all(rows == p + n - 1 - st for p, st, rows, n in later), starts
     engine.flush_cache()
     monkeypatch.setattr(engine, "_answer", answer)
+    monkeypatch.setattr(engine, "stream", stream)
     fresh = engine.generate([list(s.prompt_ids) + list(s.response_ids) for s in out], greedy(1))
     for s, f in zip(out, fresh):
         assert s.routes.shape[0] == s.prompt_len + s.response_len - 1
