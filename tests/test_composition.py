@@ -53,3 +53,7 @@ def test_every_cell_of_the_composition_trains_with_its_invariants(matrix, cell):
         assert all(sum(back[:k + 1]) <= sum(out[:k]) for k in range(STEPS)), (out, back)
     if engine == "sglang":
         assert r["requests"] >= STEPS * PROMPTS * N  # every sample went through a stub server's /generate
+        if schedule == "async" and task == "single":  # a prompt's continued samples go to one server (the prompt
+            # prefilled once there), as its n samples did
+            assert r["continuations"]["split"] == 0, r["continuations"]
+            assert r["continuations"]["groups"] > 0 or filt == "ds", r["continuations"]  # (ds: by timing)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import tests.workers.train_hooks as hooks
 from moe.model import load_hf_config
 from rlpo_mega.config import load_config
+from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import train
 from tests.dist import write_report
 from tests.model_sglang import ModelSGLang
@@ -70,6 +71,46 @@ def cell_config(run_dir, data, extra, schedule, task, filt, *more):
         *extra, *SCHEDULES[schedule], *(o.format(data=data) for o in TASKS[task]), *FILTERS[filt], *more))
 
 
+class Continuations:
+    """SGLang cells: each answer in a partial rollout's continuation round (the async producer's call for the
+    unfinished samples of single answers: each continued from its interrupted answer, or sent again from its
+    prompt; the calls that pass routes_from) by engine call, with the server that answered it."""
+
+    def __enter__(self):
+        self.calls, self.answers, self.continuing = 0, [], False
+        self.stream, self.answer = SGLangEngine.stream, SGLangEngine._answer
+        c = self
+
+        def stream(engine, *a, **kw):
+            c.calls += 1
+            c.continuing = kw.get("routes_from") is not None and kw.get("more") is None and kw.get("n") == 1
+            return c.stream(engine, *a, **kw)
+
+        def answer(engine, server, prompt_index, prompt, rid, status, body, size, start=0):
+            if c.continuing:
+                c.answers.append((c.calls, list(prompt), server.url))
+            return c.answer(engine, server, prompt_index, prompt, rid, status, body, size, start)
+        SGLangEngine.stream, SGLangEngine._answer = stream, answer
+        return self
+
+    def __exit__(self, *exc):
+        SGLangEngine.stream, SGLangEngine._answer = self.stream, self.answer
+
+    def split(self, trained: dict) -> dict:
+        """Per engine call and prompt, the servers its continuations went to; -> the count of (call, prompt) with
+        more than one, and of (call, prompt) in all."""
+        prompts = {tuple(s["prompt"]) for v in trained.values() for s in v}
+        servers: dict = {}
+        unmatched = 0
+        for call, request, url in self.answers:
+            p = next((p for p in prompts if tuple(request[:len(p)]) == p), None)
+            unmatched += p is None  # (dynamic sampling: a group not trained)
+            if p is not None:
+                servers.setdefault((call, p), set()).add(url)
+        return {"split": sum(len(v) > 1 for v in servers.values()), "groups": len(servers), "unmatched": unmatched,
+                "answers": len(self.answers)}
+
+
 def run(out, data, engine, schedule, task, filt):
     name = f"{engine}/{schedule}/{task}/{filt}"
     run_dir = os.path.join(out, name.replace("/", "_"))
@@ -82,7 +123,7 @@ def run(out, data, engine, schedule, task, filt):
     trained: dict = {}
     try:  # async: a slow engine, the next step's calls still running when the learner syncs, each sync after their
         # first tokens (partial rollouts happen)
-        with recorded(trained, slow="0.02" if schedule == "async" else None):
+        with recorded(trained, slow="0.02" if schedule == "async" else None), Continuations() as continued:
             rc = train(cfg, keep_world=True)
     finally:
         for s in servers:
@@ -91,7 +132,7 @@ def run(out, data, engine, schedule, task, filt):
         history = [json.loads(line) for line in f]
     return name, {"rc": rc, "history": history, "groups": _groups(trained),
                   "checks": _check_episodes(trained, versioned=schedule == "async"),
-                  "requests": sum(s.requests for s in servers)}
+                  "requests": sum(s.requests for s in servers), "continuations": continued.split(trained)}
 
 
 if __name__ == "__main__":

@@ -351,10 +351,12 @@ class RolloutWorker:
             prompts = [continuation_prompt(job.parts[k]) if k in job.parts else job.items[k[0]].input_ids
                        for k in todo]
             budgets = [self.max_new - (len(job.parts[k].response_ids) if k in job.parts else 0) for k in todo]
-            # a continuation needs the routing rows from its part's last token on only (SGLang returns those)
+            # a continuation needs the routing rows from its part's last token on only (SGLang returns those); a
+            # prompt's samples go on together on one server, as its n samples started (its prefix prefilled once)
             held = [len(p) - 1 if k in job.parts else 0 for k, p in zip(todo, prompts)]
             gen = engine.stream(prompts, sampling_params(self.cfg, self.tokenizer, mix_seed(job.seed, job.rounds)),
-                                n=1, max_new_tokens=budgets, routes_from=held)
+                                n=1, max_new_tokens=budgets, routes_from=held,
+                                affinity=[("prompt", k[0]) for k in todo])
         job.rounds += 1
 
         def answered(k, answers):
