@@ -46,7 +46,7 @@ def _positions(cu: torch.Tensor, cp: int, local: int, ranks: torch.Tensor) -> to
     seq = torch.searchsorted(cu[1:] // cp, t, right=True)  # each local row's sequence
     j = t - cu[seq] // cp  # its place in the sequence's local share
     c = ((cu[seq + 1] - cu[seq]) // (2 * cp))[None, :]  # its sequence's chunk length
-    r = ranks.to(cu.device)[:, None]
+    r = ranks[:, None]
     return cu[seq][None, :] + torch.where(j[None, :] < c, r, 2 * cp - 1 - r) * c + j[None, :] % c
 
 
@@ -68,7 +68,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_pa
     # the whole row's K and V in sequence order: gathered rank-major (K and V in one collective), then every
     # position reads its row of the gathered block
     kv = torch.cat(all_gather(torch.cat([key, value], dim=-1).contiguous(), group=group))
-    held = _positions(cu, cp, t, torch.arange(cp)).reshape(-1)  # gathered row -> its position
+    held = _positions(cu, cp, t, torch.arange(cp, device=dev)).reshape(-1)  # gathered row -> its position
     order = torch.empty_like(held)
     order[held] = torch.arange(held.shape[0], device=dev)  # position -> its gathered row
     kv = kv.index_select(0, order)

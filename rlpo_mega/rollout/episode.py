@@ -241,13 +241,13 @@ class EpisodeBatch:
         interrupt(): a message for the engine's stream after each answer ("stop_sending" when a weight update
         waits: the episodes not answered, or answered "abort", continue at the next call)."""
         live = [e for e in self.eps if e.finish is None and not e.stepping]
-        feed = Feed(lambda: take(), lambda: self.stepping > 0) \
-            if self.continuous and getattr(engine, "takes_more", False) else None
-        if not live and not (feed is not None and self.stepping):
+        fed = self.continuous and getattr(engine, "takes_more", False)
+        if not live and not (fed and self.stepping):
             self.progressed = True
             return []
         sent = list(live)  # by the stream's prompt index: then the feed's, as it takes them
-        ended, appended = [], []  # appended: per answer or steps settled, whether an episode moved on
+        ended = []
+        self.progressed = False  # an answer appended tokens or ended a turn, or a returned step was settled
 
         def take() -> Optional[list]:
             """The feed: the episodes whose steps have returned and go on, sent into the running call (appended to
@@ -255,12 +255,13 @@ class EpisodeBatch:
             if interrupt is not None and interrupt() == "stop_sending":
                 return None
             got = self._drain()
-            appended.append(bool(got))
+            self.progressed |= bool(got)
             back = self._settle_returned(got)
             sent.extend(back)
             return [(e.ids, e.budget(params.max_new_tokens, self.limits.max_tokens),
                      e.meta.server or ("prompt", e.prompt_index), e.held_rows) for e in back]
 
+        feed = Feed(take, lambda: self.stepping > 0) if fed else None
         # each episode back to the server whose prefix cache holds it (a prompt's n episodes start on one server:
         # their prompt is cached once), asking only for the routing rows it lacks
         gen = engine.stream([e.ids for e in live], params, n=1,
@@ -274,7 +275,7 @@ class EpisodeBatch:
             self.confirmed += got[0].meta.weight_version is not None
             e, before = sent[i], len(sent[i].response)
             turn = e.add_answer(a)
-            appended.append(turn is not None or len(e.response) > before)
+            self.progressed |= turn is not None or len(e.response) > before
             if turn is not None:
                 if feed is not None:  # its step now: the episode's next turn joins this call when it returns
                     self._step(e, a, turn)
@@ -287,7 +288,6 @@ class EpisodeBatch:
             drive(gen, answered)
         finally:
             self._feed = None
-        self.progressed = any(appended)
         return ended
 
     def settle(self, ended: list[tuple]) -> list[tuple[int, list[Sample]]]:
