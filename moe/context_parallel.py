@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.nn.functional import all_gather
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
 def padded_length(length: int, cp: int, tp: int = 1) -> int:
@@ -50,6 +50,43 @@ def _positions(cu: torch.Tensor, cp: int, local: int, ranks: torch.Tensor) -> to
     return cu[seq][None, :] + torch.where(j[None, :] < c, r, 2 * cp - 1 - r) * c + j[None, :] % c
 
 
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """x [t, ...] of every rank of `group`, concatenated rank-major along the first dimension; the backward
+    reduce-scatters (sums) each row's gradient into its owner. megatron-core's sequence-parallel gather over
+    the CP group: one collective each way on NCCL and gloo alike (torch.distributed.nn's all_gather emulates its
+    backward on gloo with scatters addressed by group rank, wrong on a subgroup such as CP's under TP)."""
+    return gather_from_sequence_parallel_region(x.contiguous(), tensor_parallel_output_grad=True, group=group)
+
+
+def _sequence_order(cu: torch.Tensor, cp: int, local: int) -> torch.Tensor:
+    """For each position of the whole padded row, its row in the rank-major concatenation of every CP rank's
+    local rows (what an all-gather returns): the inverse of the layout."""
+    held = _positions(cu, cp, local, torch.arange(cp, device=cu.device)).reshape(-1)  # gathered row -> position
+    order = torch.empty_like(held)
+    order[held] = torch.arange(held.shape[0], device=cu.device)
+    return order
+
+
+def local_rows(cu_padded: torch.Tensor, cp: int, rank: int, local: int) -> torch.Tensor:
+    """This rank's `local` rows' places in the whole padded row (on cu's device, no host read): shard_index
+    from the tensors' sizes."""
+    cu = cu_padded.to(torch.long)
+    return _positions(cu, cp, local, torch.full((1,), rank, device=cu.device))[0]
+
+
+def gather(values: torch.Tensor, cu_padded: torch.Tensor, group) -> torch.Tensor:
+    """Per-token values of this CP rank's local row [1, t / cp, ...] -> the whole padded row [1, t, ...] in
+    sequence order, on every CP rank. Differentiable: the all-gather's backward sums every rank's gradient of
+    each row into its owner. Every CP rank then computes the same loss over the whole row, so each rank's
+    gradient is cp times its own tokens' share; the per-token normalisation megatron applies (the token count
+    all-reduced over data x context parallel ranks, cp times the row's) cancels that factor exactly -- as
+    Megatron-LM's RL does (rl_utils.py)."""
+    cp = dist.get_world_size(group)
+    rows = all_gather(values[0], group)
+    cu = cu_padded.to(device=values.device, dtype=torch.long)
+    return rows.index_select(0, _sequence_order(cu, cp, values.shape[1])).unsqueeze(0)
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_padded: torch.Tensor,
               longest: int, group, scale: float) -> torch.Tensor:
     """Causal attention of this CP rank's queries over their sequences' whole prefixes.
@@ -67,11 +104,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_pa
     lcu = cu // cp
     # the whole row's K and V in sequence order: gathered rank-major (K and V in one collective), then every
     # position reads its row of the gathered block
-    kv = torch.cat(all_gather(torch.cat([key, value], dim=-1).contiguous(), group=group))
-    held = _positions(cu, cp, t, torch.arange(cp, device=dev)).reshape(-1)  # gathered row -> its position
-    order = torch.empty_like(held)
-    order[held] = torch.arange(held.shape[0], device=dev)  # position -> its gathered row
-    kv = kv.index_select(0, order)
+    kv = all_gather(torch.cat([key, value], dim=-1), group)
+    kv = kv.index_select(0, _sequence_order(cu, cp, t))
     k, v = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
     # per sequence: its 2c local queries against its `longest`-padded keys, as one batch
     half = longest // (2 * cp)

@@ -70,6 +70,7 @@ class ParallelSizes:
     expert: int = 1
     expert_tensor: int = 1
     sequence_parallel: bool = False
+    context: int = 1
 
 
 FAST_PATH_FIELDS = ("gradient_accumulation_fusion", "bias_dropout_fusion", "apply_rope_fusion",
@@ -121,6 +122,7 @@ def transformer_config(hf: PretrainedConfig, par: ParallelSizes, params_dtype=to
         expert_model_parallel_size=par.expert,
         expert_tensor_parallel_size=par.expert_tensor,
         sequence_parallel=par.sequence_parallel,
+        context_parallel_size=par.context,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -24,12 +24,15 @@ by an index gather. The projections, MoE layers and logits, most of the compute,
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from . import context_parallel
 
 
 def _native_gqa(query: torch.Tensor, value: torch.Tensor) -> bool:
@@ -49,14 +52,24 @@ class PackedDotProductAttention(DotProductAttention):
         # TE's attention; the local DotProductAttention has no such arguments and fails to build). The local
         # math takes the q/k dim from the tensors and sizes its output by config.kv_channels, which the MLA
         # family sets to the value head dim: checked here, not assumed.
+        config = kwargs.get("config", args[0] if args else None)
+        cp = config.context_parallel_size
+        if cp > 1:  # megatron's local attention asserts CP == 1 in its constructor: the CP branch below runs it
+            kwargs["config"], args = copy.copy(config), args[1:] if args else args
+            kwargs["config"].context_parallel_size = 1
         super().__init__(*args, **kwargs)
+        self.config = config
         if v_channels is not None and v_channels != self.config.kv_channels:
             raise ValueError(f"core attention: v_channels={v_channels} but config.kv_channels="
                              f"{self.config.kv_channels}; an MLA config must set kv_channels to v_head_dim")
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        cp = self.config.context_parallel_size
         if packed_seq_params is None:
+            if cp > 1:
+                raise ValueError(f"context parallelism ({cp}) without Transformer Engine runs packed (THD) "
+                                 "micro-batches only; set trainer.layout=packed")
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; only 'thd' is supported")
@@ -77,6 +90,22 @@ class PackedDotProductAttention(DotProductAttention):
                              "PackedSeqParams.max_seqlen_q to a Python int (the longest sequence); reading it "
                              f"from cu_seqlens would stop the host at every layer (got {type(longest).__name__})")
         longest = int(longest)
+        # query-key layer scaling divides the parent's scale by the layer number for the raw scores and its
+        # softmax multiplies that back (in fp32): the net scale is the product
+        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
+        if cp > 1:
+            # this rank's rows of megatron's THD CP layout (cu_seqlens_q_padded: every sequence padded to
+            # 2 x cp, max_seqlen_q the longest padded one): moe.context_parallel's all-gather-KV attention
+            if self.attention_dropout.training and self.attention_dropout.p > 0:
+                raise ValueError("context parallelism without Transformer Engine: attention dropout is not "
+                                 "supported (set the model's attention_dropout to 0)")
+            cu = packed_seq_params.cu_seqlens_q_padded
+            if cu is None:
+                raise ValueError("context parallelism: PackedSeqParams.cu_seqlens_q_padded (the CP layout) is "
+                                 "not set")
+            out = context_parallel.attention(query, key, value, cu, longest,
+                                             parallel_state.get_context_parallel_group(), scale)
+            return out.unsqueeze(1)
         # thd: query [t, heads, dim] (megatron squeezed the dummy batch dimension). The sequences are laid out
         # as a padded batch [n, heads, longest, dim] for ONE kernel call (a Python loop over hundreds of short
         # sequences costs more than the padding); causal attention never lets a real position see the pads
@@ -96,9 +125,6 @@ class PackedDotProductAttention(DotProductAttention):
         if groups > 1 and not native_gqa:
             # megatron's grouping: query head h reads k/v head h // groups (SDPA's enable_gqa does the same)
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        # query-key layer scaling divides the parent's scale by the layer number for the raw scores and its
-        # softmax multiplies that back (in fp32): the net scale is the product
-        scale = self.softmax_scale * (self.scale_mask_softmax.scale or 1.0)
         dropout_p = self.attention_dropout.p if self.attention_dropout.training else 0.0
         # the parent draws its attention dropout from the TP rank's own stream unless sequence parallel
         rng = (tensor_parallel.get_cuda_rng_tracker().fork() if dropout_p > 0 and not self.config.sequence_parallel

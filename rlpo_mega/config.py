@@ -30,6 +30,9 @@ class ParallelConfig:
     expert: int = 1  # EP
     expert_tensor: Optional[int] = None  # ETP; None = same as tensor (megatron's default)
     sequence_parallel: Optional[bool] = None  # None = on whenever tensor > 1 (required with MoE)
+    # CP: each packed sequence split over `context` ranks (megatron-core's THD layout: padded to 2 x context
+    # (x tensor), chunks r and 2cp-1-r per rank); data-parallel size = world / (tensor x pipeline x context)
+    context: int = 1
     micro_batch_size: int = 1
     num_micro_batches: int = 1
 

@@ -32,10 +32,11 @@ class Layout:
     expert: int
     expert_tensor: int
     sequence_parallel: bool
+    context: int = 1
 
     @property
     def data(self) -> int:
-        return self.world_size // (self.tensor * self.pipeline)
+        return self.world_size // (self.tensor * self.pipeline * self.context)
 
     @property
     def expert_data(self) -> int:
@@ -43,21 +44,22 @@ class Layout:
 
     def sizes(self) -> ParallelSizes:
         return ParallelSizes(self.tensor, self.pipeline, self.expert, self.expert_tensor,
-                             self.sequence_parallel)
+                             self.sequence_parallel, self.context)
 
 
 def resolve_layout(parallel, world_size: int, hf=None) -> Layout:
     """Check `parallel` (a ParallelConfig) against the world and, if given, the HF model config."""
-    tp, pp, ep = parallel.tensor, parallel.pipeline, parallel.expert
+    tp, pp, ep, cp = parallel.tensor, parallel.pipeline, parallel.expert, parallel.context
     etp = parallel.expert_tensor if parallel.expert_tensor is not None else tp
     errors = []
-    for name, v in (("tensor", tp), ("pipeline", pp), ("expert", ep), ("expert_tensor", etp)):
+    for name, v in (("tensor", tp), ("pipeline", pp), ("expert", ep), ("expert_tensor", etp), ("context", cp)):
         if v < 1:
             errors.append(f"parallel.{name}={v} must be >= 1")
     if errors:
         raise ParallelLayoutError("; ".join(errors))
-    if world_size % (tp * pp):
-        errors.append(f"world size {world_size} is not divisible by tensor*pipeline = {tp}*{pp} = {tp * pp}")
+    if world_size % (tp * pp * cp):
+        errors.append(f"world size {world_size} is not divisible by tensor*pipeline*context = {tp}*{pp}*{cp} = "
+                      f"{tp * pp * cp}")
     if world_size % (ep * etp * pp):
         errors.append(
             f"world size {world_size} is not divisible by expert*expert_tensor*pipeline = "
@@ -90,7 +92,7 @@ def resolve_layout(parallel, world_size: int, hf=None) -> Layout:
         errors.append("sequence_parallel=true needs tensor > 1")
     if errors:
         raise ParallelLayoutError("bad parallel layout: " + "; ".join(errors))
-    return Layout(world_size, tp, pp, ep, etp, bool(sp))
+    return Layout(world_size, tp, pp, ep, etp, bool(sp), cp)
 
 
 def init_process_group(timeout_minutes: int = 30):
@@ -138,6 +140,7 @@ def init_model_parallel(layout: Layout):
         pipeline_model_parallel_size=layout.pipeline,
         expert_model_parallel_size=layout.expert,
         expert_tensor_parallel_size=layout.expert_tensor,
+        context_parallel_size=layout.context,
         create_gloo_process_groups=True,
     )
 

@@ -118,25 +118,32 @@ def _thd_rope_vectorized():
     import torch
     from megatron.core.models.common.embeddings import rope_utils
 
+    from moe import context_parallel
+
     original = rope_utils._apply_rotary_pos_emb_thd
     if getattr(original, "_rlpo_vectorized", False):
         return
 
     def _apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, rotary_interleaved=False, multi_latent_attention=False,
                                   mscale=1.0, cp_group=None):
-        if cp_group is None or cp_group.size() != 1:
+        if cp_group is None:
             return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
                             multi_latent_attention=multi_latent_attention, mscale=mscale, cp_group=cp_group)
         # No host sync (this runs twice per layer): megatron's torch.split of t by the sequence lengths
-        # requires cu_seqlens[-1] == t.size(0), so its test `freqs.size(0) == cu_seqlens[-1]` is this one on
-        # host ints, and the per-token offsets are sized by n, not by reading the lengths.
-        n = t.size(0)
-        if freqs.dim() >= 1 and freqs.size(0) == n:  # freqs of every packed position (case 1)
-            packed = freqs[:n]
+        # requires cu_seqlens[-1] == cp x t.size(0), so its test `freqs.size(0) == cu_seqlens[-1]` is this one
+        # on host ints, and the per-token offsets are sized by n, not by reading the lengths.
+        n, cp = t.size(0), cp_group.size()
+        cu = cu_seqlens.to(device=t.device, dtype=torch.long)
+        if cp > 1:
+            # megatron's CP layout (cu_seqlens: the padded ones, global): each local row's place in the whole
+            # row, chunks rank and 2cp-1-rank per sequence (megatron's _get_thd_freqs_on_this_cp_rank, vectorised)
+            rows = context_parallel.local_rows(cu, cp, cp_group.rank(), n)
+        else:
+            rows = torch.arange(n, device=t.device)
+        if freqs.dim() >= 1 and freqs.size(0) == cp * n:  # freqs of every packed position (case 1)
+            packed = freqs[:n] if cp == 1 else freqs[rows.to(freqs.device)]
         else:  # freqs of positions 0..max_s-1: each token's position within its own sequence (case 2)
-            cu = cu_seqlens.to(device=t.device, dtype=torch.long)
-            pos = torch.arange(n, device=t.device) - torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1],
-                                                                             output_size=n)
+            pos = rows - cu[torch.searchsorted(cu[1:], rows, right=True)]
             packed = freqs[pos.to(freqs.device)]
         return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), packed, rotary_interleaved=rotary_interleaved,
                                                      multi_latent_attention=multi_latent_attention,

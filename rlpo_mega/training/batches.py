@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from moe.context_parallel import padded_length, shard_index
 from moe.routing.trace import RoutingTrace
 from moe.routing.transport import LIVE, PAD, Segment, local_routes
 from rlpo_mega import platform
@@ -50,6 +51,9 @@ class MicroBatch:
     cu_seqlens: Optional[torch.Tensor] = None  # int32 [samples (+ the alignment tail) + 1]
     max_seqlen: Optional[int] = None
     index: Optional[torch.Tensor] = None  # [n, s]: each sample's positions in the packed row (the loss view)
+    # context parallelism: the row above is this CP rank's shard of the padded row these describe (megatron's
+    # THD layout: every sample padded to 2 x cp (x tp), global); the loss view's index is into the padded row
+    cu_seqlens_padded: Optional[torch.Tensor] = None  # int32 [samples + 1]
     samples: list = field(default_factory=list)  # the step's sample indices in this micro-batch
     # the critic's copy (training/critic.py): GAE's returns and the old values
     returns: Optional[torch.Tensor] = None
@@ -89,10 +93,11 @@ def _sample_rows(samples, received, idx):
 
 def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tensor, keep: torch.Tensor, *,
                       layout: str, align: int, pad_id: int, padded_len: Optional[int] = None,
-                      recipient=None, topk: int = 0) -> MicroBatch:
+                      recipient=None, topk: int = 0, cp: tuple[int, int] = (1, 0)) -> MicroBatch:
     """One micro-batch (host tensors). idx: sample indices (may be empty: a rank with fewer samples than
     the agreed micro-batch count runs one masked pad segment, so every rank joins each forward's
     collectives). recipient: this rank's moe.routing.transport.Recipient when routes are replayed.
+    cp: (context-parallel size, this rank's CP rank); above 1 the packed row is this rank's CP shard.
     Built with whole-batch tensor ops (a few per micro-batch, not per sample)."""
     rows = _sample_rows(samples, received, idx)
     n = max(1, len(rows))
@@ -127,6 +132,8 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
         batch.tokens, batch.labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         placement = [Segment(k, k, 0, s.span) for k, (_, s, _) in enumerate(rows)]
         n_rows, seq_len = n, width
+    elif cp[0] > 1:
+        return _context_parallel_rows(batch, rows, ids, spans, col, align, pad_id, recipient, topk, *cp)
     else:
         total = int(spans.sum()) if rows else 0
         t = -(-max(total, 1) // align) * align
@@ -169,6 +176,51 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
     return batch
 
 
+def _context_parallel_rows(batch, rows, ids, spans, col, align, pad_id, recipient, topk, cp, rank) -> MicroBatch:
+    """The packed micro-batch under context parallelism: every sample padded to its own multiple of 2 x cp x
+    align (megatron-core's THD divisibility; align = tp under sequence parallelism, whose scatter then cuts the
+    CP-local row evenly), then this CP rank's rows (moe.context_parallel.shard_index: chunks rank and
+    2cp-1-rank of each sample). cu_seqlens are the padded ones, global, as megatron passes them; each sample's
+    labels are its own next tokens before the split. Routes: the padded row's, cut the same way, then the
+    sequence-parallel rank's contiguous slice of the CP-local row."""
+    unit = 2 * cp * align
+    padded = -(-spans // unit) * unit
+    offsets = torch.cumsum(padded, 0) - padded  # each sample's first position in the padded row
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(padded, 0)])
+    t = int(cu[-1])
+    tokens = torch.full((t,), pad_id, dtype=torch.long)
+    labels = torch.full((t,), pad_id, dtype=torch.long)
+    real = col < spans[:, None]
+    where = (offsets[:, None] + col)[real]  # row-major: sample by sample, as ids hold them
+    if rows:
+        ends = torch.cumsum(spans + 1, 0)
+        last = torch.zeros(ids.numel(), dtype=torch.bool)
+        first = torch.zeros(ids.numel(), dtype=torch.bool)
+        last[ends - 1] = True
+        first[ends - spans - 1] = True
+        tokens[where], labels[where] = ids[~last], ids[~first]
+    index = torch.where(col < spans[:, None], offsets[:, None] + col, torch.zeros((), dtype=torch.long))
+    if not rows:
+        index.zero_()
+    pos = torch.arange(t) - torch.repeat_interleave(offsets, padded)
+    mine = shard_index(cu, cp, rank)
+    batch = replace(batch, tokens=tokens[mine].unsqueeze(0), labels=labels[mine].unsqueeze(0), index=index,
+                    position_ids=pos[mine].unsqueeze(0), cu_seqlens=cu.to(torch.int32),
+                    cu_seqlens_padded=cu.to(torch.int32), max_seqlen=int(padded.max()))
+    if recipient is not None and rows:
+        first = rows[0][2].routes
+        dtype = torch.int32 if first.dtype == torch.int32 else torch.int16
+        full = torch.full((t, first.shape[1], topk), PAD, dtype=dtype)
+        for (_, _, r), o in zip(rows, offsets.tolist()):
+            at = o + r.routes_from
+            full[at:at + r.routes.shape[0]] = r.routes
+            if r.replaced is not None:
+                full[at:at + r.routes.shape[0]][r.replaced] = LIVE
+        a, b = recipient.shard(mine.numel())
+        batch.routes = full[mine[a:b]].unsqueeze(0)
+    return batch
+
+
 def _packed_routes(rows, recipient, t: int, topk: int) -> torch.Tensor:
     """The packed row's routes [1, this rank's sequence shard, its MoE layers, topk]: the samples' routes back
     to back (they are the packed positions), PAD on the alignment tail, LIVE where a trace entry was replaced
@@ -208,20 +260,25 @@ def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: tor
                           "rollout.embedded.capture_routes=true)")
     spans = [s.span for s in samples]
     t = cfg.trainer
-    plan = plan_step(spans, t.mini_batches, dp, cfg.parallel.num_micro_batches, t.max_tokens_per_micro_batch,
+    cp = (parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank())
+    # under context parallelism the plan counts each sample padded to the CP layout: a micro-batch's token
+    # budget is its CP group's (the whole padded row), and the DP split balances what the ranks compute
+    planned = [padded_length(n, cp[0], tp) for n in spans] if cp[0] > 1 else spans
+    plan = plan_step(planned, t.mini_batches, dp, cfg.parallel.num_micro_batches, t.max_tokens_per_micro_batch,
                      t.layout, align=tp)
     # under sequence parallelism each rank of a TP group receives only its sequence shard's route rows
+    # (under context parallelism, for now, every row of its samples: it cuts its CP and SP shards itself)
     sp = recipients[0].sp_size
-    shards = plan.shards(spans, tp, sp) if with_routes and sp > 1 else None
+    shards = plan.shards(spans, tp, sp) if with_routes and sp > 1 and cp[0] == 1 else None
     with timer("exchange"):
         received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None,
                                     round_bytes=t.exchange_round_mb << 20, shards=shards)
     me = recipients[dist.get_rank()]
     minis = [[build_micro_batch(samples, received, idx, advantages, keep, layout=t.layout, align=tp, pad_id=pad_id,
                                 padded_len=aligned(max(spans), tp), recipient=me if with_routes else None,
-                                topk=spec.topk)
+                                topk=spec.topk, cp=cp)
               for idx in mini] for mini in plan.mine(parallel_state.get_data_parallel_rank())]
-    stats.update({"data/packing_efficiency": sum(spans) / plan.computed_tokens(spans, tp),
+    stats.update({"data/packing_efficiency": sum(spans) / plan.computed_tokens(planned, tp),
                   "data/micro_batches": max(len(m) for m in minis),
                   # this rank's bytes over its own rows' payload (training/exchange.py); rank 0's is logged
                   "data/bytes_over_own_share": xstats["bytes_received"] / max(xstats["own_share_bytes"], 1),

@@ -30,6 +30,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from moe import context_parallel
 from rlpo_mega import platform
 from rlpo_mega.algorithms.logprobs import bad_label_count, vocab_parallel_logprobs
 from rlpo_mega.algorithms.objective import policy_objective, raise_input_faults, validate
@@ -56,9 +57,12 @@ def model_forward(model, batch: MicroBatch):
     """The model on one micro-batch: packed (cu_seqlens: attention and RoPE restart at each sample) or padded."""
     tokens = batch.tokens
     if batch.cu_seqlens is not None:
-        cu = batch.cu_seqlens
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen)
+        cu, padded = batch.cu_seqlens, batch.cu_seqlens_padded
+        # under context parallelism the padded boundaries are the CP layout (RoPE's positions, the attention's
+        # chunks); the pads after each sample's tokens are its own causal tail, never seen by a real token
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                                 cu_seqlens_kv_padded=padded, max_seqlen_q=batch.max_seqlen,
+                                 max_seqlen_kv=batch.max_seqlen)
         return model(input_ids=tokens, position_ids=batch.position_ids, attention_mask=None,
                      packed_seq_params=packed)
     position_ids = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
@@ -67,9 +71,15 @@ def model_forward(model, batch: MicroBatch):
 
 def unpack(values: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
     """Per-token values of a packed row [1, t] -> the [samples, positions] view of the loss (a gather:
-    gradients flow back to the packed positions); padded batches are already in that view."""
+    gradients flow back to the packed positions); padded batches are already in that view. Under context
+    parallelism the row is this rank's shard: moe.context_parallel.gather puts the whole row together first
+    (differentiable), so the losses, their normalisation, GSPO's sequence ratios, the mismatch weights, GAE and
+    the observation masks read every position exactly as without CP."""
     if batch.index is None:
         return values
+    if batch.cu_seqlens_padded is not None:  # a CP shard: the whole padded row first, on every CP rank
+        values = context_parallel.gather(values, batch.cu_seqlens_padded,
+                                         parallel_state.get_context_parallel_group())
     return values[0][batch.index]
 
 
@@ -98,7 +108,10 @@ def policy_loss(batch, logits, *, cfg, resolved, real_vocab, old_from_update=Fal
     b = replace(batch, old_logp=logp.detach()) if old_from_update else batch
     numerator, count, report = policy_objective(logp, b, cfg, resolved, entropy=unpack(entropy.detach(), batch),
                                                 defer_checks=True)
-    report[Stat("labels", "fault")] = bad_label_count(batch.labels, real_vocab)
+    bad = bad_label_count(batch.labels, real_vocab)
+    if batch.cu_seqlens_padded is not None:  # each CP rank holds its shard's labels; the report is the row's
+        dist.all_reduce(bad, group=parallel_state.get_context_parallel_group())
+    report[Stat("labels", "fault")] = bad
     return numerator, count, report
 
 

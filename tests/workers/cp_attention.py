@@ -6,6 +6,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moe.context_parallel import attention, padded_length, shard_index
+from rlpo_mega import platform
 from tests.dist import write_report
 
 CP, HEADS, KV, DIM = 2, 4, 2, 8
@@ -23,6 +24,7 @@ def reference(q, k, v, cu, scale):
 
 
 def main():
+    platform.apply()  # megatron's collectives on a CPU (the CP gather is megatron's sequence-parallel one)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     lengths = [padded_length(n, CP) for n in REAL]

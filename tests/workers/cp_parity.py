@@ -1,0 +1,176 @@
+"""Context parallelism against the same layout without it, on the trainer's data path end to end.
+
+One launch; every rank makes the same synthetic rollout (mixed lengths, one sample shorter than 2 x cp, random
+valid routes the live router would not choose) and owns a contiguous share of it, as an engine rank would. Two
+runs from the same initial weights: the reference (parallel.context=1, so data-parallel over the ranks that CP
+will take; every such layout is itself tested equal to the single process: tests/test_parity.py) and the CP run
+(parallel.context=2). Each: gather_scalars -> prepare_step (advantages, plan, exchange, packed micro-batches cut
+by a token budget) -> old log-probs with R3 replayed -> one policy step (loss, gradients) -> one optimizer step.
+
+Reported per model and loss: the largest relative difference of every gradient, of the parameters after the
+step's update, of the grad norm and of the loss metrics; the old log-probs of every sample (gathered per sample, so the
+micro-batch split does not matter); the R3 placement (each CP rank's attached routes against the engine's
+record for the positions it holds: PAD only on padding); the routing metrics of the CP run.
+argv: model json=loss[+loss] pairs (comma-separated), then config overrides for both runs.
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from moe import context_parallel  # noqa: E402
+from moe.model import load_hf_config  # noqa: E402
+from moe.routing.replay import RoutingReplay  # noqa: E402
+from moe.routing.trace import TraceSpec  # noqa: E402
+from moe.routing.transport import PAD, gather_recipients  # noqa: E402
+from rlpo_mega import distributed  # noqa: E402
+from rlpo_mega.config import load_config  # noqa: E402
+from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
+from rlpo_mega.rollout import Sample as Scored  # noqa: E402
+from rlpo_mega.rollout.gather import gather_scalars  # noqa: E402
+from rlpo_mega.rollout.producers import share  # noqa: E402
+from rlpo_mega.training.old_logprobs import attach_old_logprobs  # noqa: E402
+from rlpo_mega.training.update import optimizer_step, policy_step  # noqa: E402
+from tests.dist import write_report  # noqa: E402
+from tests.workers.packed_parity import staleness  # noqa: E402
+
+N, GROUP = 16, 4
+BUDGET = 64  # tokens per micro-batch (the CP run's: the padded row of its CP group): several micro-batches per rank
+
+
+def rollout(hf, spec):
+    g = torch.Generator().manual_seed(5)
+    plen = torch.randint(2, 7, (N,), generator=g).tolist()
+    rlen = (2.0 + 0.8 * torch.randn(N, generator=g)).exp().clamp(1, 40).long().tolist()  # long-tailed
+    plen[3], rlen[3] = 2, 1  # span 2: below 2 x cp, so one CP rank holds no token of its loss
+    out = []
+    for i in range(N):
+        p = torch.randint(3, hf.vocab_size, (plen[i],), generator=g).tolist()
+        r = torch.randint(3, hf.vocab_size, (rlen[i],), generator=g).tolist()
+        span = plen[i] + rlen[i] - 1
+        routes = torch.rand(span, spec.num_layers, spec.num_experts, generator=g).argsort(-1)[..., :spec.topk]
+        lp = -torch.rand(rlen[i], generator=g)
+        reward = float(torch.rand((), generator=g) > 0.5)
+        out.append(Scored(p, r, lp, "stop", routes, reward=reward, failed=False, correct=reward >= 1))
+    return out
+
+
+def placement(micro, everything, cols, cp, cp_rank, sp_rank, sp):
+    """(routes equal to the engine's record, (position, layer) pairs compared, non-PAD routes on padding) over
+    this rank's attached rows and MoE layers (cols: their trace columns): each local row's place in the padded
+    row, its sample and position there."""
+    good = total = stray = 0
+    for mb in micro:
+        routes = mb.routes[0].cpu().long()  # [local rows (this SP shard), layers, topk]
+        cu = mb.cu_seqlens_padded.long() if mb.cu_seqlens_padded is not None else mb.cu_seqlens.long()
+        local = mb.tokens.shape[1]
+        rows = context_parallel.local_rows(cu, cp, cp_rank, local) if cp > 1 else torch.arange(local)
+        shard = routes.shape[0]
+        rows = rows[sp_rank * shard:(sp_rank + 1) * shard] if sp else rows
+        seq = torch.searchsorted(cu[1:], rows, right=True)
+        for j, (p, k) in enumerate(zip(rows.tolist(), seq.tolist())):
+            at = p - int(cu[k])
+            trace = everything[mb.samples[k]].routes if k < len(mb.samples) else None
+            if trace is not None and at < trace.shape[0]:
+                want = trace[at][list(cols)].long()
+                total += want.shape[0]
+                good += int((routes[j].sort(-1).values == want.sort(-1).values).all(-1).sum())
+            else:
+                stray += int((routes[j] != PAD).any())
+    return good, total, stray
+
+
+def one_run(hf, model_json, loss, context, overrides, everything, spec):
+    cfg = load_config(None, overrides + (f"model.hf_config={model_json}", f"algorithm.loss.name={loss}",
+                                         "routing.mode=r3", "optim.lr=1e-3", f"parallel.context={context}",
+                                         f"trainer.max_tokens_per_micro_batch={BUDGET}"))
+    layout = distributed.init(cfg.parallel, hf, cfg.seed)
+    from megatron.core import parallel_state as ps
+
+    chunks, opt = build_policy(hf, layout, cfg.model, cfg.optim, routing_replay=True)
+    routing = RoutingReplay(chunks, spec, mode="r3")
+    recipients = gather_recipients(chunks, spec)
+    from tools.batch_support import prepare_step
+
+    mine = share(everything, list(range(dist.get_world_size())))
+    samples = gather_scalars([Scored(**vars(s)) for s in mine], spec, "error", None)
+    minis, _, stats = prepare_step(samples, torch.arange(N) // GROUP, cfg, layout.data, layout.tensor, recipients,
+                                   spec, 0)
+    micro = attach_old_logprobs(chunks, [mb.to() for mb in minis[0]], cfg.algorithm, routing=routing)
+    sp = bool(unwrap(chunks[0]).config.sequence_parallel)
+    place = placement(micro, everything, recipients[dist.get_rank()].layer_cols, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                      ps.get_tensor_model_parallel_rank(), sp)
+    old = {}  # sample -> its old log-probs over its positions (last stage)
+    offsets = staleness(loss, everything)
+    for mb in micro:
+        if mb.old_logp is None:
+            continue
+        for k, i in enumerate(mb.samples):
+            old[i] = mb.old_logp[k, :len(everything[i].prompt_ids) + len(everything[i].response_ids) - 1].cpu()
+        off = torch.zeros_like(mb.old_logp)
+        for k, i in enumerate(mb.samples):
+            w = min(off.shape[1], offsets.shape[1])
+            off[k, :w] = offsets[i, :w]
+        mb.old_logp = mb.old_logp - off
+    report = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing)
+    grads = {n: p.main_grad.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
+    before = {n: p.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
+    _, grad_norm = optimizer_step(opt, strict=True)
+    moved = {n: p.detach() - before[n] for n, p in unwrap(chunks[0]).named_parameters()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, old)
+    merged = {i: v for d in every for i, v in d.items()}
+    cp_size = ps.get_context_parallel_world_size()
+    routing.close()
+    del chunks, opt
+    distributed.destroy(keep_world=True)
+    return {"cp": cp_size, "rows": [[mb.tokens.shape[1], int(mb.cu_seqlens[-1])] for mb in micro], "report": report, "grads": grads, "moved": moved, "grad_norm": grad_norm, "old": merged,
+            "placement": place, "micro_batches": stats["data/micro_batches"]}
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def run(model_json, losses, overrides):
+    hf = load_hf_config(model_json)
+    spec = TraceSpec.from_hf(hf)
+    everything = rollout(hf, spec)
+    out = {}
+    for loss in losses:
+        ref = one_run(hf, model_json, loss, 1, overrides, everything, spec)
+        got = one_run(hf, model_json, loss, 2, overrides, everything, spec)
+        worst = torch.tensor([max(rel(got["grads"][n], g) for n, g in ref["grads"].items()),
+                              max(rel(got["moved"][n], m) for n, m in ref["moved"].items()),
+                              sum(int(g.norm() == 0) for g in ref["grads"].values())], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        counts = torch.tensor(got["placement"], dtype=torch.float64)
+        dist.all_reduce(counts)
+        assert set(ref["old"]) == set(got["old"]) == set(range(N)), (sorted(ref["old"]), sorted(got["old"]))
+        logp_rel = max(float((got["old"][i] - ref["old"][i]).abs().max() / ref["old"][i].abs().max().clamp(min=1e-30))
+                       for i in range(N))
+        keys = [k for k, v in ref["report"].items() if isinstance(v, float) and not k.startswith("routing/")]
+        out[loss] = {"grad_rel_max": float(worst[0]), "update_rel_max": float(worst[1]),
+                     "zero_grads": int(worst[2]), "logp_rel_max": logp_rel,
+                     "grad_norm": [got["grad_norm"], ref["grad_norm"]],
+                     "metrics": {k: [got["report"][k], ref["report"][k]] for k in keys},
+                     "routing": {k: v for k, v in got["report"].items() if k.startswith("routing/")},
+                     "placement": counts.tolist(),
+                     "micro_batches": [got["micro_batches"], ref["micro_batches"]],
+                     "cp": [got["cp"], ref["cp"]], "local_rows": got["rows"]}
+    return out
+
+
+def main():
+    models, *overrides = sys.argv[1:]
+    pairs = [m.split("=") for m in models.split(",")]
+    report = {os.path.basename(m): run(m, loss.split("+"), tuple(overrides)) for m, loss in pairs}
+    if dist.get_rank() == 0:
+        write_report(report)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
