@@ -33,3 +33,55 @@ def test_allgather_kv_attention_equals_the_single_rank_attention():
     sequence's causal attention on one rank, in float64."""
     r = torchrun("cp_attention.py", 2)
     assert all(e < 1e-12 for e in r.values()), r
+
+
+QWEN, MIXTRAL, GLM = ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json",
+                      "configs/models/tiny_glm4_moe.json")
+# name: (processes, model=loss[+loss] pairs, overrides). "critic": PPO with GAE and the value model.
+CP_LAYOUTS = {
+    "cp2": (2, f"{QWEN}=grpo+gspo,{MIXTRAL}=critic,{GLM}=grpo", ()),
+    "ep2_cp2": (2, f"{QWEN}=gspo,{MIXTRAL}=grpo", ("parallel.expert=2",)),
+    "tp2_sp_cp2": (4, f"{QWEN}=gspo+critic", ("parallel.tensor=2",)),
+    "pp2_cp2": (4, f"{QWEN}=gspo+critic", ("parallel.pipeline=2", "parallel.num_micro_batches=2")),
+}
+REL_TOL = 1e-5  # tests/test_parity.py's, for every layout against the single process
+
+
+@pytest.mark.parametrize("layout", list(CP_LAYOUTS))
+def test_context_parallel_equals_the_layout_without_it(layout):
+    """tests/workers/cp_parity.py: the trainer's packed micro-batches of mixed lengths (one sample shorter than
+    2 x cp, so a CP rank holds none of its loss tokens), R3 replayed, one policy step and one optimizer step, at
+    `layout` against the same layout with context=1 (data-parallel over those ranks instead; each such layout is
+    tested equal to the single process in tests/test_parity.py), from the same weights on the same samples:
+    - every gradient, after megatron's finalize (DP x CP reduction, per-token normalisation), and the update;
+    - every sample's old log-probs, gathered back from the CP shards;
+    - the losses' metrics (GSPO's sequence ratios and clip fractions, entropy, mismatch), the critic's GAE
+      statistics, value loss and gradients;
+    - R3 under CP: each rank's attached routes equal the engine's record at every position it holds (its CP
+      chunks, then its SP slice, its stage's layers), PAD only on padding."""
+    nproc, models, overrides = CP_LAYOUTS[layout]
+    report = torchrun("cp_parity.py", nproc, models, *overrides)
+    for model, by_loss in report.items():
+        for loss, r in by_loss.items():
+            where = f"{layout} {model} {loss}"
+            assert r["cp"] == [2, 1], where
+            assert r["zero_grads"] == 0, f"{where}: a parameter without gradient proves nothing"
+            assert r["grad_rel_max"] <= REL_TOL, f"{where}: gradient rel error {r['grad_rel_max']:.2e}"
+            assert r["logp_rel_max"] <= REL_TOL, f"{where}: old log-prob rel error {r['logp_rel_max']:.2e}"
+            a, b = r["grad_norm"]
+            assert abs(a - b) <= REL_TOL * b, f"{where}: grad norm {a} vs {b}"
+            # Adam's first step is ~lr * sign(g): entries with |g| near float32 noise move the update's error up
+            assert r["update_rel_max"] <= 1e-3, f"{where}: update rel error {r['update_rel_max']:.2e}"
+            for key, (got, want) in r["metrics"].items():
+                # the policy loss sums O(1) terms of both signs to ~1e-3 (GSPO, PPO): float32 rounding of that
+                # sum in another micro-batch order is ~1e-8 absolute
+                tol = 1e-7 if key == "policy_loss" else REL_TOL * max(abs(want), 1e-6)
+                assert abs(got - want) <= tol, f"{where} {key}: {got} vs {want}"
+            good, total, stray = r["placement"]
+            assert total > 0 and good == total and stray == 0, f"{where}: R3 placement {r['placement']}"
+            assert r["routing"]["routing/update/tokens"] > 0
+            if loss == "critic":
+                c = r["critic"]
+                assert c["grad_rel_max"] <= REL_TOL, f"{where}: critic gradient rel error {c['grad_rel_max']:.2e}"
+                for key, (got, want) in c["metrics"].items():
+                    assert abs(got - want) <= REL_TOL * max(abs(want), 1e-3), f"{where} critic {key}: {got} vs {want}"

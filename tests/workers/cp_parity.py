@@ -31,11 +31,14 @@ from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
 from rlpo_mega.rollout import Sample as Scored  # noqa: E402
 from rlpo_mega.rollout.gather import gather_scalars  # noqa: E402
 from rlpo_mega.rollout.producers import share  # noqa: E402
+from rlpo_mega.training.critic import Critic  # noqa: E402
 from rlpo_mega.training.old_logprobs import attach_old_logprobs  # noqa: E402
 from rlpo_mega.training.update import optimizer_step, policy_step  # noqa: E402
 from tests.dist import write_report  # noqa: E402
 from tests.workers.packed_parity import staleness  # noqa: E402
 
+CRITIC = ("algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip", "algorithm.advantage.gamma=0.99",
+          "algorithm.advantage.lam=0.9", "critic.optim.lr=1e-3", "critic.vf_clip=0.05", "critic.vf_coef=0.5")
 N, GROUP = 16, 4
 BUDGET = 64  # tokens per micro-batch (the CP run's: the padded row of its CP group): several micro-batches per rank
 
@@ -83,9 +86,12 @@ def placement(micro, everything, cols, cp, cp_rank, sp_rank, sp):
 
 
 def one_run(hf, model_json, loss, context, overrides, everything, spec):
-    cfg = load_config(None, overrides + (f"model.hf_config={model_json}", f"algorithm.loss.name={loss}",
-                                         "routing.mode=r3", "optim.lr=1e-3", f"parallel.context={context}",
-                                         f"trainer.max_tokens_per_micro_batch={BUDGET}"))
+    # "critic": PPO with GAE and the value model (training/critic.py), its old values, GAE and one update too
+    with_critic = loss == "critic"
+    settings = CRITIC if with_critic else (f"algorithm.loss.name={loss}",)
+    cfg = load_config(None, overrides + settings + (f"model.hf_config={model_json}", "routing.mode=r3",
+                                                    "optim.lr=1e-3", f"parallel.context={context}",
+                                                    f"trainer.max_tokens_per_micro_batch={BUDGET}"))
     layout = distributed.init(cfg.parallel, hf, cfg.seed)
     from megatron.core import parallel_state as ps
 
@@ -99,6 +105,10 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     minis, _, stats = prepare_step(samples, torch.arange(N) // GROUP, cfg, layout.data, layout.tensor, recipients,
                                    spec, 0)
     micro = attach_old_logprobs(chunks, [mb.to() for mb in minis[0]], cfg.algorithm, routing=routing)
+    critic = critic_stats = None
+    if with_critic:  # phase 4 (values and GAE) before the policy's update, as the trainer runs it
+        critic = Critic(cfg, hf, layout, spec)
+        critic_micro, critic_stats = critic.prepare([micro])
     sp = bool(unwrap(chunks[0]).config.sequence_parallel)
     place = placement(micro, everything, recipients[dist.get_rank()].layer_cols, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
                       ps.get_tensor_model_parallel_rank(), sp)
@@ -119,6 +129,11 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     before = {n: p.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
     _, grad_norm = optimizer_step(opt, strict=True)
     moved = {n: p.detach() - before[n] for n, p in unwrap(chunks[0]).named_parameters()}
+    critic_out = critic_grads = None
+    if with_critic:
+        critic_out = critic.update(critic_micro[0])
+        critic_grads = {n: p.main_grad.detach().clone() for n, p in unwrap(critic.chunks[0]).named_parameters()}
+        critic.close()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, old)
     merged = {i: v for d in every for i, v in d.items()}
@@ -126,7 +141,7 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     routing.close()
     del chunks, opt
     distributed.destroy(keep_world=True)
-    return {"cp": cp_size, "rows": [[mb.tokens.shape[1], int(mb.cu_seqlens[-1])] for mb in micro], "report": report, "grads": grads, "moved": moved, "grad_norm": grad_norm, "old": merged,
+    return {"critic": (critic_stats, critic_out, critic_grads), "cp": cp_size, "rows": [[mb.tokens.shape[1], int(mb.cu_seqlens[-1])] for mb in micro], "report": report, "grads": grads, "moved": moved, "grad_norm": grad_norm, "old": merged,
             "placement": place, "micro_batches": stats["data/micro_batches"]}
 
 
@@ -152,6 +167,14 @@ def run(model_json, losses, overrides):
         logp_rel = max(float((got["old"][i] - ref["old"][i]).abs().max() / ref["old"][i].abs().max().clamp(min=1e-30))
                        for i in range(N))
         keys = [k for k, v in ref["report"].items() if isinstance(v, float) and not k.startswith("routing/")]
+        critic = {}
+        if ref["critic"][0] is not None:
+            (s_ref, o_ref, g_ref), (s_got, o_got, g_got) = ref["critic"], got["critic"]
+            g = torch.tensor([max(rel(g_got[n], a) for n, a in g_ref.items())], dtype=torch.float64)
+            dist.all_reduce(g, op=dist.ReduceOp.MAX)
+            critic = {"grad_rel_max": float(g[0]),
+                      "metrics": {k: [s_got[k], v] for k, v in s_ref.items()}
+                      | {k: [o_got[k], o_ref[k]] for k in ("value_loss", "vf_clip_frac", "grad_norm")}}
         out[loss] = {"grad_rel_max": float(worst[0]), "update_rel_max": float(worst[1]),
                      "zero_grads": int(worst[2]), "logp_rel_max": logp_rel,
                      "grad_norm": [got["grad_norm"], ref["grad_norm"]],
@@ -159,7 +182,7 @@ def run(model_json, losses, overrides):
                      "routing": {k: v for k, v in got["report"].items() if k.startswith("routing/")},
                      "placement": counts.tolist(),
                      "micro_batches": [got["micro_batches"], ref["micro_batches"]],
-                     "cp": [got["cp"], ref["cp"]], "local_rows": got["rows"]}
+                     "cp": [got["cp"], ref["cp"]], "local_rows": got["rows"], "critic": critic}
     return out
 
 
