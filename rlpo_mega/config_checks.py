@@ -21,6 +21,7 @@ import os
 import warnings as _warnings
 from typing import Any, Iterable, Optional
 
+from moe.context_parallel import padded_length
 from moe.families import FAMILIES, UnsupportedModelError
 from moe.model import have_transformer_engine, load_hf_config
 from rlpo_mega.algorithms import objective
@@ -383,6 +384,35 @@ def _check_critic(cfg, warns: list[str]):
     _check_lr_schedule(cfg, c.optim, "critic.optim")
 
 
+def _check_context(cfg, hf):
+    """Context parallelism (parallel.context > 1): what megatron-core 0.16.1 and this trainer run under it."""
+    cp = cfg.parallel.context
+    if cp <= 1:
+        return  # below 1: resolve_layout names it
+    if cfg.trainer.layout != "packed":
+        raise ConfigError(f"parallel.context={cp} splits packed (THD) micro-batches over the CP ranks; "
+                          "trainer.layout=padded is not supported with it: set trainer.layout=packed")
+    if cfg.trainer.warmup.steps > 0:
+        raise ConfigError(f"trainer.warmup.steps={cfg.trainer.warmup.steps} with parallel.context={cp}: the "
+                          "supervised warm-up trains padded rows, which context parallelism does not split; run "
+                          "the warm-up at parallel.context=1 (its checkpoint resumes at any context size) or set "
+                          "trainer.warmup.steps=0")
+    dropout = float(getattr(hf, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0 and not have_transformer_engine():
+        raise ConfigError(f"parallel.context={cp} without Transformer Engine: the all-gather-KV attention "
+                          f"(moe/context_parallel.py) has no attention dropout, and model.hf_config sets "
+                          f"attention_dropout={dropout}; set it to 0 or install Transformer Engine")
+    budget = cfg.trainer.max_tokens_per_micro_batch
+    if budget is not None:
+        response, key = response_budget(cfg)
+        need = padded_length(response + 1, cp, cfg.parallel.tensor)
+        if budget < need:
+            raise ConfigError(f"trainer.max_tokens_per_micro_batch={budget} is per CP group and counts each sample "
+                              f"padded to 2 x parallel.context x parallel.tensor = "
+                              f"{2 * cp * cfg.parallel.tensor}: the longest sample ({key} + a prompt token) takes "
+                              f"{need}; raise it to at least {need}")
+
+
 def _check_batch(cfg, world_size: Optional[int]):
     """rollout batch = prompts_per_step * n_samples sequences -> trainer.mini_batches mini-batches -> DP ranks
     -> parallel.num_micro_batches micro-batches per rank (rlpo_mega.training.warmup.shard_and_split)."""
@@ -418,16 +448,16 @@ def _check_batch(cfg, world_size: Optional[int]):
     if world_size is not None:
         if world_size < 1:
             raise ConfigError(f"world size {world_size} must be >= 1")
-        model_par = par.tensor * par.pipeline
+        model_par = par.tensor * par.pipeline * par.context
         if model_par < 1 or world_size % model_par:
             return  # resolve_layout reports the layout itself
         dp = world_size // model_par
         if mini % dp:
             raise ConfigError(
                 f"a mini-batch of {mini} sequences ({where} / trainer.mini_batches={mb}) does not split over "
-                f"{dp} data-parallel ranks (world size {world_size} / (parallel.tensor*parallel.pipeline = "
-                f"{par.tensor}*{par.pipeline})); make prompts.prompts_per_step*prompts.n_samples/trainer.mini_batches "
-                f"a multiple of {dp}")
+                f"{dp} data-parallel ranks (world size {world_size} / (parallel.tensor*parallel.pipeline*"
+                f"parallel.context = {par.tensor}*{par.pipeline}*{par.context})); make "
+                f"prompts.prompts_per_step*prompts.n_samples/trainer.mini_batches a multiple of {dp}")
         share, what = mini // dp, f"each data-parallel rank's share of a mini-batch ({mini}/{dp} = {mini // dp})"
     else:
         share, what = mini, f"a mini-batch ({mini} sequences, before the data-parallel split)"
@@ -478,6 +508,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
             resolve_layout(cfg.parallel, world_size, hf)
         except ParallelLayoutError as e:
             raise ConfigError(f"{e} (world size {world_size})") from None
+    _check_context(cfg, hf)
     _check_batch(cfg, world_size)
     _check_data(cfg, warns, files)
     for w in warns if log_warnings else ():  # the launcher checks quietly: its workers say them

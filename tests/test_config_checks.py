@@ -391,3 +391,25 @@ def test_colocate_refusals(tiny_hf):
     assert "a node has 8 (cluster.gpus_per_node)" in _err(
         tiny_hf, *sg, "rollout.sglang.num_servers=3", "rollout.sglang.tp_size=4", "cluster.learner_nodes=1",
         "cluster.gpus_per_node=8")
+
+
+def test_context_parallel_refusals_name_the_combination(tiny_hf):
+    """parallel.context > 1: what megatron-core's THD CP layout and this trainer run under it, each refusal naming
+    its keys; the DP split divides by tensor x pipeline x context."""
+    assert check_run_config(_cfg("parallel.context=2"), tiny_hf, world_size=2) == []
+    assert check_run_config(_cfg("parallel.context=2", "parallel.expert=2", "parallel.tensor=2"), tiny_hf,
+                            world_size=4) == []
+    msg = _err(tiny_hf, "parallel.context=2", "trainer.layout=padded")
+    assert "trainer.layout=padded is not supported" in msg and "trainer.layout=packed" in msg
+    msg = _err(tiny_hf, "parallel.context=2", "trainer.warmup.steps=2", f"trainer.warmup.path={PROMPTS}")
+    assert "trainer.warmup.steps=2 with parallel.context=2" in msg
+    # the budget is the CP group's, and each sample counts padded to 2 x cp x tp
+    msg = _err(tiny_hf, "parallel.context=2", "parallel.tensor=2", "rollout.max_new_tokens=30",
+               "trainer.max_tokens_per_micro_batch=31")
+    assert "per CP group" in msg and "at least 32" in msg
+    dropout = Qwen3MoeConfig(**{**tiny_hf.to_dict(), "attention_dropout": 0.1})
+    assert "attention_dropout=0.1" in _err(dropout, "parallel.context=2")
+    msg = _err(tiny_hf, "parallel.context=3", world_size=4)
+    assert "tensor*pipeline*context" in msg
+    msg = _err(tiny_hf, "parallel.context=2", "prompts.prompts_per_step=3", "prompts.n_samples=3", world_size=4)
+    assert "parallel.context = 1*1*2" in msg

@@ -62,6 +62,19 @@ def test_every_loss_logs_every_metric_to_wandb(matrix, loss, mode):
         assert all(0.5 < v <= 1.0 for v in wb.history["routing/update/agreement"])
 
 
+def test_context_parallel_run_replays_the_engines_routes(matrix):
+    """GSPO with R3 at CP2 (the two ranks split every packed sample, EP2 over the same ranks): the learner's
+    routers agree with the engine's record on every token of every shard, and its log-probs with the engine's."""
+    out, report = matrix
+    assert report["gspo_r3_cp2"] == {"rc": 0, "steps": [1, 2]}
+    wb = _wandb(out / "gspo_r3_cp2")
+    assert wb.config["parallel"]["context"] == 2
+    assert wb.history["routing/agreement/mean"] == [1.0, 1.0]  # engine and learner hold the same weights
+    assert all(0.5 < v <= 1.0 for v in wb.history["routing/update/agreement"])
+    assert max(wb.history["mismatch/ratio_dev_max"]) < 1e-4  # embedded engine vs learner, fp32
+    assert all(math.isfinite(v) for v in wb.history["loss/policy"])
+
+
 @pytest.mark.parametrize("mode", ["r3", "r2", "off"])
 def test_ppo_with_a_critic_logs_every_metric(matrix, mode):
     """PPO + GAE (two mini-batches per step, EP2): the critic's metrics in W&B next to the policy's; r3 folds a KL

@@ -36,6 +36,9 @@ def matrix(out):
             run = f"{loss}_{mode}"
             rc = train(cfg(out, run, f"algorithm.loss.name={loss}", f"routing.mode={mode}", *extra))
             runs[run] = {"rc": rc, "steps": [h["step"] for h in history(out, run)]}
+    # context parallelism (CP2 = the EP2 group): R3 replays each CP rank's shard of the engine's routes
+    rc = train(cfg(out, "gspo_r3_cp2", "algorithm.loss.name=gspo", "routing.mode=r3", "parallel.context=2"))
+    runs["gspo_r3_cp2"] = {"rc": rc, "steps": [h["step"] for h in history(out, "gspo_r3_cp2")]}
     # PPO with a critic (GAE), R3 on and off; r3 folds a KL penalty into the rewards and warms the critic up
     for mode, extra in (("r3", ("algorithm.kl.coef=0.04", "algorithm.kl.in_reward=true", "critic.warmup_steps=1")),
                         ("r2", ("trainer.mini_batches=2",)), ("off", ())):
