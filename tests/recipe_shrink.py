@@ -4,7 +4,7 @@ this 2-core CPU, keeping every knob that decides *how* it trains.
 What a shrink may change, and nothing else (`CHANGEABLE`; tests/test_recipes.py checks it):
   model size   model.hf_config -> the tiny config of the same family (configs/models/tiny_<family>.json),
                model.init_from_hf -> a tiny HF checkpoint of it (made by the test, tokenizer inside)
-  world size   parallel.tensor / pipeline / expert: every dimension > 1 becomes 2 (the tiny models have 4
+  world size   parallel.tensor / pipeline / expert / context: every dimension > 1 becomes 2 (the tiny models have 4
                heads, 2 layers, 4 experts); data parallel 2 where the world allows (4 processes at most)
   batch        prompts.prompts_per_step, prompts.n_samples (<= 4), trainer.eval_size, trainer.warmup.steps
                (<= 2). Never the planner's knobs (parallel.num_micro_batches, trainer.max_tokens_per_micro_batch,
@@ -37,7 +37,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CHANGEABLE = {
     "model.hf_config", "model.init_from_hf",
-    "parallel.tensor", "parallel.pipeline", "parallel.expert",
+    "parallel.tensor", "parallel.pipeline", "parallel.expert", "parallel.context",
     "prompts.prompts_per_step", "prompts.n_samples",
     "trainer.eval_size", "trainer.warmup.steps",
     "rollout.max_new_tokens",
@@ -110,14 +110,16 @@ def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: 
     tp = _get(cfg, "parallel.tensor", 1)
     pp = _get(cfg, "parallel.pipeline", 1)
     ep = _get(cfg, "parallel.expert", 1)
+    cp = _get(cfg, "parallel.context", 1)
     etp = _get(cfg, "parallel.expert_tensor", None) or tp
-    tp2, pp2, ep2 = (2 if d > 1 else 1 for d in (tp, pp, ep))
+    tp2, pp2, ep2, cp2 = (2 if d > 1 else 1 for d in (tp, pp, ep, cp))
     etp2 = 2 if etp > 1 else 1
-    dp = 2 if tp2 * pp2 * 2 <= MAX_WORLD else 1
-    world = tp2 * pp2 * dp
+    dp = 2 if tp2 * pp2 * cp2 * 2 <= MAX_WORLD else 1
+    world = tp2 * pp2 * cp2 * dp
     assert world % (ep2 * etp2 * pp2) == 0, (recipe, world, ep2, etp2, pp2)
     s = Shrunk(recipe, world)
-    for key, old, new in (("parallel.tensor", tp, tp2), ("parallel.pipeline", pp, pp2), ("parallel.expert", ep, ep2)):
+    for key, old, new in (("parallel.tensor", tp, tp2), ("parallel.pipeline", pp, pp2), ("parallel.expert", ep, ep2),
+                          ("parallel.context", cp, cp2)):
         if old != new:
             s.set(key, new, "world size")
 

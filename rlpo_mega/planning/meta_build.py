@@ -78,7 +78,7 @@ def _build_rank(req: Request, rank: int) -> dict:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=lay.tensor, pipeline_model_parallel_size=lay.pipeline,
             expert_model_parallel_size=lay.expert, expert_tensor_parallel_size=lay.expert_tensor,
-            create_gloo_process_groups=False)
+            context_parallel_size=lay.context, create_gloo_process_groups=False)
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(0)
@@ -96,7 +96,8 @@ def _build_rank(req: Request, rank: int) -> dict:
         out.update(rank=rank, stage=parallel_state.get_pipeline_model_parallel_rank(),
                    tp_rank=parallel_state.get_tensor_model_parallel_rank(),
                    ep_rank=parallel_state.get_expert_model_parallel_rank(),
-                   dp_rank=parallel_state.get_data_parallel_rank(),
+                   # the DDP buffers' (and the distributed optimizer's) group: data x context parallel
+                   dp_rank=parallel_state.get_data_parallel_rank(with_context_parallel=True),
                    expert_dp_rank=parallel_state.get_expert_data_parallel_rank())
         return out
     finally:

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
+from moe.context_parallel import padded_length
 from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import compact_dtype
@@ -112,13 +113,16 @@ class StepSummary:
     efficiency: float = 1.0  # the worst packing efficiency
 
 
-def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_tokens: int, drivers: int = 1
-                   ) -> StepSummary:
-    """drivers: the engine ranks; each generates a contiguous share of a step's prompts (rollout/producers.share)."""
+def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_tokens: int, drivers: int = 1,
+                   cp: int = 1) -> StepSummary:
+    """drivers: the engine ranks; each generates a contiguous share of a step's prompts (rollout/producers.share).
+    cp: context parallelism, under which each sample counts padded to 2 x cp x tp (training/batches.py) and a
+    micro-batch's tokens are its CP group's."""
     t, s = cfg.trainer, StepSummary()
     n = cfg.prompts.n_samples
     for k, responses in enumerate(lengths):
-        spans = [prompt_tokens + r - 1 for r in responses]
+        real = [prompt_tokens + r - 1 for r in responses]
+        spans = [padded_length(x, cp, tp) for x in real] if cp > 1 else real
         try:
             plan = plan_step(spans, t.mini_batches, dp, cfg.parallel.num_micro_batches,
                              t.max_tokens_per_micro_batch, t.layout, align=tp)
@@ -142,7 +146,7 @@ def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_token
             groups = share_of(range(len(responses) // n), d, drivers)
             mine = responses[groups[0] * n:(groups[-1] + 1) * n] if groups else []
             s.driver_tokens = max(s.driver_tokens, sum(prompt_tokens + r for r in mine))
-        s.efficiency = min(s.efficiency, sum(spans) / plan.computed_tokens(spans, tp))
+        s.efficiency = min(s.efficiency, sum(real) / plan.computed_tokens(spans, tp))
     return s
 
 
@@ -162,7 +166,9 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
                  reserved: int, imbalance: float, engine_ranks: list[int], engine: EnginePlan) -> list[Row]:
     shape = memory.Shape.of(hf, cfg.model.vocab_divisible_by, layout.tensor)
     tp, pp = layout.tensor, layout.pipeline
-    tokens = steps.largest_micro_tokens
+    # under context parallelism each GPU of a CP group runs 1/cp of the micro-batch's (padded) row: its
+    # activations, logits and routes; TE's CP attention (p2p) keeps only the local K/V for the backward
+    tokens = steps.largest_micro_tokens // layout.context
     family = get_family(hf.model_type)
     topk = shape.topk
     route_item = compact_dtype(family.num_experts(hf)).itemsize  # the exchange's wire dtype of a route
@@ -204,7 +210,9 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         if stage in driver_stages:  # an engine rank receives the full weights at each sync, a bucket at a time
             row.parts["sync bucket"] = cfg.rollout.sync_bucket_mb << 20
         row.parts["reserved"] = reserved
-        row.info["micro-batch tokens"] = tokens
+        row.info["micro-batch tokens"] = steps.largest_micro_tokens
+        if layout.context > 1:
+            row.info["tokens per GPU (CP)"] = tokens
         rows.append(row)
     return rows
 
@@ -262,10 +270,13 @@ def dp_positions(layout) -> tuple[dict, dict]:
     parallel_state.RankGenerator)."""
     from megatron.core.parallel_state import RankGenerator
 
-    dense = RankGenerator(tp=layout.tensor, ep=1, dp=layout.data, pp=layout.pipeline, cp=1, order="tp-cp-ep-dp-pp")
+    dense = RankGenerator(tp=layout.tensor, ep=1, dp=layout.data, pp=layout.pipeline, cp=layout.context,
+                          order="tp-cp-ep-dp-pp")
     expert = RankGenerator(tp=layout.expert_tensor, ep=layout.expert, dp=layout.expert_data, pp=layout.pipeline,
                            cp=1, order="tp-cp-ep-dp-pp")
-    return tuple({r: i for g in gen.get_ranks("dp") for i, r in enumerate(g)} for gen in (dense, expert))
+    # the dense gradients and the distributed optimizer's shards span data x context parallel ranks
+    return tuple({r: i for g in gen.get_ranks(kind) for i, r in enumerate(g)}
+                 for gen, kind in ((dense, "dp-cp"), (expert, "dp")))
 
 
 def _state_bytes_per_element(buffer: dict) -> int:
@@ -442,7 +453,8 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     batch = cfg.prompts.prompts_per_step * cfg.prompts.n_samples
     drawn = response_lengths(lengths, response_budget(cfg)[0], batch, steps, seed)
     engine_ranks = engine_cls.ranks(cfg, world_size)
-    summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens, drivers=len(engine_ranks))
+    summary = simulate_steps(cfg, layout.data, layout.tensor, drawn, prompt_tokens, drivers=len(engine_ranks),
+                             cp=layout.context)
     built = meta_run(_request(cfg, layout, value_head=False))
     critic = meta_run(_request(cfg, layout, value_head=True)) if cfg.algorithm.advantage.name == "gae" else None
     gpu = int(c.gpu_memory_gb * GB)
@@ -473,7 +485,8 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     ck.update(storage_gb_per_s=c.storage_gb_per_s, sigterm_save_s=ck["save_s"], window_s=min(lead, shutdown),
               window_from=f"launch/slurm/{sbatch} --signal=B:TERM@{lead}, launch/torchrun.sh --shutdown-timeout "
                           f"{shutdown}", params=n_params + (total_params(critic, layout) if critic else 0))
-    return Plan(config_name, world_size, {"tensor": layout.tensor, "pipeline": layout.pipeline, "expert": layout.expert,
+    return Plan(config_name, world_size, {"tensor": layout.tensor, "pipeline": layout.pipeline,
+                                          "context": layout.context, "expert": layout.expert,
                                           "expert_tensor": layout.expert_tensor, "data": layout.data,
                                           "expert_data": layout.expert_data}, summary, rows, ck, warnings)
 
@@ -485,7 +498,8 @@ def _gb(x) -> str:
 def render(plan: Plan) -> str:
     lay = plan.layout
     s = plan.steps
-    out = [f"{plan.config} at world size {plan.world_size}: TP{lay['tensor']} PP{lay['pipeline']} EP{lay['expert']} "
+    cp = f"CP{lay['context']} " if lay.get("context", 1) > 1 else ""
+    out = [f"{plan.config} at world size {plan.world_size}: TP{lay['tensor']} PP{lay['pipeline']} {cp}EP{lay['expert']} "
            f"ETP{lay['expert_tensor']} DP{lay['data']} (expert DP {lay['expert_data']})",
            f"step plan: {s.steps} drawn steps ok; largest micro-batch {s.largest_micro_tokens} tokens, up to "
            f"{s.most_micro_batches} micro-batches per rank, packing efficiency >= {s.efficiency:.3f}"]
