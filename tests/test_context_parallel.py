@@ -35,11 +35,11 @@ def test_allgather_kv_attention_equals_the_single_rank_attention():
     assert all(e < 1e-12 for e in r.values()), r
 
 
-QWEN, MIXTRAL, GLM = ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json",
-                      "configs/models/tiny_glm4_moe.json")
+QWEN, MIXTRAL, GLM, DEEPSEEK = ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json",
+                                "configs/models/tiny_glm4_moe.json", "configs/models/tiny_deepseek_v3.json")
 # name: (processes, model=loss[+loss] pairs, overrides). "critic": PPO with GAE and the value model.
 CP_LAYOUTS = {
-    "cp2": (2, f"{QWEN}=grpo+gspo,{MIXTRAL}=critic,{GLM}=grpo", ()),
+    "cp2": (2, f"{QWEN}=grpo+gspo,{MIXTRAL}=critic,{GLM}=grpo,{DEEPSEEK}=gspo", ()),
     "ep2_cp2": (2, f"{QWEN}=gspo,{MIXTRAL}=grpo", ("parallel.expert=2",)),
     "tp2_sp_cp2": (4, f"{QWEN}=gspo+critic", ("parallel.tensor=2",)),
     "pp2_cp2": (4, f"{QWEN}=gspo+critic", ("parallel.pipeline=2", "parallel.num_micro_batches=2")),
@@ -54,7 +54,8 @@ def test_context_parallel_equals_the_layout_without_it(layout):
     `layout` against the same layout with context=1 (data-parallel over those ranks instead; each such layout is
     tested equal to the single process in tests/test_parity.py), from the same weights on the same samples:
     - every gradient, after megatron's finalize (DP x CP reduction, per-token normalisation), and the update;
-    - every sample's old log-probs, gathered back from the CP shards;
+    - every sample's old log-probs, gathered back from the CP shards (some responses hold observation spans, out
+      of the loss as in multi-turn episodes);
     - the losses' metrics (GSPO's sequence ratios and clip fractions, entropy, mismatch), the critic's GAE
       statistics, value loss and gradients;
     - R3 under CP: each rank's attached routes equal the engine's record at every position it holds (its CP

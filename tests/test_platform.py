@@ -64,6 +64,8 @@ SCENARIOS = {
                                       "--save-optimizer")),
     # multi-latent attention (deepseek_v3) on the local spec
     "mla": (1, DEEPSEEK, ()),
+    # ... under context parallelism (its YaRN RoPE table cut per CP rank at construction), packed rows
+    "mla_cp2": (2, DEEPSEEK, ("parallel.context=2",)),
     # optimizer CPU offload (megatron's HybridDeviceOptimizer) with slime's one-node flags, bf16 (the local spec's
     # norms stay fp32), saved with the optimizer and loaded into a fresh model and optimizer after the steps
     "tp1_bf16_offload": (1, QWEN, ("model.params_dtype=bfloat16", "optim.use_distributed_optimizer=true",
@@ -109,6 +111,8 @@ ABLATIONS = {
     "distributed_optimizer_without_params": ("pp2_glm_bf16_distopt", "AssertionError"),
     # multi_latent_attention.py:185 isinstance(self.linear_proj, TELinear) with a MagicMock as TELinear
     "mla_have_te_flag": ("mla", "isinstance() arg 2 must be a type"),
+    # rope_utils.py:62-64 building the first MLA layer's YaRN cache (yarn_rotary_pos_embedding.py:98)
+    "cp_pos_emb_cuda": ("mla_cp2", "requires a CUDA or other accelerator backend"),
     # utils.py:348 from optimizer_config.py:383 (TE's version, None, compared with 2.1.0) building the config
     "te_min_version_without_te": ("tp1_bf16_offload", "'>=' not supported between instances of 'NoneType'"),
     # hybrid_optimizer.py:57 (torch.optim.Optimizer.__init__ -> add_param_group) rebuilding the HDO over the shards

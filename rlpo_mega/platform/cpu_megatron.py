@@ -291,6 +291,29 @@ def _patch_tied_embedding_cuda():
     cls.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
 
 
+# 10b. Context parallelism's RoPE table per CP rank (multi-latent attention's YaRN cache, built at construction).
+def _patch_cp_pos_emb_cuda():
+    from megatron.core.models.common.embeddings import rope_utils, yarn_rotary_pos_embedding
+
+    original = rope_utils.get_pos_emb_on_this_cp_rank
+    if getattr(original, "_rlpo_cpu", False):
+        return
+    # its chunk ids are a pinned host tensor moved with .cuda(): neither exists on a CPU build
+    _torch_proxy_for(rope_utils)._overrides["tensor"] = _cpu_factory(torch.tensor)
+
+    def get_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *args, **kwargs: t
+        try:
+            return original(pos_emb, seq_dim, cp_group)
+        finally:
+            torch.Tensor.cuda = saved
+
+    get_pos_emb_on_this_cp_rank._rlpo_cpu = True
+    rope_utils.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank
+    yarn_rotary_pos_embedding.get_pos_emb_on_this_cp_rank = get_pos_emb_on_this_cp_rank  # imported by name there
+
+
 # 11. The mixed-precision and distributed optimizers sort parameters by CUDA tensor type names.
 _CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
                     "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
@@ -470,6 +493,13 @@ PATCHES: tuple[Patch, ...] = (
         ("models/common/language_module/language_module.py:244",),
         "tied input/output embeddings with pipeline parallel call Tensor.cuda() (not in the note)",
         _patch_tied_embedding_cuda,
+    ),
+    Patch(
+        "cp_pos_emb_cuda",
+        ("models/common/embeddings/rope_utils.py:62-64",),
+        "under context parallelism the RoPE table's chunk ids per CP rank are a pinned host tensor moved with "
+        ".cuda() (multi-latent attention's YaRN cache builds it at construction)",
+        _patch_cp_pos_emb_cuda,
     ),
     Patch(
         "optimizer_param_types",

@@ -146,8 +146,9 @@ def token_cross_entropy(logits, labels, real_vocab):
 
 
 def lm_loss(batch, logits, *, real_vocab):
-    """Next-token cross-entropy over the loss mask (the supervised warm-up's loss)."""
-    losses = token_cross_entropy(logits, batch.labels, real_vocab)
+    """Next-token cross-entropy over the loss mask (the supervised warm-up's loss), in the loss view (`unpack`:
+    padded rows as they are, a packed row or its CP shard per sample)."""
+    losses = unpack(token_cross_entropy(logits, batch.labels, real_vocab), batch)
     mask = batch.loss_mask.float()
     total = (losses * mask).sum()
     count = mask.sum().to(torch.int)

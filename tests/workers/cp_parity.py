@@ -1,7 +1,7 @@
 """Context parallelism against the same layout without it, on the trainer's data path end to end.
 
 One launch; every rank makes the same synthetic rollout (mixed lengths, one sample shorter than 2 x cp, random
-valid routes the live router would not choose) and owns a contiguous share of it, as an engine rank would. Two
+valid routes the live router would not choose, observation spans in some responses as multi-turn episodes have) and owns a contiguous share of it, as an engine rank would. Two
 runs from the same initial weights: the reference (parallel.context=1, so data-parallel over the ranks that CP
 will take; every such layout is itself tested equal to the single process: tests/test_parity.py) and the CP run
 (parallel.context=2). Each: gather_scalars -> prepare_step (advantages, plan, exchange, packed micro-batches cut
@@ -57,6 +57,9 @@ def rollout(hf, spec):
         lp = -torch.rand(rlen[i], generator=g)
         reward = float(torch.rand((), generator=g) > 0.5)
         out.append(Scored(p, r, lp, "stop", routes, reward=reward, failed=False, correct=reward >= 1))
+    for s in out[5:16:4]:  # multi-turn episodes: an observation inside the response, conditioned on, not trained on
+        if s.response_len > 8:
+            s.obs_spans = ((3, 4),)
     return out
 
 

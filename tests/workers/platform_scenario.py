@@ -60,6 +60,21 @@ def tp_spread(tensors: dict) -> float:
     return float(worst)
 
 
+def context_parallel_batch(rows: torch.Tensor, tp: int):
+    """This rank's CP shard of the rows as one packed micro-batch (the trainer's own builder): each row a sample of
+    a 4-token prompt and its response, the response tokens in the loss."""
+    from megatron.core import parallel_state
+
+    from rlpo_mega.rollout import Sample
+    from rlpo_mega.training.batches import build_micro_batch
+
+    samples = [Sample(r[:4].tolist(), r[4:].tolist(), torch.zeros(len(r) - 4), "stop", None) for r in rows]
+    n = len(samples)
+    cp = (parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank())
+    return build_micro_batch(samples, samples, list(range(n)), torch.zeros(n), torch.ones(n, dtype=torch.bool),
+                             layout="packed", align=tp, pad_id=0, cp=cp).to()
+
+
 def main():
     model_json = sys.argv[1]
     steps, untag_from, overrides, save_optimizer = 2, None, [], False
@@ -82,7 +97,10 @@ def main():
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, hf.vocab_size, (4, 17), generator=g)
-    micro = split_micro_batches(data_parallel_shard(tokens), cfg.parallel.num_micro_batches)
+    if layout.context > 1:  # CP splits packed rows only: the rows as samples (4-token prompts), packed
+        micro = [context_parallel_batch(data_parallel_shard(tokens), layout.tensor)]
+    else:
+        micro = split_micro_batches(data_parallel_shard(tokens), cfg.parallel.num_micro_batches)
     losses, grad_norms, norm_grad_spread, tags = [], [], [], []
     for i in range(steps):
         if untag_from is not None and i >= untag_from:
