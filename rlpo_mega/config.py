@@ -121,7 +121,9 @@ class TrainerConfig:
     # sample per row, padded to the step's longest (the reference layout; equal rows per rank)
     layout: Literal["packed", "padded"] = "packed"
     # packed: cut each rank's samples into micro-batches of at most this many tokens (None: exactly
-    # parallel.num_micro_batches micro-batches, balanced by tokens); every rank runs as many as the busiest
+    # parallel.num_micro_batches micro-batches, balanced by tokens); every rank runs as many as the busiest.
+    # Under context parallelism the budget is the CP group's: the padded row (each sample padded to 2 x cp x tp)
+    # that its ranks split
     max_tokens_per_micro_batch: Optional[int] = None
     # the exchange of a step's samples (training/exchange.py) runs in rounds of at most this many MB sent and
     # received per rank (a single larger sample alone): its buffers on the GPU stay this size whatever the batch

@@ -264,6 +264,10 @@ def test_resume_at_another_layout(resumed):
     assert steps == [5]  # continued from the EP2 run's step 4 at TP2 (EP1)
     h = resumed["tp2"][0]
     assert math.isfinite(h["loss/policy"]) and h["routing/agreement/mean"] == 1.0
+    assert [h["step"] for h in resumed["cp2"]] == [5]  # the same checkpoint at EP2 x CP2
+    c = resumed["cp2"][0]
+    assert math.isfinite(c["loss/policy"]) and c["routing/agreement/mean"] == 1.0
+    assert c["optim/lr"] == h["optim/lr"]  # the schedule restored where the checkpoint left it
 
 
 def test_colocated_embedded_engine_hands_the_memory_over_and_changes_no_number(tmp_path):

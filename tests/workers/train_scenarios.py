@@ -64,6 +64,8 @@ def resume(out):
               "checkpoint.resume=true", "checkpoint.export_hf=true", *LR_SCHEDULE))
     train(cfg(out, "tp2", "train_iters=5", f"checkpoint.load_dir={ck}", "parallel.expert=1",
               "parallel.tensor=2", *LR_SCHEDULE))
+    # ... and at context parallelism 2 (the EP2 group split each sample instead of the data)
+    train(cfg(out, "cp2", "train_iters=5", f"checkpoint.load_dir={ck}", "parallel.context=2", *LR_SCHEDULE))
     # dynamic sampling with groups carried to the next step: each rank's carried groups are saved with the
     # checkpoint (rank_state/) and trained after the resume where the uninterrupted run trains them
     ds, ck_ds = DYNAMIC + LR_SCHEDULE, os.path.join(out, "ckpt_ds")
@@ -77,7 +79,7 @@ def resume(out):
     train(cfg(out, "full_ads", "train_iters=3", *ads))
     train(cfg(out, "first_ads", "train_iters=1", f"checkpoint.save_dir={ck_ads}", *ads))
     train(cfg(out, "second_ads", "train_iters=3", f"checkpoint.save_dir={ck_ads}", "checkpoint.resume=true", *ads))
-    runs = ("full", "first", "second", "tp2", "full_ds", "first_ds", "second_ds", "full_ads", "second_ads")
+    runs = ("full", "first", "second", "tp2", "cp2", "full_ds", "first_ds", "second_ds", "full_ads", "second_ads")
     return {run: history(out, run) for run in runs} | {
         "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck, "rank_state": saved}
 
