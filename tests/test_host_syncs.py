@@ -21,12 +21,14 @@ pytestmark = pytest.mark.timeout(900)
 MEGATRON_MOE = "megatron/core/transformer/moe/"
 CPU_ONLY = "rlpo_mega/platform/cpu_megatron.py"
 SHAPES = {"l2m1": (2, 1), "l4m3": (4, 3)}
+CP_SHAPES = {"cp_l2m1": (2, 1), "cp_l4m3": (4, 3)}  # the same at context parallelism 2 (CP group = EP group)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("syncs"))
-    return torchrun("host_syncs.py", 2, out, *(f"{n}={l}:{m}" for n, (l, m) in SHAPES.items()), timeout=900)
+    return torchrun("host_syncs.py", 2, out, *(f"{n}={l}:{m}" for n, (l, m) in SHAPES.items()),
+                    *(f"{n}={l}:{m}:2" for n, (l, m) in CP_SHAPES.items()), timeout=900)
 
 
 def _split(counts: dict):
@@ -39,14 +41,17 @@ def _split(counts: dict):
     return ours, megatron_moe
 
 
+@pytest.mark.parametrize("shapes", ["plain", "context_parallel"])
 @pytest.mark.parametrize("phase", ["_old_logprobs", "_update"])
-def test_hot_path_syncs_do_not_grow_with_layers_or_micro_batches(runs, phase):
+def test_hot_path_syncs_do_not_grow_with_layers_or_micro_batches(runs, phase, shapes):
     """The old-log-prob pass and the update (forward/backward with R3, log-prob kernel, objective, the
     finite-gradient check, the optimizer step, the metrics): the same few syncs at 2 layers x 1 micro-batch
     and at 4 layers x 3 micro-batches. Before issue 27: old pass 20 -> 56, update 37 -> 83 (RoPE, packed
-    attention, routing replay, label range, objective checks, drift metrics, one per gradient buffer)."""
-    assert [runs[n]["micro_batches"] for n in SHAPES] == [[1], [3]], "the shapes did not come out as planned"
-    small, large = (_split(runs[n]["syncs"][phase]) for n in SHAPES)
+    attention, routing replay, label range, objective checks, drift metrics, one per gradient buffer). Under
+    context parallelism too: its RoPE positions, all-gather-KV attention and log-prob gather read nothing."""
+    names = SHAPES if shapes == "plain" else CP_SHAPES
+    assert [runs[n]["micro_batches"] for n in names] == [[1], [3]], "the shapes did not come out as planned"
+    small, large = (_split(runs[n]["syncs"][phase]) for n in names)
     assert small[0] == large[0], f"{phase}: our syncs differ between the shapes:\n{small[0]}\n{large[0]}"
     assert sum(small[0].values()) <= {"_old_logprobs": 1, "_update": 10}[phase], small[0]
     # megatron's own per-layer reads, and nothing else of theirs: each grows 6x (2x layers, 3x micro-batches)

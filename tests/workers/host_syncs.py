@@ -5,7 +5,7 @@ value read from it into Python, a copy of it to the host or an op sized by its v
 CUDA). Each run builds the Trainer of the CPU demo (GSPO, R3 routes replayed, packed batches, TIS on the
 rollout log-probs) at a number of layers and micro-batches, runs one RL step and counts the syncs of the
 old-log-prob pass, the update (forward/backward, log-prob kernel, objective, finite-gradient check,
-optimizer step, metrics) and the weight sync (digests). argv: out_dir run... (runs: name=layers:micro).
+optimizer step, metrics) and the weight sync (digests). argv: out_dir run... (runs: name=layers:micro[:context]).
 """
 import json
 import os
@@ -41,12 +41,13 @@ def model_json(out, layers):
     return path
 
 
-def run(out, name, layers, micro):
-    # micro-batches: the packed planner cuts each rank's samples into pieces of at most this many tokens
-    tokens = {1: 10_000, 3: 36}[micro]
+def run(out, name, layers, micro, context=1):
+    # micro-batches: the packed planner cuts each rank's samples into pieces of at most this many tokens (under
+    # context parallelism the CP group's padded row, its DP rank holding twice the samples)
+    tokens = {1: 10_000, 3: 36 if context == 1 else 72}[micro]
     cfg = load_config("configs/demo_cpu.yaml", BASE + (
         f"model.hf_config={model_json(out, layers)}", f"trainer.max_tokens_per_micro_batch={tokens}",
-        f"logging.dir={os.path.join(out, name)}", f"logging.run_name={name}"))
+        f"logging.dir={os.path.join(out, name)}", f"logging.run_name={name}", f"parallel.context={context}"))
     counts, shape = {}, {}
     with DeviceTracker() as tracker:
         t = Trainer(cfg)
@@ -112,7 +113,6 @@ if __name__ == "__main__":
         sys.exit(0)
     for spec in sys.argv[2:]:
         name, shape = spec.split("=")
-        layers, micro = (int(x) for x in shape.split(":"))
-        result[name] = run(out, name, layers, micro)
+        result[name] = run(out, name, *(int(x) for x in shape.split(":")))  # layers:micro[:context]
     if dist.get_rank() == 0:
         write_report(result)
