@@ -34,8 +34,7 @@ from rlpo_mega.rollout.producers import share  # noqa: E402
 from rlpo_mega.training.critic import Critic  # noqa: E402
 from rlpo_mega.training.old_logprobs import attach_old_logprobs  # noqa: E402
 from rlpo_mega.training.update import optimizer_step, policy_step  # noqa: E402
-from tests.dist import write_report  # noqa: E402
-from tests.workers.packed_parity import staleness  # noqa: E402
+from tests.workers.packed_parity import main, make_samples, make_stale, staleness  # noqa: E402
 
 CRITIC = ("algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip", "algorithm.advantage.gamma=0.99",
           "algorithm.advantage.lam=0.9", "critic.optim.lr=1e-3", "critic.vf_clip=0.05", "critic.vf_coef=0.5")
@@ -48,15 +47,7 @@ def rollout(hf, spec):
     plen = torch.randint(2, 7, (N,), generator=g).tolist()
     rlen = (2.0 + 0.8 * torch.randn(N, generator=g)).exp().clamp(1, 40).long().tolist()  # long-tailed
     plen[3], rlen[3] = 2, 1  # span 2: below 2 x cp, so one CP rank holds no token of its loss
-    out = []
-    for i in range(N):
-        p = torch.randint(3, hf.vocab_size, (plen[i],), generator=g).tolist()
-        r = torch.randint(3, hf.vocab_size, (rlen[i],), generator=g).tolist()
-        span = plen[i] + rlen[i] - 1
-        routes = torch.rand(span, spec.num_layers, spec.num_experts, generator=g).argsort(-1)[..., :spec.topk]
-        lp = -torch.rand(rlen[i], generator=g)
-        reward = float(torch.rand((), generator=g) > 0.5)
-        out.append(Scored(p, r, lp, "stop", routes, reward=reward, failed=False, correct=reward >= 1))
+    out = make_samples(hf, spec, plen, rlen, g)
     for s in out[5:16:4]:  # multi-turn episodes: an observation inside the response, conditioned on, not trained on
         if s.response_len > 8:
             s.obs_spans = ((3, 4),)
@@ -118,15 +109,9 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     old = {}  # sample -> its old log-probs over its positions (last stage)
     offsets = staleness(loss, everything)
     for mb in micro:
-        if mb.old_logp is None:
-            continue
-        for k, i in enumerate(mb.samples):
+        for k, i in enumerate(mb.samples if mb.old_logp is not None else ()):
             old[i] = mb.old_logp[k, :len(everything[i].prompt_ids) + len(everything[i].response_ids) - 1].cpu()
-        off = torch.zeros_like(mb.old_logp)
-        for k, i in enumerate(mb.samples):
-            w = min(off.shape[1], offsets.shape[1])
-            off[k, :w] = offsets[i, :w]
-        mb.old_logp = mb.old_logp - off
+    make_stale(micro, offsets)
     report = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing)
     grads = {n: p.main_grad.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
     before = {n: p.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
@@ -189,14 +174,5 @@ def run(model_json, losses, overrides):
     return out
 
 
-def main():
-    models, *overrides = sys.argv[1:]
-    pairs = [m.split("=") for m in models.split(",")]
-    report = {os.path.basename(m): run(m, loss.split("+"), tuple(overrides)) for m, loss in pairs}
-    if dist.get_rank() == 0:
-        write_report(report)
-    distributed.destroy()
-
-
 if __name__ == "__main__":
-    main()
+    main(run)

@@ -39,8 +39,13 @@ def rollout(hf, spec):
     g = torch.Generator().manual_seed(11)
     plen = torch.randint(2, 7, (N,), generator=g).tolist()
     rlen = (torch.distributions.LogNormal(2.0, 0.8).sample((N,)).clamp(1, 40).long()).tolist()
+    return make_samples(hf, spec, plen, rlen, g)
+
+
+def make_samples(hf, spec, plen, rlen, g):
+    """Samples of these prompt and response lengths: random tokens, valid random routes, log-probs, rewards."""
     out = []
-    for i in range(N):
+    for i in range(len(plen)):
         p = torch.randint(3, hf.vocab_size, (plen[i],), generator=g).tolist()
         r = torch.randint(3, hf.vocab_size, (rlen[i],), generator=g).tolist()
         span = plen[i] + rlen[i] - 1
@@ -49,6 +54,17 @@ def rollout(hf, spec):
         reward = float(torch.rand((), generator=g) > 0.5)
         out.append(Scored(p, r, lp, "stop", routes, reward=reward, failed=False, correct=reward >= 1))
     return out
+
+
+def make_stale(micro, offsets):
+    """Subtract `staleness`'s offsets from the micro-batches' old log-probs (last stage), by sample index."""
+    for mb in micro:
+        if mb.old_logp is not None:
+            off = torch.zeros_like(mb.old_logp)
+            for k, i in enumerate(mb.samples):
+                w = min(off.shape[1], offsets.shape[1])
+                off[k, :w] = offsets[i, :w]
+            mb.old_logp = mb.old_logp - off
 
 
 def staleness(loss, samples):
@@ -119,13 +135,7 @@ def run(model_json, losses, overrides):
             received, _ = exchange(samples, _dp_of(cfg, samples, layout), recipients, spec)
             micro = attach_old_logprobs(chunks, [mb.to() for mb in minis[0]], cfg.algorithm, routing=routing)
             good, total = placement_agreement(micro, samples, received, rcpt, tp_rank, sp)
-            for mb in micro:
-                if mb.old_logp is not None:
-                    off = torch.zeros_like(mb.old_logp)
-                    for k, i in enumerate(mb.samples):
-                        w = min(off.shape[1], offsets.shape[1])
-                        off[k, :w] = offsets[i, :w]
-                    mb.old_logp = mb.old_logp - off
+            make_stale(micro, offsets)
             report = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing)
             grads = {n: p.main_grad.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
             res[mode] = {"report": report, "grads": grads, "placement": (good, total), "stats": stats}
@@ -165,10 +175,12 @@ def _dp_of(cfg, samples, layout):
                      t.max_tokens_per_micro_batch, t.layout, align=layout.tensor).dp_of()
 
 
-def main():
+def main(run_model=run):
+    """argv: model json=loss[+loss] pairs, then overrides -> rank 0 reports run_model's result per model (also
+    tests/workers/cp_parity.py's entry point)."""
     models, *overrides = sys.argv[1:]
     pairs = [m.split("=") for m in models.split(",")]
-    report = {os.path.basename(m): run(m, loss.split("+"), tuple(overrides)) for m, loss in pairs}
+    report = {os.path.basename(m): run_model(m, loss.split("+"), tuple(overrides)) for m, loss in pairs}
     if dist.get_rank() == 0:
         write_report(report)
     distributed.destroy()
