@@ -59,7 +59,8 @@ def test_context_parallel_equals_the_layout_without_it(layout):
     - the losses' metrics (GSPO's sequence ratios and clip fractions, entropy, mismatch), the critic's GAE
       statistics, value loss and gradients;
     - R3 under CP: each rank's attached routes equal the engine's record at every position it holds (its CP
-      chunks, then its SP slice, its stage's layers), PAD only on padding."""
+      chunks, then its SP slice, its stage's layers), PAD only on padding; the exchange brought it only those
+      rows."""
     nproc, models, overrides = CP_LAYOUTS[layout]
     report = torchrun("cp_parity.py", nproc, models, *overrides)
     for model, by_loss in report.items():
@@ -81,6 +82,10 @@ def test_context_parallel_equals_the_layout_without_it(layout):
             good, total, stray = r["placement"]
             assert total > 0 and good == total and stray == 0, f"{where}: R3 placement {r['placement']}"
             assert r["routing"]["routing/update/tokens"] > 0
+            # the exchange sends each CP rank only its chunks' route rows: its bytes over its own share's (every
+            # row of every layer) fall below the data-parallel layout's, where each rank holds whole samples
+            got, ref = r["bytes_over_own_share"]
+            assert got < ref, f"{where}: exchange bytes / own share {got:.3f} (CP) vs {ref:.3f}"
             if loss == "critic":
                 c = r["critic"]
                 assert c["grad_rel_max"] <= REL_TOL, f"{where}: critic gradient rel error {c['grad_rel_max']:.2e}"

@@ -1,5 +1,5 @@
 """The exchange of a step's samples in bounded rounds (rlpo_mega.training.exchange): the same payloads as one
-round, on 2 ranks and two layouts, with each round's bytes per rank under the budget; the samples' named states
+round, on 2 ranks and four layouts (DP2, PP2, SP2, CP2), with each round's bytes per rank under the budget; the samples' named states
 (Sample.state: answered, owned, remote, received) along the way."""
 from moe.routing.trace import TraceSpec
 from moe.routing.transport import Recipient
@@ -19,6 +19,9 @@ def test_rounds_deliver_what_one_round_does():
     # the sequence-parallel pair: each rank got its shard's route rows, together every row once
     assert every[0]["sp2"]["route_rows"] + every[1]["sp2"]["route_rows"] == every[0]["pp2"]["route_rows"]
     assert 0 < every[0]["sp2"]["route_rows"] < every[0]["pp2"]["route_rows"]
+    # the context-parallel pair likewise: its chunks' rows (two ranges a sample), together every row once
+    assert every[0]["cp2"]["route_rows"] + every[1]["cp2"]["route_rows"] == every[0]["pp2"]["route_rows"]
+    assert 0 < every[0]["cp2"]["route_rows"] < every[0]["pp2"]["route_rows"]
 
 
 def test_each_round_is_under_the_budget_for_every_rank():

@@ -59,7 +59,8 @@ def packed_placement(spans: Sequence[int], seq_len: int) -> list[Segment]:
 
 @dataclass(frozen=True)
 class Recipient:
-    """What one rank needs: its DP rank, its sequence shard and its routers' trace columns (in order)."""
+    """What one rank needs: its DP rank, its sequence shard (and context-parallel chunks) and its routers' trace
+    columns (in order)."""
 
     rank: int
     dp_rank: int
@@ -67,6 +68,8 @@ class Recipient:
     sp_rank: int
     sp_size: int  # 1 without sequence parallelism
     layer_cols: tuple
+    cp_rank: int = 0
+    cp_size: int = 1  # 1 without context parallelism
 
     def shard(self, seq_len: int) -> tuple[int, int]:
         if seq_len % self.sp_size:
@@ -106,7 +109,8 @@ def local_recipient(model_chunks, spec: TraceSpec) -> Recipient:
     sp = bool(config.sequence_parallel)
     return Recipient(dist.get_rank(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                      ps.get_tensor_model_parallel_rank() if sp else 0,
-                     ps.get_tensor_model_parallel_world_size() if sp else 1, tuple(cols))
+                     ps.get_tensor_model_parallel_world_size() if sp else 1, tuple(cols),
+                     ps.get_context_parallel_rank(), ps.get_context_parallel_world_size())
 
 
 def gather_recipients(model_chunks, spec: TraceSpec) -> list[Recipient]:

@@ -72,11 +72,18 @@ class StepPlan:
         return sum(aligned(max(sum(spans[i] for i in mb), 1), align)
                    for mini in self.micro for rank in mini for mb in rank)
 
-    def shards(self, spans: Sequence[int], align: int, sp_size: int) -> dict[int, list[tuple[int, int]]]:
-        """Each sample's trace rows [lo, hi) held by each sequence-parallel rank: rank k holds positions
+    def shards(self, spans: Sequence[int], align: int, sp_size: int, cp_size: int = 1
+               ) -> dict[int, list[tuple[tuple[int, int], ...]]]:
+        """Each sample's trace rows held by each rank of its sequence-parallel (and context-parallel) group, as
+        ranges ((lo, hi), ...), listed by cp_rank x sp_size + sp_rank. Without CP: SP rank k holds positions
         [k t / sp, (k + 1) t / sp) of its micro-batch's row of t positions (packed: aligned to `align`, the
-        samples back to back; padded: the step's longest sample, aligned). Empty ranges are (span, span) or
-        (0, 0). What the exchange sends a sequence-parallel rank (training/exchange.py)."""
+        samples back to back; padded: the step's longest sample, aligned), one range per sample, empty ranges
+        (span, span) or (0, 0). Under CP (packed): each sample padded to 2 x cp x align, CP rank r holding its
+        chunks r and 2cp-1-r (moe.context_parallel's layout), SP rank k the k-th contiguous part of that local
+        row: at most two ranges per sample, empty ones left out. What the exchange sends each rank
+        (training/exchange.py)."""
+        if cp_size > 1:
+            return self._context_parallel_shards(spans, align, sp_size, cp_size)
         width = aligned(max(spans), align) if self.layout == "padded" else None
         out = {}
         for mini in self.micro:
@@ -85,9 +92,32 @@ class StepPlan:
                     t = width or aligned(max(sum(spans[i] for i in mb), 1), align)
                     n, off = t // sp_size, 0
                     for i in mb:
-                        out[i] = [(min(max(k * n - off, 0), spans[i]), min(max((k + 1) * n - off, 0), spans[i]))
+                        out[i] = [((min(max(k * n - off, 0), spans[i]), min(max((k + 1) * n - off, 0), spans[i])),)
                                   for k in range(sp_size)]
                         off += spans[i] if width is None else 0
+        return out
+
+    def _context_parallel_shards(self, spans, align, sp_size, cp):
+        unit = 2 * cp * align
+        out = {}
+        for mini in self.micro:
+            for rank in mini:
+                for mb in rank:
+                    chunk = [-(-spans[i] // unit) * unit // (2 * cp) for i in mb]
+                    n = 2 * sum(chunk) // sp_size  # each SP rank's part of a CP rank's local row
+                    out.update({i: [] for i in mb})
+                    for r in range(cp):
+                        for k in range(sp_size):
+                            off = 0  # the sample's first row in CP rank r's local row
+                            for i, c in zip(mb, chunk):
+                                a, b = max(k * n - off, 0), min((k + 1) * n - off, 2 * c)  # in its 2c local rows
+                                ranges = []
+                                for lo, hi, at in ((a, min(b, c), r * c), (max(a, c), b, (2 * cp - 2 - r) * c)):
+                                    lo, hi = min(at + lo, spans[i]), min(at + hi, spans[i])
+                                    if lo < hi:
+                                        ranges.append((lo, hi))
+                                out[i].append(tuple(ranges))
+                                off += 2 * c
         return out
 
     def mine(self, dp_rank: int) -> list[list[list[int]]]:

@@ -105,6 +105,9 @@ class Sample:
     has_routes: bool = False
     trace_checked: bool = False  # routes already a clean compact trace (the engine checked them as they arrived)
     routes_from: int = 0  # the first trace row `routes` holds (a sequence-parallel rank receives its shard's rows)
+    # after the exchange: the trace-row ranges ((lo, hi), ...) `routes` holds back to back (a context-parallel
+    # rank receives its two chunks' rows; empty: every row from routes_from on)
+    routes_rows: tuple = ()
     # the policy version (weight sync) that sampled the oldest token (-1: not tracked, the sync producer's); the
     # per-token versions are meta.versions on the owner (rollout/partial.py)
     version_min: int = -1

@@ -181,8 +181,9 @@ def _context_parallel_rows(batch, rows, ids, spans, col, align, pad_id, recipien
     align (megatron-core's THD divisibility; align = tp under sequence parallelism, whose scatter then cuts the
     CP-local row evenly), then this CP rank's rows (moe.context_parallel.shard_index: chunks rank and
     2cp-1-rank of each sample). cu_seqlens are the padded ones, global, as megatron passes them; each sample's
-    labels are its own next tokens before the split. Routes: the padded row's, cut the same way, then the
-    sequence-parallel rank's contiguous slice of the CP-local row."""
+    labels are its own next tokens before the split. Routes: the padded row's (of the rows the exchange brought
+    this rank: its chunks' and SP slice's), cut the same way, then the sequence-parallel rank's contiguous slice
+    of the CP-local row."""
     unit = 2 * cp * align
     padded = -(-spans // unit) * unit
     offsets = torch.cumsum(padded, 0) - padded  # each sample's first position in the padded row
@@ -212,10 +213,12 @@ def _context_parallel_rows(batch, rows, ids, spans, col, align, pad_id, recipien
         dtype = torch.int32 if first.dtype == torch.int32 else torch.int16
         full = torch.full((t, first.shape[1], topk), PAD, dtype=dtype)
         for (_, _, r), o in zip(rows, offsets.tolist()):
-            at = o + r.routes_from
-            full[at:at + r.routes.shape[0]] = r.routes
-            if r.replaced is not None:
-                full[at:at + r.routes.shape[0]][r.replaced] = LIVE
+            k = 0  # the exchange sent the rows of this rank's chunks (routes_rows), back to back
+            for lo, hi in r.routes_rows or ((r.routes_from, r.routes_from + r.routes.shape[0]),):
+                full[o + lo:o + hi] = r.routes[k:k + hi - lo]
+                if r.replaced is not None:
+                    full[o + lo:o + hi][r.replaced[k:k + hi - lo]] = LIVE
+                k += hi - lo
         a, b = recipient.shard(mine.numel())
         batch.routes = full[mine[a:b]].unsqueeze(0)
     return batch
@@ -266,10 +269,9 @@ def plan_and_exchange(samples: list[Sample], advantages: torch.Tensor, keep: tor
     planned = [padded_length(n, cp[0], tp) for n in spans] if cp[0] > 1 else spans
     plan = plan_step(planned, t.mini_batches, dp, cfg.parallel.num_micro_batches, t.max_tokens_per_micro_batch,
                      t.layout, align=tp)
-    # under sequence parallelism each rank of a TP group receives only its sequence shard's route rows
-    # (under context parallelism, for now, every row of its samples: it cuts its CP and SP shards itself)
+    # under sequence and context parallelism each rank receives only the route rows of the positions it holds
     sp = recipients[0].sp_size
-    shards = plan.shards(spans, tp, sp) if with_routes and sp > 1 and cp[0] == 1 else None
+    shards = plan.shards(spans, tp, sp, cp[0]) if with_routes and sp * cp[0] > 1 else None
     with timer("exchange"):
         received, xstats = exchange(samples, plan.dp_of(), recipients, spec if with_routes else None,
                                     round_bytes=t.exchange_round_mb << 20, shards=shards)

@@ -3,9 +3,9 @@
 After the rollout every rank holds every sample's scalars and each engine rank its own samples' payloads
 (rollout/gather.py). `exchange`: one all_to_all of bytes (device tensors: NCCL sends nothing else) puts each
 sample's tokens, log-probs and routes on the ranks of the DP replica that trains it, each rank receiving only its
-own MoE layers' route columns as uint8 (<= 256 experts; int16 beyond) and, under sequence parallelism, only the
-route rows of its sequence shard (`shards`: where the plan puts each sample in its micro-batch). No pickled
-tensors: both sides derive every offset from the scalars and the plan.
+own MoE layers' route columns as uint8 (<= 256 experts; int16 beyond) and, under sequence and context
+parallelism, only the route rows of the positions it holds (`shards`: where the plan puts each sample in its
+micro-batch). No pickled tensors: both sides derive every offset from the scalars and the plan.
 
 Bytes received per rank are at most its own share (its rows' tokens, log-probs and all layers' routes);
 the previous all_gather_object sent the whole batch, with int32 routes, to every rank.
@@ -25,27 +25,38 @@ from rlpo_mega.rollout import Sample
 
 
 def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, with_routes: bool,
-            rows: Optional[Sequence[tuple[int, int]]] = None) -> list[int]:
+            rows: Optional[Sequence[tuple]] = None) -> list[int]:
     """Byte sizes of the wire blocks of these samples (one sender -> one recipient), in wire order: all
     token ids (int32), all rollout log-probs (float32), all routes (compact dtype, the recipient's MoE layer
-    columns and trace rows: `rows`, one [lo, hi) per sample, default all), all replaced flags (uint8, samples with
+    columns and trace rows: `rows`, ranges ((lo, hi), ...) per sample, default all), all replaced flags (uint8, samples with
     fallback entries only). Block-wise, not sample by sample: each block is one concatenation on the sender and
     one split on the recipient. Each block is padded to a multiple of 4 bytes, so that every block starts
     aligned and the recipient views it in its dtype in place (no copy per block)."""
     sizes = [4 * sum(s.prompt_len + s.response_len for s in samples), 4 * sum(s.response_len for s in samples)]
     if with_routes:
-        n = [s.span for s in samples] if rows is None else [hi - lo for lo, hi in rows]
+        n = [s.span for s in samples] if rows is None else [_count(r) for r in rows]
         sizes.append(sum(n) * n_cols * topk * itemsize)
         sizes.append(sum(k for s, k in zip(samples, n) if s.replaced_entries) * n_cols)
     return [-(-n // 4) * 4 for n in sizes]
 
 
-def _rows(samples: Sequence[Sample], idx: Sequence[int], shards: Optional[dict], recipient) -> list[tuple[int, int]]:
-    """The trace rows [lo, hi) the recipient receives of each sample: its sequence shard's under sequence
-    parallelism (`shards[i][sp_rank]`), else every row."""
-    if shards is None or recipient.sp_size == 1:
-        return [(0, samples[i].span) for i in idx]
-    return [shards[i][recipient.sp_rank] for i in idx]
+def _rows(samples: Sequence[Sample], idx: Sequence[int], shards: Optional[dict], recipient) -> list[tuple]:
+    """The trace rows the recipient receives of each sample, as ranges ((lo, hi), ...): those of the positions it
+    holds under sequence and context parallelism (`shards[i][cp_rank x sp_size + sp_rank]`), else every row."""
+    if shards is None or recipient.sp_size * recipient.cp_size == 1:
+        return [((0, samples[i].span),) for i in idx]
+    return [shards[i][recipient.cp_rank * recipient.sp_size + recipient.sp_rank] for i in idx]
+
+
+def _count(ranges: tuple) -> int:
+    return sum(hi - lo for lo, hi in ranges)
+
+
+def _cut(t: torch.Tensor, ranges: tuple) -> torch.Tensor:
+    """t's rows of the ranges, back to back (a view for one range)."""
+    if len(ranges) == 1:
+        return t[ranges[0][0]:ranges[0][1]]
+    return torch.cat([t[lo:hi] for lo, hi in ranges]) if ranges else t[:0]
 
 
 def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -59,19 +70,18 @@ def _padded(parts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _encode(samples: Sequence[Sample], cols: list[int], with_routes: bool,
-            rows: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+            rows: Sequence[tuple]) -> list[torch.Tensor]:
     """The blocks of `_blocks` as byte tensors, from the owner's samples (on the host: an engine on the
-    GPU returns device tensors); rows: each sample's trace rows [lo, hi) for this recipient."""
+    GPU returns device tensors); rows: each sample's trace-row ranges for this recipient."""
     if not samples:
         return []
     ids = torch.cat([torch.as_tensor(x, dtype=torch.int32) for p in samples for x in (p.prompt_ids, p.response_ids)])
     parts = [ids.view(torch.uint8), torch.cat([p.logprobs.cpu().to(torch.float32) for p in samples]).view(torch.uint8)]
     if with_routes:
-        whole = all(lo == 0 and hi == p.span for p, (lo, hi) in zip(samples, rows))
-        routes = torch.cat([p.routes.cpu() if whole else p.routes.cpu()[lo:hi] for p, (lo, hi) in zip(samples, rows)])
+        routes = torch.cat([_cut(p.routes.cpu(), r) for p, r in zip(samples, rows)])
         parts.append((routes if len(cols) == routes.shape[1] else routes[:, cols]).contiguous().view(torch.uint8)
                      .reshape(-1))
-        rep = [p.replaced.cpu()[lo:hi, cols].to(torch.uint8).reshape(-1) for p, (lo, hi) in zip(samples, rows)
+        rep = [_cut(p.replaced.cpu(), r)[:, cols].to(torch.uint8).reshape(-1) for p, r in zip(samples, rows)
                if p.replaced_entries]
         if rep:
             parts.append(torch.cat(rep))
@@ -107,8 +117,8 @@ def rounds(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Sequenc
         for r in by_dp[dp_of[i]]:
             if r.rank == s.owner:  # taken in place (_own), not sent
                 continue
-            (lo, hi), = _rows(samples, [i], shards, r)
-            cost.append((r.rank, base + per_row * len(r.layer_cols) * (hi - lo)))
+            rows, = _rows(samples, [i], shards, r)
+            cost.append((r.rank, base + per_row * len(r.layer_cols) * _count(rows)))
         over = any(sent.get(s.owner, 0) + sum(b for _, b in cost) > round_bytes or got.get(r, 0) + b > round_bytes
                    for r, b in cost)
         if cur and over:
@@ -131,10 +141,10 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
     """Send each sample (index -> DP rank in dp_of) from its owner to every rank of that DP replica, in rounds
     (`rounds`: at most round_bytes sent and received per rank and round, so no buffer grows with the batch).
     recipients: moe.routing.transport.gather_recipients (each rank's dp_rank, sequence shard and MoE layer
-    columns). shards: {sample index: [(lo, hi) per sequence-parallel rank]}, the trace rows each rank of a
-    sequence-parallel group trains (rlpo_mega.data.packing.StepPlan.shards); None: every rank gets every row.
+    columns). shards: {sample index: [((lo, hi), ...) per context x sequence-parallel rank]}, the trace rows
+    each rank of its group trains (rlpo_mega.data.packing.StepPlan.shards); None: every rank gets every row.
     Returns {sample index: the sample with its payload (ids as tensors, this rank's route columns and rows:
-    `routes_from` is the first)} of this rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}.
+    `routes_rows` their ranges, `routes_from` the first row)} of this rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}.
     The owners keep their payloads (a producer may hand the same samples to a later step)."""
     out, received = {}, 0
     plan = rounds(samples, dp_of, recipients, spec, round_bytes, shards)
@@ -198,17 +208,17 @@ def _exchange_round(samples: Sequence[Sample], dp_of: dict[int, int], recipients
         routes = replaced = [None] * len(got)
         if with_routes:
             # explicit row counts: a pipeline stage without MoE layers (dense first layers) has n_cols == 0
-            spans = [hi - lo for lo, hi in rows_src[src]]
+            spans = [_count(r) for r in rows_src[src]]
             routes = pieces[2][:sum(spans) * n_cols * topk * itemsize].view(dtype).reshape(
                 sum(spans), n_cols, topk).split(spans)
             flagged = [k for s, k in zip(got, spans) if s.replaced_entries]
             rep = iter(pieces[3][:sum(flagged) * n_cols].reshape(sum(flagged), n_cols).bool().split(flagged)
                        if flagged else ())
             replaced = [next(rep) if s.replaced_entries else None for s in got]
-        for i, x, lp, rt, rp, (lo, _) in zip(idx_src[src], ids, lps, routes, replaced, rows_src[src]):
+        for i, x, lp, rt, rp, rows in zip(idx_src[src], ids, lps, routes, replaced, rows_src[src]):
             p = samples[i].prompt_len
             out[i] = replace(samples[i], prompt_ids=x[:p], response_ids=x[p:], logprobs=lp, routes=rt, replaced=rp,
-                             routes_from=lo)
+                             routes_from=rows[0][0] if rows else 0, routes_rows=rows)
     return out, int(recv.numel())
 
 
@@ -219,14 +229,15 @@ def _own(samples: Sequence[Sample], idx: Sequence[int], recipient, shards: Optio
     they can be (the owner keeps it; nothing downstream writes to it)."""
     cols = list(recipient.layer_cols)
     out = {}
-    for i, (lo, hi) in zip(idx, _rows(samples, idx, shards, recipient)):
+    for i, rows in zip(idx, _rows(samples, idx, shards, recipient)):
         s = samples[i]
         routes = replaced = None
         if with_routes:
-            routes = s.routes.cpu()[lo:hi]
+            routes = _cut(s.routes.cpu(), rows)
             routes = routes if len(cols) == routes.shape[1] else routes[:, cols]
-            replaced = s.replaced.cpu()[lo:hi, cols] if s.replaced_entries else None
+            replaced = _cut(s.replaced.cpu(), rows)[:, cols] if s.replaced_entries else None
         ids = s.ids.cpu()  # on the host, as the wire delivers (an engine on the GPU returns device tensors)
         out[i] = replace(s, prompt_ids=ids[:s.prompt_len], response_ids=ids[s.prompt_len:],
-                         logprobs=s.logprobs.cpu().to(torch.float32), routes=routes, replaced=replaced, routes_from=lo)
+                         logprobs=s.logprobs.cpu().to(torch.float32), routes=routes, replaced=replaced,
+                         routes_from=rows[0][0] if rows else 0, routes_rows=rows)
     return out

@@ -130,7 +130,8 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     del chunks, opt
     distributed.destroy(keep_world=True)
     return {"critic": (critic_stats, critic_out, critic_grads), "cp": cp_size, "rows": [[mb.tokens.shape[1], int(mb.cu_seqlens[-1])] for mb in micro], "report": report, "grads": grads, "moved": moved, "grad_norm": grad_norm, "old": merged,
-            "placement": place, "micro_batches": stats["data/micro_batches"]}
+            "placement": place, "micro_batches": stats["data/micro_batches"],
+            "bytes_over_own_share": stats["data/bytes_over_own_share"]}
 
 
 def rel(a, b):
@@ -170,7 +171,8 @@ def run(model_json, losses, overrides):
                      "routing": {k: v for k, v in got["report"].items() if k.startswith("routing/")},
                      "placement": counts.tolist(),
                      "micro_batches": [got["micro_batches"], ref["micro_batches"]],
-                     "cp": [got["cp"], ref["cp"]], "local_rows": got["rows"], "critic": critic}
+                     "cp": [got["cp"], ref["cp"]], "local_rows": got["rows"], "critic": critic,
+                     "bytes_over_own_share": [got["bytes_over_own_share"], ref["bytes_over_own_share"]]}
     return out
 
 

@@ -41,13 +41,17 @@ layouts = {
             {i: (i // 2) % 2 for i in range(n)}),
     "pp2": ([Recipient(0, 0, 1, 0, 1, (0, 1)), Recipient(1, 0, 1, 0, 1, (2, 3))], {i: 0 for i in range(n)}),
     "sp2": ([Recipient(0, 0, 1, 0, 2, (0, 1, 2, 3)), Recipient(1, 0, 1, 1, 2, (0, 1, 2, 3))], {i: 0 for i in range(n)}),
+    # a context-parallel pair: each rank its chunks r and 3 - r of every sample (two ranges of trace rows)
+    "cp2": ([Recipient(0, 0, 1, 0, 1, (0, 1, 2, 3), 0, 2), Recipient(1, 0, 1, 0, 1, (0, 1, 2, 3), 1, 2)],
+            {i: 0 for i in range(n)}),
 }
 # the sequence-parallel pair trains packed micro-batches of about 60 positions
-plan = plan_step([t.span for t in truth], 1, 1, max_tokens=60, layout="packed", align=2)
-shards = plan.shards([t.span for t in truth], 2, 2)
+spans = [t.span for t in truth]
+plan = plan_step(spans, 1, 1, max_tokens=60, layout="packed", align=2)
+shards = {"sp2": plan.shards(spans, 2, 2), "cp2": plan.shards(spans, 1, 1, cp_size=2)}
 report = {}
 for name, (recipients, dp_of) in layouts.items():
-    sh = shards if name == "sp2" else None
+    sh = shards.get(name)
     one, s1 = exchange(samples, dp_of, recipients, spec, round_bytes=1 << 30, shards=sh)
     many, s2 = exchange(samples, dp_of, recipients, spec, round_bytes=600, shards=sh)
     cols = list(recipients[me].layer_cols)
@@ -55,15 +59,16 @@ for name, (recipients, dp_of) in layouts.items():
     rows = 0
     for i in one:
         a, b, t = one[i], many[i], truth[i]
-        lo, hi = sh[i][me] if sh else (0, t.span)
-        rows += hi - lo
-        same &= a.routes_from == b.routes_from == lo
+        ranges = sh[i][me] if sh else ((0, t.span),)
+        rows += sum(hi - lo for lo, hi in ranges)
+        same &= a.routes_rows == b.routes_rows == tuple(ranges)
         same &= a.state == b.state == "received"
         same &= torch.equal(a.ids, b.ids) and torch.equal(a.ids, t.ids) and torch.equal(a.logprobs, b.logprobs)
-        same &= torch.equal(a.routes, b.routes) and torch.equal(a.routes, t.routes[lo:hi, cols])
-        same &= (a.replaced is None) == (t.replaced is None) and (
-            a.replaced is None or (torch.equal(a.replaced, b.replaced)
-                                   and torch.equal(a.replaced, t.replaced[lo:hi, cols])))
+        want = torch.cat([t.routes[lo:hi] for lo, hi in ranges] or [t.routes[:0]])[:, cols]
+        same &= torch.equal(a.routes, b.routes) and torch.equal(a.routes, want)
+        same &= (a.replaced is None) == (t.replaced is None) and (a.replaced is None or (
+            torch.equal(a.replaced, b.replaced)
+            and torch.equal(a.replaced, torch.cat([t.replaced[lo:hi] for lo, hi in ranges] or [t.replaced[:0]])[:, cols])))
     cut = rounds(samples, dp_of, recipients, spec, 600, sh)
     same &= [s.state for s in samples] == ["owned" if t.owner == me else "remote" for t in truth]
     report[name] = {"same": bool(same), "rounds": [s1["rounds"], s2["rounds"]],
