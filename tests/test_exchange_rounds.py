@@ -1,5 +1,6 @@
 """The exchange of a step's samples in bounded rounds (rlpo_mega.training.exchange): the same payloads as one
-round, on 2 ranks and four layouts (DP2, PP2, SP2, CP2), with each round's bytes per rank under the budget; the samples' named states
+round, on 2 ranks and four layouts (DP2, PP2, SP2, CP2), with each round's bytes per rank under the budget; the
+samples' named states
 (Sample.state: answered, owned, remote, received) along the way."""
 from moe.routing.trace import TraceSpec
 from moe.routing.transport import Recipient

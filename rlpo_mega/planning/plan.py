@@ -499,8 +499,8 @@ def render(plan: Plan) -> str:
     lay = plan.layout
     s = plan.steps
     cp = f"CP{lay['context']} " if lay.get("context", 1) > 1 else ""
-    out = [f"{plan.config} at world size {plan.world_size}: TP{lay['tensor']} PP{lay['pipeline']} {cp}EP{lay['expert']} "
-           f"ETP{lay['expert_tensor']} DP{lay['data']} (expert DP {lay['expert_data']})",
+    out = [f"{plan.config} at world size {plan.world_size}: TP{lay['tensor']} PP{lay['pipeline']} {cp}"
+           f"EP{lay['expert']} ETP{lay['expert_tensor']} DP{lay['data']} (expert DP {lay['expert_data']})",
            f"step plan: {s.steps} drawn steps ok; largest micro-batch {s.largest_micro_tokens} tokens, up to "
            f"{s.most_micro_batches} micro-batches per rank, packing efficiency >= {s.efficiency:.3f}"]
     for role in ("learner GPU", "server GPU", "host"):

@@ -28,9 +28,9 @@ def _blocks(samples: Sequence[Sample], n_cols: int, topk: int, itemsize: int, wi
             rows: Optional[Sequence[tuple]] = None) -> list[int]:
     """Byte sizes of the wire blocks of these samples (one sender -> one recipient), in wire order: all
     token ids (int32), all rollout log-probs (float32), all routes (compact dtype, the recipient's MoE layer
-    columns and trace rows: `rows`, ranges ((lo, hi), ...) per sample, default all), all replaced flags (uint8, samples with
-    fallback entries only). Block-wise, not sample by sample: each block is one concatenation on the sender and
-    one split on the recipient. Each block is padded to a multiple of 4 bytes, so that every block starts
+    columns and trace rows: `rows`, ranges ((lo, hi), ...) per sample, default all), all replaced flags (uint8,
+    samples with fallback entries only). Block-wise, not sample by sample: each block is one concatenation on the
+    sender and one split on the recipient. Each block is padded to a multiple of 4 bytes, so that every block starts
     aligned and the recipient views it in its dtype in place (no copy per block)."""
     sizes = [4 * sum(s.prompt_len + s.response_len for s in samples), 4 * sum(s.response_len for s in samples)]
     if with_routes:
@@ -144,7 +144,8 @@ def exchange(samples: Sequence[Sample], dp_of: dict[int, int], recipients: Seque
     columns). shards: {sample index: [((lo, hi), ...) per context x sequence-parallel rank]}, the trace rows
     each rank of its group trains (rlpo_mega.data.packing.StepPlan.shards); None: every rank gets every row.
     Returns {sample index: the sample with its payload (ids as tensors, this rank's route columns and rows:
-    `routes_rows` their ranges, `routes_from` the first row)} of this rank's samples, and {"bytes_received", "own_share_bytes", "rounds"}.
+    `routes_rows` their ranges, `routes_from` the first row)} of this rank's samples, and {"bytes_received",
+    "own_share_bytes", "rounds"}.
     The owners keep their payloads (a producer may hand the same samples to a later step)."""
     out, received = {}, 0
     plan = rounds(samples, dp_of, recipients, spec, round_bytes, shards)

@@ -1,7 +1,8 @@
 """Context parallelism against the same layout without it, on the trainer's data path end to end.
 
 One launch; every rank makes the same synthetic rollout (mixed lengths, one sample shorter than 2 x cp, random
-valid routes the live router would not choose, observation spans in some responses as multi-turn episodes have) and owns a contiguous share of it, as an engine rank would. Two
+valid routes the live router would not choose, observation spans in some responses as multi-turn episodes have)
+and owns a contiguous share of it, as an engine rank would. Two
 runs from the same initial weights: the reference (parallel.context=1, so data-parallel over the ranks that CP
 will take; every such layout is itself tested equal to the single process: tests/test_parity.py) and the CP run
 (parallel.context=2). Each: gather_scalars -> prepare_step (advantages, plan, exchange, packed micro-batches cut
@@ -104,7 +105,8 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
         critic = Critic(cfg, hf, layout, spec)
         critic_micro, critic_stats = critic.prepare([micro])
     sp = bool(unwrap(chunks[0]).config.sequence_parallel)
-    place = placement(micro, everything, recipients[dist.get_rank()].layer_cols, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+    place = placement(micro, everything, recipients[dist.get_rank()].layer_cols,
+                      ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
                       ps.get_tensor_model_parallel_rank(), sp)
     old = {}  # sample -> its old log-probs over its positions (last stage)
     offsets = staleness(loss, everything)
@@ -129,7 +131,9 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     routing.close()
     del chunks, opt
     distributed.destroy(keep_world=True)
-    return {"critic": (critic_stats, critic_out, critic_grads), "cp": cp_size, "rows": [[mb.tokens.shape[1], int(mb.cu_seqlens[-1])] for mb in micro], "report": report, "grads": grads, "moved": moved, "grad_norm": grad_norm, "old": merged,
+    return {"critic": (critic_stats, critic_out, critic_grads), "cp": cp_size,
+            "rows": [[mb.tokens.shape[1], int(mb.cu_seqlens[-1])] for mb in micro], "report": report,
+            "grads": grads, "moved": moved, "grad_norm": grad_norm, "old": merged,
             "placement": place, "micro_batches": stats["data/micro_batches"],
             "bytes_over_own_share": stats["data/bytes_over_own_share"]}
 

@@ -66,9 +66,10 @@ for name, (recipients, dp_of) in layouts.items():
         same &= torch.equal(a.ids, b.ids) and torch.equal(a.ids, t.ids) and torch.equal(a.logprobs, b.logprobs)
         want = torch.cat([t.routes[lo:hi] for lo, hi in ranges] or [t.routes[:0]])[:, cols]
         same &= torch.equal(a.routes, b.routes) and torch.equal(a.routes, want)
-        same &= (a.replaced is None) == (t.replaced is None) and (a.replaced is None or (
-            torch.equal(a.replaced, b.replaced)
-            and torch.equal(a.replaced, torch.cat([t.replaced[lo:hi] for lo, hi in ranges] or [t.replaced[:0]])[:, cols])))
+        same &= (a.replaced is None) == (t.replaced is None)
+        if a.replaced is not None:
+            rep = torch.cat([t.replaced[lo:hi] for lo, hi in ranges] or [t.replaced[:0]])[:, cols]
+            same &= torch.equal(a.replaced, b.replaced) and torch.equal(a.replaced, rep)
     cut = rounds(samples, dp_of, recipients, spec, 600, sh)
     same &= [s.state for s in samples] == ["owned" if t.owner == me else "remote" for t in truth]
     report[name] = {"same": bool(same), "rounds": [s1["rounds"], s2["rounds"]],
