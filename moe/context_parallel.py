@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 
 def padded_length(length: int, cp: int, tp: int = 1) -> int:
@@ -55,6 +54,10 @@ def all_gather(x: torch.Tensor, group) -> torch.Tensor:
     reduce-scatters (sums) each row's gradient into its owner. megatron-core's sequence-parallel gather over
     the CP group: one collective each way on NCCL and gloo alike (torch.distributed.nn's all_gather emulates its
     backward on gloo with scatters addressed by group rank, wrong on a subgroup such as CP's under TP)."""
+    # lazy: the config checks and the planner read padded_length before anything may import megatron, which a
+    # broken Transformer Engine makes fail before moe.model.have_transformer_engine() can report it
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
     return gather_from_sequence_parallel_region(x.contiguous(), tensor_parallel_output_grad=True, group=group)
 
 

@@ -58,8 +58,8 @@ def resolve_layout(parallel, world_size: int, hf=None) -> Layout:
     if errors:
         raise ParallelLayoutError("; ".join(errors))
     if world_size % (tp * pp * cp):
-        errors.append(f"world size {world_size} is not divisible by tensor*pipeline*context = {tp}*{pp}*{cp} = "
-                      f"{tp * pp * cp}")
+        names, sizes = ("tensor*pipeline", f"{tp}*{pp}") if cp == 1 else ("tensor*pipeline*context", f"{tp}*{pp}*{cp}")
+        errors.append(f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}")
     if world_size % (ep * etp * pp):
         errors.append(
             f"world size {world_size} is not divisible by expert*expert_tensor*pipeline = "
