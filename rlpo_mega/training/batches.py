@@ -138,21 +138,7 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
         total = int(spans.sum()) if rows else 0
         t = -(-max(total, 1) // align) * align
         offsets = torch.cumsum(spans, 0) - spans  # each sample's first packed position
-        # a sample's own next tokens as labels: a plain shift of the packed row would make its last position
-        # predict the next sample's first token. ids hold span + 1 tokens per sample: inputs drop each
-        # sample's last token, labels its first.
-        ends = torch.cumsum(spans + 1, 0)
-        last = torch.zeros(ids.numel(), dtype=torch.bool)
-        first = torch.zeros(ids.numel(), dtype=torch.bool)
-        if rows:
-            last[ends - 1] = True
-            first[ends - spans - 1] = True
-        tokens = torch.full((t,), pad_id, dtype=torch.long)
-        labels = torch.full((t,), pad_id, dtype=torch.long)
-        tokens[:total], labels[:total] = ids[~last], ids[~first]
-        index = torch.where(col < spans[:, None], offsets[:, None] + col, torch.zeros((), dtype=torch.long))
-        if not rows:
-            index.zero_()
+        tokens, labels, index = _packed_row(ids, spans, offsets, col, t, pad_id, torch.arange(total))
         pos = torch.arange(t)
         pos[:total] -= torch.repeat_interleave(offsets, spans)[:total] if rows else 0
         if t > total:  # the alignment tail: its own sequence, masked
@@ -176,6 +162,26 @@ def build_micro_batch(samples, received, idx: list[int], advantages: torch.Tenso
     return batch
 
 
+def _packed_row(ids, spans, offsets, col, t: int, pad_id: int, where: torch.Tensor):
+    """A packed row's inputs and labels [t] (pad_id where no sample is) and the loss view's index [n, s]: sample
+    k's positions from offsets[k]; `where`: the row positions of every sample's span positions, sample by sample.
+    A sample's own next tokens as labels: a plain shift of the packed row would make its last position predict
+    the next sample's first token. ids hold span + 1 tokens per sample: inputs drop each sample's last token,
+    labels its first. No samples (ids empty): pads only, index 0."""
+    tokens = torch.full((t,), pad_id, dtype=torch.long)
+    labels = torch.full((t,), pad_id, dtype=torch.long)
+    index = torch.where(col < spans[:, None], offsets[:, None] + col, torch.zeros((), dtype=torch.long))
+    if ids.numel() == 0:
+        return tokens, labels, index.zero_()
+    ends = torch.cumsum(spans + 1, 0)
+    last = torch.zeros(ids.numel(), dtype=torch.bool)
+    first = torch.zeros(ids.numel(), dtype=torch.bool)
+    last[ends - 1] = True
+    first[ends - spans - 1] = True
+    tokens[where], labels[where] = ids[~last], ids[~first]
+    return tokens, labels, index
+
+
 def _context_parallel_rows(batch, rows, ids, spans, col, align, pad_id, recipient, topk, cp, rank) -> MicroBatch:
     """The packed micro-batch under context parallelism: every sample padded to its own multiple of 2 x cp x
     align (megatron-core's THD divisibility; align = tp under sequence parallelism, whose scatter then cuts the
@@ -189,20 +195,8 @@ def _context_parallel_rows(batch, rows, ids, spans, col, align, pad_id, recipien
     offsets = torch.cumsum(padded, 0) - padded  # each sample's first position in the padded row
     cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(padded, 0)])
     t = int(cu[-1])
-    tokens = torch.full((t,), pad_id, dtype=torch.long)
-    labels = torch.full((t,), pad_id, dtype=torch.long)
-    real = col < spans[:, None]
-    where = (offsets[:, None] + col)[real]  # row-major: sample by sample, as ids hold them
-    if rows:
-        ends = torch.cumsum(spans + 1, 0)
-        last = torch.zeros(ids.numel(), dtype=torch.bool)
-        first = torch.zeros(ids.numel(), dtype=torch.bool)
-        last[ends - 1] = True
-        first[ends - spans - 1] = True
-        tokens[where], labels[where] = ids[~last], ids[~first]
-    index = torch.where(col < spans[:, None], offsets[:, None] + col, torch.zeros((), dtype=torch.long))
-    if not rows:
-        index.zero_()
+    where = (offsets[:, None] + col)[col < spans[:, None]]  # row-major: sample by sample, as ids hold them
+    tokens, labels, index = _packed_row(ids, spans, offsets, col, t, pad_id, where)
     pos = torch.arange(t) - torch.repeat_interleave(offsets, padded)
     mine = shard_index(cu, cp, rank)
     batch = replace(batch, tokens=tokens[mine].unsqueeze(0), labels=labels[mine].unsqueeze(0), index=index,
