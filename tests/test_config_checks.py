@@ -393,6 +393,28 @@ def test_colocate_refusals(tiny_hf):
         "cluster.gpus_per_node=8")
 
 
+def test_colocated_drivers_must_drive_their_own_nodes_servers(tiny_hf):
+    """rollout.colocate on several nodes: a driver sends CUDA IPC handles of its node's GPUs, which open on that node
+    only; with fewer drivers than nodes (or drivers that do not split a node's servers evenly) one driver's share
+    would hold another node's servers: refused in one line naming the layout that works, from the node count
+    torchrun gives the trainer or cluster.learner_nodes (`rlpo-mega check`, `plan`)."""
+    sg = ("rollout.colocate=true", "rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m",
+          "rollout.sglang.num_servers=2", "rollout.sglang.tp_size=4")
+    for how in ({"nodes": 2}, {"cluster": ("cluster.learner_nodes=2",)}):
+        extra, nodes = how.get("cluster", ()), how.get("nodes")
+        msg = _err(tiny_hf, *sg, *extra, "rollout.sglang.drivers=1", world_size=16, nodes=nodes)
+        assert "CUDA IPC handles to servers on another node" in msg and "set rollout.sglang.drivers=2" in msg, msg
+        assert "\n" not in msg
+        for fine in (2, 4):  # one driver per node; two per node, one server each
+            assert check_run_config(_cfg(*sg, *extra, f"rollout.sglang.drivers={fine}"), tiny_hf, world_size=16,
+                                    nodes=nodes) == []
+    msg = _err(tiny_hf, *sg[:-2], "rollout.sglang.num_servers=3", "rollout.sglang.tp_size=2",
+               "rollout.sglang.drivers=4", world_size=16, nodes=2)
+    assert "set rollout.sglang.drivers=2 (one per node; or 6)" in msg, msg  # 2 per node cannot split 3 servers
+    # one node: any drivers (every server on the node)
+    assert check_run_config(_cfg(*sg, "rollout.sglang.drivers=1"), tiny_hf, world_size=8, nodes=1) == []
+
+
 def test_context_parallel_refusals_name_the_combination(tiny_hf):
     """parallel.context > 1: what megatron-core's THD CP layout and this trainer run under it, each refusal naming
     its keys; the DP split divides by tensor x pipeline x context."""

@@ -625,7 +625,7 @@ def test_a_colocated_server_that_fails_to_release_or_resume_is_a_failed_engine(s
             return slot.transport.sync(Stream(named))
 
     guard = EngineGuard(slot, sync, restarts=2, group=world_of_one)
-    handover = HandOver(True, Residency(lambda: [learner]), slot, guard)
+    handover = HandOver(True, Residency(lambda: [learner]), world_of_one, slot, guard)
     try:
         guard.run(sync)
         assert server.released == {"kv_cache", "cuda_graph"}  # a fresh server's KV released before the first sync

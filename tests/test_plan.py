@@ -199,3 +199,18 @@ def test_lengths_from_a_file(tmp_path):
     for step in drawn:
         assert sum(x == 8192 for x in step) >= 100 and max(step) <= 8192
         assert 2000 < sum(step) / len(step) < 4000
+
+
+def test_colocated_servers_kv_pool_is_what_sglang_sizes_at_launch():
+    """SGLang sizes its KV pool as mem_fraction_static x the GPU memory free when it starts, less its weights
+    (sglang/srt/mem_cache/kv_cache_configurator.py:2990-3007). Colocated servers start with the learner's state off
+    the GPUs (training/colocate.HandOver.before_launch): free = the GPU less the learner's reserved share; the plan
+    prints that pool, not one sized from the whole GPU (or from a GPU the learner still filled)."""
+    from rlpo_mega.planning.rows import GB
+
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_1node.yaml"
+    cfg = load_config(os.path.join(ROOT, recipe))
+    server = planning.make_plan(cfg, recipe).to_json()["servers"][0]
+    free = int(cfg.cluster.gpu_memory_gb * GB) - int(cfg.cluster.gpu_reserved_gb * GB)
+    fraction = float(cfg.rollout.sglang.server_args["mem_fraction_static"])
+    assert server["KV pool"] == int(fraction * free) - server["weights"], server

@@ -174,6 +174,10 @@ def test_colocated_sglang_server_hands_the_memory_over_in_one_order(sglang_pytho
         assert "loss/policy" in learner and "reward/mean" in learner, learner
         assert {k: a[k] for k in learner} == {k: c.get(k) for k in learner}, {k: (a[k], c.get(k)) for k in learner if a[k] != c.get(k)}
     assert r["weights_equal"] == [True, True]
+    # the server started with the learner's state off the launching rank's (emulated) GPU, its KV pool sized for
+    # the memory it will have (rollout.colocate, HandOver.before_launch); apart, the state stays where it is
+    at_launch = r["learner_bytes_at_launch"]
+    assert at_launch["colocated"] == [0] and at_launch["apart"][0] > 0, at_launch
     assert not any("memory_occupation" in c for c in r["calls"]["apart"])
     # the colocated driver's memory calls and weight loads, in order: before every sync everything released (the
     # first: a fresh server holds its KV cache too) and the weights resumed, the sync's load; before every rollout

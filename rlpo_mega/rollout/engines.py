@@ -49,8 +49,11 @@ class EngineSlot:
     (SGLangEngine: rollout.sglang.drivers). Building is therefore collective when servers are launched (every
     rank calls build, as EngineGuard's rebuild does)."""
 
-    def __init__(self, cfg, hf, should_stop=None, group=None):
+    def __init__(self, cfg, hf, should_stop=None, group=None, before_launch=None):
         self.cfg, self.hf, self.should_stop, self.group = cfg, hf, should_stop, group
+        # called on every rank before servers are launched (training/colocate.HandOver: the learner off the GPUs the
+        # servers size their memory on)
+        self.before_launch = before_launch
         self.engine = self.transport = None
         self.node_servers: list = []  # this node's launched servers (its local rank 0 only)
         # an SGLang driver's fault counters (requests sent again, rejoins, servers lost), shared by the engines
@@ -94,7 +97,10 @@ class EngineSlot:
             s.stop()
 
     def build(self):
-        cfg, launched = (self._launch_per_node() if self._launches() else (self.cfg, {}))
+        launches = self._launches()
+        if launches and self.before_launch is not None:
+            self.before_launch()
+        cfg, launched = (self._launch_per_node() if launches else (self.cfg, {}))
         try:
             self.engine = build_engine(cfg, self.hf)
         except BaseException:
@@ -201,8 +207,10 @@ class EngineGuard:
 
     def _rebuild(self, why: str):
         if self.restarts_left <= 0:
-            raise EngineError(f"rollout engine failed and no restarts are left (trainer.engine_restarts): "
+            err = EngineError(f"rollout engine failed and no restarts are left (trainer.engine_restarts): "
                               f"{why}; the last checkpoint is intact")
+            err.agreed = True  # raised on every rank (the failure was agreed): callers may agree again on the way out
+            raise err
         log.warning("rollout engine failed (%s): rebuilding it and re-syncing weights", why)
         self.restarts_left -= 1
         self.restarts += 1
@@ -218,9 +226,9 @@ class Engines:
     transport), and the guard every engine call goes through. sync: the trainer's weight sync (re-run after
     a rebuild)."""
 
-    def __init__(self, cfg, hf, sync, should_stop, group):
+    def __init__(self, cfg, hf, sync, should_stop, group, before_launch=None):
         self.ranks = engine_ranks(cfg)
-        self.slot = EngineSlot(cfg, hf, should_stop=should_stop, group=group)
+        self.slot = EngineSlot(cfg, hf, should_stop=should_stop, group=group, before_launch=before_launch)
         self.guard = EngineGuard(self.slot, sync, cfg.trainer.engine_restarts, group, should_stop=should_stop)
 
     def fault_metrics(self) -> dict:

@@ -70,7 +70,27 @@ def check_sglang(cfg, warns: list[str], world_size: Optional[int] = None, nodes:
         if ro.sglang.urls or not ro.sglang.launch:
             raise ConfigError("rollout.colocate=true with SGLang: the trainer launches the servers on its own GPUs "
                               "(rollout.sglang.launch=true, no rollout.sglang.urls)")
+    nodes = nodes or cfg.cluster.learner_nodes or None  # `rlpo-mega check`/`plan` know the nodes from the cluster
+    if ro.colocate:
+        _check_colocated_drivers(sg, nodes)
     _check_drivers(sg, world_size, nodes)
+
+
+def _check_colocated_drivers(sg, nodes: Optional[int]) -> None:
+    """rollout.colocate: each driver sends its servers CUDA IPC handles of its own node's GPUs, which open on that
+    node only (torch's rebuild_cuda_tensor opens the handle on the device it names). Drivers are evenly spaced
+    ranks (one node's ranks are consecutive) and take contiguous shares of the servers in node order
+    (SGLangEngine.ranks, base.share_of), so every driver's servers are on its own node exactly when each node has
+    the same number of drivers and they split its servers evenly."""
+    if not nodes or nodes < 2:
+        return
+    per_node = sg.drivers // nodes
+    if sg.drivers % nodes or sg.num_servers % max(per_node, 1):
+        fits = [d * nodes for d in range(1, sg.num_servers + 1) if sg.num_servers % d == 0]
+        raise ConfigError(f"rollout.colocate=true on {nodes} nodes with rollout.sglang.drivers={sg.drivers} and "
+                          f"num_servers={sg.num_servers} per node: a driver would send CUDA IPC handles to servers "
+                          f"on another node, which cannot open them; set rollout.sglang.drivers={nodes} (one per "
+                          f"node" + (f"; or {', '.join(map(str, fits[1:]))}" if fits[1:] else "") + ")")
 
 
 def _check_drivers(sg, world_size: Optional[int], nodes: Optional[int]) -> None:

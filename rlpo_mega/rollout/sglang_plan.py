@@ -25,6 +25,9 @@ def plan(cfg, hf, n_params: int, budget: int, prompt_tokens: int) -> EnginePlan:
     if cfg.rollout.colocate:
         out.colocated = dict(servers[0].parts)
         out.released = out.colocated["runtime"]
+        # each learner GPU receives every bucket (one broadcast) and flattens it into its server rank's payload
+        # (training/sync.py, sglang_payloads.PayloadRelay), which the server rank opens by CUDA IPC, no copy of its own
+        out.gpu_sync = 2 * (cfg.rollout.sync_bucket_mb << 20)
     return out
 
 
@@ -38,7 +41,13 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
     shape = memory.Shape.of(hf, 1, 1)
     weights = 2 * n_params // tp  # bf16, every tensor split over the server's TP (vocabulary included)
     kv_per_token = hf.num_hidden_layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * 2
-    pool = max(0, int(fraction * budget) - weights)
+    # SGLang sizes the pool from the memory free when it starts: pre_model_load_memory (the MIN over its TP ranks,
+    # sglang/srt/distributed/bootstrap.py:193-223) less what is resident after the weights load and the slack
+    # pre x (1 - mem_fraction_static) (mem_cache/kv_cache_configurator.py:2990-3007): pool = fraction x free -
+    # weights. Colocated, the servers start with the learner's state off the GPUs (training/colocate.HandOver.
+    # before_launch), beside what a learner rank keeps there (its reserved share: CUDA context, NCCL)
+    free = budget - (int(cfg.cluster.gpu_reserved_gb * GB) if cfg.rollout.colocate else 0)
+    pool = max(0, int(fraction * free) - weights)
     # each driver spreads its share of the prompts over its share of the servers: the busiest server's load
     p = cfg.prompts
     in_flight = min(sg.max_in_flight_per_server, max(
@@ -53,11 +62,12 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
         "runtime": int(SGLANG_RUNTIME_GB * GB)})
     longest = prompt_tokens + response_budget(cfg)[0]  # a request at its longest (an episode's last turn)
     need = in_flight * longest
-    row.info.update({"KV tokens": pool // kv_per_token, "tokens in flight (worst)": need,
+    row.info.update({"free at launch (GB)": f"{free / GB:.1f}", "KV tokens": pool // kv_per_token,
+                     "tokens in flight (worst)": need,
                      "requests in flight": in_flight})
     if pool == 0:
         row.problem = (f"the weights ({weights / GB:.1f} GB at TP{tp}) leave no KV pool in mem_fraction_static="
-                       f"{fraction} of {budget / GB:.0f} GB: raise rollout.sglang.tp_size")
+                       f"{fraction} of the {free / GB:.1f} GB free at launch: raise rollout.sglang.tp_size")
     row.notes.append(f"mem_fraction_static={fraction}" + ("" if "mem_fraction_static" in sg.server_args else
                                                             " (assumed; the launch's SGLANG_ARGS set it)"))
     if need > pool // kv_per_token:

@@ -141,11 +141,13 @@ class Trainer:
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.stop = ckpt_state.StopSignal()
         self.collector = StepCollector(cfg.trainer.gc, cfg.trainer.gc_full_every)
+        control = distributed.control_group(cfg.rollout.wait_timeout)
+        # rollout.colocate: the engine shares the learner's accelerators, the memory handed over each step; servers
+        # the run launches start with the learner off the GPUs (before_launch), which returns in start()
+        self.handover = HandOver(cfg.rollout.colocate, learner_residency(self.policy, self.critic), control)
         self.engines = Engines(cfg, self.hf, self.sync, should_stop=lambda: self.stop.received is not None,
-                               group=distributed.control_group(cfg.rollout.wait_timeout))
-        # rollout.colocate: the engine shares the learner's accelerators, the memory handed over each step
-        self.handover = HandOver(cfg.rollout.colocate, learner_residency(self.policy, self.critic), self.engines.slot,
-                                 self.engines.guard)
+                               group=control, before_launch=self.handover.before_launch)
+        self.handover.attach(self.engines.slot, self.engines.guard)
         self.rollouts = Rollouts(cfg, self.engines, self.scorer, self.tokenizer, self.spec)
         self.producer = producer(cfg, self.sampler, self.rollouts, self._divisor())
         if self.resumed_rank_state.get("producer"):  # this rank's carried groups and unsent prompts
@@ -158,6 +160,7 @@ class Trainer:
         if self.started:
             return True
         c, p = self.cfg, self.policy
+        self.handover.learner_in()  # launched colocated servers released first: the warm-up trains beside none
         if not self.warmup_done and c.trainer.warmup.steps > 0:
             if supervised_warmup(c, p.chunks, p.optimizer, self.tokenizer, self.records.get("warmup"),
                                  self.layout.tensor, self.stop, self.rank) is None:

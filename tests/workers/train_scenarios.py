@@ -509,7 +509,25 @@ def sglang_colocate(out):
     makes to the server, in order; both runs report their metrics and every rank whether its final weights equal."""
     from rlpo_mega.model_setup import unwrap
 
+    import rlpo_mega.rollout.engines as engines_module
+    import rlpo_mega.training.trainer as trainer_module
+    from rlpo_mega.residency import distinct_storages
+
     calls, post = [], SGLangEngine._post_ok
+    # the learner's bytes on this rank's (emulated) device when its node's servers are launched: SGLang sizes its
+    # KV pool from the memory free at that moment
+    learner, at_launch = [], []
+    residency, launch = trainer_module.learner_residency, engines_module.launch_node_servers
+
+    def kept(*args):
+        learner.append(residency(*args))
+        return learner[-1]
+
+    def launching(*args, **kwargs):
+        at_launch[-1].append(sum(s.nbytes() for s in distinct_storages(learner[-1].keep())))
+        return launch(*args, **kwargs)
+
+    trainer_module.learner_residency, engines_module.launch_node_servers = kept, launching
 
     def recording(self, server, path, payload=None, timeout=None):
         if path not in ("/update_weight_version",):
@@ -521,6 +539,7 @@ def sglang_colocate(out):
     try:
         for run in ("apart", "colocated"):
             calls.append([])
+            at_launch.append([])
             trainer = _run_with(_sglang_cfg(out, run, "train_iters=3", "rollout.sync_transport=in_process",
                                             "rollout.sglang.server_args.enable_deterministic_inference=true",
                                             "rollout.sglang.server_args.disable_radix_cache=true",
@@ -529,7 +548,9 @@ def sglang_colocate(out):
             rep[run] = history(out, run)
     finally:
         SGLangEngine._post_ok = post
+        trainer_module.learner_residency, engines_module.launch_node_servers = residency, launch
     rep["calls"] = dict(zip(("apart", "colocated"), calls))
+    rep["learner_bytes_at_launch"] = dict(zip(("apart", "colocated"), at_launch))
     equal = [None] * dist.get_world_size()
     dist.all_gather_object(equal, all(torch.equal(a, b) for a, b in zip(weights["apart"], weights["colocated"])))
     rep["weights_equal"] = equal
