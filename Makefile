@@ -46,11 +46,13 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; wait; \
 	tail -n 1 .venv-sglang.build.log; exit $$rc
 
-# One GPU: the real trainer path (CUDA, NCCL, bf16 + distributed optimizer, GSPO + R3, embedded engine on the
-# GPU, digest-checked sync, checkpoint + resume) in a few minutes. Runs in the current environment (a CUDA torch
-# and `pip install -e .`), never in the CPU .venv.
+# One GPU, the checklist of what a CPU cannot settle, as one table (tools/gpu_checklist.py, ~10 minutes): the real
+# trainer path (tools/gpu_smoke.py: CUDA, NCCL, bf16 + distributed optimizer, GSPO + R3, embedded engine on the GPU,
+# digest-checked sync, checkpoint + resume), set_device before anything touches CUDA, the first colocated offload's
+# pinned allocation, each phase's CUDA peak against `rlpo-mega plan` at a model filling most of the GPU, the
+# learner's MFU. Runs in the current environment (a CUDA torch and `pip install -e .`), never in the CPU .venv.
 gpu-smoke:
-	$(PYTHON) tools/gpu_smoke.py
+	$(PYTHON) tools/gpu_checklist.py
 
 clean:
 	rm -rf $(VENV) .venv-sglang *.egg-info

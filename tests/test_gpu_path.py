@@ -8,9 +8,11 @@ here with a stand-in for it --
 Each test failed on the code before its fix."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -361,3 +363,36 @@ def test_the_gpu_smoke_reads_sync_places_and_fails_when_ours_grow_with_layers(tm
     assert gpu_smoke.compare_sync_sites(shallow, run("e", 4, {}))
     assert not gpu_smoke.compare_sync_sites(run("a2", 2, {per_layer: 66}), run("e2", 4, {per_layer: 126}))
     assert "our host syncs GROW with the layers" in capsys.readouterr().out
+
+
+def test_the_gpu_checklist_sizes_its_model_to_most_of_the_gpu_and_the_plan_holds_it():
+    """tools/gpu_checklist.py (`make gpu-smoke`) trains a Qwen3-MoE sized to the GPU it finds and compares each
+    phase's CUDA peak with `rlpo-mega plan` of the same config: here, on the CPU, that plan at an H100's and an
+    H200's memory exits 0 with the training row between half of the GPU and its budget (a check of most of the GPU,
+    not of a tiny model), and the check needs a GPU (one line, exit 2, without one)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_checklist
+    finally:
+        sys.path.pop(0)
+    for gpu_gb in (80, 141):
+        hf = gpu_checklist.model_for_gpu(gpu_gb)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "config.json")
+            with open(path, "w") as f:
+                json.dump(hf, f)
+            proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "plan", "configs/gpu_smoke.yaml",
+                                   *gpu_checklist.train_overrides(tmp, path), f"cluster.gpu_memory_gb={gpu_gb}",
+                                   "--world-size", "1", "--lengths", "all-max", "--prompt-tokens", "16", "--json"],
+                                  cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows = {r["name"].rsplit(", ", 1)[-1]: r for r in json.loads(proc.stdout)["learner_gpus"]}
+        assert set(rows) == {"training", "generation", "sync"}, rows
+        train = rows["training"]
+        assert 0.5 * gpu_gb * 1e9 < train["total"] <= train["budget"], (gpu_gb, train)
+        assert train["parameters"] == sum(gpu_checklist.layer_params(hf)[0] * hf["num_hidden_layers"]
+                                          for _ in [0]) + gpu_checklist.layer_params(hf)[1], train
+    proc = subprocess.run([sys.executable, "tools/gpu_checklist.py"], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

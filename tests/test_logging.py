@@ -170,6 +170,46 @@ def test_phase_timer_and_progress_bar():
     assert progress_bar(total=3, enabled=False).disable and progress_bar(total=3, rank=1).disable
 
 
+def test_phase_timer_records_each_phases_cuda_peak():
+    """With CUDA the timer logs memory/peak_gb/<phase> (what tools/gpu_checklist.py compares with `rlpo-mega plan`):
+    the peak reset as an outermost phase starts, a phase entered twice keeps its larger peak, an inner phase reports
+    the peak since its outer one began. Here torch.cuda's three calls are a recorder of allocations (a CPU has none):
+    the bookkeeping is the timer's own."""
+    class Allocator:
+        def __init__(self):
+            self.now = self.peak = 0
+
+        def alloc(self, n):
+            self.now += n
+            self.peak = max(self.peak, self.now)
+
+        def reset_peak_memory_stats(self):
+            self.peak = self.now
+
+        def max_memory_allocated(self):
+            return self.peak
+
+    cuda = Allocator()
+    timer = PhaseTimer(cuda_sync=False)
+    timer._sync, timer._cuda = lambda: None, cuda
+    with timer("old_logprob"):
+        cuda.alloc(3e9)
+        cuda.alloc(-3e9)
+    with timer("update"):
+        cuda.alloc(5e9)
+        with timer("exchange"):
+            cuda.alloc(1e9)
+            cuda.alloc(-1e9)
+        cuda.alloc(-5e9)
+    with timer("old_logprob"):
+        cuda.alloc(2e9)
+        cuda.alloc(-2e9)
+    m = timer.metrics()
+    assert {k: v for k, v in m.items() if k.startswith("memory/")} == {
+        "memory/peak_gb/old_logprob": 3.0, "memory/peak_gb/update": 6.0, "memory/peak_gb/exchange": 6.0}
+    assert timer.metrics() == {}
+
+
 def test_logging_config_is_a_structured_config():
     cfg = OmegaConf.merge(OmegaConf.structured(LoggingConfig), OmegaConf.from_dotlist(["mode=disabled", "dir=/x"]))
     cfg = OmegaConf.to_object(cfg)

@@ -88,32 +88,44 @@ def reduce_metrics(metrics: Mapping[Key, object], group=None) -> dict[str, float
 class PhaseTimer:
     """`with timer("rollout"): ...` adds the block's wall time to time/rollout (a phase entered several
     times in a step, e.g. dynamic-sampling retries, accumulates). `metrics()` returns and resets them.
-    With CUDA, synchronizes at both ends so asynchronous kernels are charged to the phase that ran them."""
+    With CUDA, synchronizes at both ends so asynchronous kernels are charged to the phase that ran them, and records
+    the phase's peak of allocated memory as memory/peak_gb/<phase> (torch.cuda.max_memory_allocated, reset as an
+    outermost phase starts; a phase inside another reports the peak since the outer one began): what
+    `rlpo-mega plan` predicts per GPU, measured (tools/gpu_checklist.py)."""
 
     def __init__(self, cuda_sync: bool = True):
         self.times: dict[str, float] = {}
-        self._sync = None
+        self.peaks: dict[str, int] = {}
+        self._sync = self._cuda = None
+        self._depth = 0
         if cuda_sync:
             import torch
 
-            self._sync = torch.cuda.synchronize if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                self._sync, self._cuda = torch.cuda.synchronize, torch.cuda
 
     @contextmanager
     def __call__(self, phase: str):
         if self._sync:
             self._sync()
+            if not self._depth:
+                self._cuda.reset_peak_memory_stats()
+        self._depth += 1
         start = time.perf_counter()
         try:
             yield
         finally:
+            self._depth -= 1
             if self._sync:
                 self._sync()
+                self.peaks[phase] = max(self.peaks.get(phase, 0), self._cuda.max_memory_allocated())
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
 
     def metrics(self, reset: bool = True) -> dict[str, float]:
         out = {f"time/{k}": v for k, v in self.times.items()}
+        out.update({f"memory/peak_gb/{k}": v / 1e9 for k, v in self.peaks.items()})
         if reset:
-            self.times = {}
+            self.times, self.peaks = {}, {}
         return out
 
 
