@@ -54,10 +54,19 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
                   "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
 
+# the learner's settings that would slow a server down: CUDA_DEVICE_MAX_CONNECTIONS=1 (launch/slurm/common.sh
+# exports it to the learner steps for Megatron-Core's TP/SP communication overlap) gives each GPU one hardware
+# queue, which serializes the streams SGLang overlaps. The sbatch server steps start without it
+# (train_disaggregated.sbatch, rlpo_step_env); a server the trainer launches drops it here. A server that should
+# have it sets it in its own env (rollout.sglang.env; SGLANG_ENV for the sbatch steps).
+_LEARNER_ONLY_VARS = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
 def server_environment(environ) -> dict:
-    """The launching process's environment without torchrun's (and its OMP_NUM_THREADS=1 default)."""
+    """The launching process's environment without torchrun's (and its OMP_NUM_THREADS=1 default) and without
+    the learner's CUDA_DEVICE_MAX_CONNECTIONS; the server's own env (SGLangServer(env=...)) goes on top."""
     return {k: v for k, v in environ.items()
-            if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+            if k not in _TORCHRUN_VARS and k not in _LEARNER_ONLY_VARS and not k.startswith("TORCHELASTIC_")}
 
 
 def _pdeathsig():
@@ -222,7 +231,11 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
     a, extra = p.parse_known_args(argv)
     server_args = {"custom_weight_loader": a.custom_weight_loader} if a.custom_weight_loader else None
-    server = SGLangServer(a.model_path, a.host, a.port, a.tp_size, server_args=server_args, python=a.python)
+    # this process runs in the server's own step, whose environment is the server's already (the sbatch starts
+    # it without the learner's settings; SGLANG_ENV may set one of them for the servers): kept as it is
+    own = {k: os.environ[k] for k in _LEARNER_ONLY_VARS if k in os.environ}
+    server = SGLangServer(a.model_path, a.host, a.port, a.tp_size, server_args=server_args, python=a.python,
+                          env=own)
     if a.log_file:
         server.log_dir, server.log_path = os.path.dirname(os.path.abspath(a.log_file)), a.log_file
     base_command = server.command

@@ -37,7 +37,9 @@ def _train(args) -> int:
         die_with_parent()  # a killed launcher or torchrun takes its workers with it
     try:
         from moe.model import have_transformer_engine
+        from rlpo_mega.distributed import bind_device
 
+        bind_device()  # this rank's GPU before TE's import below can touch CUDA (else on GPU 0, in every rank)
         # the trainer's modules import megatron-core, which imports Transformer Engine when it is installed: a
         # broken TE is one error here (TransformerEngineError) instead of an OSError from deep inside megatron
         have_transformer_engine()

@@ -105,10 +105,19 @@ def init_process_group(timeout_minutes: int = 30):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    bind_device()
     dist.init_process_group(backend=platform.backend(),
                             timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def bind_device():
+    """Make this rank's GPU (torchrun's LOCAL_RANK; 0 without torchrun) the current device, on a CUDA machine.
+    First thing in a rank, before anything can create a CUDA context: what creates one before it (a tensor put
+    on "cuda"; possibly Transformer Engine's import, which megatron-core's import and `platform.apply()` do)
+    creates it on GPU 0, where every rank would then hold one for the rest of its life. Idempotent; called by
+    `rlpo-mega train` before it imports TE and megatron-core (rlpo_mega/cli.py) and again by `init`."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
 
 def _free_port() -> int:
@@ -120,7 +129,8 @@ def _free_port() -> int:
 
 
 def init(parallel, hf=None, seed: int = 1234) -> Layout:
-    """Platform patches, process group, megatron parallel_state and seeds; returns the layout."""
+    """This rank's GPU, platform patches, process group, megatron parallel_state and seeds; returns the layout."""
+    bind_device()  # before platform.apply(), which imports Transformer Engine (moe.model.have_transformer_engine)
     platform.apply()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     layout = resolve_layout(parallel, world, hf)  # validate before any collective starts

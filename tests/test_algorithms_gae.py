@@ -1,11 +1,14 @@
 """GAE, token rewards, whitening and the clipped value loss against float64 transcriptions
 (tests/algo_reference.py): Monte-Carlo (lambda = gamma = 1) and TD(0) (lambda = 0) limits, masks and response
-lengths of different sizes, a KL penalty folded into the reward, gradients of the value loss."""
+lengths of different sizes, a KL penalty folded into the reward, gradients of the value loss. GAE without a loop
+over positions against the loop it replaced (tools/bench_gae.gae_loop, float64), at lengths that take every level
+of its blocked suffix sum; its number of torch ops does not grow with the length, and it makes no host sync."""
 import pytest
 import torch
 
 from rlpo_mega.algorithms import gae as G
 from tests import algo_reference as ref
+from tools.bench_gae import gae_loop
 
 
 def _batch(seed=0):
@@ -127,3 +130,85 @@ def test_bad_inputs():
         G.gae(rewards, values, mask, 1.0, 1.5)
     with pytest.raises(ValueError, match="clip"):
         G.value_loss(values, values, rewards, mask, 0.0)
+
+
+def _gapped_mask(rows, width, seed, p=0.7):
+    """Random multi-turn masks (gaps anywhere), plus a row without model tokens and a row of model tokens only."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(rows, width, generator=g) < p
+    mask[0] = False
+    if rows > 1:
+        mask[1] = True
+    return mask
+
+
+# widths: one position; one block (64) exactly; one more (two levels); 3 levels (> 64 * 64)
+@pytest.mark.parametrize("width", [1, 64, 65, 300, 4200])
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.0), (0.99, 0.95), (0.9, 0.5), (0.0, 1.0), (1.0, 0.95)])
+def test_gae_matches_the_loop_it_replaced(width, gamma, lam):
+    """Exact to float64 rounding: every row (none, all, gapped model tokens), the zero after a row's last
+    token, the pass-through at observation gaps; float32 inputs give the loop's float32 outputs."""
+    g = torch.Generator().manual_seed(width)
+    mask = _gapped_mask(4, width, width)
+    rewards = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    values = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    adv, ret = G.gae(rewards, values, mask, gamma, lam)
+    want_adv, want_ret = gae_loop(rewards, values, mask, gamma, lam)
+    tol = 1e-13 * max(1.0, float(want_adv.abs().max()), float(want_ret.abs().max())) * max(1.0, width / 64)
+    assert (adv - want_adv).abs().max() <= tol and (ret - want_ret).abs().max() <= tol
+    assert not adv[~mask].any() and not ret[~mask].any()
+    adv32, ret32 = G.gae(rewards.float(), values.float(), mask, gamma, lam)
+    loop32 = gae_loop(rewards.float(), values.float(), mask, gamma, lam)
+    assert adv32.dtype == ret32.dtype == torch.float32
+    assert torch.allclose(adv32, loop32[0], rtol=1e-6, atol=1e-6) and torch.allclose(ret32, loop32[1], rtol=1e-6,
+                                                                                       atol=1e-6)
+
+
+def test_gae_edge_shapes():
+    """No positions, no rows, no model token anywhere: zeros of the inputs' shape and dtype."""
+    for shape in ((3, 0), (0, 5), (2, 7)):
+        z = torch.zeros(shape, dtype=torch.float32)
+        adv, ret = G.gae(torch.ones(shape), torch.ones(shape), torch.zeros(shape, dtype=torch.bool), 0.99, 0.95)
+        assert adv.shape == ret.shape == shape and adv.dtype == torch.float32
+        assert torch.equal(adv, z) and torch.equal(ret, z)
+
+
+def test_gae_never_reads_outside_the_mask():
+    """NaN / inf at prompt, observation or padding positions change nothing (the loop's `* mask` made them NaN
+    there); the model tokens' results are those of zeros there."""
+    rewards, values, mask = _batch(5)
+    bad_r, bad_v = rewards.clone(), values.clone()
+    bad_r[~mask], bad_v[~mask] = float("nan"), float("inf")
+    adv, ret = G.gae(bad_r, bad_v, mask, 0.99, 0.95)
+    want_adv, want_ret = gae_loop(rewards, values, mask, 0.99, 0.95)
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    assert torch.allclose(adv, want_adv, rtol=0, atol=1e-12) and torch.allclose(ret, want_ret, rtol=0, atol=1e-12)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten ops that run (and the ones that read a value on the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.host = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.__name__.split(".")[0] in ("_local_scalar_dense", "nonzero", "masked_select", "item"):
+            self.host.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_gae_has_no_loop_over_positions_and_no_host_sync():
+    """The loop ran a handful of ops per position; the vectorised GAE runs the same ops at any length, plus one
+    level of the blocked suffix sum per factor of 64 (100 positions: 2 levels; 20000: 3), and reads nothing on the
+    host (a CUDA run would wait there)."""
+    counts = {}
+    for width in (100, 20000):
+        mask = _gapped_mask(3, width, 0)
+        rewards, values = torch.randn(mask.shape), torch.randn(mask.shape)
+        with _Ops() as ops:
+            G.gae(rewards, values, mask, 0.99, 0.95)
+        counts[width] = ops.ops
+        assert ops.host == [], (width, ops.host)
+    assert counts[20000] <= 2 * counts[100], counts  # the loop: 200x

@@ -119,8 +119,12 @@ def test_nccl_versions_are_checked_before_the_weight_update_group(monkeypatch):
     other = {**same, "http://s1:30000": {"torch": "2.8.0", "cuda": "12.8", "nccl": [2, 26, 2]}}
     line = nccl_mismatch((2, 27, 3), "2.11.0", other)
     for needle in ("NCCL version mismatch", "NCCL 2.27.3 (torch 2.11.0)", "http://s1:30000 has NCCL 2.26.2 (torch 2.8.0)",
-                   "nvidia-nccl-cu12==2.27.3", "rollout.sync_transport=disk"):
+                   "nvidia-nccl-cu12==2.27.3", "in the servers' environment", "rollout.sync_transport=disk"):
         assert needle in line, (needle, line)
+    # the learner's the older (torch 2.11's 2.28.9 against SGLang 0.5.23's torch 2.14.1 with 2.30.7): the newer into it
+    line = nccl_mismatch((2, 28, 9), "2.11.0", {"http://s0:30000": {"torch": "2.14.1", "cuda": "13.0",
+                                                                    "nccl": [2, 30, 7]}})
+    assert "nvidia-nccl-cu13==2.30.7" in line and "in the learner's environment" in line, line
 
     class Engine:  # what the transport asks of the engine before it forms the group
         servers = list(other)

@@ -17,7 +17,8 @@
 #   export TORCH_NCCL_ASYNC_ERROR_HANDLING=1   # a failed collective aborts instead of hanging
 # CUDA_DEVICE_MAX_CONNECTIONS reaches the learner steps only (default 1: Megatron-Core's TP/SP communication
 # overlap needs it); the SGLang server steps start without it, since one hardware queue per GPU would serialize
-# the streams SGLang overlaps (set it in SGLANG_ENV to give them one).
+# the streams SGLang overlaps (set it in SGLANG_ENV to give them one). Servers the trainer launches itself (colocated,
+# rollout.sglang.launch) drop it too (launch/sglang_server.py server_environment; rollout.sglang.env may set it).
 
 # srun takes options from its environment (srun(1), "INPUT ENVIRONMENT VARIABLES"; a command-line option wins
 # only over its own variable), and sbatch exports the job's GPU request there: --gpus-per-node=8 as

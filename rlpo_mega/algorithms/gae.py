@@ -47,29 +47,70 @@ def token_rewards(seq_rewards: torch.Tensor, mask: torch.Tensor, kl: Optional[to
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns) [n, s], zero outside the mask. rewards, values: [n, s] aligned with mask."""
+    """(advantages, returns) [n, s], zero outside the mask. rewards, values: [n, s] aligned with mask.
+
+    A position outside the mask is not an action: V and A pass through it unchanged. After the last response
+    token that is the zero of the episode's end; across a multi-turn episode's observation tokens it links a
+    turn's last token to the next turn's first (the environment's step is no decision). So each row's model
+    tokens are moved to the left (in order, gaps cut out), the recursion runs there with zeros after the row's
+    last token, and the results go back to their positions. No Python loop over positions and no host sync (a
+    scatter, a gather, matrix products: tools/bench_gae.py compares it with the loop it replaced): the next
+    value is a shift, and A_k = sum_j (gamma lambda)^(j-k) delta_j is `_discounted_suffix_sum`. Inputs outside
+    the mask are never read."""
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gamma={gamma} and lambda={lam} must lie in [0, 1]")
     mask = _check_mask(mask)
     if rewards.shape != mask.shape or values.shape != mask.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and values {tuple(values.shape)} must match the mask "
                          f"{tuple(mask.shape)}")
-    m = mask.double()
-    r, v = rewards.double() * m, values.detach().double() * m
-    adv = torch.zeros_like(r)
-    next_v = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)
-    next_a = torch.zeros_like(next_v)
-    for t in range(r.shape[1] - 1, -1, -1):  # backwards over positions, every row at once
-        delta = r[:, t] + gamma * next_v - v[:, t]
-        a = (delta + gamma * lam * next_a) * m[:, t]
-        adv[:, t] = a
-        # a position outside the mask is not an action: V and A pass through it unchanged. After the last
-        # response token that is the zero of the episode's end; across a multi-turn episode's observation tokens
-        # it links a turn's last token to the next turn's first (the environment's step is no decision)
-        on = mask[:, t]
-        next_v, next_a = torch.where(on, v[:, t], next_v), torch.where(on, a, next_a)
-    returns = (adv + v) * m
+    n, s = mask.shape
+    if s == 0:
+        return torch.zeros_like(values), torch.zeros_like(values)
+    k = mask.long().cumsum(1) - 1  # a model token's place among its row's model tokens
+    spare = s + torch.arange(s, device=mask.device)  # every other position: a column of its own, dropped
+    at = torch.where(mask, k, spare.expand(n, s))
+
+    def left(x):  # [n, s] -> each row's model tokens at 0, 1, ...; zero after the row's last
+        out = torch.zeros(n, 2 * s, dtype=torch.float64, device=mask.device)
+        return out.scatter_(1, at, x.double())[:, :s]
+
+    r, v = left(rewards), left(values.detach())
+    next_v = torch.nn.functional.pad(v[:, 1:], (0, 1))  # V after a row's last model token is 0 (the padding)
+    a = _discounted_suffix_sum(r + gamma * next_v - v, gamma * lam)  # delta is 0 after the last: adds nothing
+    back = k.clamp(min=0)
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    adv = torch.where(mask, a.gather(1, back), zero)
+    returns = torch.where(mask, (a + v).gather(1, back), zero)
     return adv.to(values.dtype), returns.to(values.dtype)
+
+
+_BLOCK = 64  # positions per matrix of powers: [block, block] float64, n * width * block multiply-adds a level
+
+
+def _powers(size: int, c: float, like: torch.Tensor) -> torch.Tensor:
+    """[size, size]: P[i, j] = c^(j - i) for j >= i, else 0 (c = 0: the identity, 0^0 = 1)."""
+    i = torch.arange(size, device=like.device)
+    e = i[None, :] - i[:, None]
+    p = torch.pow(torch.tensor(c, dtype=torch.float64, device=like.device), e.clamp(min=0).double())
+    return torch.where(e >= 0, p, torch.zeros_like(p))
+
+
+def _discounted_suffix_sum(x: torch.Tensor, c: float, block: int = _BLOCK) -> torch.Tensor:
+    """y[:, k] = sum_{j >= k} c^(j - k) x[:, j] for x [n, L] float64 (y_k = x_k + c y_{k+1}, y_L = 0), without a
+    loop over positions: the sum within each block of `block` positions is one product with the matrix of
+    powers; the sum from each block's start on is the same suffix sum over the blocks' sums (factor c^block),
+    done recursively (ceil(log_block L) levels); each position adds c^(block - i) times the next block's."""
+    n, length = x.shape
+    if length <= block:
+        return x @ _powers(length, c, x).T
+    blocks = -(-length // block)
+    xb = torch.nn.functional.pad(x, (0, blocks * block - length)).view(n, blocks, block)
+    within = xb @ _powers(block, c, x).T  # [n, blocks, block]: the sum up to the block's end
+    starts = _discounted_suffix_sum(within[:, :, 0], c ** block, block)  # [n, blocks]: the sum from each start
+    after = torch.nn.functional.pad(starts[:, 1:], (0, 1))  # from the next block's start (0 after the last)
+    tail = _powers(block + 1, c, x)[:, block]  # c^(block - i) for i in 0..block
+    y = within + after[:, :, None] * tail[None, None, :block]
+    return y.reshape(n, blocks * block)[:, :length]
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, shift_mean: bool = True) -> torch.Tensor:

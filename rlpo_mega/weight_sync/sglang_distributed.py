@@ -30,12 +30,19 @@ def nccl_mismatch(learner_nccl, learner_torch: str, servers: dict) -> Optional[s
     for url, env in servers.items():
         theirs = _version(env.get("nccl"))
         if theirs != mine:
+            # the newer NCCL into the older side: a torch binds NCCL's functions lazily and calls newer ones than an
+            # older NCCL has (torch 2.14.1, SGLang 0.5.23's, calls ncclCommGrow; launch/README.md, "NCCL")
+            older, newer = ("learner's", theirs) if _key(mine) < _key(theirs) else ("servers'", mine)
             return (f"NCCL version mismatch: the learner has NCCL {mine} (torch {learner_torch}), SGLang server {url} "
                     f"has NCCL {theirs} (torch {env.get('torch')}): rollout.sync_transport=sglang_distributed needs "
-                    "one NCCL on both sides; install the learner's NCCL in the servers' environment (pip install "
-                    f"nvidia-nccl-cu{str(env.get('cuda') or '12').split('.')[0]}=={mine}) or use "
-                    "rollout.sync_transport=disk (a filesystem both sides see)")
+                    f"one NCCL on both sides; install the newer NCCL in the {older} environment (pip install "
+                    f"nvidia-nccl-cu{str(env.get('cuda') or '12').split('.')[0]}=={newer}; launch/README.md, NCCL) "
+                    "or use rollout.sync_transport=disk (a filesystem both sides see)")
     return None
+
+
+def _key(v: Optional[str]) -> tuple:
+    return tuple(int(x) if x.isdigit() else 0 for x in (v or "0").split("."))
 
 
 def _version(v) -> Optional[str]:
