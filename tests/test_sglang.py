@@ -166,6 +166,44 @@ def test_tensor_update_and_digest(family):
     TRANSPORTS.get("in_process")(engine).sync(ListStream(w.items(), bucket=16))
 
 
+@engine_path_once
+def test_colocated_flattened_bucket_update(family):
+    """rollout.colocate's payloads (rollout/sglang_payloads.py) into the real server: each bucket goes as one
+    load_format=flattened_bucket post, its tensors' bytes in one uint8 tensor (one shared-memory file, made by this
+    process) with SimpleNamespace metadata, which SGLang's SafeUnpickler admits. The server then holds exactly what
+    was sent: the digests taken inside it agree (the transport's check), a zeroed output head gives uniform
+    log-probs, and the checkpoint's weights come back through the same path, several tensors to a bucket."""
+    import dataclasses
+
+    from tests.workers.colocated_payloads import producer_pids
+
+    engine, hf, ckpt, w = family
+    colocated = SGLangEngine(dataclasses.replace(engine.cfg, urls=[engine.servers[0].url], launch=False), hf,
+                             colocate=True)
+    posts, post = [], colocated._post_ok
+
+    def recording(server, path, payload=None, timeout=None):
+        if path == "/update_weights_from_tensor":
+            posts.append(payload)
+        return post(server, path, payload, timeout)
+
+    colocated._post_ok = recording
+    try:
+        name = out_head(hf)
+        stats = TRANSPORTS.get("in_process")(colocated).sync(ListStream([(name, torch.zeros_like(w[name]))]))
+        assert stats["tensors"] == 1
+        lp = colocated.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3))[0].logprobs
+        torch.testing.assert_close(lp, torch.full_like(lp, -math.log(int(hf.vocab_size))), atol=1e-5, rtol=0)
+        stats = TRANSPORTS.get("in_process")(colocated).sync(ListStream(w.items(), bucket=16))
+        assert stats["tensors"] == len(w)
+    finally:
+        colocated.shutdown()
+    assert len(posts) == 1 + math.ceil(len(w) / 16)
+    for p in posts:
+        assert p["load_format"] == "flattened_bucket" and len(p["serialized_named_tensors"]) == 1
+        assert producer_pids(p["serialized_named_tensors"][0]) == [os.getpid()]  # one file per bucket
+
+
 def permuted(hf, w, perm):
     """Layer 0's router rows and experts permuted together: the same function, expert ids renamed."""
     pre = "model.layers.0.block_sparse_moe" if hf.model_type == "mixtral" else "model.layers.0.mlp"

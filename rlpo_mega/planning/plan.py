@@ -207,7 +207,9 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         send = steps.driver_tokens * (8 + sum(shape.moe_layers) * topk * route_item) \
             if engine.driver_sends_all_layers and stage in driver_stages else recv
         row.parts["exchange"] = min(recv + send, 2 * (cfg.trainer.exchange_round_mb << 20))
-        if stage in driver_stages:  # an engine rank receives the full weights at each sync, a bucket at a time
+        if engine.gpu_sync:  # colocated servers: every GPU receives each bucket and makes its server rank's copy
+            row.parts["sync bucket"] = engine.gpu_sync
+        elif stage in driver_stages:  # an engine rank receives the full weights at each sync, a bucket at a time
             row.parts["sync bucket"] = cfg.rollout.sync_bucket_mb << 20
         row.parts["reserved"] = reserved
         row.info["micro-batch tokens"] = steps.largest_micro_tokens

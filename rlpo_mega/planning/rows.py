@@ -41,6 +41,10 @@ class EnginePlan:
     colocated: dict = field(default_factory=dict)
     released: int = 0
     host_copy: int = 0
+    # rollout.colocate: what a sync holds on every learner GPU for the engine (SGLang: the bucket the export
+    # broadcasts to each rank and its flattened copy, the payload of the server rank on that GPU), in place of the
+    # drivers' one bucket
+    gpu_sync: int = 0
     # the exchange's send on a driver: its share of the step with every MoE layer's routes (SGLang: the driver
     # holds what its servers returned), not only the rows it trains
     driver_sends_all_layers: bool = False

@@ -12,7 +12,9 @@ learner's environment needs no sglang; only update_weights_from_tensor's payload
 the default file-descriptor passing cannot cross HTTP and crashed the server).
 
 Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, then a flush):
-  load_weights        update_weights_from_tensor (colocated: shared memory on this host)
+  load_weights        update_weights_from_tensor: host tensors in shared memory of this host; colocated
+                      (rollout.colocate) one flattened_bucket per bucket, each TP rank's entry made on its own GPU
+                      by the learner rank there (sglang_payloads.py: the relay, the UUID reduction)
   reload_from_disk    update_weights_from_disk
   "sglang_distributed" transport (rlpo_mega/weight_sync/sglang_distributed.py): init_weights_update_group +
                       update_weights_from_distributed
@@ -55,6 +57,7 @@ from .base import (ENGINES, EngineError, Feed, RolloutEngine, RolloutInterrupted
 from .sglang_client import (Connections, IOLoop, ServerSlots, SlotsClosed, decode_routes, dumps, loads, parse_logprobs,
                             receive_buffer, split_routes)
 from . import sglang_plan
+from .sglang_payloads import FLATTENED, flatten, placements, serialize, tied_aliases
 from .sglang_checks import check_sglang
 from .sglang_launch import launch_node_servers
 from .sglang_reports import InServerReports
@@ -121,6 +124,13 @@ class SGLangEngine(InServerReports, RolloutEngine):
         return [i * (world_size // drivers) for i in range(drivers)]
 
     @classmethod
+    def colocated_placements(cls, run_cfg, world_size: int, local_world_size: int) -> list:
+        """rollout.colocate: each launched server's driver and, per TP rank, the learner rank on its GPU, which makes
+        that rank's weight payload (sglang_payloads.placements; training/sync.py relays them)."""
+        sg = run_cfg.rollout.sglang
+        return placements(world_size, local_world_size, sg.num_servers, sg.tp_size, cls.ranks(run_cfg, world_size))
+
+    @classmethod
     def from_config(cls, run_cfg, hf_config) -> "SGLangEngine":
         driver = cls.ranks(run_cfg, dist.get_world_size()).index(dist.get_rank()) if dist.is_initialized() else 0
         ro = run_cfg.rollout
@@ -144,6 +154,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
         self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         names = get_family(hf_config.model_type).hf_names(hf_config)  # HF names are family knowledge
         self._embed, self._head = names["embedding"], names["output"]
+        self.aliases = tied_aliases(hf_config)  # a flattened bucket's tied head (sglang_payloads.flatten)
         self._rid = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
         self._inflight: dict[str, _Server] = {}
@@ -164,6 +175,10 @@ class SGLangEngine(InServerReports, RolloutEngine):
             self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
+        # each server's place in the run's URL list (node order): colocated payloads are gathered per place
+        # (sglang_payloads.placements)
+        index = {u.rstrip("/"): i for i, u in enumerate(cfg.urls)}
+        self._place = {s.url: index.get(s.url, i) for i, s in enumerate(self.servers)}
         if not 1 <= cfg.min_servers <= len(self.servers):
             raise EngineError(f"rollout.sglang.min_servers={cfg.min_servers} but driver {driver} drives "
                               f"{len(self.servers)} server(s): set it between 1 and {len(self.servers)}")
@@ -845,8 +860,9 @@ class SGLangEngine(InServerReports, RolloutEngine):
     def _tensor_payloads(self, named_tensors) -> tuple[list[str], list]:
         """One payload per server TP rank in sglang's MultiprocessingSerializer format:
         base64(ForkingPickler([(name, tensor), ...])). Host tensors travel through shared memory by file name; a
-        server on this rank's GPU (rollout.colocate) gets CUDA IPC handles of a device copy instead, one pickle per
-        TP rank (each TP rank opens entry [tp_rank], and each handle counts its own reference, tp_worker.py)."""
+        server on this rank's GPU (rollout.colocate, with a load_format of its own: the default goes as a
+        flattened_bucket) gets CUDA IPC handles of a device copy instead, one pickle per TP rank (each TP rank opens
+        entry [tp_rank], and each handle counts its own reference, tp_worker.py)."""
         import multiprocessing.reduction
 
         import torch.multiprocessing as tmp
@@ -869,8 +885,17 @@ class SGLangEngine(InServerReports, RolloutEngine):
         return payloads, keep  # keep: alive until the server has loaded
 
     def load_weights(self, named_tensors, load_format: Optional[str] = None) -> None:
+        relayed = getattr(named_tensors, "payloads", None)  # sglang_payloads.RelayedBucket: made on each GPU
+        if relayed is not None and load_format is None:
+            return self._load_relayed(named_tensors)
         named_tensors = list(named_tensors)
         if not named_tensors:
+            return
+        if self.colocate and load_format is None:  # no relay (this process alone): it makes every entry
+            payload = flatten(named_tensors, self.aliases)
+            for s in self.live:  # one pickle per TP rank: each opens (and counts) its own reference
+                self._post_flattened(s, [serialize(payload) for _ in range(self.cfg.tp_size)])
+            del payload  # after the servers loaded
             return
         names = {n for n, _ in named_tensors}
         if self.tied and self._embed in names and self._head not in names:
@@ -883,6 +908,24 @@ class SGLangEngine(InServerReports, RolloutEngine):
             self._post_ok(s, "/update_weights_from_tensor",
                           {"serialized_named_tensors": payloads, "load_format": load_format, "flush_cache": False})
             del keep
+
+    def _load_relayed(self, bucket) -> None:
+        """rollout.colocate: each live server takes its list of entries, TP rank k's made by the learner rank on
+        that rank's GPU (training/sync.py, sglang_payloads.PayloadRelay); the producers keep their memory until the
+        relay acknowledges, after these calls returned."""
+        if bucket.errors:
+            raise EngineError("colocated weight sync: a learner rank could not make its server rank's payload: "
+                              + "; ".join(bucket.errors))
+        for s in self.live:
+            entries = bucket.payloads.get(self._place[s.url])
+            if entries is None or len(entries) != self.cfg.tp_size:
+                raise EngineError(f"colocated weight sync: no payload of every TP rank for SGLang server {s.url} "
+                                  f"(place {self._place[s.url]}; rollout.sglang.tp_size={self.cfg.tp_size})")
+            self._post_flattened(s, entries)
+
+    def _post_flattened(self, server: _Server, entries: list) -> None:
+        self._post_ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": entries,
+                                                             "load_format": FLATTENED, "flush_cache": False})
 
     def reload_from_disk(self, path: str) -> None:
         self.refresh()

@@ -3,22 +3,30 @@
 The export stream (moe.bridge.megatron_io) gathers each parameter from the learner's layout into HF names and
 the engine's dtype, bucket by bucket; the configured transport (rlpo_mega.weight_sync) delivers it and
 verifies the digests. Every rank takes part in the export; only the engine ranks receive, each the full weights.
+Colocated SGLang servers (rollout.colocate) are the exception: every rank receives, and the rank on each server
+rank's GPU makes that rank's payload, which the driver gathers and posts (rollout/sglang_payloads.py).
 """
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 import torch.distributed as dist
 
 from moe.bridge.megatron_io import ExportStream
 from rlpo_mega.model_setup import PARAMS_DTYPES
-from rlpo_mega.rollout import EngineError
+from rlpo_mega.rollout import ENGINES, EngineError
 from rlpo_mega.rollout.engines import engine_ranks
+from rlpo_mega.rollout.sglang_payloads import PayloadRelay, tied_aliases
 
 
 def sync_weights(chunks, cfg, slot) -> dict:
     """Learner -> engine(s) through `slot`'s transport (rollout/engines.EngineSlot), digest-verified."""
     ranks = engine_ranks(cfg)
-    # every rank an engine (embedded): one broadcast per tensor; a few (SGLang drivers): sent to each of them
-    dst = None if len(ranks) == dist.get_world_size() else ranks
+    relay = payload_relay(cfg, slot)
+    # every rank an engine (embedded), or colocated servers on (normally) every GPU: one broadcast per tensor; a
+    # few (SGLang drivers): sent to each of them
+    dst = None if relay is not None or len(ranks) == dist.get_world_size() else ranks
     # every tensor in the engine's dtype (= model.params_dtype): megatron's local spec keeps some
     # parameters (torch norms) in fp32 under bf16, and the engine holds the checkpoint dtype
     stream = ExportStream(chunks, bucket_bytes=cfg.rollout.sync_bucket_mb << 20, dst=dst,
@@ -27,12 +35,35 @@ def sync_weights(chunks, cfg, slot) -> dict:
         for _ in stream:
             pass
         return {}
+    if relay is not None:
+        if not relay.drives:  # its server ranks' payloads to their drivers, bucket by bucket
+            relay.produce(stream)
+            return {}
+        stream = relay.gathering(stream)
     stream = Resumable(stream)
     try:
         return slot.transport.sync(stream)
     except EngineError:
         stream.drain()  # the other ranks' collectives of this export complete; the failure is agreed after
         raise
+
+
+def payload_relay(cfg, slot) -> Optional[PayloadRelay]:
+    """rollout.colocate with an engine whose servers take per-GPU payloads (SGLang): this sync's relay, on every
+    rank (each server TP rank's payload made by the learner rank on its GPU, gathered by its driver over the
+    control group); None otherwise."""
+    engine = ENGINES.get(cfg.rollout.engine)
+    if not (cfg.rollout.colocate and cfg.rollout.sync_transport == "in_process"
+            and hasattr(engine, "colocated_placements")):
+        return None
+    world = dist.get_world_size()
+    servers = engine.colocated_placements(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    group = slot.group
+    if group is None:  # a slot built without the trainer's control group
+        from rlpo_mega import distributed
+
+        group = distributed.control_group(cfg.rollout.wait_timeout)
+    return PayloadRelay(servers, dist.get_rank(), group, tied_aliases(slot.hf))
 
 
 class Resumable:
