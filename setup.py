@@ -34,7 +34,10 @@ setup(
         "parquet": ["pyarrow>=15"],  # Parquet prompt files (JSONL needs nothing)
         # Optional GPU accelerations (never required). apex has no usable PyPI wheel: build it from
         # https://github.com/NVIDIA/apex if you want its fused kernels.
-        "gpu": ["transformer-engine[pytorch]>=2.0"],
+        # Transformer Engine: the range megatron-core 0.16.1 is tested with (megatron_core-0.16.1.dist-info/METADATA:43,
+        # moe.model.TE_REQUIREMENT); outside it megatron may not take TE as present (moe.model.have_transformer_engine).
+        # Its torch binding must match the installed torch and CUDA.
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     },
     entry_points={"console_scripts": ["rlpo-mega=rlpo_mega.cli:main"]},
 )

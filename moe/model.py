@@ -20,29 +20,68 @@ from .families import get_family
 
 
 class TransformerEngineError(RuntimeError):
-    """Transformer Engine is installed but its torch binding does not load."""
+    """Transformer Engine is installed but unusable: its torch binding does not load, or megatron-core does not take it
+    as present."""
+
+
+# What megatron-core 0.16.1 is tested with (megatron_core-0.16.1.dist-info/METADATA:43); setup.py's "gpu" extra pins it.
+TE_REQUIREMENT = "transformer-engine[pytorch]>=2.9,<2.12"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 @functools.cache
 def have_transformer_engine() -> bool:
-    """Whether Transformer Engine's torch binding works here (the TE layer spec is then used). TE's top-level
-    package imports without its binding (it swallows that failure), so the binding itself is probed: absent
-    TE is False; a TE whose `transformer_engine.pytorch` fails to load (built for another torch or CUDA) is one
-    TransformerEngineError naming the failure -- never a silent switch to megatron's MagicMock stand-ins, nor an
-    uncaught OSError from deep inside megatron."""
-    if importlib.util.find_spec("transformer_engine") is None:
+    """Whether Transformer Engine is present as megatron-core itself decides it -- its own flag, HAVE_TE, set by
+    importing `transformer_engine.pytorch.fp8` (megatron/core/extensions/transformer_engine.py:61-77) -- so the TE
+    layer spec is asked for exactly when megatron holds TE's classes and not its MagicMock stand-ins
+    (transformer_engine.py:74-77), whose first use dies in TEDotProductAttention.__init__. Absent TE is False without
+    importing megatron (megatron's `import transformer_engine` then fails too: HAVE_TE False). Installed but unusable
+    is one TransformerEngineError naming the failure, never a silent fall back to the local spec on a GPU nor an
+    uncaught error from deep inside megatron's imports:
+    - a torch binding that does not load (built for another torch or CUDA: OSError, which megatron's
+      `except ImportError` lets through); TE's top-level package imports without it (it swallows that failure);
+    - a TE megatron-core does not import with (it imports `transformer_engine.pytorch.fp8` unguarded, fp8_utils.py:
+      667-668: a TE outside the range megatron-core is tested with, where TE has removed that deprecated module);
+    - a TE megatron's own import leaves out (HAVE_TE False: `fp8_autocast` or `FP8GlobalStateManager` gone)."""
+    found = importlib.util.find_spec("transformer_engine")
+    if found is None:
         return False
+    where = found.origin or "?"
+    uninstall = ("or uninstall it (pip uninstall transformer-engine transformer-engine-torch) to run megatron-core's "
+                 "local layer spec")
     try:
         importlib.import_module("transformer_engine.pytorch")
     except Exception as e:  # ImportError, OSError (a missing libcudart/libtransformer_engine), RuntimeError
-        where = getattr(importlib.util.find_spec("transformer_engine"), "origin", None) or "?"
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise TransformerEngineError(
             f"Transformer Engine is installed ({where}) but transformer_engine.pytorch does not load: "
-            f"{type(e).__name__}: {first}; install the TE build for torch {torch.__version__} (CUDA "
-            f"{torch.version.cuda or 'none'}), or uninstall it (pip uninstall transformer-engine transformer-engine-torch) "
-            "to run megatron-core's local layer spec") from None
-    return True
+            f"{_first_line(e)}; install the TE build for torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda or 'none'}), {uninstall}") from None
+    try:
+        from megatron.core.extensions import transformer_engine as megatron_te
+    except Exception as e:
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "megatron":
+            raise  # no megatron-core here at all: not Transformer Engine's doing
+        # megatron-core imports some of TE's modules unguarded once `import transformer_engine` succeeds, e.g.
+        # transformer_engine.pytorch.fp8 (megatron/core/fp8_utils.py:24-28,667-668, reached from megatron.core's own
+        # __init__): a TE without it stops megatron-core's import itself
+        raise TransformerEngineError(
+            f"Transformer Engine is installed ({where}) but megatron-core does not import with it: {_first_line(e)}; "
+            f"install {TE_REQUIREMENT} (what megatron-core 0.16.1 is tested with), {uninstall}") from None
+    if megatron_te.HAVE_TE:
+        return True
+    try:  # megatron swallowed an ImportError: its own import statement again, for the reason
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, fp8_autocast  # noqa: F401
+        cause = "ImportError"
+    except Exception as e:
+        cause = _first_line(e)
+    raise TransformerEngineError(
+        f"Transformer Engine is installed ({where}) but megatron-core does not take it as present (HAVE_TE is False: "
+        "its import of FP8GlobalStateManager and fp8_autocast from transformer_engine.pytorch.fp8 fails with "
+        f"{cause}); install {TE_REQUIREMENT} (what megatron-core 0.16.1 is tested with), {uninstall}")
 
 
 def load_hf_config(path: str) -> PretrainedConfig:
@@ -212,6 +251,8 @@ def build_gpt_model(hf: PretrainedConfig, config, vocab_divisible_by: int = 128,
         norm = model.decoder.final_layernorm.weight
         model.output_layer.bias.data = model.output_layer.bias.data.to(norm.dtype)
     model.hf_config = hf
+    # the spec names some norms' checkpoint keys differently: recorded in checkpoints (rlpo_mega.checkpoint.layer_spec)
+    model.layer_spec = "transformer_engine" if te else "local"
     model.real_vocab_size = hf.vocab_size
     model.value_head = value_head
     return model

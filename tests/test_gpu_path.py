@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -21,13 +22,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBCUDART = "libcudart.so.12: cannot open shared object file: No such file or directory"
 
 
-def _stand_in_te(root, binding: str) -> str:
+def _stand_in_te(root, binding: str, version: str | None = None, modules: dict[str, str] | None = None) -> str:
     """A `transformer_engine` package whose top level swallows its torch binding's failure, as TE's does; the
-    binding's module body is `binding`. Returns the directory to put on PYTHONPATH."""
+    binding's module body is `binding`; version: its __version__; modules: more of its files ({path: text}).
+    Returns the directory to put on PYTHONPATH."""
     pkg = root / "transformer_engine"
     (pkg / "pytorch").mkdir(parents=True)
-    (pkg / "__init__.py").write_text("try:\n    from . import pytorch  # noqa: F401\nexcept Exception:\n    pass\n")
+    top = (f"__version__ = {version!r}\n" if version else "") + "try:\n    from . import pytorch  # noqa: F401\n"
+    (pkg / "__init__.py").write_text(top + "except Exception:\n    pass\n")
     (pkg / "pytorch" / "__init__.py").write_text(binding)
+    for path, text in (modules or {}).items():
+        (pkg / path).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / path).write_text(text)
     return str(root)
 
 
@@ -55,16 +61,73 @@ def test_a_broken_transformer_engine_is_one_line_through_train(tmp_path):
         assert needle in line, (needle, line)
 
 
-def test_transformer_engine_is_detected_by_its_working_binding(tmp_path):
-    """Absent: False (megatron's local spec); a binding that loads: True (the TE spec)."""
-    probe = "from moe.model import have_transformer_engine as h; print(h())"
-    absent = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_env(), capture_output=True, text=True,
-                            timeout=120)
-    assert absent.stdout.strip() == "False", absent.stderr[-2000:]
+def _probe(*paths, megatron_flag=None):
+    """[moe.model.have_transformer_engine() (or "error: <its one line>"), megatron-core's own HAVE_TE (or "error:
+    <what its import raised>")] in a fresh interpreter, the probe first. megatron_flag: megatron's TE extension is
+    imported first with the stand-in TE out of sys.path, and its HAVE_TE set to this (a TE that megatron takes as
+    present cannot be faked here: megatron's import reaches deep into TE)."""
+    code = textwrap.dedent(f"""
+        import importlib, json, sys
+        if {megatron_flag!r} is not None:
+            path = sys.path[:]
+            sys.path[:] = [p for p in path if p not in {list(paths)!r}]
+            from megatron.core.extensions import transformer_engine
+            transformer_engine.HAVE_TE = {megatron_flag!r}
+            sys.path[:] = path
+            importlib.invalidate_caches()
+        from moe.model import TransformerEngineError, have_transformer_engine
+        try:
+            ours = have_transformer_engine()
+        except TransformerEngineError as e:
+            ours = "error: " + str(e)
+        try:
+            from megatron.core.extensions import transformer_engine
+            theirs = transformer_engine.HAVE_TE
+        except Exception as e:
+            theirs = "error: " + type(e).__name__ + ": " + str(e)
+        print(json.dumps([ours, theirs]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(*paths), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_transformer_engine_is_present_exactly_when_megatron_says_so(tmp_path):
+    """Absent: False (megatron's local spec), megatron agreeing. A TE whose binding loads is present only when
+    megatron-core's own flag says so (the TE spec then holds TE's classes, not megatron's MagicMocks)."""
+    assert _probe() == [False, False]
     te = _stand_in_te(tmp_path, "VERSION = 'stand-in'\n")
-    working = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=_env(te), capture_output=True, text=True,
-                             timeout=120)
-    assert working.stdout.strip() == "True", working.stderr[-2000:]
+    assert _probe(te, megatron_flag=True) == [True, True]
+
+
+# TE 2.x (megatron's fp8_utils.py:43-46 imports QuantizedTensor from it once TE is >= 2.0)
+_TENSOR = {"pytorch/tensor/__init__.py": "class QuantizedTensor:\n    pass\n"}
+
+
+@pytest.mark.parametrize("fp8", ["absent", "without fp8_autocast"])
+def test_a_transformer_engine_megatron_does_not_take_is_one_line(tmp_path, fp8):
+    """A TE whose torch binding loads but whose `transformer_engine.pytorch.fp8` is gone (TE marks it deprecated) or
+    lacks `fp8_autocast`, as outside the range megatron-core 0.16.1 is tested with. The probe imported
+    `transformer_engine.pytorch` only and said present. Gone: megatron-core's own import stops
+    (fp8_utils.py:667-668), a traceback out of the first `import megatron.core`. Without fp8_autocast: megatron's
+    HAVE_TE is False (extensions/transformer_engine.py:61-77), its TE classes are MagicMocks, and the TE spec asked
+    for died in TEDotProductAttention.__init__ with "Transformer Engine is not installed". Now both are one line
+    naming the failed import and the range to install."""
+    fp8 = {} if fp8 == "absent" else {"pytorch/fp8.py": "class FP8GlobalStateManager:\n    pass\n"}
+    te = _stand_in_te(tmp_path, "VERSION = 'stand-in'\n", version="2.12.0", modules={**_TENSOR, **fp8})
+    ours, megatron = _probe(te)
+    assert megatron is not True, megatron
+    assert ours is not True, f"the probe says TE is present where megatron-core says {megatron}"
+    assert isinstance(ours, str) and "\n" not in ours, ours
+    reason = ("megatron-core does not import with it: ModuleNotFoundError: No module named "
+              "'transformer_engine.pytorch.fp8'" if not fp8 else
+              "megatron-core does not take it as present (HAVE_TE is False: its import of FP8GlobalStateManager and "
+              "fp8_autocast from transformer_engine.pytorch.fp8 fails with ImportError: cannot import name "
+              "'fp8_autocast'")
+    for needle in ("error: Transformer Engine is installed", reason, "transformer-engine[pytorch]>=2.9,<2.12",
+                   "pip uninstall transformer-engine", "local layer spec"):
+        assert needle in ours, (needle, ours)
 
 
 def test_a_distributed_optimizer_checkpoint_before_the_first_step_with_a_lazy_optimizer(distopt_launch):

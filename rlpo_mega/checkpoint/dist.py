@@ -39,6 +39,7 @@ import torch.distributed as dist
 import xxhash
 
 from moe.bridge.outputs import swap_in
+from rlpo_mega.checkpoint import layer_spec
 from rlpo_mega.checkpoint.distopt import load_state, save_state
 from rlpo_mega.checkpoint.files import checkpoint_files, disk_full, verify_files
 from rlpo_mega.model_setup import unwrap
@@ -324,7 +325,8 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
 
     def write_meta():
         with open(os.path.join(tmp, META), "w") as f:
-            json.dump({"format": FORMAT, "has_optimizer": optimizer is not None,
+            json.dump({"format": FORMAT, "layer_spec": layer_spec.model_layer_spec(unwrap(model_chunks[0])),
+                       "has_optimizer": optimizer is not None,
                        "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
                        "has_reference": reference_chunks is not None, "has_critic": critic is not None,
                        "has_critic_optimizer": critic is not None and critic[1] is not None,
@@ -412,18 +414,19 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
     meta = read_meta(path)
     if optimizer is not None and not meta.get("has_optimizer"):
         raise CheckpointError(f"{path!r} holds no optimizer state; load it without an optimizer")
-    model_sd = _model_state(model_chunks)
+    crossing = _SpecCrossing(path, meta, model_chunks)
+    model_sd = crossing(_model_state(model_chunks), model_chunks)
     state = {"model": model_sd}
     if optimizer is not None:
-        subs, flat, _ = _optimizer_state(model_sd, optimizer, is_loading=True)
+        subs, flat, _ = _optimizer_state(model_sd, optimizer, is_loading=True)  # keys from the crossed model's
         state["optimizer"] = {"tensors": flat}
     with_reference = reference_chunks is not None and meta.get("has_reference", False)
     if with_reference:
-        state["reference"] = _model_state(reference_chunks, _REFERENCE)
+        state["reference"] = crossing(_model_state(reference_chunks, _REFERENCE), reference_chunks, _REFERENCE)
     with_critic = critic is not None and meta.get("has_critic", False)
     critic_subs = critic_flat = None
     if with_critic:
-        state["critic"] = _model_state(critic[0], _CRITIC)
+        state["critic"] = crossing(_model_state(critic[0], _CRITIC), critic[0], _CRITIC)
         if critic[1] is not None:
             if not meta.get("has_critic_optimizer"):
                 raise CheckpointError(f"{path!r} holds no critic optimizer state; load it without optimizer state "
@@ -434,6 +437,9 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
         problem = verify_files(path, meta["files"])
         if problem:
             raise CheckpointError(problem)
+    problem = _agree(crossing.problem())  # collective: a rank that stopped alone would leave the others in the load
+    if problem is not None:
+        raise CheckpointError(problem)
     loaded = dist_checkpointing.load(state, path)
     bad = [_first_non_finite(loaded, (flat if optimizer is not None else [], critic_flat or []))]
     every = [None] * dist.get_world_size()
@@ -456,6 +462,65 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
     if optimizer is not None:
         _restore_optimizer(optimizer, subs, flat, loaded["optimizer"])
     return meta
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+class _SpecCrossing:
+    """A checkpoint written by the other megatron layer spec (rlpo_mega.checkpoint.layer_spec), loaded into this run's
+    models: each model part's sharded state dict asks for the saved spec's keys; nothing changes when the saved spec
+    (meta "layer_spec") is this run's. A checkpoint from before the spec was recorded is read as written by this run's
+    spec if it holds every key this run asks for, else by the other one."""
+
+    def __init__(self, path: str, meta: dict, model_chunks):
+        self.path = path
+        self.run = layer_spec.model_layer_spec(unwrap(model_chunks[0]))
+        self.recorded = meta.get("layer_spec")
+        if self.recorded is not None and self.recorded not in layer_spec.SPECS:
+            raise CheckpointError(f"{path}: {META} names layer spec {self.recorded!r}, not one of megatron-core's "
+                                  f"{list(layer_spec.SPECS)}: the meta file is damaged or from another program")
+        self.saved = self.recorded
+        self.stored: set[str] | None = None
+        self.parts: list[dict] = []
+        self.failure: str | None = None  # reported by problem(), which every rank reaches: no rank stops alone
+
+    def __call__(self, sharded_sd: dict, chunks, prefix: str = "") -> dict:
+        if self.failure is not None:
+            return sharded_sd
+        try:
+            if self.saved is None:
+                self.stored = layer_spec.stored_keys(self.path)
+                same = not layer_spec.missing(sharded_sd, self.stored)
+                self.saved = self.run if same else next(s for s in layer_spec.SPECS if s != self.run)
+            if self.saved != self.run:
+                layer_spec.cross(sharded_sd, unwrap(chunks[0]), self.saved, self.run, prefix)
+                self.parts.append(sharded_sd)
+        except Exception as e:
+            self.failure = (f"checkpoint {self.path}: mapping its keys from the {self.saved or 'unrecorded'!r} to this "
+                            f"run's {self.run!r} layer spec failed: {_first_line(e)}")
+        return sharded_sd
+
+    def problem(self) -> str | None:
+        """One line naming the cause when a crossed part still asks for a key the checkpoint lacks (None: all there)."""
+        if self.failure is not None or not self.parts:
+            return self.failure
+        if self.stored is None:
+            try:
+                self.stored = layer_spec.stored_keys(self.path)
+            except Exception as e:
+                return f"checkpoint {self.path}: its metadata is unreadable ({_first_line(e)})"
+        lacking = sorted({k for sd in self.parts for k in layer_spec.missing(sd, self.stored)})
+        if not lacking:
+            return None
+        written = (f"was written with megatron-core's {self.saved!r} layer spec" if self.recorded else
+                   f"holds neither the {self.run!r} nor the {self.saved!r} layer spec's keys (it predates the recorded "
+                   "spec)")
+        return (f"checkpoint {self.path} {written} and this run builds the {self.run!r} spec: after mapping the norms "
+                f"between the two specs, {len(lacking)} key(s) this model needs are not in it (first: {lacking[0]}); "
+                "it was not written for this model")
 
 
 def _restore_optimizer(optimizer, subs, flat, part: dict):
