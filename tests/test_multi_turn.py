@@ -583,8 +583,11 @@ def test_python_tool_runs_code_in_a_sandbox_with_limits():
     assert step("The answer is 41").reward == 0.0 and not step("The answer is 41").correct
 
 
+# At half the demo's learning rate, as the README advises with max_staleness >= 1: at the demo's 2e-3 the async
+# run's trajectory depends on where each sync lands in generation (timing), and CI once saw it collapse to reward 0
 ASYNC_DEMO = ("rollout.producer=async", "trainer.max_staleness=1", "rollout.partial_rollout=true",
-              "algorithm.mismatch.mode=tis", "algorithm.mismatch.level=sequence", "algorithm.mismatch.tis_cap=100")
+              "algorithm.mismatch.mode=tis", "algorithm.mismatch.level=sequence", "algorithm.mismatch.tis_cap=100",
+              "optim.lr=1.0e-3")
 
 
 @pytest.mark.parametrize("extra", [(), ASYNC_DEMO], ids=["sync", "max_staleness_1"])
@@ -592,7 +595,8 @@ def test_demo_tools_learns_to_use_its_tool(tmp_path, extra):
     """`make demo-tools` (configs/demo_tools_cpu.yaml) through the real CLI at 2 processes: RL raises the reward,
     the tool calls per episode and the useful ones (the answer is the tool's digit) from the warm-up's start
     (measured, seed 3, first/last 5 steps: reward and useful calls 0.004 -> 0.748, tool calls 0.65 -> 0.99);
-    also asynchronous with trainer.max_staleness=1 (measured: 0.004 -> 0.743, tool calls 0.63 -> 1.00)."""
+    also asynchronous with trainer.max_staleness=1 at optim.lr=1e-3 (measured with three such runs sharing the 2
+    cores, seeds 1/2/3: reward 0.005/0.007/0.010 -> 0.637/0.663/0.671, tool calls -> 0.98-1.00)."""
     import json
     import subprocess
     import sys
