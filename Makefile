@@ -4,10 +4,19 @@ VENV ?= .venv
 # CPU wheel on this machine; installed before the package so no dependency can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.rlpo_installed
+# The python tool's sandbox uses bubblewrap >= 0.7 where installed, else makes the same namespaces itself
+# (rlpo_mega/environments/sandbox.py); tests/test_sandbox.py runs both, so the venv's set-up installs bubblewrap
+# where it can (root with apt-get or dnf: Debian 12 has 0.8, Ubuntu 24.04 0.9), quietly, never failing the build.
+APT_BWRAP = DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends bubblewrap >/dev/null 2>&1
+INSTALL_BWRAP = command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && \
+	{ { command -v apt-get >/dev/null && { $(APT_BWRAP) || { apt-get update -q >/dev/null 2>&1 && $(APT_BWRAP); }; }; } || \
+	  { command -v dnf >/dev/null && dnf install -y -q bubblewrap >/dev/null 2>&1; }; }; } || \
+	echo "bubblewrap not installed: the python tool makes its sandbox's namespaces itself; tests/test_sandbox.py needs it (apt-get install bubblewrap)"
 
-.PHONY: venv venv-sglang demo demo-ppo demo-tools test gpu-smoke clean
+.PHONY: venv venv-sglang sandbox-deps demo demo-ppo demo-tools test gpu-smoke clean
 
 $(STAMP): setup.py
+	@$(INSTALL_BWRAP)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
@@ -15,6 +24,10 @@ $(STAMP): setup.py
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# bubblewrap for a venv made before it was part of the set-up
+sandbox-deps:
+	@$(INSTALL_BWRAP)
 
 demo: $(STAMP)
 	$(VENV)/bin/rlpo-mega train configs/demo_cpu.yaml --nproc-per-node 2

@@ -12,12 +12,15 @@ question. So the digests are computed here, where the weights live, and only the
   TP group (on the GPU, over NVLink) one parameter (or one expert) at a time, unfused into HF names
   (moe/families/sglang_names.py) and digested with the learner's algorithm (moe/bridge/digest.py) before the
   next gather, and TP rank 0 writes {"digests": {...}, "peak_extra_bytes": ...} (or {"error": ...}) under
-  `key` into the learner's TCP store.
+  `key` into the learner's TCP store, sealed with the job's key (rlpo_sglang_keys.seal: an HMAC the learner checks,
+  since that store takes writes from anyone who reaches it; the key is the server's own --api-key).
 
 The TP layout read here is SGLang's (its linear-layer classes decide how each parameter is split); the
-model-family names are the family's. Imports torch, the two modules above and SGLang: nothing else.
+model-family names are the family's. Imports torch, the two modules above, SGLang and rlpo_sglang_keys (beside
+this file): nothing else.
 """
 import json
+import os
 from datetime import timedelta
 
 import torch
@@ -233,6 +236,20 @@ def environment() -> dict:
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "nccl": list(nccl) if nccl else None}
 
 
+def job_key():
+    """The key this server was started with (its --api-key, which rlpo_sglang_keys sets from $RLPO_SGLANG_KEY: the
+    job's key, the one the learner's requests carry); None for a server without one."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        key = getattr(get_server_args(), "api_key", None)
+    except Exception:  # another SGLang layout: the shim's variable (set in the server's environment)
+        key = None
+    import rlpo_sglang_keys
+
+    return key or os.environ.get(rlpo_sglang_keys.KEY_ENV) or None
+
+
 def report_digests(model, named_tensors):
     """The loader the learner calls: {"what": "environment"} reports environment(), anything else the weight
     digests (digests_of) with their peak extra memory."""
@@ -257,4 +274,6 @@ def report_digests(model, named_tensors):
             host, port = req["store"]
             store = torch.distributed.TCPStore(host, int(port), is_master=False,
                                                timeout=timedelta(seconds=float(req.get("timeout", 300))))
-            store.set(req["key"], json.dumps(result))
+            import rlpo_sglang_keys
+
+            store.set(req["key"], rlpo_sglang_keys.seal(job_key(), req["key"], result))

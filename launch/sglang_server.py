@@ -7,6 +7,12 @@ Used by rlpo_mega.rollout.sglang_engine when `rollout.sglang.launch` is on; also
 The server process is started in its own session, so stop() ends the whole process group (scheduler and
 detokenizer children included) and nothing else. This directory is put on the server's PYTHONPATH so
 sglang can import `rlpo_sglang_hooks` (the weight-digest hook, --custom-weight-loader).
+
+Keys: every server is started with the job's key (`api_key`; the CLI's is $RLPO_SGLANG_KEY, which
+launch/slurm/*.sbatch make per job) for --api-key and --admin-api-key, through the shim rlpo_sglang_keys, which adds
+both flags inside the server's process: the key is never on a command line. Its log file is mode 0600 (SGLang
+prints its arguments, the key included, at start). Every request to it but /health, /ready and /metrics (open in
+SGLang whatever the keys) needs `Authorization: Bearer <key>`.
 """
 from __future__ import annotations
 
@@ -25,6 +31,11 @@ import urllib.request
 HOOKS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HOOKS_DIR)  # the hook imports moe.families.sglang_names and rlpo_mega's digest
 REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # load_format: the server digests what it holds
+KEY_SHIM = "rlpo_sglang_keys"  # launch/rlpo_sglang_keys.py: --api-key/--admin-api-key from the environment
+KEY_ENV = "RLPO_SGLANG_KEY"  # the shim's variable (rlpo_sglang_keys.KEY_ENV)
+KEY_ARGS = ("api_key", "admin_api_key")
+# server calls never go through a proxy (http_proxy & co.), as the engine's
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def hook_pythonpath(existing: str | None = None) -> str:
@@ -76,12 +87,20 @@ def _pdeathsig():
 
 
 class SGLangServer:
+    """One server. api_key: the job's key (default: $RLPO_SGLANG_KEY; neither: a server without a key, which answers
+    anyone -- only the tests' stand-ins start one)."""
+
     def __init__(self, model_path: str, host: str = "127.0.0.1", port: int = 30000, tp_size: int = 1,
                  server_args: dict | None = None, python: str | None = None, log_dir: str | None = None,
-                 env: dict | None = None, advertise: str | None = None):
+                 env: dict | None = None, advertise: str | None = None, api_key: str | None = None):
         self.model_path, self.host, self.port, self.tp_size = model_path, host, port, tp_size
+        self.api_key = api_key or os.environ.get(KEY_ENV) or None
         self.advertise = advertise  # the host its URL names (bound to 0.0.0.0: this node's hostname)
         self.server_args = dict(server_args or {})
+        keyed = [k for k in KEY_ARGS if k in self.server_args]
+        if keyed:
+            raise ValueError(f"SGLangServer: server_args {', '.join(keyed)}: the server's key is its api_key (the job's, "
+                             "given to the server through its environment, never on a command line or in a config)")
         self.python = python or sys.executable
         self.log_dir = log_dir or os.path.join(os.getcwd(), "logs", "sglang")
         self.env = {str(k): str(v) for k, v in (env or {}).items()}  # YAML may give numbers (FLAG: 1)
@@ -99,13 +118,24 @@ class SGLangServer:
         if REPORT_LOADER not in loaders:
             loaders.append(REPORT_LOADER)
         args["custom_weight_loader"] = loaders
-        return [self.python, "-m", "sglang.launch_server", *server_args_to_cli(args)]
+        return [self.python, "-m", KEY_SHIM, "sglang.launch_server", *server_args_to_cli(args)]
+
+    @property
+    def auth(self) -> dict:
+        """The header every request to this server carries."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def start(self, timeout: float = 300.0) -> "SGLangServer":
         os.makedirs(self.log_dir, exist_ok=True)
         env = {**server_environment(os.environ), **self.env}
         env["PYTHONPATH"] = hook_pythonpath(env.get("PYTHONPATH"))
-        log = open(self.log_path, "ab")
+        env.pop(KEY_ENV, None)  # this server's key only (none: none, whatever the launching process holds)
+        if self.api_key:
+            env[KEY_ENV] = self.api_key
+        # owner-only: SGLang prints its server_args, the keys included, at start
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        log = os.fdopen(fd, "ab")
         log.write(f"\n=== {time.strftime('%F %T')} {' '.join(self.command())}\n".encode())
         log.flush()
         # The server dies with this process however it ends: SIGTERM from the kernel when the starting thread
@@ -128,8 +158,8 @@ class SGLangServer:
         scheduler (platforms/cpu.py empty_cache): 0.35 s a sync over the unfrozen heap in tools/bench_async.py,
         2 ms frozen. A server without the endpoint still serves: the failure goes to its log."""
         try:
-            req = urllib.request.Request(self.url + "/freeze_gc", data=b"", method="POST")
-            with urllib.request.urlopen(req, timeout=30) as r:
+            req = urllib.request.Request(self.url + "/freeze_gc", data=b"", method="POST", headers=self.auth)
+            with _OPENER.open(req, timeout=30) as r:
                 r.read()
         except Exception as e:
             with open(self.log_path, "ab") as log:
@@ -138,7 +168,7 @@ class SGLangServer:
 
     def healthy(self, timeout: float = 5.0) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=timeout) as r:
+            with _OPENER.open(urllib.request.Request(self.url + "/health", headers=self.auth), timeout=timeout) as r:
                 return r.status == 200
         except Exception:
             return False
@@ -210,7 +240,9 @@ def main(argv=None) -> int:
     """CLI: one server in the foreground. Flags it does not know go to sglang.launch_server unchanged (in
     their order; `--` may separate them), so SLURM scripts and users can pass any server flag
     (`--base-gpu-id`, `--mem-fraction-static 0.8`, ...). The weight-digest hook is always added to
-    --custom-weight-loader (merged with any given), and its directory to the server's PYTHONPATH.
+    --custom-weight-loader (merged with any given), and its directory to the server's PYTHONPATH. The server's key
+    is $RLPO_SGLANG_KEY (required: the trainer sends it with every request); --api-key and --admin-api-key are
+    refused here (a command line is readable by every user of the node).
     Exits with the server's exit code; SIGTERM/SIGINT stop the server (whole process group) first."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:  # the old spelling: our flags, --, sglang flags; the sglang flags are passed through anyway
@@ -230,12 +262,23 @@ def main(argv=None) -> int:
     p.add_argument("--log-file", default=None, help="the server's output (default: logs/sglang/server_HOST_PORT.log)")
     p.add_argument("--dry-run", action="store_true", help="print the server command and exit")
     a, extra = p.parse_known_args(argv)
+    keyed = sorted({t.split("=", 1)[0] for t in extra} & {"--api-key", "--admin-api-key"})  # (names: no key echoed)
+    if keyed:
+        print(f"launch/sglang_server.py: {', '.join(keyed)}: the server's key comes from ${KEY_ENV}, never from a "
+              "command line (readable by every user of the node); remove the flag", file=sys.stderr)
+        return 2
+    key = os.environ.get(KEY_ENV)
+    if not key and not a.dry_run:
+        print(f"launch/sglang_server.py: ${KEY_ENV} is not set: export the job's key (the trainer sends it with every "
+              "request; launch/slurm/*.sbatch make one per job) -- a server without one answers anyone who reaches "
+              "it", file=sys.stderr)
+        return 2
     server_args = {"custom_weight_loader": a.custom_weight_loader} if a.custom_weight_loader else None
     # this process runs in the server's own step, whose environment is the server's already (the sbatch starts
     # it without the learner's settings; SGLANG_ENV may set one of them for the servers): kept as it is
     own = {k: os.environ[k] for k in _LEARNER_ONLY_VARS if k in os.environ}
     server = SGLangServer(a.model_path, a.host, a.port, a.tp_size, server_args=server_args, python=a.python,
-                          env=own)
+                          env=own, api_key=key)
     if a.log_file:
         server.log_dir, server.log_path = os.path.dirname(os.path.abspath(a.log_file)), a.log_file
     base_command = server.command

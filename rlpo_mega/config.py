@@ -345,6 +345,11 @@ class SGLangEngineConfig:
     python: Optional[str] = None  # launch: interpreter of the environment that has sglang (None: this one)
     log_dir: Optional[str] = None  # launch: per-server log files (None: ./logs/sglang)
     env: dict = field(default_factory=dict)  # launch: extra environment variables for the servers
+    # the environment variable holding the job's key for its servers (never the key itself: this config is logged).
+    # Every request carries it; servers launched here are started with it (made for the run when unset); the
+    # sbatch scripts make one per job. Unset with rollout.sglang.urls: requests go without a key (a warning: only
+    # a server that answers anyone takes them). launch/README.md, "Keys".
+    api_key_env: str = "RLPO_SGLANG_KEY"
 
 
 @dataclass

@@ -15,11 +15,16 @@ rollout.partial_rollout_kv=keep: /pause_generation (mode in_place) holds the ser
 first (the embedded engine generates a request at once), the next wait, the weights load under the hold (no lock
 of their own), and /continue_generation lets them go on, on the new weights (their weight_version says so).
 kill() is a dead server: it stops listening and every request on it, queued, held or on a kept-alive connection,
-ends without an answer (the connection closed), as a SIGKILLed server's do."""
+ends without an answer (the connection closed), as a SIGKILLed server's do.
+Keys, as SGLang 0.5.23 with --api-key K --admin-api-key K: a stub with a key (`key`, default $RLPO_SGLANG_KEY)
+answers 401 {"error": "Unauthorized"} to any request but /health*, /ready and /metrics without
+`Authorization: Bearer K` (scheme case-insensitive), and seals its reports with K (launch/rlpo_sglang_keys.py):
+a driver that forgets the header on any path fails there. `unauthorized` counts the refused requests."""
 from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
 import threading
 from datetime import timedelta
@@ -30,11 +35,22 @@ import torch
 
 from moe.routing.trace import TraceSpec
 from rlpo_mega.rollout import SamplingParams
+from rlpo_mega.rollout.sglang_auth import keys_module
 from rlpo_mega.rollout.sglang_reports import REPORT_LOADER
+
+_OPEN = ("/health", "/ready", "/metrics")  # SGLang's auth middleware lets these through whatever the keys
+
+
+def authorized(headers, key) -> bool:
+    """SGLang's check (srt/utils/auth.py): no key configured, or `Bearer <key>` (scheme case-insensitive)."""
+    if not key:
+        return True
+    parts = (headers.get("Authorization") or "").split(" ", 1)
+    return len(parts) == 2 and parts[0].lower() == "bearer" and parts[1] == key
 
 
 class ModelSGLang:
-    def __init__(self, engine, hf, primary: bool = True):
+    def __init__(self, engine, hf, primary: bool = True, key: str | None = None):
         # primary: this server's engine records the syncs (RecordedEngine.syncs, one entry per sync); the others
         # receive the same weights and record their calls only
         self.engine, self.hf, self.primary = engine, hf, primary
@@ -50,12 +66,23 @@ class ModelSGLang:
         self.go = threading.Event()  # cleared while held: a generation waits to start
         self.go.set()
         self.dead = False  # kill()
+        self.key = key or os.environ.get(keys_module().KEY_ENV) or None
+        self.unauthorized = 0
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            def _refused(self):
+                if self.path.startswith(_OPEN) or authorized(self.headers, stub.key):
+                    return False
+                stub.unauthorized += 1
+                self._send(401, {"error": "Unauthorized"})
+                return True
+
             def do_GET(self):
                 if stub.dead:
                     return self._drop()
+                if self._refused():
+                    return
                 if self.path == "/server_info":
                     return self._send(200, {"tp_size": 1, "disable_radix_cache": True})
                 self._send(200 if self.path == "/health" else 404, {})
@@ -64,6 +91,8 @@ class ModelSGLang:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 if stub.dead:
                     return self._drop()
+                if self._refused():
+                    return
                 status, out = stub.answer(self.path, body)
                 if stub.dead:  # killed while it ran or waited: no answer comes
                     return self._drop()
@@ -147,7 +176,7 @@ class ModelSGLang:
                 store = torch.distributed.TCPStore(req["store"][0], int(req["store"][1]), is_master=False,
                                                    timeout=timedelta(seconds=req["timeout"]))
                 digests = self.engine.weight_digests(sorted(self.names), req["algorithm"])
-                store.set(req["key"], json.dumps({"digests": digests}))
+                store.set(req["key"], keys_module().seal(self.key, req["key"], {"digests": digests}))
                 return 200, {"success": True}
             if self.closed:
                 return 503, {"success": False, "message": "the server is shutting down"}

@@ -15,7 +15,9 @@ CELLS = [f"{engine}/{schedule}/{task}/{filt}" for engine in ("embedded", "sglang
 def matrix(tmp_path_factory):
     data = tmp_path_factory.mktemp("matrix_data")
     write_episode_data(data)
-    return torchrun("composition_matrix.py", 1, str(tmp_path_factory.mktemp("matrix_out")), str(data), timeout=1500)
+    # the SGLang cells' stub servers take the job's key only (tests/model_sglang.py), as the job's servers do
+    return torchrun("composition_matrix.py", 1, str(tmp_path_factory.mktemp("matrix_out")), str(data), timeout=1500,
+                    env={"RLPO_SGLANG_KEY": "composition-job-key-" + "c" * 24})
 
 
 @pytest.mark.parametrize("cell", CELLS)

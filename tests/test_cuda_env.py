@@ -41,7 +41,7 @@ def child_env(monkeypatch, tmp_path):
     real_popen = subprocess.Popen
 
     def popen(cmd, **kw):
-        assert cmd[1:3] == ["-m", "sglang.launch_server"], cmd
+        assert cmd[1:4] == ["-m", "rlpo_sglang_keys", "sglang.launch_server"], cmd  # the key shim first
         dump = f"import json, os; json.dump(dict(os.environ), open({str(out)!r}, 'w'))"
         return real_popen([sys.executable, "-c", dump], **kw)
 
@@ -80,6 +80,7 @@ def test_the_cli_keeps_its_steps_setting(monkeypatch, tmp_path, child_env, step_
     """launch/sglang_server.py as the sbatch runs it: the server step's environment is the server's already
     (train_disaggregated.sbatch starts it without the learner's value; SGLANG_ENV may give one), so what the
     step has reaches the server as it is."""
+    monkeypatch.setenv("RLPO_SGLANG_KEY", "k" * 32)  # the job's key (launch/slurm/common.sh exports one)
     if step_value is None:
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     else:
@@ -93,6 +94,7 @@ def test_the_cli_keeps_its_steps_setting(monkeypatch, tmp_path, child_env, step_
             signal.signal(s, h)
     assert rc == 0
     assert child_env().get("CUDA_DEVICE_MAX_CONNECTIONS") == step_value
+    assert child_env()["RLPO_SGLANG_KEY"] == "k" * 32  # for the shim, which adds it to the server's own argv
 
 
 # --- the rank's GPU before anything touches CUDA ----------------------------------------------------------

@@ -664,8 +664,9 @@ def keep_runs(tmp_path_factory):
 
     data = tmp_path_factory.mktemp("keep_data")
     write_episode_data(data)
+    # keyed stub servers (tests/model_sglang.py: 401 without the job's key, sealed reports), as the job's are
     return torchrun("keep_faults.py", 1, str(tmp_path_factory.mktemp("keep")), str(data),
-                    env={"WANDB_MODE": "disabled"}, timeout=900)
+                    env={"WANDB_MODE": "disabled", "RLPO_SGLANG_KEY": "keep-faults-job-key-" + "f" * 24}, timeout=900)
 
 
 def _keep_steps(r):

@@ -1,7 +1,10 @@
 """A real SGLang 0.5.23 server on this CPU, through our client (rlpo_mega.rollout.sglang_engine), for a tiny
 Qwen3-MoE and a tiny Mixtral with random weights: generation with log-probs and routes, routes equal to the
 Megatron learner's on the same tokens, weight updates through every transport (tensor, distributed, disk)
-taking effect and passing the digest check, a corrupted tensor caught, abort by rid, a killed server.
+taking effect and passing the digest check, a corrupted tensor caught, abort by rid, a killed server. The server
+is keyed as the trainer starts it (a key made for the run: --api-key/--admin-api-key added inside its process):
+requests without the key are refused on generation and on every control endpoint the project uses, and a forged
+digest report fails the sync.
 
 SGLang runs from its own venv (tests/sglang_support/build_env.sh: .venv-sglang, built by `make test`, or
 here if missing) with the CPU workarounds of tests/sglang_support/path on its PYTHONPATH. One server per
@@ -14,6 +17,8 @@ import shutil
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
@@ -179,7 +184,7 @@ def test_colocated_flattened_bucket_update(family):
 
     engine, hf, ckpt, w = family
     colocated = SGLangEngine(dataclasses.replace(engine.cfg, urls=[engine.servers[0].url], launch=False), hf,
-                             colocate=True)
+                             colocate=True, api_key=engine._api_key)
     posts, post = [], colocated._post_ok
 
     def recording(server, path, payload=None, timeout=None):
@@ -275,14 +280,17 @@ def test_server_tp_size_and_environment_are_read(family):
     size (the launch README's TP4 example without the config knob) is refused before the first transfer, with
     one line naming both sizes -- it failed or hung at the first sync before. The server's own /server_info says."""
     engine, hf, *_ = family
-    wrong = SGLangEngine(SGLangEngineConfig(urls=[engine.servers[0].url], tp_size=4, control_timeout=60), hf)
+    key = engine._api_key  # the server's (made for the run when the fixture launched it)
+    wrong = SGLangEngine(SGLangEngineConfig(urls=[engine.servers[0].url], tp_size=4, control_timeout=60), hf,
+                         api_key=key)
     with pytest.raises(EngineError, match=r"runs at tensor parallel size 1 but rollout\.sglang\.tp_size=4: set "
                                           r"rollout\.sglang\.tp_size=1"):
         wrong.begin_weight_update()
     wrong.shutdown()
     # rollout.partial_rollout_kv=keep updates weights under held requests with no flush: a server with its radix
     # cache on (this one) is refused, from its own /server_info (external servers have no server_args to check)
-    held = SGLangEngine(SGLangEngineConfig(urls=[engine.servers[0].url], control_timeout=60), hf, keep_kv=True)
+    held = SGLangEngine(SGLangEngineConfig(urls=[engine.servers[0].url], control_timeout=60), hf, keep_kv=True,
+                        api_key=key)
     with pytest.raises(EngineError, match="runs with its radix cache on.*--disable-radix-cache"):
         held.begin_weight_update()
     held.shutdown()
@@ -406,6 +414,76 @@ def test_multi_turn_episodes_continue_from_token_ids_with_stitched_routes(family
         rows = f.routes[:s.routes.shape[0]]
         same = (torch.sort(rows.long(), -1).values == torch.sort(s.routes.long(), -1).values).all(-1).float().mean()
         assert same >= 0.98, float(same)  # near-ties in float32 aside, every position's routing
+
+
+@engine_path_once
+def test_keyed_server_refuses_requests_without_the_key(family):
+    """The server the trainer launched takes only the job's key: without it (or with another) generation and every
+    control endpoint the project calls answer 401 -- SGLang 0.5.23 leaves /health* and /ready open whatever the keys
+    (its rule: probes without secrets), and those answer. The key (made for this run) is on no command line of the
+    server's processes; their log, where SGLang prints its arguments, is the owner's only."""
+    from tests.test_server_keys import CONTROL, NORMAL, OTHER
+
+    engine, *_ = family
+    server = engine.servers[0]
+    key = engine._api_key
+    assert key and server.launched.api_key == key and server.key_checked
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def status(path, auth=None):
+        post = path != "/server_info" and not path.startswith(("/health", "/ready"))
+        req = urllib.request.Request(server.url + path, data=b"{}" if post else None, method="POST" if post else "GET",
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": auth} if auth else {})})
+        try:
+            with opener.open(req, timeout=60) as r:
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    refused = {p: (status(p), status(p, "Bearer " + OTHER), status(p, key)) for p in NORMAL + CONTROL}
+    assert all(v == (401, 401, 401) for v in refused.values()), refused  # (a bare key is no Bearer header)
+    assert status("/server_info", "bearer " + key) == 200  # the scheme is case-insensitive
+    assert {p: status(p) for p in ("/health", "/ready")} == {"/health": 200, "/ready": 200}
+    pgid = server.launched.proc.pid
+    cmdlines = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) == pgid:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdlines.append(f.read().decode(errors="replace"))
+        except (OSError, ProcessLookupError):
+            pass
+    assert cmdlines and not any(key in c or "--api-key" in c for c in cmdlines), cmdlines
+    assert os.stat(server.launched.log_path).st_mode & 0o777 == 0o600
+
+
+@engine_path_once
+def test_forged_digest_report_caught(family):
+    """The digest report of a corrupted sync, forged in the driver's TCP store (a wrapper on the store returning
+    what another writer to its port could leave there: the genuine report with the sender's digests claimed, one
+    sealed with another key, an unsigned one, a genuine one of an earlier sync replayed): each fails the sync
+    (DigestMismatchError); the environment report likewise (EngineError)."""
+    from tests.test_server_keys import TamperingStore, forgeries
+
+    engine, hf, ckpt, w = family
+    name = out_head(hf)
+    store, replay = engine.store(), []
+    try:
+        engine._store = TamperingStore(store, lambda key, raw: replay.append(raw) or raw)
+        TRANSPORTS.get("in_process")(engine).sync(ListStream([(name, w[name])]))  # genuine: passes (and is kept)
+        for what, forge in forgeries({name: tensor_digest(w[name], "xxh3")}, replay).items():
+            engine._store = TamperingStore(store, forge)
+            corrupted = ListStream([(name, w[name])], corrupt=lambda n, t: t.clone().index_fill_(0, torch.tensor([1]), 0.5))
+            with pytest.raises(DigestMismatchError, match="weight digests report fails authentication"):
+                TRANSPORTS.get("in_process")(engine).sync(corrupted)
+        engine._store = TamperingStore(store, lambda key, raw: json.dumps(json.loads(json.loads(raw)["report"])))
+        with pytest.raises(EngineError, match="environment report fails authentication"):
+            engine.environments()
+    finally:
+        engine._store = store
+    TRANSPORTS.get("in_process")(engine).sync(ListStream(w.items(), bucket=16))  # the checkpoint's weights again
 
 
 def test_killed_server_detected(family):  # last: it kills the family's server

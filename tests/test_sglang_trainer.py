@@ -198,14 +198,17 @@ def test_two_external_servers_on_one_driver_failover_and_rejoin(sglang_python, t
     started again after step 2, it rejoins at step 3's sync with the full weights, digest-verified, and step 4
     generates on both; SIGKILLed again half-way through step 4's sync, the sync fails, the engine is rebuilt once
     and the re-sync leaves it out: step 5 generates on the other. Every step's learner log-probs equal the
-    servers' (fp32): every sample came from synced weights, the rejoined server's included."""
+    servers' (fp32): every sample came from synced weights, the rejoined server's included. The servers are keyed as
+    the sbatch's are (the job's key in RLPO_SGLANG_KEY, the trainer's environment holding the same): the run is
+    unchanged, every request carrying the key (the restarted server too)."""
     from launch.sglang_server import SGLangServer
 
     hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
     ckpt = str(tmp_path / "hf")
     make_hf_checkpoint(hf, ckpt)
+    key = "trainer-test-job-key-" + "t" * 24
     servers = [SGLangServer(ckpt, port=free_port(), server_args=SERVER_ARGS, python=sglang_python,
-                            log_dir=str(tmp_path / "logs"),
+                            log_dir=str(tmp_path / "logs"), api_key=key,
                             env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")})
                for _ in range(2)]
     try:
@@ -213,7 +216,7 @@ def test_two_external_servers_on_one_driver_failover_and_rejoin(sglang_python, t
             s.start(240)
         urls = [s.url for s in servers]
         r = torchrun("train_scenarios.py", 2, "sglang_external_failover", str(tmp_path / "run"), timeout=900,
-                     env=_trainer_env(sglang_python, ckpt, RLPO_SGLANG_URLS=",".join(urls),
+                     env=_trainer_env(sglang_python, ckpt, RLPO_SGLANG_URLS=",".join(urls), RLPO_SGLANG_KEY=key,
                                       RLPO_SGLANG_PIDS=",".join(str(s.proc.pid) for s in servers)))
     finally:
         for s in servers:

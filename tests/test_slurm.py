@@ -25,7 +25,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -199,7 +202,8 @@ def on_term(sig, frame):
 signal.signal(signal.SIGTERM, on_term)
 rec = {"argv": sys.argv[1:], "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "step": os.environ.get("SLURM_STEP_ID"),
        "cpus_per_task": os.environ.get("SLURM_CPUS_PER_TASK"), "start": time.time(),
-       "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+       "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+       "cmdline": open("/proc/self/cmdline").read().split("\\0")}
 with open(os.path.join(out, f"server-{a.port}.json"), "w") as f:
     json.dump(rec, f)
 srv.serve_forever()
@@ -262,7 +266,10 @@ def test_disaggregated_sglang_training(cluster, tmp_path, sglang_python):  # noq
     """train_disaggregated.sbatch for real on the one node: two CPU SGLang server steps (launch.sglang_server
     from the SGLang venv, tests/test_sglang.py's recipe) started concurrently, then the learner step (2 ranks,
     EP2, the demo config shrunk, GSPO + R3) rolling out on both for 2 RL steps with sglang_distributed weight
-    syncs (each digest-verified inside the servers); the servers are stopped with TERM at the end."""
+    syncs (each digest-verified inside the servers); the servers are stopped with TERM at the end. The servers are
+    keyed as the job starts them (its key made by the batch shell, never on a command line): while the job runs,
+    requests without the key, or with another, are refused (401) on generation and on every control endpoint the
+    project calls, /health and /ready stay open (SGLang's rule), and the learners train with the key."""
     from moe.model import load_hf_config
     from tests.workers.bridge import make_hf_checkpoint
 
@@ -283,9 +290,18 @@ def test_disaggregated_sglang_training(cluster, tmp_path, sglang_python):  # noq
                    SGLANG_ARGS=" ".join(server_args_to_cli(SERVER_ARGS)), SGLANG_STARTUP_TIMEOUT="400",
                    MASTER_PORT=str(_free_ports(1)))
     batch_out = tmp_path / "batch.out"
+    urls = [f"http://{cluster.host}:{port + k}" for k in range(2)]
+    probed: dict = {}
+    stop = threading.Event()
+    prober = threading.Thread(target=_probe_keyed_servers, args=(urls, batch_out, probed, stop), daemon=True)
+    prober.start()
     t0 = time.monotonic()
-    r = cluster.run(["sbatch", "--wait", "--parsable", "--nodes=1", "--exclusive", f"--output={batch_out}",
-                     str(DISAGG)], cwd=ROOT, env=env, timeout=840, check=False)
+    try:
+        r = cluster.run(["sbatch", "--wait", "--parsable", "--nodes=1", "--exclusive", f"--output={batch_out}",
+                         str(DISAGG)], cwd=ROOT, env=env, timeout=840, check=False)
+    finally:
+        stop.set()
+        prober.join(60)
     elapsed = time.monotonic() - t0
     logs = tmp_path / "logs"
     learner_log = logs / f"learner-{cluster.host}.log"
@@ -296,8 +312,16 @@ def test_disaggregated_sglang_training(cluster, tmp_path, sglang_python):  # noq
     assert r.returncode == 0, diag
     print(f"\n[slurm] disaggregated job, 2 SGLang server steps + 2 learner ranks, 2 RL steps: {elapsed:.1f} s")
     out = _read(batch_out)
-    urls = [f"http://{cluster.host}:{port + k}" for k in range(2)]
     assert all(f"healthy: {u}" in out for u in urls), diag
+    # the servers as the job ran them: keyed, the key on none of their command lines
+    assert set(probed) == set(urls) and "error" not in probed, (probed, diag)
+    for url, got in probed.items():
+        assert got["open"] == {"/health": 200, "/ready": 200}, (url, got)
+        assert set(got["refused"].values()) == {(401, 401)}, (url, got)
+        assert not got["key_on_command_line"], (url, got)
+    assert (logs.stat().st_mode & 0o777) == 0o700 and all(
+        (p.stat().st_mode & 0o077) == 0 for p in logs.glob("sglang-*.log")), [oct(p.stat().st_mode) for p in
+                                                                                logs.glob("*.log")]
     assert "learners exited with code 0; stopping the rollout servers" in out, diag
     text = _read(learner_log)
     assert "step 2/2 | reward" in text, diag
@@ -323,6 +347,47 @@ def test_disaggregated_sglang_training(cluster, tmp_path, sglang_python):  # noq
         # the learner's log-probs of the servers' samples equal theirs (fp32): at step 2 only if the weights
         # synced over sglang_distributed took effect on both servers
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+
+
+def _probe_keyed_servers(urls, batch_out: Path, probed: dict, stop: threading.Event):
+    """Once the batch shell has seen every server healthy (and before the learners are done), each URL: every
+    endpoint the project calls without a key and with another key (their statuses), /health and /ready without
+    one, and whether any process's command line holds an --api-key."""
+    from tests.test_server_keys import CONTROL, NORMAL, OTHER
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def status(url, path, auth=None):
+        post = path != "/server_info" and not path.startswith(("/health", "/ready"))
+        req = urllib.request.Request(url + path, data=b"{}" if post else None, method="POST" if post else "GET",
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": auth} if auth else {})})
+        try:
+            with opener.open(req, timeout=60) as r:
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        while not all(f"healthy: {u}" in _read(batch_out) for u in urls):
+            if stop.wait(1.0):
+                return
+        for url in urls:
+            probed[url] = {"refused": {p: (status(url, p), status(url, p, "Bearer " + OTHER)) for p in NORMAL + CONTROL},
+                           "open": {p: status(url, p) for p in ("/health", "/ready")}}
+        on_cmdline = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"--api-key" in f.read():
+                        on_cmdline.append(pid)
+            except OSError:
+                pass
+        for url in urls:
+            probed[url]["key_on_command_line"] = on_cmdline
+    except Exception as e:  # reported by the test
+        probed["error"] = repr(e)
 
 
 def _dry_run(script: Path, hosts: str, base_env=None, **env) -> list[list[str]]:
@@ -358,9 +423,13 @@ def _flag(cmd: list[str], name: str) -> str:
     return cmd[i + 1]
 
 
+KEY_SHIM = str(ROOT / "launch" / "rlpo_sglang_keys.py")
+
+
 def _server_command(cmd: list[str]) -> list[str]:
-    """What a server step runs (after srun's flags and the optional `env K=V ...`)."""
-    i = cmd.index("-m") - 1
+    """What a server step runs (after srun's flags and the optional `env K=V ...`): `PYTHON -m launch.sglang_server
+    ...`, or `PYTHON launch/rlpo_sglang_keys.py MODULE ...` (any other launcher, through the key shim)."""
+    i = (cmd.index(KEY_SHIM) if KEY_SHIM in cmd else cmd.index("-m")) - 1
     return cmd[i:-1] if cmd[-1] == "&" else cmd[i:]
 
 
@@ -417,7 +486,8 @@ def test_disaggregated_dry_run_commands():
 
 def test_disaggregated_dry_run_shared_node_cpu():
     """ROLLOUT_ON_LEARNER_NODES=1 on a CPU job: servers on the learner node, no GPU request, the learner step
-    overlaps them; a bare sglang.launch_server gets the flags unchanged."""
+    overlaps them; a bare sglang.launch_server gets the flags unchanged, through the key shim (which adds the job's
+    key inside the server's process)."""
     cmds = _dry_run(DISAGG, "node-a", LEARNER_NODES="1", ROLLOUT_ON_LEARNER_NODES="1", NPROC_PER_NODE="2",
                     CONFIG="c.yaml", SGLANG_MODEL="/m", SERVERS_PER_NODE="2", SLURM_CPUS_ON_NODE="2",
                     SGLANG_LAUNCHER="sglang.launch_server", SGLANG_ARGS="--device cpu")
@@ -426,12 +496,27 @@ def test_disaggregated_dry_run_shared_node_cpu():
     for k, s in enumerate(cmds[:2]):
         assert _flag(s, "--nodelist") == "node-a" and _flag(s, "--cpus-per-task") == "1" and "--exact" in s
         assert not any(t.startswith("--gres") for t in s) and "env" not in s
-        assert _server_command(s) == ["python3", "-m", "sglang.launch_server", "--model-path", "/m", "--host",
+        assert _server_command(s) == ["python3", KEY_SHIM, "sglang.launch_server", "--model-path", "/m", "--host",
                                       "0.0.0.0", "--port", str(30000 + k), "--tp-size", "1", "--device", "cpu"]
     learners = cmds[4]
     assert _flag(learners, "--nodelist") == "node-a" and "--overlap" in learners
     assert learners[-4:-1] == ["rollout.engine=sglang", "rollout.sglang.urls=[http://node-a:30000,http://node-a:30001]",
                                "rollout.sglang.tp_size=1"]
+
+
+@pytest.mark.parametrize("script", [DISAGG, COLOCATED])
+def test_dry_runs_never_print_the_key(script):
+    """The job's key (RLPO_SGLANG_KEY, given or made by common.sh) reaches every step through the environment: no
+    printed command holds it, nor any --api-key flag (launch.sglang_server and the shim add it inside the server)."""
+    key = "dry-run-job-key-" + "x" * 32
+    e = clean_env({"DRY_RUN": "1", "RLPO_HOSTNAMES": "node-a node-b", "LEARNER_NODES": "1", "CONFIG": "c.yaml",
+                   "SGLANG_MODEL": "/m", "RLPO_ROOT": str(ROOT), "PYTHON": "python3", "LOG_DIR": "/logs",
+                   "RLPO_SGLANG_KEY": key, "SLURM_JOB_ID": "4242"})
+    for launcher in ("launch.sglang_server", "sglang.launch_server"):
+        r = subprocess.run(["bash", str(script)], env={**e, "SGLANG_LAUNCHER": launcher}, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert key not in r.stdout + r.stderr and "--api-key" not in r.stdout + r.stderr, r.stdout
 
 
 def test_disaggregated_rejects_bad_split():
@@ -593,7 +678,8 @@ def on_term(sig, frame):
         json.dump(rec, f)
     sys.exit(75)
 signal.signal(signal.SIGTERM, on_term)
-open(os.path.join(out, "learner-ready"), "w").close()
+with open(os.path.join(out, "learner-ready"), "w") as f:
+    f.write(os.environ.get("RLPO_SGLANG_KEY", ""))
 time.sleep(60)
 sys.exit(3)
 """
@@ -676,6 +762,17 @@ def test_stop_reaches_learners_before_servers(tmp_path):
         assert float((out / f"stopped-{port + k}").read_text()) > stop["exit"], diag()  # TERM handler ran
         assert json.loads((out / f"server-{port + k}.json").read_text())["max_connections"] is None
     text = _read(tmp_path / "batch.out")
+    # the job's key: made by the batch shell, the same in the learner step and in both servers, where it reached
+    # the server's own argv (the shim adds it in-process) and never a command line; nothing printed it
+    key = (out / "learner-ready").read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", key), key
+    for k in range(2):
+        server = json.loads((out / f"server-{port + k}.json").read_text())
+        assert server["argv"][-4:] == ["--api-key", key, "--admin-api-key", key], server["argv"]
+        assert not any(key in t or t.startswith("--api-key") for t in server["cmdline"]), server["cmdline"]
+    logs = tmp_path / "logs"
+    assert (logs.stat().st_mode & 0o777) == 0o700, oct(logs.stat().st_mode)
+    assert not any(key in _read(p) for p in [tmp_path / "batch.out", *logs.rglob("*.log")]), diag()
     assert "batch shell got TERM: TERM to the learner step only" in text, diag()
     assert "learners exited with code 75; stopping the rollout servers" in text, diag()
 

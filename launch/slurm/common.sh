@@ -7,6 +7,11 @@
 #   LOG_DIR          per-job log directory; default: $RLPO_ROOT/logs/<job name>-<job id>
 #   MASTER_PORT      torch.distributed rendezvous port; default: 20000 + job id % 20000
 #   RLPO_HOSTNAMES   space-separated node names instead of `scontrol show hostnames` (dry runs, tests)
+#   RLPO_SGLANG_KEY  the job's key for its SGLang servers; default: made here, once per job (rlpo_init). Every step
+#                    inherits it (srun exports the environment; /proc/PID/environ is readable by its owner only); the
+#                    servers are started with it (launch/rlpo_sglang_keys.py adds --api-key/--admin-api-key inside the
+#                    server's process, never on a command line) and the trainer sends it with every request. Nothing
+#                    here prints it; LOG_DIR is made 0700 (SGLang prints its arguments, the key included, at start).
 #   DRY_RUN=1        print every command (srun, torchrun, servers, health waits) instead of running it
 #
 # Cluster users (H100 nodes): set NCCL and CUDA variables before `sbatch` (they are exported to every
@@ -92,7 +97,13 @@ rlpo_init() {
     export MASTER_PORT
     : "${LOG_DIR:=$RLPO_ROOT/logs/$RLPO_JOB_NAME-$RLPO_JOB_ID}"
     export LOG_DIR
-    rlpo_dry || mkdir -p "$LOG_DIR"
+    # owner-only: the server logs hold the job's key (SGLang prints its server_args at start)
+    rlpo_dry || { mkdir -p "$LOG_DIR" && chmod 700 "$LOG_DIR"; }
+    # the job's key for its SGLang servers (made here: inside the job, not at submission; never printed)
+    if [[ -z "${RLPO_SGLANG_KEY:-}" ]]; then
+        RLPO_SGLANG_KEY=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+    fi
+    export RLPO_SGLANG_KEY
     rlpo_log "job $RLPO_JOB_ID nodes ${RLPO_HOSTS[*]} root $RLPO_ROOT logs $LOG_DIR"
     # Pre-emption / time limit: `#SBATCH --signal=B:TERM@600` signals this batch shell only (USR1/USR2 if a
     # user picks those; INT: Ctrl-C on a direct run). TERM goes to the learner step only: the rollout servers

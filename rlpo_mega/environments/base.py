@@ -52,6 +52,11 @@ class Environment(abc.ABC):
         every prompt of the run, the same for all episodes; None: no tools are declared."""
         return None
 
+    @classmethod
+    def check(cls, cfg) -> None:
+        """Called once at start (EnvRunner): raise (a one-line user error) when this environment cannot run here
+        with these options, so that the run refuses to start rather than fail every step."""
+
     @abc.abstractmethod
     def step(self, action: Action) -> Feedback:
         """The environment's answer to the model's turn."""

@@ -3,7 +3,8 @@
 Every live episode's step of a turn runs through rlpo_mega.calls.run_calls (`num_workers` threads, a time limit
 per step measured from its start). A step that raises, runs past `timeout` or answers something other than
 `Feedback` ends its episode as failed (reward environment.failure_reward, the sample flagged as a failed reward
-is): counted (episode/env_failures) and logged once per kind, never silent, never the run's end.
+is): counted (episode/env_failures) and logged once per kind, never silent, never the run's end. What cannot
+work at all (the python tool without a sandbox) is refused before the first step: `Environment.check` at start.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class EnvRunner:
         """cfg: the run's EnvironmentConfig (cfg.name: an ENVIRONMENTS entry)."""
         self.cfg = cfg
         self.cls = ENVIRONMENTS.get(cfg.name)
+        self.cls.check(cfg)  # at start, once: an environment that cannot run here stops the run in one line
         self.total_steps = 0
         self.total_failed = 0
         self._logged: set[str] = set()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rlpo_mega.rollout.base import ENGINES, EngineError, RolloutInterrupted
+from rlpo_mega.rollout.sglang_auth import new_key
 from rlpo_mega.rollout.sglang_launch import launch_node_servers
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
@@ -69,6 +70,7 @@ class EngineSlot:
         """Every node's servers started by its local rank 0 -> (the run config attached to their URLs in node
         order, {url: (node, this process's SGLangServer handle or None)})."""
         sg = self.cfg.rollout.sglang
+        self._agree_key(sg.api_key_env)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         node = int(os.environ.get("GROUP_RANK", "0"))
         nodes = max(1, dist.get_world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -90,6 +92,18 @@ class EngineSlot:
         cfg = dataclasses.replace(self.cfg, rollout=dataclasses.replace(
             self.cfg.rollout, sglang=dataclasses.replace(sg, urls=list(launched), launch=False)))
         return cfg, launched
+
+    def _agree_key(self, name: str) -> None:
+        """The job's key for the servers launched here, the same on every rank (the drivers send it, the launchers
+        start the servers with it): rank 0's $name, or one it makes now (launch/slurm/*.sbatch export one to every
+        step; a run started otherwise has none), sent to the others over `group` (the job's own ranks), then put in
+        $name on every rank: a rebuild's relaunch, and the engines, read it there."""
+        key = os.environ.get(name) or None
+        if dist.get_world_size() > 1:
+            box = [(key or new_key()) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=self.group)
+            key = box[0]
+        os.environ[name] = key or new_key()
 
     def _stop_node_servers(self):
         servers, self.node_servers = self.node_servers, []

@@ -3,6 +3,7 @@ colocated servers, and the driver ranks (SGLangEngine.ranks) with their shares o
 engine (SGLangEngine.check_config), so the checks live with the engine, not behind its name."""
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 from rlpo_mega.config import ConfigError, at_least
@@ -30,6 +31,7 @@ def check_sglang(cfg, warns: list[str], world_size: Optional[int] = None, nodes:
         raise ConfigError(f"rollout.wait_timeout={ro.wait_timeout} is shorter than rollout.sglang.request_timeout="
                           f"{sg.request_timeout}: the other ranks would give up on a rollout the drivers still "
                           "wait for")
+    _check_keys(sg)
     if not sg.urls and not sg.launch:
         warns.append("rollout.engine=sglang with no rollout.sglang.urls and launch=false: give the servers' "
                      "URLs (launch/slurm/train_disaggregated.sbatch adds rollout.sglang.urls=[...]) or set "
@@ -74,6 +76,22 @@ def check_sglang(cfg, warns: list[str], world_size: Optional[int] = None, nodes:
     if ro.colocate:
         _check_colocated_drivers(sg, nodes)
     _check_drivers(sg, world_size, nodes)
+
+
+def _check_keys(sg) -> None:
+    """The servers' key: named by an environment variable, never written in the config (which is logged, to W&B too),
+    and SGLang able to check it (its multi-tokenizer mode checks no key: SGLang 0.5.23 refuses keys there)."""
+    if not isinstance(sg.api_key_env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", sg.api_key_env):
+        raise ConfigError(f"rollout.sglang.api_key_env={sg.api_key_env!r}: the name of the environment variable that "
+                          "holds the servers' key (default RLPO_SGLANG_KEY), not the key itself")
+    given = [k for k in ("api_key", "admin_api_key") if k in sg.server_args]
+    if given:
+        raise ConfigError(f"rollout.sglang.server_args.{given[0]}: a key in the config is logged (W&B too) and visible "
+                          "on the server's command line; launched servers are started with the job's key from "
+                          f"${sg.api_key_env} (made for the run when unset): remove it (launch/README.md, Keys)")
+    if int(sg.server_args.get("tokenizer_worker_num") or 1) > 1:
+        raise ConfigError("rollout.sglang.server_args.tokenizer_worker_num > 1: SGLang's multi-tokenizer mode checks no "
+                          "key (0.5.23 refuses --api-key there), and every launched server needs the job's key: remove it")
 
 
 def _check_colocated_drivers(sg, nodes: Optional[int]) -> None:

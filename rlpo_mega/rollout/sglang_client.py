@@ -170,10 +170,12 @@ def _settle(future: Future, task: asyncio.Task) -> None:
 class Connections:
     """Keep-alive HTTP/1.1 connections per server on the engine's I/O loop, reused across requests and steps: no
     TCP handshake per request, and no proxy environment is read (a server address never goes through
-    http_proxy). Used on the loop's thread; `close_url` / `close_active` / `close` may be called from any."""
+    http_proxy). Used on the loop's thread; `close_url` / `close_active` / `close` may be called from any.
+    auth: the header line(s) every request carries (b"Authorization: Bearer <key>\r\n": the job's key)."""
 
-    def __init__(self, io: IOLoop, receive_buffer: int = 0):
+    def __init__(self, io: IOLoop, receive_buffer: int = 0, auth: bytes = b""):
         self.io = io
+        self.auth = auth
         self.receive_buffer = receive_buffer  # bytes per connection (sglang_client.receive_buffer); 0: the kernel's
         self.buffers = BodyBuffers()
         self._idle: dict[str, list] = {}
@@ -224,7 +226,7 @@ class Connections:
                 self._active.add(conn)
                 return conn, True
             conn.close()
-        conn = _Conn(url, self.receive_buffer)
+        conn = _Conn(url, self.receive_buffer, self.auth)
         self._active.add(conn)
         try:
             await asyncio.wait_for(conn.connect(), timeout)
@@ -283,8 +285,9 @@ class _Conn(asyncio.BufferedProtocol):
 
     HEAD = 64 << 10  # the most an answer's status line and headers may take
 
-    def __init__(self, url: str, receive_buffer: int = 0):
+    def __init__(self, url: str, receive_buffer: int = 0, auth: bytes = b""):
         u = urllib.parse.urlsplit(url)
+        self.auth = auth
         self.url, self.https, self.host = url, u.scheme == "https", u.hostname
         self.port = u.port or (443 if self.https else 80)
         self.receive_buffer = receive_buffer
@@ -353,9 +356,9 @@ class _Conn(asyncio.BufferedProtocol):
         self._extra = b""
         self._waiter = self._loop.create_future()
         self._arm(timeout)
-        self.transport.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: %d\r\n\r\n" % (path.encode(), self.host.encode(), self.port, len(body))
-                             + body)
+        self.transport.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n%s"
+                             b"Content-Length: %d\r\n\r\n" % (path.encode(), self.host.encode(), self.port, self.auth,
+                                                               len(body)) + body)
         return await self._waiter
 
     async def read_body(self, buffers: "BodyBuffers") -> tuple:

@@ -20,6 +20,10 @@ Weight sync (every path wrapped in /begin_weight_update ... /end_weight_update, 
                       update_weights_from_distributed
 weight_digests asks every server what it actually holds, digested inside the server (sglang_reports.py).
 
+Keys: every request carries the job's key (`Authorization: Bearer <key>`, rlpo_mega/rollout/sglang_auth.py says
+where it comes from); at start each server must take it and refuse a request without it (_check_key), and the
+reports its hooks send back must carry its seal (sglang_reports.py).
+
 Time limits: control calls (weight updates, digests, flushes) use `control_timeout`; a generation may take
 `request_timeout`, but while it runs every server with requests in flight must answer GET /health within
 `hang_timeout` seconds, and the trainer's stop request (SIGTERM) aborts the wait.
@@ -56,7 +60,7 @@ from .base import (ENGINES, EngineError, Feed, RolloutEngine, RolloutInterrupted
                    SamplingParams, share_of)
 from .sglang_client import (Connections, IOLoop, ServerSlots, SlotsClosed, decode_routes, dumps, loads, parse_logprobs,
                             receive_buffer, split_routes)
-from . import sglang_plan
+from . import sglang_auth, sglang_plan
 from .sglang_payloads import FLATTENED, flatten, placements, serialize, tied_aliases
 from .sglang_checks import check_sglang
 from .sglang_launch import launch_node_servers
@@ -86,6 +90,7 @@ class _Server:
         # SGLang raises on resuming a tag it holds (weight_updater.py: offload_tags.remove), so only these are resumed.
         # A (re)started server holds everything.
         self.released: set = set()
+        self.key_checked = False  # takes the job's key and refuses requests without it (SGLangEngine._check_key)
 
 
 @ENGINES.register("sglang")
@@ -139,7 +144,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
                    keep_kv=ro.holds_requests)
 
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True,
-                 driver: int = 0, colocate: bool = False, keep_kv: bool = False):
+                 driver: int = 0, colocate: bool = False, keep_kv: bool = False, api_key: Optional[str] = None):
         if isinstance(hf_config, str):
             hf_config = load_hf_config(hf_config)
         self.cfg, self.hf, self.model_path, self.driver = cfg, hf_config, model_path, driver
@@ -164,6 +169,13 @@ class SGLangEngine(InServerReports, RolloutEngine):
         self._init_reports()
         self._closed = False
         self.servers: list[_Server] = []
+        # the job's key (sglang_auth): given, or in $api_key_env; servers launched here without one get one made now
+        name = cfg.api_key_env
+        key = sglang_auth.checked(api_key, "api_key") if api_key else sglang_auth.env_key(name)
+        if key is None and cfg.launch and not cfg.urls:
+            key = sglang_auth.new_key()
+        self._api_key = key
+        self._auth = {"Authorization": f"Bearer {key}"} if key else {}
         if cfg.urls:
             mine = share_of(cfg.urls, driver, cfg.drivers)
             if not mine:
@@ -172,7 +184,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
             self.servers = [_Server(u) for u in mine]
             log.info("SGLang driver %d of %d drives %s", driver, cfg.drivers, ", ".join(mine))
         elif cfg.launch:  # this process alone (a trainer launches per node: rollout/engines.EngineSlot)
-            self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path)]
+            self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path, api_key=key)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
         # each server's place in the run's URL list (node order): colocated payloads are gathered per place
@@ -190,9 +202,83 @@ class SGLangEngine(InServerReports, RolloutEngine):
         # at interpreter exit: the thread does not outlive the engine); bounded kernel buffers for this engine's
         # requests in flight (sglang_client.receive_buffer says why)
         self._io = IOLoop()
-        self._conns = Connections(self._io, receive_buffer(cfg.max_in_flight_per_server * len(self.servers)))
+        self._conns = Connections(self._io, receive_buffer(cfg.max_in_flight_per_server * len(self.servers)),
+                                  b"".join(b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in self._auth.items()))
         self._decoding = asyncio.Semaphore(cfg.decode_concurrency)  # bodies read and decoded at once
         self._finalizer = weakref.finalize(self, _close_client, self._conns, self._io)
+        if key is None:
+            log.warning("rollout.sglang: $%s is not set: requests to %s carry no key, which only a server started "
+                        "without one answers -- and such a server answers anyone who reaches it (generation, loading "
+                        "other weights, its weight-update group); start the servers with the job's key "
+                        "(launch/sglang_server.py, launch/slurm/*.sbatch) and export it here as $%s "
+                        "(launch/README.md, Keys)", name, ", ".join(s.url for s in self.servers), name)
+        try:
+            for s in self.servers:  # a server not reachable yet is checked before it takes part (_check_layout, refresh)
+                self._check_key(s, at_start=True)
+        except BaseException:
+            self._finalizer()
+            for s in self.servers:
+                if s.launched is not None:
+                    s.launched.stop()
+            raise
+
+    # ---------------------------------------------------------------- keys
+    def _refused(self, server: "_Server", path: str, status: int) -> EngineError:
+        """The one line for a request a server refused for its key (401/403)."""
+        name = self.cfg.api_key_env
+        if self._auth:
+            return EngineError(f"SGLang server {server.url} refused {path} with this job's key (HTTP {status}; the key "
+                               f"in ${name}): it was started with another --api-key/--admin-api-key; start it with the "
+                               "job's key (launch/sglang_server.py takes it from $RLPO_SGLANG_KEY; launch/README.md, "
+                               "Keys)")
+        return EngineError(f"SGLang server {server.url} refused {path} without a key (HTTP {status}): it was started "
+                           f"with --api-key; export its key as ${name} (rollout.sglang.api_key_env; launch/README.md, "
+                           "Keys)")
+
+    def _status(self, server: "_Server", path: str, payload=None, auth: bool = True) -> int:
+        """The HTTP status of one short request (health_timeout x 6, as the other short control calls), with or
+        without the key; URLError/OSError when the server does not answer. Not through _http: no restart, no
+        retirement."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(server.url + path, data=data, method="POST" if data else "GET",
+                                     headers={"Content-Type": "application/json", **(self._auth if auth else {})})
+        try:
+            with _OPENER.open(req, timeout=self.cfg.health_timeout * 6) as r:
+                r.read()
+                return r.status
+        except urllib.error.HTTPError as e:
+            e.read()
+            return e.code
+
+    def _check_key(self, server: "_Server", at_start: bool = False) -> None:
+        """With a job key: `server` takes it, on generation's level (GET /server_info: SGLang's api key) and on its
+        control endpoints' (POST /abort_request of no request: the admin key where one is set), and refuses a
+        request without it -- one that answers without a key answers anyone, and is refused here (start it with
+        the key). Once per server; at_start: a server that does not answer yet is checked before it takes part."""
+        if not self._auth or server.key_checked:
+            return
+        try:
+            status = self._status(server, "/server_info")
+            if status in (401, 403):
+                raise self._refused(server, "GET /server_info", status)
+            status = self._status(server, "/abort_request", {"rid": f"rlpo-keycheck-{uuid.uuid4().hex}"})
+            if status in (401, 403):
+                raise EngineError(f"SGLang server {server.url} takes this job's key for generation but refuses it on its "
+                                  f"control endpoints (POST /abort_request: HTTP {status}): its --admin-api-key is "
+                                  "another key; start it with the job's key for both (launch/sglang_server.py does)")
+            status = self._status(server, "/server_info", auth=False)
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
+            if at_start:
+                log.debug("SGLang server %s: key check deferred (%s)", server.url, e)
+                return
+            raise EngineError(f"SGLang server {server.url}: its key check failed: {e}") from e
+        if status not in (401, 403):
+            raise EngineError(f"SGLang server {server.url} answers without a key (GET /server_info: HTTP {status}): "
+                              "anyone who reaches it can generate on it, load other weights into it or break its "
+                              "weight updates; start it with the job's key (--api-key and --admin-api-key from "
+                              f"${self.cfg.api_key_env}: launch/sglang_server.py and launch/slurm/*.sbatch do; "
+                              "launch/README.md, Keys)")
+        server.key_checked = True
 
     def _check_layout(self):
         """Each server's own parallel layout (GET /server_info) against rollout.sglang.tp_size, which sizes the
@@ -202,6 +288,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
         if self._layout_checked:
             return
         for s in self.live:
+            self._check_key(s)
             status, body = self._http(s, "/server_info", method="GET")
             try:
                 info = json.loads(body) if status == 200 else None
@@ -231,13 +318,16 @@ class SGLangEngine(InServerReports, RolloutEngine):
         """(status, body) of one request; raises EngineError for a dead server, with the fix."""
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(server.url + path, data=data, method=method or ("POST" if data else "GET"),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **self._auth})
         timeout = timeout or self.cfg.control_timeout
         try:
             with _OPENER.open(req, timeout=timeout) as r:
                 return r.status, r.read()
         except urllib.error.HTTPError as e:
-            return e.code, e.read()
+            body = e.read()
+            if e.code in (401, 403):
+                raise self._refused(server, path, e.code) from None
+            return e.code, body
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
             raise self._dead(server, f"{path} failed after at most {timeout:g} s: {e}") from e
 
@@ -291,7 +381,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
         if server.launched is not None and not server.launched.alive():
             return False
         try:
-            req = urllib.request.Request(server.url + "/health")
+            req = urllib.request.Request(server.url + "/health", headers=self._auth)  # (open in SGLang: sent anyway)
             with _OPENER.open(req, timeout=self.cfg.health_timeout) as r:
                 return r.status == 200
         except Exception:
@@ -306,7 +396,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
         if server.launched is not None and not server.launched.alive():
             return True
         try:
-            with _OPENER.open(urllib.request.Request(server.url + "/ready"), timeout=self.cfg.health_timeout) as r:
+            with _OPENER.open(urllib.request.Request(server.url + "/ready", headers=self._auth),
+                              timeout=self.cfg.health_timeout) as r:
                 r.read()
             return False
         except urllib.error.HTTPError:
@@ -375,6 +466,12 @@ class SGLangEngine(InServerReports, RolloutEngine):
                     log.warning("SGLang server %s: relaunch %d failed (%s); it stays out", s.url, s.restarts, e)
                     continue
             if self._healthy(s):
+                s.key_checked = False  # started again, maybe by someone else: it takes the job's key, and only it
+                try:
+                    self._check_key(s)
+                except EngineError as e:
+                    log.warning("SGLang server %s answers again but stays out: %s", s.url, e)
+                    continue
                 s.alive, s.released = True, set()  # a server that comes back (restarted) holds its memory
                 self.faults["server_rejoins"] += 1
                 log.warning("SGLang server %s rejoins: it receives the full weights in this sync", s.url)
@@ -647,6 +744,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
                 start: int = 0) -> Sample:
         """One /generate answer (body[:size]) -> a Sample with compact, checked routes (decoded as it arrives,
         while the rest of the batch still generates); nothing returned refers to `body`."""
+        if status in (401, 403):
+            raise self._refused(server, "/generate", status)
         rest, b64 = split_routes(body, size) if self.return_routes else (body[:size], None)
         del body
         try:
@@ -815,7 +914,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
     def _end_quietly(self, servers) -> None:
         for s in servers:  # a raw POST: a dead server here is not restarted (_dead), the retry's guard decides
             req = urllib.request.Request(s.url + "/end_weight_update", data=b"{}", method="POST",
-                                         headers={"Content-Type": "application/json"})
+                                         headers={"Content-Type": "application/json", **self._auth})
             try:
                 with _OPENER.open(req, timeout=self.cfg.health_timeout * 6) as r:
                     r.read()

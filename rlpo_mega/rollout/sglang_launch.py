@@ -30,7 +30,8 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1, colocate: bool = False) -> list:
+def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1, colocate: bool = False,
+                        api_key: Optional[str] = None) -> list:
     """Start this node's servers (rollout.sglang.launch=true: num_servers per node), healthy on return, as
     launch/sglang_server.SGLangServer handles. Each goes on its own GPUs, after those of this node's learner
     ranks (torchrun's LOCAL_WORLD_SIZE) and of the servers before it (`server_gpus`); colocated (rollout.colocate)
@@ -38,7 +39,9 @@ def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: in
     free and map the memory; SGLang's CPU build has no torch_memory_saver, and its release/resume are no-ops
     there). Ports base_port +
     node * num_servers + i: distinct across nodes, so URLs stay unique where several nodes share a host. Servers
-    bound to a wildcard host are addressed by this node's hostname (the other nodes' learners reach them)."""
+    bound to a wildcard host are addressed by this node's hostname (the other nodes' learners reach them). Each is
+    started with the job's key: api_key, else the one in $rollout.sglang.api_key_env (rollout/engines.EngineSlot
+    puts the run's there on every rank before it launches)."""
     if not model_path:
         raise EngineError("rollout.sglang.launch needs the model's HF directory (model.init_from_hf) "
                           "to start the servers from")
@@ -46,6 +49,10 @@ def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: in
         raise EngineError(f"rollout.sglang.launch=true on {nodes} nodes: servers bound to {cfg.host} cannot be reached "
                           "from drivers on other nodes; set rollout.sglang.host=0.0.0.0 (each node's servers are then "
                           "addressed by its hostname)")
+    key = api_key or os.environ.get(cfg.api_key_env)
+    if not key:
+        raise EngineError(f"rollout.sglang.launch: no key for the servers (${cfg.api_key_env} is unset): every launched "
+                          "server is started with the job's key")
     launcher = _load_launcher()
     placed = [{}] * cfg.num_servers
     if torch.cuda.is_available():  # each server on its own GPUs, after those of this node's learner ranks
@@ -61,7 +68,7 @@ def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: in
         for i in range(cfg.num_servers):
             srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + node * cfg.num_servers + i, cfg.tp_size,
                                         server_args={**cfg.server_args, **placed[i]}, python=cfg.python or None,
-                                        log_dir=cfg.log_dir or None, env=cfg.env, advertise=advertise)
+                                        log_dir=cfg.log_dir or None, env=cfg.env, advertise=advertise, api_key=key)
             servers.append(srv)
             srv.start(cfg.startup_timeout)
     except Exception as e:

@@ -3,11 +3,15 @@
 SGLang cannot return MoE weights over HTTP, so a custom weight loader (launch/rlpo_sglang_hooks.report_digests)
 runs in every TP rank of a server: it gathers the server's TP shards, maps them to HF names and digests them
 inside the server; only the digests come back, through a TCP store each driver hosts (the same store the
-sglang_distributed group meets at). No shared filesystem, no weights on the wire.
+sglang_distributed group meets at). No shared filesystem, no weights on the wire. That store takes writes from
+anyone who reaches its port, so every report comes sealed with the job's key (an HMAC over the report and the
+request's random store key: launch/rlpo_sglang_keys.py) and one whose seal fails is a failed sync
+(DigestMismatchError for digests, EngineError for the environment), never a pass.
 
 `InServerReports` is the SGLang engine's part that asks for them (SGLangEngine inherits it); it uses the
-engine's HTTP calls (_http, _post_ok, _begin, _end_quietly), its config (cfg: control_timeout, store_port,
-learner_address, tp_size), its driver index, its live servers and its model's tied head (tied, _head, _embed).
+engine's HTTP calls (_http, _post_ok, _begin, _end_quietly), its key (_api_key), its config (cfg: control_timeout,
+store_port, learner_address, tp_size, api_key_env), its driver index, its live servers and its model's tied head
+(tied, _head, _embed).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import torch.distributed as dist
 
 from moe.bridge.digest import DigestMismatchError, verify
 from rlpo_mega.engine_errors import EngineError
+
+from . import sglang_auth
 
 REPORT_LOADER = "rlpo_sglang_hooks.report_digests"  # launch/rlpo_sglang_hooks.py
 
@@ -63,9 +69,10 @@ class InServerReports:
                                             timeout=timedelta(seconds=self.cfg.control_timeout))
             return self._store
 
-    def _hook_request(self, server: _Server, request: dict, what: str) -> dict:
+    def _hook_request(self, server: _Server, request: dict, what: str, forged=EngineError) -> dict:
         """Run launch/rlpo_sglang_hooks.py's loader in every TP rank of `server` with `request`; its TP rank 0's
-        report (a JSON object) comes back through this rank's TCP store. what: the report, for the errors."""
+        report (a JSON object) comes back through this rank's TCP store, sealed with the job's key. what: the
+        report, for the errors; forged: the error a report without the job's seal raises."""
         key = f"rlpo_reports/{uuid.uuid4().hex}"
         request = json.dumps({**request, "store": [self.learner_address(), self.store().port], "key": key,
                               "timeout": self.cfg.control_timeout})
@@ -90,15 +97,24 @@ class InServerReports:
             raise EngineError(f"SGLang server {server.url} ran the report hook but its {what} never reached "
                               f"{self.learner_address()}:{self.store().port} within control_timeout: can the "
                               f"server reach this host (rollout.sglang.learner_address)? ({e})") from e
-        report = json.loads(self.store().get(key))
+        raw = self.store().get(key)
         self.store().delete_key(key)
+        try:
+            report = sglang_auth.unseal(self._api_key, key, raw)
+        except sglang_auth.report_auth_error() as e:
+            raise forged(f"SGLang server {server.url}: its {what} report fails authentication ({e}; an HMAC with the "
+                         f"job's key, ${self.cfg.api_key_env}): forged by another writer to this driver's TCP store "
+                         f"({self.learner_address()}:{self.store().port}), or the server holds another key; the sync "
+                         "fails") from None
+        if not isinstance(report, dict):
+            raise forged(f"SGLang server {server.url}: its {what} report is not a JSON object: {str(report)[:200]}")
         if "error" in report:
             raise EngineError(f"SGLang server {server.url}: its report hook failed ({what}): {report['error']}")
         return report
 
     def _digest_request(self, server: _Server, algorithm: str) -> dict[str, str]:
         self._check_layout()
-        report = self._hook_request(server, {"algorithm": algorithm}, "weight digests")
+        report = self._hook_request(server, {"algorithm": algorithm}, "weight digests", forged=DigestMismatchError)
         self.digest_peak_bytes[server.url] = report.get("peak_extra_bytes")  # the hook's own cost (host RSS)
         return report["digests"]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from typing import Optional
@@ -73,8 +74,11 @@ class SGLangDistributedTransport:
 
     def _new_name(self) -> str:
         # one name per group: a rebuilt engine's group, or the one after a group broken mid-sync (left on the
-        # servers' side), never meets an old one's leftovers; the driver index keeps the names apart in the logs
-        return f"rlpo_weight_sync_d{self.engine.driver}_{os.getpid()}_{next(self._instances)}"
+        # servers' side), never meets an old one's leftovers; the driver index keeps the names apart in the logs. The
+        # random part keeps it secret: it travels only in keyed requests (/init_weights_update_group), and the group
+        # meets under it as a prefix on the driver's TCP store, which anyone who reaches the port could write to
+        return (f"rlpo_weight_sync_d{self.engine.driver}_{os.getpid()}_{next(self._instances)}_"
+                f"{secrets.token_hex(8)}")
 
     @classmethod
     def check_config(cls, cfg, engine_cls) -> None:
