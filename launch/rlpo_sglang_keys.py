@@ -4,7 +4,7 @@ Standard library only: it runs in the SGLang server's environment, and the train
 
 1. The key shim. `python -m rlpo_sglang_keys MODULE [FLAG...]` (or `python launch/rlpo_sglang_keys.py MODULE ...`)
    runs MODULE (sglang.launch_server, or any launcher that takes SGLang's flags) as __main__, with
-   `--api-key K --admin-api-key K` added to its sys.argv inside this process, K read from $RLPO_SGLANG_KEY. The
+   `--api-key=K --admin-api-key=K` added to its sys.argv inside this process, K read from $RLPO_SGLANG_KEY. The
    key never appears on a command line: /proc/PID/cmdline is readable by every user of the node, the environment
    (/proc/PID/environ) by the process's owner only. One key for both flags: SGLang 0.5.23 asks the admin key (when
    set) on its control endpoints (update_weights_*, pause_generation, abort_request, ...) and the API key on
@@ -104,7 +104,8 @@ def main(argv=None) -> int:
         if problem:
             print(f"rlpo_sglang_keys: ${KEY_ENV} is {problem}: SGLang cannot check it", file=sys.stderr)
             return 2
-        rest += [KEY_FLAGS[0], key, KEY_FLAGS[1], key]
+        # one token each, `--flag=KEY`: a key that starts with "-" would read as a flag of its own to argparse
+        rest += [f"{flag}={key}" for flag in KEY_FLAGS]
     sys.argv = [module, *rest]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0

@@ -17,6 +17,7 @@ tests/test_slurm.py's.
 """
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import logging
@@ -26,6 +27,8 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
+import urllib.request
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -47,6 +50,7 @@ from tests.dist import ROOT, free_port, torchrun
 
 KEYS = keys_module()
 KEY = "job-key-" + "k" * 40
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy, as the engine
 OTHER = "another-key-" + "o" * 40
 HF = load_hf_config(os.path.join(ROOT, "configs", "models", "tiny_qwen3_moe.json"))
 OPEN = ("/health", "/ready", "/metrics")  # SGLang 0.5.23 lets these through whatever the keys (by prefix)
@@ -57,6 +61,20 @@ CONTROL = ("/abort_request", "/flush_cache", "/freeze_gc", "/update_weights_from
            "/update_weights_from_distributed", "/init_weights_update_group", "/destroy_weights_update_group",
            "/begin_weight_update", "/end_weight_update", "/update_weight_version", "/release_memory_occupation",
            "/resume_memory_occupation", "/pause_generation", "/continue_generation")
+
+
+def http_status(url: str, path: str, auth=None) -> int:
+    """The HTTP status of one request to a real server: GET for /server_info, /health and /ready, else POST {}
+    (a control endpoint answers 401 before it reads the body); `auth` the Authorization header, if any."""
+    post = path != "/server_info" and not path.startswith(("/health", "/ready"))
+    req = urllib.request.Request(url + path, data=b"{}" if post else None, method="POST" if post else "GET",
+                                 headers={"Content-Type": "application/json", **({"Authorization": auth} if auth else {})})
+    try:
+        with _OPENER.open(req, timeout=60) as r:
+            r.read()
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def sglang_allows(path: str, header, api_key, admin_key) -> bool:
@@ -411,8 +429,18 @@ def test_the_key_shim_adds_the_key_inside_the_process(tmp_path, how):
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     got = json.loads(out.read_text())
-    assert got["argv"] == ["--port", "1", "--api-key", KEY, "--admin-api-key", KEY]
+    assert got["argv"] == ["--port", "1", f"--api-key={KEY}", f"--admin-api-key={KEY}"]
     assert not any(KEY in t for t in got["cmdline"]) and "probe_server" in got["cmdline"], got["cmdline"]
+    # a key that starts with "-" (a user's, or base64's) stays the flag's value for SGLang's argparse
+    dash = "-" + KEY
+    r = subprocess.run([sys.executable, *shim, "probe_server"], env={**env, "RLPO_SGLANG_KEY": dash},
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api-key")
+    parser.add_argument("--admin-api-key")
+    parsed = parser.parse_args(json.loads(out.read_text())["argv"])
+    assert parsed.api_key == parsed.admin_api_key == dash
     # a key on the command line is refused; without the variable the module runs as it is (no key)
     r = subprocess.run([sys.executable, *shim, "probe_server", "--api-key=x"], env=env, capture_output=True, text=True,
                        timeout=60)

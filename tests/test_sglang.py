@@ -17,8 +17,6 @@ import shutil
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
@@ -422,25 +420,15 @@ def test_keyed_server_refuses_requests_without_the_key(family):
     control endpoint the project calls answer 401 -- SGLang 0.5.23 leaves /health* and /ready open whatever the keys
     (its rule: probes without secrets), and those answer. The key (made for this run) is on no command line of the
     server's processes; their log, where SGLang prints its arguments, is the owner's only."""
-    from tests.test_server_keys import CONTROL, NORMAL, OTHER
+    from tests.test_server_keys import CONTROL, NORMAL, OTHER, http_status
 
     engine, *_ = family
     server = engine.servers[0]
     key = engine._api_key
     assert key and server.launched.api_key == key and server.key_checked
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def status(path, auth=None):
-        post = path != "/server_info" and not path.startswith(("/health", "/ready"))
-        req = urllib.request.Request(server.url + path, data=b"{}" if post else None, method="POST" if post else "GET",
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": auth} if auth else {})})
-        try:
-            with opener.open(req, timeout=60) as r:
-                r.read()
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
+        return http_status(server.url, path, auth)
 
     refused = {p: (status(p), status(p, "Bearer " + OTHER), status(p, key)) for p in NORMAL + CONTROL}
     assert all(v == (401, 401, 401) for v in refused.values()), refused  # (a bare key is no Bearer header)

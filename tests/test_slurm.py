@@ -27,8 +27,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -353,21 +351,7 @@ def _probe_keyed_servers(urls, batch_out: Path, probed: dict, stop: threading.Ev
     """Once the batch shell has seen every server healthy (and before the learners are done), each URL: every
     endpoint the project calls without a key and with another key (their statuses), /health and /ready without
     one, and whether any process's command line holds an --api-key."""
-    from tests.test_server_keys import CONTROL, NORMAL, OTHER
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-    def status(url, path, auth=None):
-        post = path != "/server_info" and not path.startswith(("/health", "/ready"))
-        req = urllib.request.Request(url + path, data=b"{}" if post else None, method="POST" if post else "GET",
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": auth} if auth else {})})
-        try:
-            with opener.open(req, timeout=60) as r:
-                r.read()
-                return r.status
-        except urllib.error.HTTPError as e:
-            return e.code
+    from tests.test_server_keys import CONTROL, NORMAL, OTHER, http_status as status
 
     try:
         while not all(f"healthy: {u}" in _read(batch_out) for u in urls):
@@ -768,7 +752,7 @@ def test_stop_reaches_learners_before_servers(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{64}", key), key
     for k in range(2):
         server = json.loads((out / f"server-{port + k}.json").read_text())
-        assert server["argv"][-4:] == ["--api-key", key, "--admin-api-key", key], server["argv"]
+        assert server["argv"][-2:] == [f"--api-key={key}", f"--admin-api-key={key}"], server["argv"]
         assert not any(key in t or t.startswith("--api-key") for t in server["cmdline"]), server["cmdline"]
     logs = tmp_path / "logs"
     assert (logs.stat().st_mode & 0o777) == 0o700, oct(logs.stat().st_mode)

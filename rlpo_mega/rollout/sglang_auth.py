@@ -36,15 +36,16 @@ def keys_module():
 
 
 def new_key() -> str:
-    """A fresh job key: 32 random bytes, URL-safe text (what SGLang compares and an HTTP header carries)."""
-    return secrets.token_urlsafe(32)
+    """A fresh job key: 32 random bytes as hex (what SGLang compares and an HTTP header carries; never starts with
+    "-", which a command line's parser would read as a flag: launch/slurm/common.sh makes the same)."""
+    return secrets.token_hex(32)
 
 
 def checked(key: str, where: str) -> str:
     problem = keys_module().key_problem(key)
     if problem:
         raise EngineError(f"the SGLang key in {where} is {problem}: SGLang cannot check it; use e.g. "
-                          "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+                          "`python -c 'import secrets; print(secrets.token_hex(32))'`")
     return key
 
 
