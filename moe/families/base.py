@@ -91,6 +91,12 @@ class MoEFamily:
         never starts a new bucket at them."""
         return set()
 
+    def sglang_whole(self, hf) -> set[str]:
+        """hf_names keys of tensors megatron splits over TP but SGLang holds whole on every TP rank (a
+        ReplicatedLinear where megatron has a column-parallel one): the refit plan (moe/bridge/reshard.py) sends
+        these to every server rank in full."""
+        return set()
+
     def megatron_config_class(self, hf):
         """megatron-core's config class for this architecture (MLA has its own)."""
         from megatron.core.transformer import TransformerConfig

@@ -106,6 +106,12 @@ class DeepseekV3Family(SigmoidRouterFamily):
         # (sglang/srt/models/deepseek_common/deepseek_weight_loader.py, `cached_a_proj`)
         return {"kv_a"} if hf.q_lora_rank is not None else set()
 
+    def sglang_whole(self, hf):
+        # SGLang keeps MLA's down-projections replicated (ReplicatedLinear: fused_qkv_a_proj_with_mqa, or
+        # kv_a_proj_with_mqa without a q_lora_rank; sglang/srt/models/deepseek_v2.py DeepseekV2AttentionMLA)
+        # where megatron's local spec splits them by rows
+        return {"q_a", "kv_a"}
+
     def identity(self, hf):
         ident = super().identity(hf)
         ident.update(q_lora_rank=hf.q_lora_rank, kv_lora_rank=int(hf.kv_lora_rank),

@@ -1,0 +1,427 @@
+"""The refit plan: for every HF tensor the bridge exports, which learner rank sends which slice of it to which TP
+rank of which SGLang server, so that each server rank receives exactly its own shard and no rank gathers the model.
+
+Both sides are written in one coordinate system, the HF tensor's; a *box* is a (start, stop) range per dim.
+  learner  a rank holds one box of a tensor: the rows or columns of its TP (expert-TP) shard, by the rules the bridge
+           imports checkpoints with (mapping.hf_row_ranges), for the layers of its pipeline stage and the experts of
+           its EP rank; every data-parallel replica holds the same box.
+  server   a TP rank of an SGLang 0.5.23 server holds the box its weight loaders narrow the HF tensor to
+           (`server_region`): attention heads, MLP rows / columns and the 64-padded vocabulary over TP, experts
+           partitioned over EP with each expert's FFN split over TP/EP, norms / router / small tensors whole.
+A transfer is the intersection of one server rank's box with one learner box, sent by one rank holding the latter:
+experts go shard to shard, and what every server rank needs whole reaches each of them once.
+
+Source selection: pieces are assigned largest first, each to the least-loaded learner rank holding it (ties to the
+lowest rank), i.e. greedy longest-processing-time scheduling. It spreads the work of a replicated shard over the
+data-parallel ranks holding it -- a tensor every server rank needs whole comes from several holders, one per
+receiving rank -- and keeps the busiest learner rank near total bytes / learner ranks wherever the layouts allow (a
+pipeline stage holding more than its share, or a shard only one rank holds, can force more).
+
+Pure arithmetic over names and shapes: no tensors, no process groups; a sender and a receiver read their parts of
+one plan. A server layout this plan does not express raises CannotPlan, one line naming what is not planned and a
+transport that syncs it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+
+from moe.families import get_family
+from moe.model import padded_vocab_size
+
+from .hf_checkpoint import expected_hf_shapes
+from .mapping import Dims, hf_row_ranges, param_maps
+
+Box = tuple[tuple[int, int], ...]
+
+# The path that syncs any server layout: SGLang's update_weights_from_distributed hands every TP rank whole tensors
+# and its own weight loaders narrow them (rollout.sync_transport=sglang_distributed).
+BROADCAST_TRANSPORT = "sglang_distributed"
+SGLANG_VOCAB_PADDING = 64  # sglang/srt/layers/vocab_parallel_embedding.py DEFAULT_VOCAB_PADDING_SIZE
+
+
+class CannotPlan(ValueError):
+    """A layout the plan does not cover. `what`: what is not planned; `fallback`: a weight-sync transport that
+    syncs it (None: none does, `what` says how to start the servers instead)."""
+
+    def __init__(self, what: str, fallback: Optional[str] = BROADCAST_TRANSPORT):
+        self.what, self.fallback = what, fallback
+        tail = f"; rollout.sync_transport={fallback} syncs it (each TP rank narrows whole tensors itself)" if fallback else ""
+        super().__init__(f"no shard-to-shard refit plan: {what}{tail}")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One HF tensor as the bridge exports it, and the megatron parameter holding it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    megatron: str  # the parameter it is (a part of): mapping.ParamMap.megatron
+    kind: str  # how megatron fuses and splits that parameter: mapping.ParamMap.kind
+    part: int  # its place among the parameter's HF tensors (q, k, v; gate, up)
+    layer: Optional[int]  # global decoder layer; None: embedding, final norm, output layer
+    expert: Optional[int]  # global routed expert; None: not a routed expert's
+    sglang_whole: bool = False  # SGLang holds it whole on every TP rank although megatron splits it
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Every tensor of a model's export, in export order, and the sizes both sides split by."""
+
+    tensors: tuple[TensorSpec, ...]
+    layers: int
+    experts: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def of(cls, hf, dtype: torch.dtype) -> "ModelSpec":
+        """The policy's export (megatron_io.ExportStream, `dtype` its dtype) of the model `hf` configures; fp32
+        where every side keeps a tensor in fp32 (ParamMap.fp32)."""
+        family = get_family(hf.model_type)
+        shapes = expected_hf_shapes(hf)
+        names = family.hf_names(hf)
+        whole = {names[k].format(i=i) for k in family.sglang_whole(hf) for i in range(hf.num_hidden_layers)}
+        tensors = tuple(
+            TensorSpec(n, tuple(shapes[n]), torch.float32 if pm.fp32 else dtype, pm.megatron, pm.kind, j, pm.layer,
+                       pm.expert, n in whole)
+            for pm in param_maps(hf) for j, n in enumerate(pm.hf))
+        return cls(tensors, hf.num_hidden_layers, family.num_experts(hf), hf.num_attention_heads,
+                   hf.num_key_value_heads, family.head_dim(hf), hf.vocab_size)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class LearnerLayout:
+    """The learner's megatron layout. Global ranks follow megatron's order tp-cp-ep-dp-pp (parallel_state.
+    RankGenerator): a dense shard sits on tp_rank + TP * replica + stage * world/PP, where `replica` counts its
+    context- and data-parallel copies (context parallelism copies weights as DP does, so it needs no field here);
+    an expert shard on etp_rank + ETP * ep_rank + ETP * EP * expert_dp_rank + stage * world/PP."""
+
+    world_size: int
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+    expert_tensor: int = 1
+    vocab_divisible_by: int = 128  # model.vocab_divisible_by: the padded vocabulary megatron splits over TP
+    # megatron names of column-parallel parameters kept whole on every TP rank (Transformer Engine's duplicated MLA
+    # down-projections; megatron_io.local_params reads it from each parameter)
+    whole_on_tp: frozenset[str] = frozenset()
+
+    def __post_init__(self):
+        sizes = (self.tensor, self.pipeline, self.expert, self.expert_tensor)
+        if min(sizes) < 1 or self.world_size % (self.tensor * self.pipeline) \
+                or self.world_size % (self.expert * self.expert_tensor * self.pipeline):
+            raise ValueError(f"learner layout: world {self.world_size} with tensor={self.tensor} pipeline="
+                             f"{self.pipeline} expert={self.expert} expert_tensor={self.expert_tensor} is not a layout")
+
+    @property
+    def stage_size(self) -> int:
+        return self.world_size // self.pipeline
+
+    def dense_holders(self, stage: int, tp_rank: int) -> tuple[int, ...]:
+        first = stage * self.stage_size
+        return tuple(range(first + tp_rank, first + self.stage_size, self.tensor))
+
+    def expert_holders(self, stage: int, ep_rank: int, etp_rank: int) -> tuple[int, ...]:
+        first = stage * self.stage_size
+        return tuple(range(first + etp_rank + self.expert_tensor * ep_rank, first + self.stage_size,
+                           self.expert_tensor * self.expert))
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """One SGLang server's parallel layout, as GET /server_info reports it. EP partitions the experts inside the TP
+    group, moe-TP innermost (sglang/srt/distributed/parallel_state.py: rank = ep_rank * tp/ep + moe_tp_rank)."""
+
+    tensor: int = 1
+    expert: int = 1
+    attention_dp: int = 1  # attention data parallelism: attention over tensor / attention_dp ranks (not planned)
+
+    def __post_init__(self):
+        if min(self.tensor, self.expert, self.attention_dp) < 1 or self.tensor % self.expert \
+                or self.tensor % self.attention_dp:
+            raise ValueError(f"SGLang layout: tp_size={self.tensor} with ep_size={self.expert} attn_dp_size="
+                             f"{self.attention_dp} is not a layout (both must divide tp_size)")
+
+    @property
+    def moe_tensor(self) -> int:
+        return self.tensor // self.expert
+
+    @classmethod
+    def from_server_info(cls, info: dict) -> "ServerLayout":
+        """The layout of a server from its /server_info (SGLang 0.5.23's resolved server args). Knobs that move
+        weights where this plan does not look are refused here, one line each."""
+
+        def knob(name, default):
+            value = info.get(name)
+            return default if value is None else value
+
+        tp = int(knob("tp_size", 1))
+        attention_dp, replicas = int(knob("attn_dp_size", 1)), int(knob("dp_size", 1))
+        if info.get("enable_dp_attention") and attention_dp == 1:  # the older spelling: --dp-size N --enable-dp-attention
+            attention_dp, replicas = replicas, 1
+        for name, value in (("pp_size", int(knob("pp_size", 1))), ("dp_size", replicas)):
+            if value != 1:  # the engine refuses these too (SGLangEngine._check_layout)
+                raise CannotPlan(f"a server with {name}={value} (weight sync knows TP ranks only): start one server "
+                                 f"per replica (--{name.replace('_', '-')} 1)", fallback=None)
+        unplanned = [
+            (int(knob("attn_cp_size", 1)) != 1, f"attention context parallelism (attn_cp_size={info.get('attn_cp_size')})"),
+            (int(knob("moe_dp_size", 1)) != 1, f"MoE data parallelism (moe_dp_size={info.get('moe_dp_size')})"),
+            (knob("moe_a2a_backend", "none") != "none",
+             f"moe_a2a_backend={info.get('moe_a2a_backend')} (shared experts replicated, not split over TP)"),
+            (int(knob("ep_num_redundant_experts", 0)) != 0 or bool(info.get("enable_eplb"))
+             or knob("init_expert_location", "trivial") != "trivial",
+             "experts placed by EPLB or with redundant copies (not partitioned in order)"),
+            (knob("moe_dense_tp_size", tp) != tp, f"moe_dense_tp_size={info.get('moe_dense_tp_size')} (dense MLPs "
+                                                  "replicated on some models)"),
+            (bool(info.get("enforce_shared_experts_fusion")) and int(knob("ep_size", 1)) > 1,
+             "a shared expert fused into the routed experts under expert parallelism (split over TP/EP on every EP rank)"),
+        ]
+        for refused, what in unplanned:
+            if refused:
+                raise CannotPlan(what)
+        return cls(tp, int(knob("ep_size", 1)), attention_dp)
+
+
+# ---- boxes -------------------------------------------------------------------------------------------------------
+def _whole(shape) -> Box:
+    return tuple((0, n) for n in shape)
+
+
+def _along(shape, dim: int, start: int, stop: int) -> Optional[Box]:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a tensor of `shape`; None when empty."""
+    if start >= stop:
+        return None
+    return tuple((start, stop) if d == dim else (0, n) for d, n in enumerate(shape))
+
+
+def _intersect(a: Box, b: Box) -> Optional[Box]:
+    box = tuple((max(s0, s1), min(e0, e1)) for (s0, e0), (s1, e1) in zip(a, b))
+    return box if all(s < e for s, e in box) else None
+
+
+def _within(box: Box, origin: Box) -> Box:
+    """`box` in the coordinates of the shard `origin` (which contains it)."""
+    return tuple((s - o, e - o) for (s, e), (o, _) in zip(box, origin))
+
+
+def box_numel(box: Box) -> int:
+    return math.prod(e - s for s, e in box)
+
+
+# ---- the learner's side ------------------------------------------------------------------------------------------
+def _stage(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout) -> int:
+    """The pipeline stage holding `spec` (megatron splits the layers evenly; the embedding lives on the first stage,
+    the final norm and output layer on the last -- a tied output layer's copy there is not used as a source: the
+    export takes the embedding from the first stage too)."""
+    if spec.layer is not None:
+        return spec.layer // (model.layers // learner.pipeline)
+    return 0 if spec.megatron.startswith("embedding.") else learner.pipeline - 1
+
+
+def learner_shards(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout) -> list[tuple[Box, tuple[int, ...]]]:
+    """The boxes of `spec` the learner holds, a partition of the tensor, each with the global ranks holding it."""
+    stage = _stage(spec, model, learner)
+    if spec.expert is None:
+        split = learner.tensor
+        size = 1 if spec.megatron in learner.whole_on_tp else split
+        holders = lambda t: learner.dense_holders(stage, t)  # noqa: E731
+    else:
+        ep_rank = spec.expert // (model.experts // learner.expert)
+        split = size = learner.expert_tensor
+        holders = lambda t: learner.expert_holders(stage, ep_rank, t)  # noqa: E731
+    dims = Dims(model.heads, model.kv_heads, model.head_dim, model.vocab,
+                padded_vocab_size(model.vocab, learner.vocab_divisible_by, learner.tensor))
+    shards: dict[Box, list[int]] = {}
+    for t in range(split):
+        # hf_row_ranges reads each HF tensor of a map on its own, so one part's shape is enough
+        (dim, start, stop), = hf_row_ranges(spec.kind, dims, [spec.shape], t if size > 1 else 0, size)
+        box = _along(spec.shape, dim, start, stop)
+        if box is not None:  # the last TP ranks of a padded vocabulary may hold padding only
+            shards.setdefault(box, []).extend(holders(t))
+    return [(box, tuple(sorted(ranks))) for box, ranks in shards.items()]
+
+
+# ---- the server's side (SGLang 0.5.23) ---------------------------------------------------------------------------
+def _even(spec: TensorSpec, dim: int, parts: int, index: int) -> Box:
+    n = spec.shape[dim]
+    if n % parts:  # SGLang asserts the split on GPUs (and zero-pads it on CPUs): a layout to refuse either way
+        raise CannotPlan(f"{spec.name}: dim {dim} of size {n} does not split over {parts} SGLang ranks")
+    step = n // parts
+    return _along(spec.shape, dim, index * step, (index + 1) * step)
+
+
+def _sglang_vocab_rows(vocab: int, tp: int, rank: int) -> tuple[int, int]:
+    """The HF rows of a VocabParallelEmbedding / ParallelLMHead shard: the vocabulary padded to 64 (64 x tp where
+    that does not split over tp), cut in equal parts; rows past the vocabulary are SGLang's zero padding."""
+    pad = SGLANG_VOCAB_PADDING
+    if -(-vocab // pad) * pad % tp:
+        pad *= tp
+    per = -(-vocab // pad) * pad // tp
+    return min(rank * per, vocab), min((rank + 1) * per, vocab)
+
+
+def _qkv_box(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank: int) -> Box:
+    """QKVParallelLinear: q heads over TP; KV heads over TP, each replicated on tp / kv_heads ranks where TP exceeds
+    them (sglang/srt/layers/linear.py: shard_id = tp_rank // num_kv_head_replicas)."""
+    tp, kv = server.tensor, model.kv_heads
+    if spec.part == 0:
+        if model.heads % tp:
+            raise CannotPlan(f"{spec.name}: {model.heads} attention heads do not split over {tp} SGLang ranks")
+        return _even(spec, 0, tp, rank)
+    if tp <= kv:
+        if kv % tp:
+            raise CannotPlan(f"{spec.name}: {kv} KV heads do not split over {tp} SGLang ranks")
+        return _even(spec, 0, tp, rank)
+    if tp % kv:
+        raise CannotPlan(f"{spec.name}: {tp} SGLang ranks do not replicate {kv} KV heads evenly")
+    return _even(spec, 0, kv, rank // (tp // kv))
+
+
+def server_region(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank: int) -> Optional[Box]:
+    """The box of `spec` that TP rank `rank` of an SGLang server holds, as SGLang's weight loaders narrow the HF
+    tensor (None: it holds none of it)."""
+    if spec.kind == "replicated" or spec.sglang_whole:  # RMSNorm, ReplicatedLinear (router, MLA down-projections)
+        return _whole(spec.shape)
+    if spec.expert is not None:
+        # FusedMoE: this EP rank's experts (global ids in order, _map_global_expert_id_to_local_expert_id), each
+        # one's gate/up rows (_load_w13) and down columns (_load_w2) split over moe-TP
+        ep_rank, moe_tp_rank = divmod(rank, server.moe_tensor)
+        if spec.expert // (model.experts // server.expert) != ep_rank:
+            return None
+        return _even(spec, 0 if spec.kind == "glu" else 1, server.moe_tensor, moe_tp_rank)
+    if spec.kind == "vocab":
+        return _along(spec.shape, 0, *_sglang_vocab_rows(model.vocab, server.tensor, rank))
+    if spec.kind == "qkv":
+        return _qkv_box(spec, model, server, rank)
+    # MergedColumnParallelLinear (a dense MLP's or shared expert's gate_up_proj: gate and up each split),
+    # ColumnParallelLinear (MLA's up-projections); a shared expert SGLang fuses into FusedMoE (CUDA, no EP) is
+    # split over moe-TP = TP: the same rows
+    if spec.kind in ("glu", "column"):
+        return _even(spec, 0, server.tensor, rank)
+    if spec.kind == "row":  # RowParallelLinear: o_proj, down_proj
+        return _even(spec, 1, server.tensor, rank)
+    raise ValueError(f"unknown parameter kind {spec.kind!r}")
+
+
+# ---- the plan ----------------------------------------------------------------------------------------------------
+class Transfer(NamedTuple):
+    """One slice of one HF tensor from one learner rank to one server rank (a named tuple: a refit of a large model
+    plans a few hundred thousand of them)."""
+
+    src: int  # learner global rank
+    server: int  # index into Plan.servers
+    rank: int  # that server's TP rank
+    name: str  # HF name
+    region: Box  # the slice, in the HF tensor's coordinates
+    src_box: Box  # the same slice within the sender's shard of the tensor (its box, learner_shards)
+    dst_box: Box  # and within the receiver's shard (server_region)
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelSpec
+    learner: LearnerLayout
+    servers: tuple[ServerLayout, ...]
+    transfers: tuple[Transfer, ...]
+
+    def sent_bytes(self) -> list[int]:
+        """Bytes each learner rank sends, by global rank."""
+        out = [0] * self.learner.world_size
+        for t in self.transfers:
+            out[t.src] += t.nbytes
+        return out
+
+    def received_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes each server rank receives, by (server index, TP rank)."""
+        out = {(s, r): 0 for s, server in enumerate(self.servers) for r in range(server.tensor)}
+        for t in self.transfers:
+            out[t.server, t.rank] += t.nbytes
+        return out
+
+    def shard_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes each server rank holds of the model (its own shard, SGLang's padding aside), by (server, TP rank)."""
+        out = {}
+        for s, server in enumerate(self.servers):
+            for r in range(server.tensor):
+                boxes = ((spec, server_region(spec, self.model, server, r)) for spec in self.model.tensors)
+                out[s, r] = sum(box_numel(box) * spec.dtype.itemsize for spec, box in boxes if box is not None)
+        return out
+
+
+def _check(model: ModelSpec, learner: LearnerLayout, servers: tuple[ServerLayout, ...]):
+    if model.layers % learner.pipeline or model.experts % learner.expert:
+        raise ValueError(f"learner layout: {model.layers} layers over pipeline={learner.pipeline}, {model.experts} "
+                         f"experts over expert={learner.expert}")
+    for server in servers:
+        if server.attention_dp > 1:
+            raise CannotPlan(f"DP attention (attn_dp_size={server.attention_dp}): which tensors SGLang splits over the "
+                             "attention-TP group differs by model (attention in qwen3_moe/glm4_moe/deepseek_v3, not in "
+                             "mixtral; the embedding, lm_head and dense MLPs by flags of their own)")
+        if model.experts % server.expert:
+            raise CannotPlan(f"{model.experts} experts do not split over SGLang ep_size={server.expert}")
+
+
+def _balance(pieces: list[tuple], world: int) -> list[int]:
+    """A sending rank per piece (..., nbytes, holders): largest first, each to the least-loaded rank holding it (ties:
+    the lowest)."""
+    load = [0] * world
+    src = [0] * len(pieces)
+    for i in sorted(range(len(pieces)), key=lambda i: pieces[i][-2], reverse=True):
+        best = min(pieces[i][-1], key=load.__getitem__)
+        src[i] = best
+        load[best] += pieces[i][-2]
+    return src
+
+
+def _server_pieces(spec: TensorSpec, model: ModelSpec, server: ServerLayout, shards: list) -> list[tuple]:
+    """(rank, region, src_box, dst_box, nbytes, holders) of every piece of `spec` a server of this layout receives."""
+    out = []
+    for rank in range(server.tensor):
+        held = server_region(spec, model, server, rank)
+        if held is None:
+            continue
+        for box, holders in shards:
+            region = _intersect(held, box)
+            if region is not None:
+                out.append((rank, region, _within(region, box), _within(region, held),
+                            box_numel(region) * spec.dtype.itemsize, holders))
+    return out
+
+
+def reshard_plan(model: ModelSpec, learner: LearnerLayout, servers: Sequence[ServerLayout]) -> Plan:
+    """Every transfer of one refit from `learner` into `servers` (in the model's export order, then server, TP rank):
+    each byte each server rank holds arrives exactly once, from a learner rank holding it, and nothing else does."""
+    servers = tuple(servers)
+    _check(model, learner, servers)
+    pieces = []  # (name, server, rank, region, src_box, dst_box, nbytes, holders)
+    for spec in model.tensors:
+        shards = learner_shards(spec, model, learner)
+        per_layout = {}  # servers of one layout receive the same pieces (from sources chosen apart)
+        for s, server in enumerate(servers):
+            if server not in per_layout:
+                per_layout[server] = _server_pieces(spec, model, server, shards)
+            pieces += [(spec.name, s, *piece) for piece in per_layout[server]]
+    sources = _balance(pieces, learner.world_size)
+    transfers = tuple(Transfer(src, s, rank, name, region, src_box, dst_box, n)
+                      for (name, s, rank, region, src_box, dst_box, n, _), src in zip(pieces, sources))
+    return Plan(model, learner, servers, transfers)
+
+
+__all__ = ["BROADCAST_TRANSPORT", "Box", "CannotPlan", "LearnerLayout", "ModelSpec", "Plan", "ServerLayout",
+           "TensorSpec", "Transfer", "box_numel", "learner_shards", "reshard_plan", "server_region"]
