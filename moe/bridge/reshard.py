@@ -294,7 +294,10 @@ def _qkv_box(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank: int
 
 def server_region(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank: int) -> Optional[Box]:
     """The box of `spec` that TP rank `rank` of an SGLang server holds, as SGLang's weight loaders narrow the HF
-    tensor (None: it holds none of it)."""
+    tensor (None: it holds none of it). A CUDA server's layout: on a CPU server SGLang pads an intermediate size that
+    is not a multiple of tp x 32 and splits the padded rows (configs/update_config.py,
+    adjust_config_with_unaligned_cpu_tp), which this does not model (shared/notes/refit-receiver.md); a transport
+    using the plan checks it against the slices the server reports before the first sync."""
     if spec.kind == "replicated" or spec.sglang_whole:  # RMSNorm, ReplicatedLinear (router, MLA down-projections)
         return _whole(spec.shape)
     if spec.expert is not None:

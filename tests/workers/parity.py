@@ -16,6 +16,7 @@ from rlpo_mega import distributed
 from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint
 from rlpo_mega.config import load_config
 from rlpo_mega.model_setup import build_policy, unwrap
+from rlpo_mega.processes import in_process_checkpoint_queue
 from rlpo_mega.training.warmup import data_parallel_shard, split_micro_batches, train_step
 from rlpo_mega.training.update import forward_backward, reduce_report
 
@@ -60,6 +61,9 @@ def save_sharded_grads(model_chunk, grads_dir):
     if torch.distributed.get_rank() == 0:
         os.makedirs(grads_dir, exist_ok=True)
     torch.distributed.barrier()
+    # as save_checkpoint does: without it megatron starts a spawn-context Manager per rank (a fresh interpreter
+    # importing torch, ~0.4 GB, left running), 8 of them in the tp2_ep2_pp2 launch
+    in_process_checkpoint_queue()
     dist_checkpointing.save(sharded_grads(model_chunk), grads_dir)
 
 
