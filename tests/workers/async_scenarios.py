@@ -18,7 +18,7 @@ import torch.distributed as dist
 import tests.workers.train_hooks as hooks
 from rlpo_mega.checkpoint import run as ckpt_state
 from rlpo_mega.rollout.partial import span_versions, versions_of
-from rlpo_mega.rollout.producers.asynchronous import AsyncProducer
+from rlpo_mega.rollout.producers.asynchronous import AsyncProducer, RolloutWorker
 from rlpo_mega.rollout.producers import SyncProducer
 from rlpo_mega.training.trainer import Trainer
 from tests.dist import write_report
@@ -175,14 +175,20 @@ def equal_at_zero(out):
             "samples": _gathered(_same(runs["sync"], runs["async0"])), "weights": _gathered(weights)}
 
 
-def _sync_after_first_tokens(forwards: int = 3):
+def _sync_after_first_tokens(forwards: int = 3, hold: bool = False):
     """A weight sync's pause first waits until the running engine call has made `forwards` forwards (its prefill
     and first decoding steps: every sample holds tokens), so that it lands mid-generation by construction, not by
-    the race of the slow engine against a learner's step (0.12 s on a fast machine: inside the prefill)."""
-    original = AsyncProducer.paused
+    the race of the slow engine against a learner's step (0.12 s on a fast machine: inside the prefill).
+    hold: and a call that has made them waits there for the next pause (a sync, an evaluation, the close) unless
+    the learner is waiting for its step: on a loaded machine a learner's step can outlast a whole generation, and
+    the sync would then find no call to interrupt (stop 66's CI, step 4 of test_async's mid-generation run)."""
+    original, take = AsyncProducer.paused, RolloutWorker.take
+    state = {"pauses": 0, "call": None, "mark": 0, "waiting": None, "worker": None}
 
     @contextlib.contextmanager
     def paused(self, version=None):
+        state["worker"] = self.worker
+        state["pauses"] += 1
         deadline = time.monotonic() + 30
         while version is not None and time.monotonic() < deadline:
             with self.worker.cond:
@@ -192,21 +198,42 @@ def _sync_after_first_tokens(forwards: int = 3):
         with original(self, version):
             yield
 
-    AsyncProducer.paused = paused
-    return original
+    def waiting(self, step, should_stop):
+        state["worker"], state["waiting"] = self, step
+        try:
+            return take(self, step, should_stop)
+        finally:
+            state["waiting"] = None
+
+    def held() -> bool:
+        worker = state["worker"]
+        if hooks.RecordedEngine.forwards < forwards or worker is None:
+            return False
+        call = len(hooks.RecordedEngine.record)  # this process's calls run one at a time: the running one's index
+        if state["call"] != call:
+            state["call"], state["mark"] = call, state["pauses"]
+        with worker.cond:
+            running = [j.step for j in worker.jobs.values() if j.running]
+            awaited = state["waiting"] in running or worker.closing
+        return state["pauses"] == state["mark"] and not awaited
+
+    AsyncProducer.paused, RolloutWorker.take = paused, waiting
+    hooks.RecordedEngine.hold = held if hold else None
+    return original, take
 
 
 @contextlib.contextmanager
-def slow_mid_call(delay: str = SLOW):
+def slow_mid_call(delay: str = SLOW, hold: bool = False):
     """A slow engine (RLPO_DECODE_DELAY seconds per forward) whose every sync lands after the running call's first
-    tokens (_sync_after_first_tokens), restored after."""
+    tokens (_sync_after_first_tokens; hold: and finds a call to interrupt), restored after."""
     os.environ["RLPO_DECODE_DELAY"] = delay
-    original = _sync_after_first_tokens()
+    original, take = _sync_after_first_tokens(hold=hold)
     try:
         yield
     finally:
         os.environ.pop("RLPO_DECODE_DELAY", None)
-        AsyncProducer.paused = original
+        AsyncProducer.paused, RolloutWorker.take = original, take
+        hooks.RecordedEngine.hold = None
 
 
 @contextlib.contextmanager
@@ -226,7 +253,7 @@ def mid_generation(out):
     """max_staleness=1 with a slow engine: every sync lands while the next step generates. The trained samples
     against the engine's record: with partial rollout, then with rollout.partial_rollout_mask, then waiting."""
     rep = {}
-    with slow_mid_call():
+    with slow_mid_call(hold=True):
         for run, extra in (("k1", ("rollout.partial_rollout=true",)),
                            ("k1_mask", ("rollout.partial_rollout=true", "rollout.partial_rollout_mask=true")),
                            ("k1_wait", ())):  # the default: a sync waits for the running call

@@ -89,10 +89,12 @@ class RecordedEngine(FlakyEngine):
     """The embedded engine keeping its own record: every generate() call with the weights it ran on (a digest of
     the model taken at each weight update, `syncs` in order) and what it returned. RLPO_DECODE_DELAY seconds per
     forward make a rollout last long enough for a weight sync to land in the middle of it; `forwards` counts the
-    running call's forwards (0 between calls), for a test that must interrupt a call after its first tokens."""
+    running call's forwards (0 between calls), for a test that must interrupt a call after its first tokens; `hold`
+    (a test's predicate) keeps a call waiting before each forward while it says so."""
     record: list = []  # every call of every engine in this process
     syncs: list = []  # the digest after each weight update
     forwards: int = 0
+    hold = None  # Optional[Callable[[], bool]]
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -102,6 +104,9 @@ class RecordedEngine(FlakyEngine):
 
     @staticmethod
     def _forward(delay: float):
+        deadline = time.monotonic() + 60  # a predicate that never lets go fails the test's assertions, not the run
+        while RecordedEngine.hold is not None and RecordedEngine.hold() and time.monotonic() < deadline:
+            time.sleep(0.005)
         RecordedEngine.forwards += 1
         if delay:
             time.sleep(delay)
