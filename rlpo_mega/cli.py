@@ -211,7 +211,8 @@ def _plan(args) -> int:
     quiet_megatron()
     try:
         cfg = load_config(args.config, tuple(args.overrides))
-        plan = make_plan(cfg, args.config, args.world_size, args.lengths, args.steps, args.prompt_tokens, args.seed)
+        plan = make_plan(cfg, args.config, args.world_size, args.lengths, args.steps, args.prompt_tokens, args.seed,
+                         refit=True)
     except Exception as e:
         if is_user_error(e):
             return report("plan", e, args.debug)

@@ -430,6 +430,10 @@ class ClusterConfig:
     # one GPU's pinned copies to and from host memory at the same time as the node's other GPUs (rollout.colocate's
     # hand-over): an H100 SXM's PCIe Gen5 x16 link is 64 GB/s each way, less when GPUs share a host bridge (assumed)
     host_device_gb_per_s: float = 25.0
+    # a weight sync's links (`rlpo-mega plan`'s refit table), each direction: one H100 SXM's NVLink 4 to a GPU of
+    # its node (900 GB/s both ways), and the NIC each GPU has to other nodes (a 400 Gb/s InfiniBand or RoCE port)
+    nvlink_gb_per_s: float = 450.0
+    nic_gb_per_s: float = 50.0
 
 
 @dataclass

@@ -68,6 +68,12 @@ def test_plan_tables_name_each_role():
     save = re.search(r"a save needs (\d+) s \(([\d.]+) GB from the busiest node at ([\d.]+) GB/s, checksums taken "
                      r"as it writes\); pre-emption window", text)
     assert save and abs(int(save[1]) - float(save[2]) / float(save[3])) <= 1, text[-600:]
+    # the refit table (planning/refit.py; tests/test_refit_plan.py checks its figures): every transport, this
+    # recipe's marked, the one that cannot reach servers on other nodes saying why
+    refit = text[text.index("\nrefit (one weight sync, 213.7 GB in bf16"):]
+    assert re.search(r"\nsglang_distributed \*\s+[\d.]+\s+213\.7\s+53\.5\s+[\d.]+\n", refit), refit
+    assert re.search(r"\nreshard \(planned\)\s+[\d.]+\s+53\.5\s+53\.5\s+[\d.]+\n", refit), refit
+    assert re.search(r"\nin_process\s+n/a: servers on another node", refit), refit
 
 
 def test_planner_at_every_recipe_full_size_over_many_draws():

@@ -233,8 +233,22 @@ def _stage(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout) -> int:
     return 0 if spec.megatron.startswith("embedding.") else learner.pipeline - 1
 
 
-def learner_shards(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout) -> list[tuple[Box, tuple[int, ...]]]:
-    """The boxes of `spec` the learner holds, a partition of the tensor, each with the global ranks holding it."""
+def _learner_key(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout) -> tuple:
+    """What learner_shards reads of a tensor: tensors alike in it (a layer's experts of one EP rank) share shards."""
+    return (spec.kind, spec.shape, spec.megatron in learner.whole_on_tp, _stage(spec, model, learner),
+            None if spec.expert is None else spec.expert // (model.experts // learner.expert))
+
+
+def learner_shards(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout,
+                   memo: Optional[dict] = None) -> list[tuple[Box, tuple[int, ...]]]:
+    """The boxes of `spec` the learner holds, a partition of the tensor, each with the global ranks holding it.
+    memo: a dict kept across calls for one model and layout (a model has ten thousand expert tensors, a few hundred
+    kinds of them)."""
+    if memo is not None:
+        key = _learner_key(spec, model, learner)
+        if key not in memo:
+            memo[key] = learner_shards(spec, model, learner)
+        return memo[key]
     stage = _stage(spec, model, learner)
     if spec.expert is None:
         split = learner.tensor
@@ -413,13 +427,18 @@ def reshard_plan(model: ModelSpec, learner: LearnerLayout, servers: Sequence[Ser
     servers = tuple(servers)
     _check(model, learner, servers)
     pieces = []  # (name, server, rank, region, src_box, dst_box, nbytes, holders)
+    shard_memo, piece_memo = {}, {}
     for spec in model.tensors:
-        shards = learner_shards(spec, model, learner)
-        per_layout = {}  # servers of one layout receive the same pieces (from sources chosen apart)
+        shards = learner_shards(spec, model, learner, shard_memo)
+        # what server_region reads: tensors alike in it and in their shards get the same pieces (servers of one
+        # layout too, from sources chosen apart)
+        like = (_learner_key(spec, model, learner), spec.part, spec.sglang_whole, spec.dtype,
+                None if spec.expert is None else tuple(spec.expert // (model.experts // s.expert) for s in servers))
         for s, server in enumerate(servers):
-            if server not in per_layout:
-                per_layout[server] = _server_pieces(spec, model, server, shards)
-            pieces += [(spec.name, s, *piece) for piece in per_layout[server]]
+            key = (like, server)
+            if key not in piece_memo:
+                piece_memo[key] = _server_pieces(spec, model, server, shards)
+            pieces += [(spec.name, s, *piece) for piece in piece_memo[key]]
     sources = _balance(pieces, learner.world_size)
     transfers = tuple(Transfer(src, s, rank, name, region, src_box, dst_box, n)
                       for (name, s, rank, region, src_box, dst_box, n, _), src in zip(pieces, sources))

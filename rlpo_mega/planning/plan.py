@@ -34,6 +34,7 @@ from rlpo_mega.data.packing import aligned, plan_step
 from rlpo_mega.distributed import resolve_layout
 from rlpo_mega.planning import memory
 from rlpo_mega.planning.meta_build import Request, run_cached as meta_run
+from rlpo_mega.planning.refit import Refit, refit_plan, render_refit
 from rlpo_mega.planning.rows import GB, EnginePlan, PlanError, Row  # noqa: F401  (PlanError: the CLI's)
 from rlpo_mega.rollout import ENGINES
 from rlpo_mega.rollout.producers import PRODUCERS
@@ -410,6 +411,7 @@ class Plan:
     rows: list  # Row
     checkpoint: dict
     warnings: list
+    refit: Optional[Refit] = None  # each weight-sync transport's traffic and time (make_plan(refit=True))
 
     def first_exceeded(self) -> Optional[str]:
         for row in self.rows:
@@ -431,6 +433,7 @@ class Plan:
             "config": self.config, "world_size": self.world_size, "layout": self.layout,
             "steps": self.steps.__dict__, "checkpoint": self.checkpoint, "warnings": self.warnings,
             "exceeded": self.first_exceeded(),
+            "refit": None if self.refit is None else self.refit.to_json(),
             **{role: [{"name": r.name, "budget": r.budget, "total": r.total, "headroom": r.headroom, **r.parts,
                        **{k.replace(" ", "_"): v for k, v in r.info.items()}, "notes": r.notes}
                       for r in self.rows if r.role == name] for role, name in
@@ -439,9 +442,11 @@ class Plan:
 
 
 def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: str = "uniform", steps: int = 20,
-              prompt_tokens: int = 512, seed: int = 0, imbalance: float = 2.0) -> Plan:
+              prompt_tokens: int = 512, seed: int = 0, imbalance: float = 2.0, refit: bool = False) -> Plan:
     """Plan `cfg` at `world_size` (None: cluster.learner_nodes x cluster.gpus_per_node). Raises PlanError (or
-    ConfigError) for what cannot run at all; budgets exceeded are reported by Plan.first_exceeded."""
+    ConfigError) for what cannot run at all; budgets exceeded are reported by Plan.first_exceeded. refit: also each
+    weight-sync transport's traffic and time (planning/refit.py; SGLang servers; `rlpo-mega plan` asks for it,
+    `check` does not: it is no budget)."""
     c = cfg.cluster
     if world_size is None:
         if not c.learner_nodes:
@@ -487,10 +492,13 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
     ck.update(storage_gb_per_s=c.storage_gb_per_s, sigterm_save_s=ck["save_s"], window_s=min(lead, shutdown),
               window_from=f"launch/slurm/{sbatch} --signal=B:TERM@{lead}, launch/torchrun.sh --shutdown-timeout "
                           f"{shutdown}", params=n_params + (total_params(critic, layout) if critic else 0))
-    return Plan(config_name, world_size, {"tensor": layout.tensor, "pipeline": layout.pipeline,
-                                          "context": layout.context, "expert": layout.expert,
-                                          "expert_tensor": layout.expert_tensor, "data": layout.data,
-                                          "expert_data": layout.expert_data}, summary, rows, ck, warnings)
+    out = Plan(config_name, world_size, {"tensor": layout.tensor, "pipeline": layout.pipeline,
+                                         "context": layout.context, "expert": layout.expert,
+                                         "expert_tensor": layout.expert_tensor, "data": layout.data,
+                                         "expert_data": layout.expert_data}, summary, rows, ck, warnings)
+    if refit and cfg.rollout.engine == "sglang":
+        out.refit = refit_plan(cfg, hf, layout, world_size, engine_ranks)
+    return out
 
 
 def _gb(x) -> str:
@@ -531,6 +539,8 @@ def render(plan: Plan) -> str:
         h = ck["handover"]
         out.append(f"colocate hand-over: {_gb(h['bytes_per_gpu'])} GB per GPU per step between accelerator and host "
                    f"(out and back), {h['seconds']:.1f} s at cluster.host_device_gb_per_s={h['host_device_gb_per_s']}")
+    if plan.refit is not None:
+        out += render_refit(plan.refit)
     for w in plan.warnings:
         out.append(f"warning: {w}")
     return "\n".join(out)

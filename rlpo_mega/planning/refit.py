@@ -1,0 +1,272 @@
+"""`rlpo-mega plan`'s refit table: for each weight-sync transport, the bytes one sync moves through the busiest
+learner GPU and into the busiest server GPU, and its time bound by the links at the cluster's stated speeds, at the
+recipe's real size. A user picks a transport before queueing.
+
+The model is the bytes on each link, not a simulation: every GPU's traffic is split by link -- NVLink to a GPU of its
+own node, its NIC to another node's, PCIe to its host, the node's storage -- each link runs at its stated speed in
+each direction at once, and a sync takes as long as its busiest link of any GPU or node. Latency, the receivers' own
+per-tensor cost (sglang#30848) and the senders' digests are not in it: the figure is the least a sync can take.
+
+How each transport moves the weights (what the code does, named where it is done):
+- in_process, sglang_distributed and disk funnel (moe/bridge/megatron_io.ExportStream with dst=the drivers): each
+  parameter's leader (its lowest holding rank) gathers it over its TP group and sends it whole to every driver, which
+  then hands its servers the whole model -- in_process through host shared memory (update_weights_from_tensor: a
+  server on the driver's host), sglang_distributed by one NCCL broadcast to every TP rank of its servers, disk as an
+  HF checkpoint each server rank reads.
+- colocated (rollout.colocate): the export broadcasts every tensor to every learner rank, and the rank on each
+  server rank's GPU hands it over by CUDA IPC (sglang_payloads): no link past the broadcast.
+- reshard: moe/bridge/reshard.reshard_plan, each learner rank's own shards to the server ranks holding them (the
+  transport that follows it is not built yet: issue 60); the plan's figures say what it will move."""
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from moe.bridge.reshard import (CannotPlan, LearnerLayout, ModelSpec, ServerLayout, box_numel, learner_shards,
+                                reshard_plan, server_region)
+from rlpo_mega.planning.rows import GB
+from rlpo_mega.rollout.base import share_of
+from rlpo_mega.rollout.sglang_payloads import placements
+from rlpo_mega.rollout.sglang_plan import planned_servers
+
+TRANSPORTS = ("in_process", "sglang_distributed", "disk", "reshard")
+
+Gpu = tuple[int, int]  # (node, local index)
+
+
+@dataclass
+class Links:
+    """Bytes per GPU and direction on each link, and per node to and from storage."""
+    nvlink: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # gpu -> [out, in]
+    nic: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    pcie: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # gpu -> [to host, from host]
+    storage: dict = field(default_factory=lambda: defaultdict(lambda: [0, 0]))  # node -> [write, read]
+    sent: dict = field(default_factory=lambda: defaultdict(int))  # gpu -> bytes it sends to other GPUs or its host
+    received: dict = field(default_factory=lambda: defaultdict(int))
+
+    def move(self, src: Gpu, dst: Gpu, nbytes: int):
+        if src == dst or not nbytes:  # the same GPU: a CUDA IPC handle, no copy over a link
+            return
+        link = self.nvlink if src[0] == dst[0] else self.nic
+        link[src][0] += nbytes
+        link[dst][1] += nbytes
+        self.sent[src] += nbytes
+        self.received[dst] += nbytes
+
+    def to_host(self, gpu: Gpu, nbytes: int):
+        self.pcie[gpu][0] += nbytes
+        self.sent[gpu] += nbytes
+
+    def from_host(self, gpu: Gpu, nbytes: int):
+        self.pcie[gpu][1] += nbytes
+        self.received[gpu] += nbytes
+
+    def seconds(self, c) -> float:
+        """The busiest link's time: every link of every GPU at once, each direction apart (a transport sends bucket
+        after bucket, so its stages overlap); storage after: a checkpoint is written whole, then read."""
+        speeds = ((self.nvlink, c.nvlink_gb_per_s), (self.nic, c.nic_gb_per_s), (self.pcie, c.host_device_gb_per_s))
+        links = max([max(v) / (speed * GB) for link, speed in speeds for v in link.values()], default=0.0)
+        writes, reads = zip(*self.storage.values()) if self.storage else ((0,), (0,))
+        return links + (max(writes) + max(reads)) / (c.storage_gb_per_s * GB)
+
+
+@dataclass
+class RefitRow:
+    transport: str
+    unavailable: Optional[str] = None  # why this transport cannot sync this recipe's servers
+    learner_sent: int = 0  # the busiest learner GPU's bytes out (to other GPUs and its host)
+    server_received: int = 0  # the busiest server GPU's bytes in
+    server_shard: int = 0  # that server GPU's own shard of the model (what it holds)
+    seconds: float = 0.0
+    configured: bool = False  # the recipe's rollout.sync_transport
+
+
+@dataclass
+class Placement:
+    """Where everything sits: the learner's GPUs, each server's TP ranks, its driver."""
+    learner: list  # global rank -> Gpu
+    servers: list  # server -> [Gpu per TP rank]
+    driver_of: list  # server -> driver's global rank
+    colocated: bool
+    same_host: bool  # every server on its driver's node (in_process's shared memory reaches it)
+
+
+def placement(cfg, world_size: int, drivers: list[int]) -> Placement:
+    c, sg = cfg.cluster, cfg.rollout.sglang
+    local = min(c.gpus_per_node, world_size)
+    learner = [divmod(r, local) for r in range(world_size)]
+    tp = sg.tp_size
+    if cfg.rollout.colocate:  # the servers on the learner's GPUs, as the engine places them
+        placed = placements(world_size, local, sg.num_servers, tp, drivers)
+        servers = [[learner[r] for r in p.producers] for p in placed]
+        owner = [p.driver for p in placed]
+    else:
+        n = planned_servers(cfg)
+        owner = [drivers[d] for d in range(len(drivers)) for _ in share_of(range(n), d, len(drivers))]
+        if c.rollout_nodes:  # servers on nodes of their own, after the learner's, GPUs in order
+            first = (world_size + c.gpus_per_node - 1) // c.gpus_per_node
+            servers = [[divmod(s * tp + r, c.gpus_per_node) for r in range(tp)] for s in range(n)]
+            servers = [[(first + node, gpu) for node, gpu in ranks] for ranks in servers]
+        else:  # on the GPUs the learner leaves free on its driver's node
+            servers = [[(learner[owner[s]][0], local + s * tp + r) for r in range(tp)] for s in range(n)]
+    same = all(g[0] == learner[owner[s]][0] for s, ranks in enumerate(servers) for g in ranks)
+    return Placement(learner, servers, owner, bool(cfg.rollout.colocate), same)
+
+
+def _funnel(model: ModelSpec, lay: LearnerLayout, place: Placement, links: Links) -> dict[int, int]:
+    """The export's part of in_process, sglang_distributed and disk: every tensor gathered over its leader's TP group
+    and sent whole to every driver. Returns the bytes each driver ends up holding (the whole model)."""
+    drivers, memo = sorted(set(place.driver_of)), {}
+    for spec in model.tensors:
+        shards = learner_shards(spec, model, lay, memo)
+        group = [min(holders) for _, holders in shards]  # the leader's TP group: each shard's first holder
+        leader = min(group)
+        if len(group) > 1:  # all_gather: each member sends its shard to each other member
+            for (box, _), member in zip(shards, group):
+                nbytes = spec.nbytes // len(group)
+                for other in group:
+                    if other != member:
+                        links.move(place.learner[member], place.learner[other], nbytes)
+        for d in drivers:
+            links.move(place.learner[leader], place.learner[d], spec.nbytes)
+    whole = model.nbytes
+    return {d: whole for d in drivers}
+
+
+def _colocated_broadcast(model: ModelSpec, lay: LearnerLayout, place: Placement, links: Links):
+    """rollout.colocate: each tensor from its leader to every learner rank (a ring broadcast: each rank receives it and
+    passes it on); the ranks on server GPUs hand it over by CUDA IPC."""
+    world, memo = len(place.learner), {}
+    for spec in model.tensors:
+        leader = min(min(holders) for _, holders in learner_shards(spec, model, lay, memo))
+        ring = [(leader + i) % world for i in range(world)]
+        for a, b in zip(ring, ring[1:]):
+            links.move(place.learner[a], place.learner[b], spec.nbytes)
+
+
+def _shard_bytes(model: ModelSpec, server: ServerLayout) -> list[int]:
+    """Each TP rank's bytes of the model (server_region; tensors alike in what it reads counted once per kind)."""
+    out = []
+    for r in range(server.tensor):
+        memo, total = {}, 0
+        for spec in model.tensors:
+            key = (spec.kind, spec.shape, spec.part, spec.sglang_whole, spec.dtype,
+                   None if spec.expert is None else spec.expert // (model.experts // server.expert))
+            if key not in memo:
+                box = server_region(spec, model, server, r)
+                memo[key] = 0 if box is None else box_numel(box) * spec.dtype.itemsize
+            total += memo[key]
+        out.append(total)
+    return out
+
+
+@dataclass
+class Refit:
+    """A plan's refit table."""
+    rows: list  # RefitRow per transport
+    model_bytes: int  # the policy's export in bf16: what one sync moves
+    speeds: dict  # link -> GB/s each direction (cluster.*_gb_per_s)
+
+    def to_json(self) -> dict:
+        return {"model_bytes": self.model_bytes, "speeds_gb_per_s": self.speeds,
+                "transports": [r.__dict__ for r in self.rows]}
+
+
+def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
+    """One row per transport for this recipe's learner and servers (rollout.engine=sglang)."""
+    c, sg = cfg.cluster, cfg.rollout.sglang
+    model = ModelSpec.of(hf, torch.bfloat16)
+    lay = LearnerLayout(world_size, layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor,
+                        cfg.model.vocab_divisible_by)
+    place = placement(cfg, world_size, drivers)
+    server = ServerLayout(sg.tp_size, int(sg.server_args.get("ep_size", 1) or 1))
+    shard = max(_shard_bytes(model, server))
+    funnel = None  # the export's traffic, shared by the transports that funnel through the drivers
+    rows = []
+    for name in TRANSPORTS:
+        row = RefitRow(name, configured=name == cfg.rollout.sync_transport)
+        links = Links()
+        if name == "in_process" and not place.same_host:
+            row.unavailable = "servers on another node than their driver (host shared memory does not reach them)"
+        elif name == "sglang_distributed" and place.colocated:
+            row.unavailable = "servers on the learner's GPUs (NCCL takes one rank per GPU)"
+        elif name == "reshard":
+            try:
+                plan = reshard_plan(model, lay, [server] * len(place.servers))
+            except CannotPlan as e:
+                row.unavailable = str(e)
+            else:
+                for t in plan.transfers:
+                    links.move(place.learner[t.src], place.servers[t.server][t.rank], t.nbytes)
+        elif place.colocated and name == "in_process":
+            _colocated_broadcast(model, lay, place, links)
+        else:
+            if funnel is None:
+                funnel = (Links(), {})
+                funnel[1].update(_funnel(model, lay, place, funnel[0]))
+            links, held = copy.deepcopy(funnel[0]), funnel[1]
+            for d, whole in held.items():
+                dgpu = place.learner[d]
+                ranks = [g for s, gpus in enumerate(place.servers) if place.driver_of[s] == d for g in gpus]
+                if name == "in_process":  # the driver's copy in host shared memory, each server rank copies it in
+                    links.to_host(dgpu, whole)
+                    for g in ranks:
+                        links.from_host(g, whole)
+                elif name == "sglang_distributed":
+                    # one NCCL broadcast over the driver's weight-update group (itself and every TP rank of its
+                    # servers: sglang_distributed.py), a ring through them
+                    ring = [dgpu] + ranks
+                    for a, b in zip(ring, ring[1:]):
+                        links.move(a, b, whole)
+                else:  # disk: the driver writes an HF checkpoint, then each server rank reads it whole -- from
+                    # storage once per node (the page cache serves the node's other ranks)
+                    links.to_host(dgpu, whole)
+                    links.storage[dgpu[0]][0] += whole
+                    for node in sorted({g[0] for g in ranks}):
+                        links.storage[node][1] += whole
+                    for g in ranks:
+                        links.from_host(g, whole)
+        if row.unavailable is None:
+            learner_gpus = set(place.learner)
+            server_gpus = {g for ranks in place.servers for g in ranks}
+            row.learner_sent = max((links.sent[g] for g in learner_gpus), default=0)
+            row.server_received = max((links.received[g] for g in server_gpus), default=0)
+            row.server_shard = shard
+            row.seconds = links.seconds(c)
+        rows.append(row)
+    return Refit(rows, model.nbytes, {"nvlink": c.nvlink_gb_per_s, "nic": c.nic_gb_per_s,
+                                      "pcie": c.host_device_gb_per_s, "storage": c.storage_gb_per_s})
+
+
+def render_refit(refit: Refit) -> list[str]:
+    v = refit.speeds
+    out = ["", f"refit (one weight sync, {refit.model_bytes / GB:.1f} GB in bf16; link-bound at NVLink "
+               f"{v['nvlink']:g}, NIC {v['nic']:g}, PCIe {v['pcie']:g} GB/s per GPU and storage {v['storage']:g} GB/s per node, each "
+               f"direction (cluster.*_gb_per_s); no latency, no receiver's per-tensor cost)"]
+    rows = refit.rows
+    head = ["transport", "busiest learner GPU out (GB)", "busiest server GPU in (GB)", "its shard (GB)", "time (s)"]
+    table = []
+    for r in rows:
+        name = r.transport + (" *" if r.configured else "") + (" (planned)" if r.transport == "reshard" else "")
+        if r.unavailable:
+            table.append([name, f"n/a: {r.unavailable}"])
+        else:
+            table.append([name, f"{r.learner_sent / GB:.1f}", f"{r.server_received / GB:.1f}",
+                          f"{r.server_shard / GB:.1f}", f"{r.seconds:.2f}"])
+    widths = [max(len(line[i]) for line in [head] + [t for t in table if len(t) > 2]) for i in range(len(head))]
+    out.append("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths))))
+    for line in table:
+        if len(line) == 2:
+            out.append(line[0].ljust(widths[0]) + "  " + line[1])
+        else:
+            out.append("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths))))
+    out.append("  * this recipe's rollout.sync_transport; reshard: each learner rank's own shards to the server ranks "
+               "holding them (moe/bridge/reshard.py; its transport is not built yet)")
+    return out
+
+
+__all__ = ["Links", "Refit", "RefitRow", "TRANSPORTS", "placement", "refit_plan", "render_refit"]
