@@ -335,6 +335,27 @@ def server_region(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank
     raise ValueError(f"unknown parameter kind {spec.kind!r}")
 
 
+def _server_key(spec: TensorSpec, model: ModelSpec, server: ServerLayout) -> tuple:
+    """What server_region reads of a tensor beyond the layouts: tensors alike in it share regions."""
+    return (spec.kind, spec.shape, spec.part, spec.sglang_whole, spec.dtype,
+            None if spec.expert is None else spec.expert // (model.experts // server.expert))
+
+
+def server_shard_bytes(model: ModelSpec, server: ServerLayout) -> list[int]:
+    """Bytes each TP rank of a server of this layout holds of the model (SGLang's padding aside)."""
+    out = []
+    for rank in range(server.tensor):
+        memo, total = {}, 0
+        for spec in model.tensors:
+            key = _server_key(spec, model, server)
+            if key not in memo:
+                box = server_region(spec, model, server, rank)
+                memo[key] = 0 if box is None else box_numel(box) * spec.dtype.itemsize
+            total += memo[key]
+        out.append(total)
+    return out
+
+
 # ---- the plan ----------------------------------------------------------------------------------------------------
 class Transfer(NamedTuple):
     """One slice of one HF tensor from one learner rank to one server rank (a named tuple: a refit of a large model
@@ -373,12 +394,8 @@ class Plan:
 
     def shard_bytes(self) -> dict[tuple[int, int], int]:
         """Bytes each server rank holds of the model (its own shard, SGLang's padding aside), by (server, TP rank)."""
-        out = {}
-        for s, server in enumerate(self.servers):
-            for r in range(server.tensor):
-                boxes = ((spec, server_region(spec, self.model, server, r)) for spec in self.model.tensors)
-                out[s, r] = sum(box_numel(box) * spec.dtype.itemsize for spec, box in boxes if box is not None)
-        return out
+        return {(s, r): n for s, server in enumerate(self.servers)
+                for r, n in enumerate(server_shard_bytes(self.model, server))}
 
 
 def _check(model: ModelSpec, learner: LearnerLayout, servers: tuple[ServerLayout, ...]):
@@ -432,10 +449,9 @@ def reshard_plan(model: ModelSpec, learner: LearnerLayout, servers: Sequence[Ser
         shards = learner_shards(spec, model, learner, shard_memo)
         # what server_region reads: tensors alike in it and in their shards get the same pieces (servers of one
         # layout too, from sources chosen apart)
-        like = (_learner_key(spec, model, learner), spec.part, spec.sglang_whole, spec.dtype,
-                None if spec.expert is None else tuple(spec.expert // (model.experts // s.expert) for s in servers))
+        learner_key = _learner_key(spec, model, learner)
         for s, server in enumerate(servers):
-            key = (like, server)
+            key = (learner_key, _server_key(spec, model, server), server)
             if key not in piece_memo:
                 piece_memo[key] = _server_pieces(spec, model, server, shards)
             pieces += [(spec.name, s, *piece) for piece in piece_memo[key]]
@@ -446,4 +462,5 @@ def reshard_plan(model: ModelSpec, learner: LearnerLayout, servers: Sequence[Ser
 
 
 __all__ = ["BROADCAST_TRANSPORT", "Box", "CannotPlan", "LearnerLayout", "ModelSpec", "Plan", "ServerLayout",
-           "TensorSpec", "Transfer", "box_numel", "learner_shards", "reshard_plan", "server_region"]
+           "TensorSpec", "Transfer", "box_numel", "learner_shards", "reshard_plan", "server_region",
+           "server_shard_bytes"]

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from moe.bridge.reshard import (CannotPlan, LearnerLayout, ModelSpec, ServerLayout, box_numel, learner_shards,
-                                reshard_plan, server_region)
+                                reshard_plan, server_shard_bytes)
 from rlpo_mega.planning.rows import GB
 from rlpo_mega.rollout.base import share_of
 from rlpo_mega.rollout.sglang_payloads import placements
@@ -117,24 +117,22 @@ def placement(cfg, world_size: int, drivers: list[int]) -> Placement:
     return Placement(learner, servers, owner, bool(cfg.rollout.colocate), same)
 
 
-def _funnel(model: ModelSpec, lay: LearnerLayout, place: Placement, links: Links) -> dict[int, int]:
+def _funnel(model: ModelSpec, lay: LearnerLayout, place: Placement) -> Links:
     """The export's part of in_process, sglang_distributed and disk: every tensor gathered over its leader's TP group
-    and sent whole to every driver. Returns the bytes each driver ends up holding (the whole model)."""
-    drivers, memo = sorted(set(place.driver_of)), {}
+    and sent whole to every driver."""
+    links, drivers, memo = Links(), sorted(set(place.driver_of)), {}
     for spec in model.tensors:
         shards = learner_shards(spec, model, lay, memo)
         group = [min(holders) for _, holders in shards]  # the leader's TP group: each shard's first holder
         leader = min(group)
         if len(group) > 1:  # all_gather: each member sends its shard to each other member
             for (box, _), member in zip(shards, group):
-                nbytes = spec.nbytes // len(group)
                 for other in group:
                     if other != member:
-                        links.move(place.learner[member], place.learner[other], nbytes)
+                        links.move(place.learner[member], place.learner[other], box_numel(box) * spec.dtype.itemsize)
         for d in drivers:
             links.move(place.learner[leader], place.learner[d], spec.nbytes)
-    whole = model.nbytes
-    return {d: whole for d in drivers}
+    return links
 
 
 def _colocated_broadcast(model: ModelSpec, lay: LearnerLayout, place: Placement, links: Links):
@@ -146,22 +144,6 @@ def _colocated_broadcast(model: ModelSpec, lay: LearnerLayout, place: Placement,
         ring = [(leader + i) % world for i in range(world)]
         for a, b in zip(ring, ring[1:]):
             links.move(place.learner[a], place.learner[b], spec.nbytes)
-
-
-def _shard_bytes(model: ModelSpec, server: ServerLayout) -> list[int]:
-    """Each TP rank's bytes of the model (server_region; tensors alike in what it reads counted once per kind)."""
-    out = []
-    for r in range(server.tensor):
-        memo, total = {}, 0
-        for spec in model.tensors:
-            key = (spec.kind, spec.shape, spec.part, spec.sglang_whole, spec.dtype,
-                   None if spec.expert is None else spec.expert // (model.experts // server.expert))
-            if key not in memo:
-                box = server_region(spec, model, server, r)
-                memo[key] = 0 if box is None else box_numel(box) * spec.dtype.itemsize
-            total += memo[key]
-        out.append(total)
-    return out
 
 
 @dataclass
@@ -184,7 +166,7 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
                         cfg.model.vocab_divisible_by)
     place = placement(cfg, world_size, drivers)
     server = ServerLayout(sg.tp_size, int(sg.server_args.get("ep_size", 1) or 1))
-    shard = max(_shard_bytes(model, server))
+    shard = max(server_shard_bytes(model, server))
     funnel = None  # the export's traffic, shared by the transports that funnel through the drivers
     rows = []
     for name in TRANSPORTS:
@@ -206,10 +188,9 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
             _colocated_broadcast(model, lay, place, links)
         else:
             if funnel is None:
-                funnel = (Links(), {})
-                funnel[1].update(_funnel(model, lay, place, funnel[0]))
-            links, held = copy.deepcopy(funnel[0]), funnel[1]
-            for d, whole in held.items():
+                funnel = _funnel(model, lay, place)
+            links, whole = copy.deepcopy(funnel), model.nbytes  # every driver then holds the whole model
+            for d in sorted(set(place.driver_of)):
                 dgpu = place.learner[d]
                 ranks = [g for s, gpus in enumerate(place.servers) if place.driver_of[s] == d for g in gpus]
                 if name == "in_process":  # the driver's copy in host shared memory, each server rank copies it in
