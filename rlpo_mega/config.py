@@ -456,9 +456,10 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
-def _node(schema, key: str):
-    """The schema's (DictConfig) node at dotted `key`, or None."""
-    node = OmegaConf.structured(schema)
+def _node(schema, key: str, root=None):
+    """The schema's (DictConfig) node at dotted `key`, or None. root: OmegaConf.structured(schema), when the
+    caller has it (building it costs ~0.1 s: once per load_config, not once per override)."""
+    node = OmegaConf.structured(schema) if root is None else root
     for part in key.split(".") if key else []:
         if not hasattr(node, "keys") or part not in node:
             return None
@@ -579,7 +580,8 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] = (), sch
     Every problem is a ConfigError naming its source (file or override), the key and, for a typo,
     the closest known key.
     """
-    merged = OmegaConf.structured(schema)
+    blank = OmegaConf.structured(schema)
+    merged = blank
     if path:
         if not os.path.isfile(path):
             raise ConfigError(f"config file {path!r} does not exist")
@@ -588,11 +590,12 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] = (), sch
         except Exception as e:  # YAML syntax errors
             raise ConfigError(f"config file {path!r} could not be parsed: {e}") from None
         merged = _merge(merged, loaded, f"config file {path!r}", schema)
+    layers = []
     for item in overrides:
         key, eq, _ = item.partition("=")
         if not eq or not key.strip():
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. parallel.tensor=2)")
-        node = _node(schema, key.strip())
+        node = _node(schema, key.strip(), blank)
         if node is not None and hasattr(node, "keys"):
             raise ConfigError(
                 f"override {item!r}: {key.strip()!r} is a config section, not a value; set one of its "
@@ -601,7 +604,15 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] = (), sch
             layer = OmegaConf.from_dotlist([item])
         except OmegaConfBaseException as e:
             raise ConfigError(f"override {item!r} could not be parsed: {e}") from None
-        merged = _merge(merged, layer, f"override {item!r}", schema)
+        _unbool(layer, schema)
+        layers.append((item, layer))
+    # one merge of every override (each OmegaConf.merge deep-copies the whole config: ~0.1 s an override); where
+    # it fails, one at a time, so that the error names the override
+    try:
+        merged = OmegaConf.merge(merged, *(layer for _, layer in layers)) if layers else merged
+    except OmegaConfBaseException:
+        for item, layer in layers:
+            merged = _merge(merged, layer, f"override {item!r}", schema)
     try:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset

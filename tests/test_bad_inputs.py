@@ -22,7 +22,7 @@ from tests.dist import ROOT, WORKERS, free_port
 
 DEMO = "configs/demo_cpu.yaml"
 QUICK = ("trainer.warmup.steps=0", "trainer.eval_every=0", "checkpoint.save_dir=null", "logging.mode=disabled",
-         "logging.progress_bar=false", "parallel.expert=1")
+         "logging.progress_bar=false", "parallel.expert=1", "logging.plot=false")
 ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 

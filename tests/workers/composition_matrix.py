@@ -65,7 +65,7 @@ def cell_config(run_dir, data, extra, schedule, task, filt, *more):
     return load_config("configs/demo_cpu.yaml", (
         f"train_iters={STEPS}", f"prompts.prompts_per_step={PROMPTS}", f"prompts.n_samples={N}", "rollout.max_new_tokens=6",
         "rollout.temperature=1.0", "algorithm.temperature=1.0", "logging.progress_bar=false", "logging.console_every=0",
-        "logging.mode=disabled", f"logging.dir={run_dir}", "trainer.eval_every=0", "checkpoint.save_dir=null",
+        "logging.plot=false", "logging.mode=disabled", f"logging.dir={run_dir}", "trainer.eval_every=0", "checkpoint.save_dir=null",
         "routing.mode=r3", "algorithm.mismatch.mode=tis",
         "algorithm.mismatch.level=sequence", "parallel.expert=1",
         *extra, *SCHEDULES[schedule], *(o.format(data=data) for o in TASKS[task]), *FILTERS[filt], *more))
@@ -74,21 +74,23 @@ def cell_config(run_dir, data, extra, schedule, task, filt, *more):
 class Continuations:
     """SGLang cells: each answer in a partial rollout's continuation round (the async producer's call for the
     unfinished samples of single answers: each continued from its interrupted answer, or sent again from its
-    prompt; the calls that pass routes_from) by engine call, with the server that answered it."""
+    prompt; the calls that pass routes_from) by engine call, with the server that answered it and its group's
+    affinity key (the producer's group index: two groups of one prompt text may go to two servers)."""
 
     def __enter__(self):
-        self.calls, self.answers, self.continuing = 0, [], False
+        self.calls, self.answers, self.continuing, self.keys = 0, [], False, None
         self.stream, self.answer = SGLangEngine.stream, SGLangEngine._answer
         c = self
 
         def stream(engine, *a, **kw):
             c.calls += 1
             c.continuing = kw.get("routes_from") is not None and kw.get("more") is None and kw.get("n") == 1
+            c.keys = kw.get("affinity")
             return c.stream(engine, *a, **kw)
 
         def answer(engine, server, prompt_index, prompt, rid, status, body, size, start=0):
             if c.continuing:
-                c.answers.append((c.calls, list(prompt), server.url))
+                c.answers.append((c.calls, list(prompt), server.url, c.keys[prompt_index]))
             return c.answer(engine, server, prompt_index, prompt, rid, status, body, size, start)
         SGLangEngine.stream, SGLangEngine._answer = stream, answer
         return self
@@ -97,16 +99,16 @@ class Continuations:
         SGLangEngine.stream, SGLangEngine._answer = self.stream, self.answer
 
     def split(self, trained: dict) -> dict:
-        """Per engine call and prompt, the servers its continuations went to; -> the count of (call, prompt) with
-        more than one, and of (call, prompt) in all."""
+        """Per engine call and group (its affinity key), the servers its continuations went to; -> the count of
+        (call, group) with more than one, and of (call, group) in all; unmatched: answers of no trained prompt."""
         prompts = {tuple(s["prompt"]) for v in trained.values() for s in v}
         servers: dict = {}
         unmatched = 0
-        for call, request, url in self.answers:
+        for call, request, url, key in self.answers:
             p = next((p for p in prompts if tuple(request[:len(p)]) == p), None)
             unmatched += p is None  # (dynamic sampling: a group not trained)
             if p is not None:
-                servers.setdefault((call, p), set()).add(url)
+                servers.setdefault((call, key), set()).add(url)
         return {"split": sum(len(v) > 1 for v in servers.values()), "groups": len(servers), "unmatched": unmatched,
                 "answers": len(self.answers)}
 

@@ -143,7 +143,7 @@ def run(out, data, layout):
     cfg = load_config("configs/demo_cpu.yaml", (
         "train_iters=2", f"prompts.path={data}/prompts.jsonl", "prompts.tokenizer=configs/tokenizers/tiny_chatml",
         "prompts.prompts_per_step=4", "prompts.n_samples=2", "rollout.max_new_tokens=6",
-        "rollout.temperature=1.0", "algorithm.temperature=1.0", "logging.progress_bar=false",
+        "rollout.temperature=1.0", "algorithm.temperature=1.0", "logging.progress_bar=false", "logging.plot=false",
         "logging.console_every=0", "logging.mode=disabled", f"logging.dir={run_dir}", "trainer.eval_every=0",
         "checkpoint.save_dir=null", f"trainer.warmup.path={data}/warmup.jsonl", "trainer.warmup.steps=40",
         "trainer.warmup.batch_size=8", "trainer.warmup.lr=3e-3", "environment.name=test_script",

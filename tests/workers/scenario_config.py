@@ -11,6 +11,9 @@ BASE = (
     "rollout.max_new_tokens=6", "logging.progress_bar=false", "logging.console_every=0",
     "trainer.eval_every=0", "trainer.warmup.steps=0", "checkpoint.save_dir=null", "parallel.expert=2",
     "trainer.mini_batches=2", "rollout.temperature=1.0", "algorithm.temperature=1.0",
+    # no curves.png at the end of each run (~2-4 s of matplotlib on rank 0 a run; the CLI runs of test_trainer.py
+    # draw it, tests/test_logging.py checks it)
+    "logging.plot=false",
 )
 
 

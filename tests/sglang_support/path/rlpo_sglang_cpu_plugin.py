@@ -14,12 +14,31 @@ what it sets lands in the scheduler too, without editing site-packages.
    (batch_invariant_ops, triton: CUDA/XPU only, RuntimeError on CPU at ModelRunner.maybe_enable_batch_invariant_mode):
    on CPU that step is skipped, so batch invariance is not claimed; tests/test_sglang_trainer.py measures the runs
    it compares.
+3. What it saves: on a machine without CUDA, the server's schedulers and detokenizer are forked from the launching
+   process instead of spawned (engine._set_envs_and_config sets "spawn", which CUDA needs: a forked child cannot
+   use its parent's CUDA context). A spawned child imports sglang and torch again, 8-13 s of CPU each (a probe of
+   a suite run: 22 detokenizers, 282 CPU-s; 25 schedulers, ~14 s each in their first 40 s); a forked one starts
+   with the launcher's imports. Nothing else differs: the same functions run in the same processes.
 """
+import multiprocessing
+
 import torch
 
 
 def _alloc_cpu(dims, dtype, device, pin_memory, allocator=None, registration_granularity_bytes=None):
     return torch.empty(dims, dtype=dtype, device="cpu")  # pinning needs CUDA: nothing to pin for
+
+
+def _fork_instead_of_spawn():
+    if getattr(multiprocessing.set_start_method, "rlpo_fork", False):
+        return  # plugins load more than once per process (and again in each forked child)
+    set_start_method = multiprocessing.set_start_method
+
+    def fork_instead_of_spawn(method, force=False):
+        set_start_method("fork" if method == "spawn" else method, force=force)
+
+    fork_instead_of_spawn.rlpo_fork = True
+    multiprocessing.set_start_method = fork_instead_of_spawn
 
 
 def register():
@@ -34,5 +53,6 @@ def register():
         import sglang.srt.batch_invariant_ops as batch_invariant
 
         batch_invariant.enable_batch_invariant_mode = lambda: None  # its kernels are triton's (CUDA/XPU)
+        _fork_instead_of_spawn()
     if "torch_native" not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:  # plugins load more than once per process
         add_deterministic_attention_backend_choices(["torch_native"])
