@@ -251,13 +251,19 @@ def job_key():
 
 
 def report_digests(model, named_tensors):
-    """The loader the learner calls: {"what": "environment"} reports environment(), anything else the weight
+    """The loader the learner calls: {"what": "environment"} reports environment(), {"what": "receiver"} installs
+    the O(1) receiver (rlpo_sglang_receiver) and reports its counts (TP rank 0's), anything else the weight
     digests (digests_of) with their peak extra memory."""
     req = json.loads(named_tensors[0][0])
     group = _tp_group()
     try:
         if req.get("what") == "environment":
             result = {"environment": environment()}
+            return
+        if req.get("what") == "receiver":  # installed on this rank (once); its counts so far
+            import rlpo_sglang_receiver
+
+            result = {"receiver": dict(rlpo_sglang_receiver.install(model, req.get("replay")).stats)}
             return
         _reset_peak()
         before, _ = _rss()

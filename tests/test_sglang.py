@@ -146,6 +146,26 @@ def _routes_and_logprobs_match_learner(engine, hf, ckpt, tmp_path):
     assert agree == total
 
 
+def test_receiver_replays_every_tensor_bit_exactly(family, tmp_path):
+    """The in-server receiver (launch/rlpo_sglang_receiver.py) on every TP rank: a sync of changed weights is
+    loaded by SGLang and learned, the next sync replays every tensor as the copies SGLang made -- the digests of
+    all of them equal the sender's (bit for bit) and the server's log-probs equal the learner's on the checkpoint
+    (nothing SGLang derives from a weight went stale)."""
+    engine, hf, ckpt, w = family
+    assert all(r["replayed"] == r["learned"] == 0 for r in engine.receivers().values())
+    g = torch.Generator().manual_seed(5)
+    changed = {n: t + 0.01 * torch.randn(t.shape, generator=g, dtype=t.dtype) for n, t in w.items()}
+    TRANSPORTS.get("in_process")(engine).sync(ListStream(changed.items(), bucket=16))  # learned; digest-verified
+    (first,) = engine.receivers().values()
+    # every tensor sent (a tied head also goes as lm_head: SGLang's Mixtral holds one apart)
+    assert first["learned"] == len(w) + engine.tied and first["replayed"] == 0, first
+    TRANSPORTS.get("in_process")(engine).sync(ListStream(w.items(), bucket=16))  # replayed; digest-verified
+    (second,) = engine.receivers().values()
+    assert second["replayed"] == second["learned"] == first["learned"] and second["loaded"] == 0, second
+    assert second["not_replayed"] == {}, second
+    _routes_and_logprobs_match_learner(engine, hf, ckpt, tmp_path)
+
+
 # The weight-update, disk and abort paths are the engine's, the same for every family: run on qwen3_moe's server
 # only (mixtral's own: its routes, its tied head, a killed server detected).
 engine_path_once = pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)

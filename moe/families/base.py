@@ -97,6 +97,12 @@ class MoEFamily:
         these to every server rank in full."""
         return set()
 
+    def sglang_loader_keys(self, hf) -> set[str]:
+        """hf_names keys of tensors SGLang must load with its own `load_weights` at every sync (it post-processes
+        them, or loads them only together with another): the in-server receiver never replays them
+        (launch/rlpo_sglang_receiver.py)."""
+        return set()
+
     def megatron_config_class(self, hf):
         """megatron-core's config class for this architecture (MLA has its own)."""
         from megatron.core.transformer import TransformerConfig

@@ -112,6 +112,11 @@ class DeepseekV3Family(SigmoidRouterFamily):
         # where megatron's local spec splits them by rows
         return {"q_a", "kv_a"}
 
+    def sglang_loader_keys(self, hf):
+        # kv_b: SGLang derives w_kc/w_vc from it after loading (deepseek_weight_loader.post_load_weights, for the
+        # names of the load call); q_a + kv_a: fused on their first load call together (loaded_with_previous)
+        return {"kv_b", "q_a", "kv_a"} if hf.q_lora_rank is not None else {"kv_b"}
+
     def identity(self, hf):
         ident = super().identity(hf)
         ident.update(q_lora_rank=hf.q_lora_rank, kv_lora_rank=int(hf.kv_lora_rank),

@@ -125,6 +125,14 @@ class InServerReports:
         return {s.url: self._hook_request(s, {"what": "environment"}, "environment")["environment"]
                 for s in self.live}
 
+    def receivers(self, replay: Optional[bool] = None) -> dict[str, dict]:
+        """{server URL: its in-server receiver's counts} (replayed, loaded by SGLang, learned, seconds in it; TP
+        rank 0's), installing the receiver where it is not yet (launch/rlpo_sglang_receiver.py: each tensor SGLang
+        loaded once replayed as its copies). replay=False: SGLang's loader for every tensor, timed (benchmarks)."""
+        self._check_layout()
+        request = {"what": "receiver", **({} if replay is None else {"replay": replay})}
+        return {s.url: self._hook_request(s, request, "receiver")["receiver"] for s in self.live}
+
     def weight_digests(self, names, algorithm: str) -> dict[str, str]:
         """{HF name: digest} of what the servers hold, digested inside each server; servers must agree."""
         servers = self.live

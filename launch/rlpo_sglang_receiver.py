@@ -1,0 +1,199 @@
+"""Runs inside an SGLang server: the weight receiver in O(1) per tensor (issue 60 item 3).
+
+SGLang 0.5.23's MoE `load_weights` costs ~90-370 us per tensor on every sync (models/qwen3_moe.py: the
+parameter dict rebuilt on each call, every tensor's name matched against the whole expert mapping, then the
+parameter's own weight loader). Its work for a given name never changes between syncs: the same views of the
+same parameters receive the same views of a tensor of the same shape. So the receiver lets SGLang load each
+name once, the way it always does, and watches what that load writes (a TorchFunctionMode over the call): when
+every write into the model is a `copy_` from a view of the incoming tensor, it keeps the geometry of each copy
+(the parameter's storage, sizes, strides, offset; the tensor's the same), and every later sync of that name
+replays them -- `as_strided(parameter).copy_(as_strided(tensor))`, nothing else. A name whose load does anything
+more (arithmetic on the tensor, an in-place op other than a copy into a parameter, a write the watch cannot
+attribute) stays SGLang's, loaded by its own `load_weights` in one call per sync with the others like it; so do
+the names a family declares (`MoEFamily.sglang_loader_keys`: MLA's kv_b, which SGLang post-processes into
+w_kc/w_vc; the q_a/kv_a pair it loads together). The weights are SGLang's either way; every sync stays
+digest-checked inside the server (rlpo_sglang_hooks.report_digests).
+
+Installed per TP rank by the learner's `{"what": "receiver"}` request through rlpo_sglang_hooks.report_digests:
+`model.load_weights` becomes the receiver's on that rank, so every path into it gains it
+(update_weights_from_tensor, _distributed, flattened buckets). A replay checks that the parameter still has the
+storage it learned (SGLang may replace a parameter's data after loading) and the tensor the shape, strides
+and dtype it learned; where either changed the name is loaded by SGLang and learned again.
+Imports torch, SGLang's model and moe.families (the family's declared names): nothing else.
+"""
+import re
+import time
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+_NEW = object()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class _Copy:
+    """One write of a learned load: the parameter's view <- the incoming tensor's view (or a constant). The
+    parameter is named by its module and attribute, read again at each replay: a parameter SGLang replaced
+    has another storage, and the replay refuses it (a held reference would write into the discarded one)."""
+    __slots__ = ("module", "attr", "ptr", "size", "stride", "offset", "src_size", "src_stride", "src_offset", "fill")
+
+    def __init__(self, owner, dst, src, source, fill=None):
+        (self.module, self.attr), self.ptr, self.fill = owner, _storage(dst), fill
+        self.size, self.stride, self.offset = tuple(dst.shape), dst.stride(), dst.storage_offset()
+        if src is not None:
+            self.src_size, self.src_stride = tuple(src.shape), src.stride()
+            self.src_offset = src.storage_offset() - source.storage_offset()
+
+
+class _Learned:
+    """A name's replay: the incoming tensor's geometry it was learned from and its copies (none: SGLang skips it)."""
+    __slots__ = ("shape", "stride", "dtype", "copies")
+
+    def __init__(self, source, copies):
+        self.shape, self.stride, self.dtype, self.copies = tuple(source.shape), source.stride(), source.dtype, copies
+
+    def replay(self, t: torch.Tensor) -> bool:
+        if tuple(t.shape) != self.shape or t.stride() != self.stride or t.dtype != self.dtype:
+            return False
+        bases = [getattr(c.module, c.attr, None) for c in self.copies]
+        if any(b is None or _storage(b) != c.ptr for b, c in zip(bases, self.copies)):
+            return False
+        for base, c in zip(bases, self.copies):
+            dst = torch.as_strided(base.data, c.size, c.stride, c.offset)
+            if c.fill is not None:
+                dst.fill_(c.fill)
+            else:
+                dst.copy_(torch.as_strided(t, c.src_size, c.src_stride, t.storage_offset() + c.src_offset))
+        return True
+
+
+class _Watch(TorchFunctionMode):
+    """The writes one name's load makes into the model: each `copy_` into a parameter (or buffer) from a view of
+    the incoming tensor is kept; any other in-place write into one (or a copy from anything else) makes the load
+    opaque."""
+
+    def __init__(self, bases: dict, source: torch.Tensor):
+        super().__init__()
+        self.bases, self.source, self.src_ptr = bases, source, _storage(source)
+        self.copies, self.opaque = [], None  # opaque: what made the load one the receiver cannot replay
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        name = getattr(func, "__name__", "")
+        in_place = name == "__setitem__" or (name.endswith("_") and not name.startswith("__"))  # (not __get__)
+        if target is not None and in_place:
+            owner = self.bases.get(_storage(target))
+            if owner is not None:
+                src = args[1] if len(args) > 1 else kwargs.get("src")
+                if (name == "copy_" and isinstance(src, torch.Tensor) and _storage(src) == self.src_ptr
+                        and not src.requires_grad):
+                    self.copies.append(_Copy(owner, target, src, self.source))
+                elif name == "fill_" and isinstance(src, (int, float, bool)):  # e.g. a padded vocabulary's rows
+                    self.copies.append(_Copy(owner, target, None, self.source, fill=src))
+                else:
+                    self.opaque = self.opaque or (name if name != "copy_" else "copy_ from another tensor")
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor) and _storage(out) in self.bases:
+            self.opaque = self.opaque or f"{name}(out=)"
+        return func(*args, **kwargs)
+
+
+class Receiver:
+    """`model.load_weights` replaced on one TP rank: learned names replayed, the rest SGLang's."""
+
+    def __init__(self, model, loader_only=()):
+        self.model, self.original = model, model.load_weights
+        self.loader_only = [re.compile(p) for p in loader_only]
+        self.learned: dict = {}  # name -> _Learned, or None: SGLang's loader every time
+        self.bases: dict = {}
+        self.replay = True  # False: SGLang loads every name (the figure the receiver is measured against)
+        self.stats = {"replayed": 0, "loaded": 0, "learned": 0, "calls": 0, "seconds": 0.0, "not_replayed": {}}
+
+    def _refresh_bases(self):
+        """{storage: (module, attribute)} of every parameter and buffer of the model."""
+        self.bases = {}
+        for prefix, module in self.model.named_modules():
+            for attr, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                if t is not None:
+                    self.bases.setdefault(_storage(t), (module, attr))
+
+    def _learn(self, name: str, t: torch.Tensor):
+        """SGLang loads `name` (as it always does), watched; -> its replay, or None."""
+        if not self.bases:
+            self._refresh_bases()
+        watch = _Watch(self.bases, t)
+        with watch:
+            self.original([(name, t)])
+        self.stats["learned"] += 1
+        dtypes = {getattr(c.module, c.attr).dtype for c in watch.copies if c.fill is None}
+        why = watch.opaque or next((f"copy_ {t.dtype} -> {d}" for d in dtypes  # (none seen on 0.5.23)
+                                    if d.is_floating_point != t.dtype.is_floating_point), None)
+        if why:  # SGLang's at every sync; counted by reason (the learner's report)
+            self.stats["not_replayed"][why] = self.stats["not_replayed"].get(why, 0) + 1
+            return None
+        return _Learned(t, watch.copies)
+
+    def load_weights(self, weights, *args, **kwargs):
+        if args or kwargs:  # a variant this receiver does not know (e.g. is_nextn): SGLang's
+            return self.original(weights, *args, **kwargs)
+        t0 = time.perf_counter()
+        if not self.replay:  # SGLang's loader for everything, timed by the same clock (tools/bench_refit.py)
+            weights = list(weights)
+            self.original(weights)
+            self.stats["loaded"] += len(weights)
+            self.stats["calls"] += 1
+            self.stats["seconds"] += time.perf_counter() - t0
+            return
+        rest = []
+        for name, t in weights:
+            entry = self.learned.get(name, _NEW)
+            if entry is _NEW:
+                if any(p.search(name) for p in self.loader_only):
+                    self.learned[name] = None
+                    rest.append((name, t))
+                else:  # loaded now, by SGLang, watched
+                    self.learned[name] = self._learn(name, t)
+            elif entry is None:
+                rest.append((name, t))
+            elif entry.replay(t):
+                self.stats["replayed"] += 1
+            else:  # the parameter or the tensor changed since it was learned: SGLang's now, learned again next time
+                del self.learned[name]
+                self.bases = {}
+                rest.append((name, t))
+        if rest:
+            self.original(rest)
+            self.stats["loaded"] += len(rest)
+        self.stats["calls"] += 1
+        self.stats["seconds"] += time.perf_counter() - t0
+
+
+def _loader_only_patterns(config) -> list[str]:
+    """Regexes of the HF names the family says SGLang must load itself (MoEFamily.sglang_loader_keys)."""
+    from moe.families import get_family
+
+    family = get_family(config.model_type)
+    names = family.hf_names(config)
+    out = []
+    for key in family.sglang_loader_keys(config):
+        template = names.get(key)
+        if template:
+            out.append("^" + re.escape(template).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") + "$")
+    return out
+
+
+def install(model, replay=None) -> Receiver:
+    """The receiver on this rank's model (once; later calls return it). replay: switch replaying on or off."""
+    receiver = getattr(model, "_rlpo_receiver", None)
+    if receiver is None:
+        receiver = Receiver(model, _loader_only_patterns(model.config))
+        object.__setattr__(model, "_rlpo_receiver", receiver)
+        object.__setattr__(model, "load_weights", receiver.load_weights)
+    if replay is not None:
+        receiver.replay = bool(replay)
+    return receiver
