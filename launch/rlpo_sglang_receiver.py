@@ -39,14 +39,18 @@ class _Copy:
     """One write of a learned load: the parameter's view <- the incoming tensor's view (or a constant). The
     parameter is named by its module and attribute, read again at each replay: a parameter SGLang replaced
     has another storage, and the replay refuses it (a held reference would write into the discarded one)."""
-    __slots__ = ("module", "attr", "ptr", "size", "stride", "offset", "src_size", "src_stride", "src_offset", "fill")
+    __slots__ = ("module", "attr", "ptr", "view", "src", "fill")
 
     def __init__(self, owner, dst, src, source, fill=None):
         (self.module, self.attr), self.ptr, self.fill = owner, _storage(dst), fill
-        self.size, self.stride, self.offset = tuple(dst.shape), dst.stride(), dst.storage_offset()
+        # the parameter's view, made once (it keeps the storage the replay checks against)
+        self.view = torch.as_strided(dst.detach(), tuple(dst.shape), dst.stride(), dst.storage_offset())
+        # the tensor's view: None where it is the whole tensor (the usual case: no view to make per sync)
+        self.src = None
         if src is not None:
-            self.src_size, self.src_stride = tuple(src.shape), src.stride()
-            self.src_offset = src.storage_offset() - source.storage_offset()
+            geometry = (tuple(src.shape), src.stride(), src.storage_offset() - source.storage_offset())
+            if geometry != (tuple(source.shape), source.stride(), 0):
+                self.src = geometry
 
 
 class _Learned:
@@ -57,17 +61,20 @@ class _Learned:
         self.shape, self.stride, self.dtype, self.copies = tuple(source.shape), source.stride(), source.dtype, copies
 
     def replay(self, t: torch.Tensor) -> bool:
-        if tuple(t.shape) != self.shape or t.stride() != self.stride or t.dtype != self.dtype:
+        if t.shape != self.shape or t.stride() != self.stride or t.dtype != self.dtype:
             return False
-        bases = [getattr(c.module, c.attr, None) for c in self.copies]
-        if any(b is None or _storage(b) != c.ptr for b, c in zip(bases, self.copies)):
-            return False
-        for base, c in zip(bases, self.copies):
-            dst = torch.as_strided(base.data, c.size, c.stride, c.offset)
+        for c in self.copies:
+            base = getattr(c.module, c.attr, None)
+            if base is None or _storage(base) != c.ptr:
+                return False
+        for c in self.copies:
             if c.fill is not None:
-                dst.fill_(c.fill)
+                c.view.fill_(c.fill)
+            elif c.src is None:
+                c.view.copy_(t)
             else:
-                dst.copy_(torch.as_strided(t, c.src_size, c.src_stride, t.storage_offset() + c.src_offset))
+                size, stride, offset = c.src
+                c.view.copy_(torch.as_strided(t, size, stride, t.storage_offset() + offset))
         return True
 
 
