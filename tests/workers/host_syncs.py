@@ -36,8 +36,12 @@ def model_json(out, layers):
     hf["num_hidden_layers"] = layers
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, f"model_{layers}l.json")
-    with open(path, "w") as f:
+    # every rank writes it: through a file of its own renamed into place, or one rank read another's truncated
+    # file (a CI run, once load_config got fast enough for rank 1 to read while rank 0 wrote)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
         json.dump(hf, f)
+    os.replace(tmp, path)
     return path
 
 
