@@ -250,12 +250,137 @@ def job_key():
     return key or os.environ.get(rlpo_sglang_keys.KEY_ENV) or None
 
 
+# ---- the shard-to-shard refit (rollout.sync_transport=reshard; rlpo_mega/weight_sync/reshard.py) ----------------
+_GROUPS: dict = {}  # group name -> this TP rank's process group with the learner ranks (and the other servers' ranks)
+_PLANS: dict = {}  # the request's layouts -> (plan, {name: TensorSpec}, buckets): planned once per layout
+
+
+def _reshard_join(req, group) -> dict:
+    """Join the refit group: the learner ranks are its ranks 0..L-1, each server's TP ranks follow at their offset.
+    SGLang's own group constructor (sglang/srt/utils/common.py init_custom_process_group, what its
+    init_weights_update_group uses: a TCP store client at the learner's rendezvous, the group name as its prefix)."""
+    from sglang.srt.utils.common import init_custom_process_group
+
+    host, port = req["rendezvous"]
+    rank = int(req["rank_offset"]) + group.rank_in_group
+    world = int(req["world_size"])
+    pg = init_custom_process_group(backend=req["backend"], init_method=f"tcp://{host}:{port}", world_size=world,
+                                   rank=rank, group_name=req["group"],
+                                   timeout=timedelta(seconds=float(req.get("timeout", 300))))
+    from torch.distributed.distributed_c10d import _world
+
+    _world.pg_group_ranks[pg] = {i: i for i in range(world)}  # group ranks are the ranks the plan names
+    _GROUPS[req["group"]] = pg
+    return {"joined": rank}
+
+
+def _reshard_leave(req) -> dict:
+    pg = _GROUPS.pop(req["group"], None)
+    if pg is not None:
+        torch.distributed.destroy_process_group(pg)
+    return {"left": pg is not None}
+
+
+def _reshard_plan(config, req):
+    """The learner's plan, made here from the same pure function and the same inputs (moe/bridge/reshard.py); the
+    request's count and bytes must match it, or the two sides read different models."""
+    from moe.bridge import reshard as rs
+    from moe.bridge.mapping import param_maps
+
+    key = json.dumps([req["learner"], req["servers"], req["dtype"], req["bucket_bytes"]], sort_keys=True)
+    if key not in _PLANS:
+        model = rs.ModelSpec.of(config, getattr(torch, req["dtype"]))
+        learner = rs.LearnerLayout(**{k: (frozenset(v) if k == "whole_on_tp" else v) for k, v in req["learner"].items()})
+        plan = rs.reshard_plan(model, learner, [rs.ServerLayout(*s) for s in req["servers"]])
+        joined = frozenset(n for pm in param_maps(config) if pm.with_previous for n in pm.hf)
+        _PLANS[key] = (plan, {t.name: t for t in model.tensors}, rs.plan_buckets(plan, int(req["bucket_bytes"]), joined))
+    plan, specs, buckets = _PLANS[key]
+    mine = [len(plan.transfers), sum(t.nbytes for t in plan.transfers)]
+    if mine != list(req["check"]):
+        raise ValueError(f"the refit plan made in this server ({mine[0]} transfers, {mine[1]} bytes) is not the "
+                         f"learner's ({req['check'][0]}, {req['check'][1]}): its checkpoint's config.json differs from "
+                         "the learner's model.hf_config")
+    return plan, specs, buckets
+
+
+def _reshard_sync(model, req, group) -> dict:
+    """Receive this TP rank's pieces of every tensor from the learner ranks that hold them, bucket by bucket (the
+    plan's order on both sides), load each tensor's region through the receiver (rlpo_sglang_receiver.load_regions)
+    and digest each piece as read back from the parameters it went into."""
+    import rlpo_sglang_receiver
+    from moe.bridge import reshard as rs
+    from moe.bridge.digest import tensor_digests
+
+    pg = _GROUPS.get(req["group"])
+    if pg is None:
+        raise RuntimeError(f"no refit group {req['group']!r} on this server (restarted since the learner made it?)")
+    plan, specs, buckets = _reshard_plan(model.config, req)
+    index, tp_rank = int(req["index"]), group.rank_in_group
+    layout = plan.servers[index]
+    receiver = rlpo_sglang_receiver.install(model)
+    device = next(model.parameters()).device
+    digests, as_received, nbytes = {}, 0, 0
+    for start, stop in buckets:
+        mine = [t for t in plan.transfers[start:stop] if t.server == index and t.rank == tp_rank]
+        if not mine:
+            continue
+        regions, works, scattered = {}, [], []
+        for t in mine:
+            if t.name not in regions:
+                box = rs.server_region(specs[t.name], plan.model, layout, tp_rank)
+                regions[t.name] = (box, torch.empty([b - a for a, b in box], dtype=specs[t.name].dtype, device=device))
+            view = regions[t.name][1][tuple(slice(a, b) for a, b in t.dst_box)]
+            target = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype, device=device)
+            if target is not view:
+                scattered.append((view, target))
+            # irecvs in plan order: each sender's isends are in the same order (no cycle between ranks)
+            works.append(torch.distributed.irecv(target, src=t.src, group=pg))
+            nbytes += t.nbytes
+        for w in works:
+            w.wait()
+        for view, target in scattered:
+            view.copy_(target)
+        receiver.load_regions([(n, specs[n].shape, box, buf) for n, (box, buf) in regions.items()])
+        pieces = []
+        for t in mine:
+            box, buf = regions[t.name]
+            back = receiver.read_region(t.name, box, torch.empty_like(buf))
+            if back is None:  # SGLang loads it (its own layout): digested as received
+                back, as_received = buf, as_received + 1
+            pieces.append(back[tuple(slice(a, b) for a, b in t.dst_box)].contiguous())
+        digests.update(zip((rs.piece_key(t) for t in mine), tensor_digests(pieces, req["algorithm"])))
+        del regions, pieces
+    return {"digests": digests, "as_received": as_received, "bytes": nbytes,
+            "receiver": {k: v for k, v in receiver.stats.items()}}
+
+
+def _report(req, result, rank=None):
+    """`result` into the learner's TCP store under the request's key (a TP rank's own: key/rank), sealed."""
+    import rlpo_sglang_keys
+
+    host, port = req["store"]
+    store = torch.distributed.TCPStore(host, int(port), is_master=False,
+                                       timeout=timedelta(seconds=float(req.get("timeout", 300))))
+    key = req["key"] if rank is None else f"{req['key']}/{rank}"
+    store.set(key, rlpo_sglang_keys.seal(job_key(), key, result))
+
+
 def report_digests(model, named_tensors):
     """The loader the learner calls: {"what": "environment"} reports environment(), {"what": "receiver"} installs
     the O(1) receiver (rlpo_sglang_receiver) and reports its counts (TP rank 0's), anything else the weight
     digests (digests_of) with their peak extra memory."""
     req = json.loads(named_tensors[0][0])
     group = _tp_group()
+    if req.get("what") in ("reshard_join", "reshard_sync", "reshard_leave"):  # every TP rank reports its own
+        try:
+            result = (_reshard_join(req, group) if req["what"] == "reshard_join" else
+                      _reshard_sync(model, req, group) if req["what"] == "reshard_sync" else _reshard_leave(req))
+        except Exception as e:
+            result = {"error": f"{type(e).__name__}: {e}"}
+            raise
+        finally:
+            _report(req, result, group.rank_in_group)
+        return
     try:
         if req.get("what") == "environment":
             result = {"environment": environment()}
@@ -277,9 +402,4 @@ def report_digests(model, named_tensors):
         raise
     finally:
         if group.rank_in_group == 0:
-            host, port = req["store"]
-            store = torch.distributed.TCPStore(host, int(port), is_master=False,
-                                               timeout=timedelta(seconds=float(req.get("timeout", 300))))
-            import rlpo_sglang_keys
-
-            store.set(req["key"], rlpo_sglang_keys.seal(job_key(), req["key"], result))
+            _report(req, result)

@@ -78,6 +78,88 @@ class _Learned:
         return True
 
 
+def _contiguous_strides(shape) -> list[int]:
+    out, step = [], 1
+    for n in reversed(tuple(shape)):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
+def _into_region(size, stride, offset, shape, region):
+    """A view (size, stride, offset) of a contiguous tensor of `shape` -> the view of the same elements in the
+    contiguous tensor that holds only `region` ((start, stop) per dim) of it, or None where the view reaches
+    outside the region or does not step along one dim per view dim. Each view dim k steps m_k along one tensor dim
+    d_k (its stride m_k times d_k's); the view's first element sits at multi-index `start`; if every dim's reach
+    start_d + sum over k of (size_k - 1) * m_k stays inside the region, each element's multi-index is that sum
+    (unique: it stays within the shape) and its place in the region tensor follows by the region's strides."""
+    full, part = _contiguous_strides(shape), _contiguous_strides([b - a for a, b in region])
+    start, rest = [], offset
+    for step in full:
+        start.append(rest // step)
+        rest %= step
+    reach, steps = list(start), []
+    for n, s in zip(size, stride):
+        if n == 0:
+            return tuple(size), tuple(0 for _ in size), 0  # nothing to copy
+        if n == 1 or s == 0:
+            steps.append((None, 0))
+            continue
+        d = next((d for d, f in enumerate(full) if f <= s and s % f == 0), None)
+        if d is None:
+            return None
+        m = s // full[d]
+        reach[d] += (n - 1) * m
+        steps.append((d, m))
+    if any(not (a <= lo and hi < b) for lo, hi, (a, b) in zip(start, reach, region)) \
+            or any(hi >= n for hi, n in zip(reach, shape)):
+        return None
+    new_stride = tuple(0 if d is None else m * part[d] for d, m in steps)
+    return tuple(size), new_stride, sum((lo - a) * p for lo, (a, _), p in zip(start, region, part))
+
+
+class _Region:
+    """A name's replay from its server rank's region alone (the shard-to-shard transport): the copies of the
+    learned load, each source view moved into the region tensor's coordinates; None from `of` where a copy reads
+    outside the region (the plan and SGLang's loader disagree: that name stays SGLang's, loaded whole)."""
+    __slots__ = ("shape", "dtype", "copies")
+
+    @classmethod
+    def of(cls, learned, full, region):
+        out = cls()
+        out.shape, out.dtype, out.copies = tuple(b - a for a, b in region), full.dtype, []
+        for c in learned.copies:
+            geometry = None
+            if c.fill is None:
+                size, stride, offset = c.src or (tuple(full.shape), full.stride(), 0)
+                geometry = _into_region(size, stride, offset, tuple(full.shape), region)
+                if geometry is None:
+                    return None
+            out.copies.append((c, geometry))
+        return out
+
+    def replay(self, t: torch.Tensor) -> bool:
+        if tuple(t.shape) != self.shape or t.dtype != self.dtype or not t.is_contiguous():
+            return False
+        for c, _ in self.copies:
+            base = getattr(c.module, c.attr, None)
+            if base is None or _storage(base) != c.ptr:
+                return False
+        for c, geometry in self.copies:
+            if geometry is None:
+                c.view.fill_(c.fill)
+            else:
+                c.view.copy_(torch.as_strided(t, geometry[0], geometry[1], t.storage_offset() + geometry[2]))
+        return True
+
+    def read_back(self, out: torch.Tensor) -> torch.Tensor:
+        """The region as the model holds it now: each copy read back from the parameter into `out`."""
+        for c, geometry in self.copies:
+            if geometry is not None:
+                torch.as_strided(out, geometry[0], geometry[1], out.storage_offset() + geometry[2]).copy_(c.view)
+        return out
+
+
 class _Watch(TorchFunctionMode):
     """The writes one name's load makes into the model: each `copy_` into a parameter (or buffer) from a view of
     the incoming tensor is kept; any other in-place write into one (or a copy from anything else) makes the load
@@ -117,6 +199,7 @@ class Receiver:
         self.model, self.original = model, model.load_weights
         self.loader_only = [re.compile(p) for p in loader_only]
         self.learned: dict = {}  # name -> _Learned, or None: SGLang's loader every time
+        self.regions: dict = {}  # name -> _Region, or None: the same for the shard-to-shard transport
         self.bases: dict = {}
         self.replay = True  # False: SGLang loads every name (the figure the receiver is measured against)
         self.stats = {"replayed": 0, "loaded": 0, "learned": 0, "calls": 0, "seconds": 0.0, "not_replayed": {}}
@@ -178,6 +261,47 @@ class Receiver:
             self.stats["loaded"] += len(rest)
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
+
+
+    def load_regions(self, items):
+        """The shard-to-shard transport's load: items [(name, full HF shape, region, tensor of the region)]. A name
+        seen for the first time is loaded by SGLang from a whole-shaped tensor holding only the region (its loader
+        reads only its own slice: moe/bridge/reshard.server_region), watched, and its copies moved into the
+        region's coordinates; later syncs replay them from the region alone. Names SGLang must load itself, or
+        whose copies reach outside the region, go to SGLang that way every sync, in one call."""
+        t0 = time.perf_counter()
+        rest = []
+        for name, shape, region, t in items:
+            entry = self.regions.get(name, _NEW)
+            if entry is not _NEW and entry is not None and entry.replay(t):
+                self.stats["replayed"] += 1
+                continue
+            full = torch.zeros(shape, dtype=t.dtype, device=t.device)
+            full[tuple(slice(a, b) for a, b in region)].copy_(t)
+            if entry is _NEW and not any(p.search(name) for p in self.loader_only):
+                learned = self._learn(name, full)  # (SGLang loads it now, watched)
+                self.regions[name] = None if learned is None else _Region.of(learned, full, region)
+                if self.regions[name] is None and learned is not None:
+                    self.stats["not_replayed"]["reads outside its region"] = \
+                        self.stats["not_replayed"].get("reads outside its region", 0) + 1
+                continue
+            if entry is _NEW:
+                self.regions[name] = None
+            elif entry is not None:  # the parameter or the tensor changed: SGLang's now, learned again next time
+                del self.regions[name]
+                self.bases = {}
+            rest.append((name, full))
+        if rest:
+            self.original(rest)
+            self.stats["loaded"] += len(rest)
+        self.stats["calls"] += 1
+        self.stats["seconds"] += time.perf_counter() - t0
+
+    def read_region(self, name: str, region, t: torch.Tensor):
+        """`t` (the region's shape) filled with what the model holds of `name`'s region, or None where this
+        receiver does not replay the name (SGLang loads it; its layout is SGLang's own)."""
+        entry = self.regions.get(name)
+        return None if entry is None else entry.read_back(t)
 
 
 def _loader_only_patterns(config) -> list[str]:

@@ -113,3 +113,73 @@ def test_a_family_s_post_processed_names_are_always_sglangs():
              "model.layers.0.self_attn.q_b_proj.weight": False, "model.layers.1.mlp.experts.7.up_proj.weight": False}
     assert {n: any(re.search(p, n) for p in patterns) for n in names} == names
     assert receiver._loader_only_patterns(QWEN) == []
+
+
+class RankLoader(torch.nn.Module):
+    """TP rank 1 of 2 as SGLang's loaders hold it: a column-parallel weight narrowed to its rows, a row-parallel
+    one to its columns, a fused expert stored transposed with its half of the intermediate rows, a replicated
+    norm; `wide` reads rows outside the rank's half (what the plan's region would not cover)."""
+
+    def __init__(self, rank=1):
+        super().__init__()
+        self.config, self.rank = QWEN, rank
+        self.col = torch.nn.Parameter(torch.zeros(3, 4))
+        self.row = torch.nn.Parameter(torch.zeros(4, 2))
+        self.w13 = torch.nn.Parameter(torch.zeros(2, 4, 2))  # [expert, hidden, rows of this rank], transposed
+        self.norm = torch.nn.Parameter(torch.zeros(4))
+        self.wide = torch.nn.Parameter(torch.zeros(4, 4))
+        self.loads = []
+
+    def load_weights(self, weights):
+        batch = list(weights)
+        self.loads.append([n for n, _ in batch])
+        for name, t in batch:
+            if name == "col":
+                self.col.data.copy_(t.narrow(0, 3 * self.rank, 3))
+            elif name == "row":
+                self.row.data.copy_(t.narrow(1, 2 * self.rank, 2))
+            elif name.startswith("expert."):
+                self.w13.data[int(name.split(".")[1])].copy_(t.narrow(0, 2 * self.rank, 2).t())
+            elif name == "norm":
+                self.norm.data.copy_(t)
+            elif name == "wide":
+                self.wide.data.copy_(t.narrow(0, 0, 4))
+
+
+REGIONS = {"col": ((6, 4), ((3, 6), (0, 4))), "row": ((4, 4), ((0, 4), (2, 4))),
+           "expert.0": ((4, 4), ((2, 4), (0, 4))), "expert.1": ((4, 4), ((2, 4), (0, 4))),
+           "norm": ((4,), ((0, 4),)), "wide": ((8, 4), ((4, 8), (0, 4)))}
+
+
+def test_regions_replay_what_the_loader_writes_from_the_whole_tensor():
+    """The shard-to-shard transport's load (Receiver.load_regions): each name's region alone -> the parameters the
+    loader writes from the whole tensor, bit for bit, learned once and replayed; read_region gives the region back
+    from the parameters. A loader reading outside the region is not replayed (SGLang's, given a whole-shaped
+    tensor holding the region: wrong only where the plan is, which the digests then catch)."""
+    model, ref = RankLoader(), RankLoader()
+    rec = receiver.install(model)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        whole = {n: torch.randn(shape, generator=g) for n, (shape, _) in REGIONS.items()}
+        regions = {n: whole[n][tuple(slice(a, b) for a, b in box)].contiguous() for n, (_, box) in REGIONS.items()}
+        rec.load_regions([(n, shape, box, regions[n]) for n, (shape, box) in REGIONS.items()])
+        ref.load_weights(list(whole.items()))
+        for name in ("col", "row", "w13", "norm"):
+            assert torch.equal(getattr(model, name), getattr(ref, name)), (step, name)
+        for n, (_, box) in REGIONS.items():
+            back = rec.read_region(n, box, torch.full_like(regions[n], float("nan")))
+            assert (back is None) == (n == "wide") and (back is None or torch.equal(back, regions[n])), (step, n)
+    assert rec.stats["replayed"] == 2 * 5 and rec.stats["not_replayed"] == {"reads outside its region": 1}, rec.stats
+    assert model.loads == [[n] for n in REGIONS] + [["wide"]] * 2  # learned one by one, then only `wide`
+
+
+def test_into_region_moves_views_or_refuses():
+    full = torch.arange(48.).view(6, 8)
+    region = ((2, 5), (4, 8))
+    part = full[2:5, 4:8].contiguous()
+    for view in (full[3:5, 4:6], full[2:5, 4:8].t(), full[4, 5:8], full[2:5:2, 4:8:3]):
+        size, stride, offset = tuple(view.shape), view.stride(), view.storage_offset()
+        g = receiver._into_region(size, stride, offset, (6, 8), region)
+        assert torch.equal(torch.as_strided(part, *g), view), view
+    for view in (full[1:3, 4:6], full[2:5, 3:8], full.view(-1)[20:30]):  # outside it, or across rows
+        assert receiver._into_region(tuple(view.shape), view.stride(), view.storage_offset(), (6, 8), region) is None

@@ -192,6 +192,23 @@ def hf_row_ranges(kind: str, dims: Dims, hf_shapes: list[tuple], rank: int, size
     raise ValueError(f"unknown parameter kind {kind!r}")
 
 
+def shard_to_hf(kind: str, shard: torch.Tensor, dims: Dims, rank: int, size: int, empty=new_tensor) -> list[torch.Tensor]:
+    """Inverse of `hf_slices_to_shard`: this rank's megatron shard -> its slice of each HF tensor (the rows or
+    columns `hf_row_ranges` names; views of the shard except q/k/v, which `empty` allocates). What a rank sends
+    of its own shard without gathering the parameter (moe/bridge/reshard.py)."""
+    if size == 1 or kind == "replicated":
+        return full_to_hf(kind, shard, dims, empty)
+    if kind == "vocab":
+        ((_, start, stop),) = hf_row_ranges(kind, dims, [(dims.vocab,)], rank, size)
+        return [shard[: stop - start]]
+    if kind == "qkv":
+        local = Dims(dims.heads // size, dims.groups // size, dims.head_dim, dims.vocab, dims.padded_vocab)
+        return full_to_hf("qkv", shard, local, empty)
+    if kind == "glu":
+        return list(shard.chunk(2, dim=0))
+    return [shard]
+
+
 def hf_slices_to_shard(kind: str, slices: list[torch.Tensor], dims: Dims, rank: int, size: int):
     """Inverse of `hf_row_ranges`: the HF slices this rank read -> its megatron shard."""
     if kind == "vocab":

@@ -461,6 +461,29 @@ def reshard_plan(model: ModelSpec, learner: LearnerLayout, servers: Sequence[Ser
     return Plan(model, learner, servers, transfers)
 
 
+def plan_buckets(plan: Plan, bucket_bytes: int, joined: frozenset = frozenset()) -> list[tuple[int, int]]:
+    """The plan's transfers cut into buckets [start, stop) of about `bucket_bytes` in all (a larger tensor alone),
+    in plan order, cut only between tensors and never before a name in `joined` (one an engine loads together with
+    the tensor before it: mapping.ParamMap.with_previous). Sender and receiver cut one plan alike: each bucket is
+    sent, received and loaded before the next, so a server rank holds at most one bucket's pieces at once."""
+    out, start, size = [], 0, 0
+    transfers = plan.transfers
+    for i, t in enumerate(transfers):
+        if i > start and t.name != transfers[i - 1].name and t.name not in joined and size + t.nbytes > bucket_bytes:
+            out.append((start, i))
+            start, size = i, 0
+        size += t.nbytes
+    if start < len(transfers):
+        out.append((start, len(transfers)))
+    return out
+
+
+def piece_key(t: Transfer) -> str:
+    """The name a transfer's digest goes by on both sides: the tensor, the server rank and the slice."""
+    return f"{t.name}@{t.server}.{t.rank}:" + ",".join(f"{a}-{b}" for a, b in t.region)
+
+
 __all__ = ["BROADCAST_TRANSPORT", "Box", "CannotPlan", "LearnerLayout", "ModelSpec", "Plan", "ServerLayout",
-           "TensorSpec", "Transfer", "box_numel", "learner_shards", "reshard_plan", "server_region",
+           "TensorSpec", "Transfer", "box_numel", "learner_shards", "piece_key", "plan_buckets", "reshard_plan",
+           "server_region",
            "server_shard_bytes"]

@@ -121,6 +121,8 @@ class EngineSlot:
             self._stop_node_servers()
             raise
         if self.engine is None:
+            if getattr(TRANSPORTS.get(self.cfg.rollout.sync_transport), "all_ranks", False):
+                self.transport = make_transport(self.cfg, None, self.hf)  # a sender without servers of its own
             return
         if launched:
             self.engine.adopt(launched)

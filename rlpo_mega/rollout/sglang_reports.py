@@ -69,34 +69,54 @@ class InServerReports:
                                             timeout=timedelta(seconds=self.cfg.control_timeout))
             return self._store
 
-    def _hook_request(self, server: _Server, request: dict, what: str, forged=EngineError) -> dict:
+    def _hook_request(self, server: _Server, request: dict, what: str, forged=EngineError, session: bool = True,
+                      every_rank: bool = False):
         """Run launch/rlpo_sglang_hooks.py's loader in every TP rank of `server` with `request`; its TP rank 0's
-        report (a JSON object) comes back through this rank's TCP store, sealed with the job's key. what: the
-        report, for the errors; forged: the error a report without the job's seal raises."""
+        report (a JSON object) comes back through this rank's TCP store, sealed with the job's key -- or, every_rank,
+        each TP rank's report (a list in rank order: the shard-to-shard refit's requests). what: the report, for the
+        errors; forged: the error a report without the job's seal raises. session=False: inside an update session
+        the caller opened (begin_weight_update), which the call neither opens nor closes."""
         key = f"rlpo_reports/{uuid.uuid4().hex}"
         request = json.dumps({**request, "store": [self.learner_address(), self.store().port], "key": key,
                               "timeout": self.cfg.control_timeout})
         # a plain pickle (bytes inline), not shared memory: the server may be on another host
         payload = base64.b64encode(pickle.dumps([(request, torch.zeros(1))])).decode()
-        self._begin(server)
+        if session:
+            self._begin(server)
         try:
             status, body = self._http(server, "/update_weights_from_tensor", {
                 "serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": REPORT_LOADER,
                 "flush_cache": False})
         except BaseException:
-            self._end_quietly([server])
+            if session:
+                self._end_quietly([server])
             raise
-        self._post_ok(server, "/end_weight_update")
+        if session:
+            self._post_ok(server, "/end_weight_update")
+        keys = [f"{key}/{r}" for r in range(self.cfg.tp_size)] if every_rank else [key]
         if status != 200:
+            # a hook that raised has still written its error: name it rather than the status alone
+            errors = [self._sealed(server, k, what, forged).get("error") for k in keys if self.store().check([k])]
+            detail = next((e for e in errors if e), None)
+            if detail:
+                raise EngineError(f"SGLang server {server.url}: its report hook failed ({what}): {detail}")
             raise EngineError(f"SGLang server {server.url} could not report its {what} ({status}: "
                               f"{body[:300]!r}): start it with --custom-weight-loader {REPORT_LOADER} and the "
                               "repository root and launch/ on its PYTHONPATH (launch/sglang_server.py does both)")
         try:
-            self.store().wait([key], timedelta(seconds=self.cfg.control_timeout))
+            self.store().wait(keys, timedelta(seconds=self.cfg.control_timeout))
         except Exception as e:
             raise EngineError(f"SGLang server {server.url} ran the report hook but its {what} never reached "
                               f"{self.learner_address()}:{self.store().port} within control_timeout: can the "
                               f"server reach this host (rollout.sglang.learner_address)? ({e})") from e
+        reports = [self._sealed(server, k, what, forged) for k in keys]
+        for report in reports:
+            if "error" in report:
+                raise EngineError(f"SGLang server {server.url}: its report hook failed ({what}): {report['error']}")
+        return reports if every_rank else reports[0]
+
+    def _sealed(self, server: _Server, key: str, what: str, forged) -> dict:
+        """The report under `key` in this rank's store (taken out of it), its seal checked."""
         raw = self.store().get(key)
         self.store().delete_key(key)
         try:
@@ -108,8 +128,6 @@ class InServerReports:
                          "fails") from None
         if not isinstance(report, dict):
             raise forged(f"SGLang server {server.url}: its {what} report is not a JSON object: {str(report)[:200]}")
-        if "error" in report:
-            raise EngineError(f"SGLang server {server.url}: its report hook failed ({what}): {report['error']}")
         return report
 
     def _digest_request(self, server: _Server, algorithm: str) -> dict[str, str]:

@@ -22,6 +22,8 @@ from rlpo_mega.rollout.sglang_payloads import PayloadRelay, tied_aliases
 
 def sync_weights(chunks, cfg, slot) -> dict:
     """Learner -> engine(s) through `slot`'s transport (rollout/engines.EngineSlot), digest-verified."""
+    if getattr(slot.transport, "all_ranks", False):  # every rank sends its own shards (rollout.sync_transport=reshard)
+        return slot.transport.sync_model(chunks)
     ranks = engine_ranks(cfg)
     relay = payload_relay(cfg, slot)
     # every rank an engine (embedded), or colocated servers on (normally) every GPU: one broadcast per tensor; a

@@ -1,0 +1,324 @@
+"""The `reshard` weight-sync transport: every learner rank sends its own shards to the SGLang server ranks that
+hold them, following moe/bridge/reshard.reshard_plan; no rank gathers the model, a server rank receives only its
+own slice (issue 60).
+
+One process group joins every learner rank (its ranks 0..L-1) with every TP rank of every live server (after them,
+server by server, in driver order): gloo on CPU, NCCL on GPU. Inside each server the project's report hook
+(launch/rlpo_sglang_hooks.py, the loader SGLang runs in every TP worker through /update_weights_from_tensor) joins
+it with SGLang's own group constructor, makes the same plan from the same inputs, receives its pieces bucket by
+bucket (plan_buckets: both sides cut the plan alike) and loads each tensor's region through the O(1) receiver
+(launch/rlpo_sglang_receiver.Receiver.load_regions). A sync:
+
+  drivers   refresh their servers, read each one's layout (/server_info); every rank learns every server's
+  all       (re)make the group where its members changed (a server restarted or lost)
+  drivers   open the update session and post each server the sync request (it returns once received and loaded)
+  all       send their pieces, bucket by bucket, in plan order; digest each piece sent
+  drivers   read each server rank's digests of the pieces it holds, read back from its parameters
+  all       agree: every piece's digests compared (DigestMismatchError), every failure raised on every rank
+
+Each piece is digested on both sides (moe.bridge.reshard.piece_key); a name SGLang loads itself (a family's
+post-processed tensors, MoEFamily.sglang_loader_keys) is digested as received, counted in the result. A failure
+on any rank (a server dead mid-refit, a send refused) drops this rank's side of the group at once, so every peer's
+pending receive or send fails rather than waits out the group's timeout; the failure is then agreed on the control
+group and raised on every rank (EngineError), where EngineGuard rebuilds engines and transport and syncs again.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from moe.bridge import reshard as rs
+from moe.bridge.digest import DigestMismatchError, algorithm_for, tensor_digests, verify
+from moe.bridge.mapping import Dims, param_maps, shard_to_hf
+from moe.bridge.megatron_io import _export_plan, _inner
+from rlpo_mega.config import ConfigError
+from rlpo_mega.engine_errors import EngineError
+from rlpo_mega.weight_sync.transports import TRANSPORTS
+
+log = logging.getLogger("rlpo_mega")
+
+
+def learner_layout(chunks, vocab_divisible_by: int) -> rs.LearnerLayout:
+    """This run's megatron layout as the plan reads it (collective: the whole-on-TP parameters of every stage)."""
+    from megatron.core import parallel_state as ps
+
+    mine, _, _, _ = _export_plan(chunks[0])
+    whole = [n for n, lp in mine.items() if lp.map.kind == "column" and lp.tp_size == 1
+             and ps.get_tensor_model_parallel_world_size() > 1]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, whole)
+    return rs.LearnerLayout(dist.get_world_size(), ps.get_tensor_model_parallel_world_size(),
+                            ps.get_pipeline_model_parallel_world_size(), ps.get_expert_model_parallel_world_size(),
+                            ps.get_expert_tensor_parallel_world_size(), vocab_divisible_by,
+                            frozenset(n for w in every for n in w))
+
+
+def _layout_request(layout: rs.LearnerLayout) -> dict:
+    return {"world_size": layout.world_size, "tensor": layout.tensor, "pipeline": layout.pipeline,
+            "expert": layout.expert, "expert_tensor": layout.expert_tensor,
+            "vocab_divisible_by": layout.vocab_divisible_by, "whole_on_tp": sorted(layout.whole_on_tp)}
+
+
+@TRANSPORTS.register("reshard")
+class ReshardTransport:
+    """Shard-to-shard refit into SGLang servers (module docstring). Built on every learner rank (`all_ranks`):
+    `engine` is the rank's SGLang engine where it drives servers, None elsewhere; the trainer's sync calls
+    `sync_model(chunks)` on every rank."""
+
+    all_ranks = True
+
+    def __init__(self, cfg, engine, hf, dtype: torch.dtype):
+        self.cfg, self.engine, self.hf, self.dtype = cfg, engine, hf, dtype
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.timeout_s = cfg.rollout.sglang.control_timeout
+        self.bucket_bytes = cfg.rollout.sync_bucket_mb << 20
+        self.pg, self.members, self.group_name = None, None, None
+        self._rendezvous = None  # rank 0: the TCP store the group meets at
+        self._plans: dict = {}
+        self.control = None
+
+    @classmethod
+    def check_config(cls, cfg, engine_cls) -> None:
+        if not getattr(engine_cls, "weight_update_group", False):
+            raise ConfigError(f"rollout.sync_transport=reshard needs rollout.engine=sglang (got {cfg.rollout.engine})")
+        if cfg.rollout.colocate:
+            raise ConfigError("rollout.sync_transport=reshard sends over the network to servers on their own GPUs; "
+                              "colocated servers (rollout.colocate=true) take rollout.sync_transport=in_process (CUDA "
+                              "IPC per GPU)")
+
+    @classmethod
+    def from_config(cls, cfg, engine, hf):
+        from rlpo_mega.model_setup import PARAMS_DTYPES
+
+        if engine is not None and not getattr(engine, "weight_update_group", False):
+            raise EngineError("rollout.sync_transport=reshard needs rollout.engine=sglang")
+        return cls(cfg, engine, hf, PARAMS_DTYPES[cfg.model.params_dtype])
+
+    # ---- agreement over the control group ------------------------------------------------------------------
+    def _gather(self, obj) -> list:
+        if self.control is None:
+            from rlpo_mega import distributed
+
+            self.control = distributed.control_group(self.cfg.rollout.wait_timeout)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, obj, group=self.control)
+        return every
+
+    def _agree(self, error: Optional[str], what: str):
+        """Raise on every rank where any rank failed (`error` its text), after every rank reached this point."""
+        every = self._gather(error)
+        failed = [(r, e) for r, e in enumerate(every) if e]
+        if failed:
+            self._drop()
+            raise EngineError(f"refit ({what}) failed: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+
+    # ---- the group -------------------------------------------------------------------------------------------
+    def _servers(self) -> list:
+        """[(driver rank, URL, (tp, ep, attention dp))] of every live server, in rank order (every rank)."""
+        mine, error = [], None
+        e = self.engine
+        if e is not None:
+            try:
+                e.refresh()
+                e._check_layout()
+                for s in e.live:
+                    status, body = e._http(s, "/server_info", method="GET")
+                    layout = rs.ServerLayout.from_server_info(json.loads(body))
+                    mine.append((dist.get_rank(), s.url, (layout.tensor, layout.expert, layout.attention_dp)))
+            except (EngineError, rs.CannotPlan, ValueError) as err:
+                error = str(err)
+        every = self._gather((mine, error))
+        errors = [(r, err) for r, (_, err) in enumerate(every) if err]
+        if errors:
+            raise EngineError("refit: " + "; ".join(f"rank {r}: {err}" for r, err in errors))
+        return [s for servers, _ in every for s in servers]
+
+    def _drop(self):
+        """This rank's side of the group, destroyed: a peer waiting on it fails now, not at the group's timeout."""
+        if self.pg is not None:
+            try:
+                dist.destroy_process_group(self.pg)
+            except Exception as e:  # (already broken)
+                log.debug("dropping the refit group: %s", e)
+        self.pg, self.members = None, None
+
+    def _join(self, servers: list):
+        """Every learner rank and every server TP rank into one new group (collective over the learner ranks)."""
+        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world
+
+        self._drop()
+        learners, tp = dist.get_world_size(), self.cfg.rollout.sglang.tp_size
+        world = learners + tp * len(servers)
+        if dist.get_rank() == 0:
+            if self._rendezvous is None:
+                self._rendezvous = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                                 timeout=timedelta(seconds=self.timeout_s))
+            host = self.engine.learner_address() if self.engine is not None else os.environ.get("MASTER_ADDR",
+                                                                                                 "127.0.0.1")
+            meeting = (host, self._rendezvous.port, f"rlpo_refit_{os.getpid()}_{secrets.token_hex(8)}")
+        else:
+            meeting = None
+        host, port, name = self._gather(meeting)[0]
+        store = self._rendezvous if dist.get_rank() == 0 else dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        calls, e = [], self.engine
+        for i, (driver, url, _) in enumerate(servers):
+            if driver == dist.get_rank():
+                server = next(s for s in e.live if s.url == url)
+                calls.append(lambda s=server, i=i: e._hook_request(s, {
+                    "what": "reshard_join", "rendezvous": [host, port], "rank_offset": learners + i * tp,
+                    "world_size": world, "group": name, "backend": self.backend}, "refit group", every_rank=True))
+        error = None
+        with ThreadPoolExecutor(max_workers=max(1, len(calls))) as pool:
+            futures = [pool.submit(c) for c in calls]
+            try:
+                self.pg, _ = _new_process_group_helper(world, dist.get_rank(), [], dist.Backend(self.backend),
+                                                       PrefixStore(name, store), group_name=name,
+                                                       timeout=timedelta(seconds=self.timeout_s))
+                _world.pg_group_ranks[self.pg] = {i: i for i in range(world)}  # group ranks are the plan's ranks
+            except RuntimeError as err:
+                error = f"joining the refit group: {str(err).splitlines()[0]}"
+            for f in futures:
+                try:
+                    f.result()
+                except EngineError as err:
+                    error = error or str(err)
+        self._agree(error, "joining")
+        self.members, self.group_name = [url for _, url, _ in servers], name
+
+    # ---- the sync --------------------------------------------------------------------------------------------
+    def _plan(self, chunks, servers):
+        layouts = tuple(rs.ServerLayout(*layout) for _, _, layout in servers)
+        if layouts not in self._plans:
+            learner = learner_layout(chunks, self.cfg.model.vocab_divisible_by)
+            model = rs.ModelSpec.of(self.hf, self.dtype)
+            plan = rs.reshard_plan(model, learner, layouts)
+            joined = frozenset(n for pm in param_maps(self.hf) if pm.with_previous for n in pm.hf)
+            self._plans = {layouts: (plan, rs.plan_buckets(plan, self.bucket_bytes, joined))}
+        return self._plans[layouts]
+
+    def sync_model(self, chunks) -> dict:
+        """One refit, on every learner rank; {"tensors", "pieces", "bytes" (sent by this rank), ...} on drivers."""
+        servers = self._servers()
+        if not servers:
+            raise EngineError("refit: no live SGLang server to sync")
+        if self.pg is None or self.members != [url for _, url, _ in servers]:
+            self._join(servers)
+        plan, buckets = self._plan(chunks, servers)
+        algorithm = algorithm_for(next(_inner(chunks[0]).parameters()).device)
+        e, rank = self.engine, dist.get_rank()
+        request = {"what": "reshard_sync", "group": self.group_name, "learner": _layout_request(plan.learner),
+                   "servers": [list(layout) for _, _, layout in servers], "dtype": str(self.dtype).split(".")[-1],
+                   "bucket_bytes": self.bucket_bytes, "algorithm": algorithm,
+                   "check": [len(plan.transfers), sum(t.nbytes for t in plan.transfers)]}
+        mine = [(i, url) for i, (driver, url, _) in enumerate(servers) if driver == rank]
+        error, sent, received, reports = None, {}, {}, {}
+        with ThreadPoolExecutor(max_workers=max(1, len(mine))) as pool:
+            futures = {}
+            if mine:
+                try:
+                    e.begin_weight_update(refresh=False)
+                    for i, url in mine:
+                        server = next(s for s in e.live if s.url == url)
+                        futures[url] = pool.submit(e._hook_request, server, {**request, "index": i}, "refit",
+                                                   session=False, every_rank=True)
+                except EngineError as err:
+                    error = str(err)
+            if error is None:
+                try:
+                    sent = self._send(chunks, plan, buckets, algorithm)
+                except RuntimeError as err:  # gloo: a peer closed or reset; NCCL: its error (text only: no frames)
+                    error = f"sending its shards: {str(err).splitlines()[0]}"
+            if error is not None:
+                self._drop()  # the servers' pending receives fail now
+            for url, f in futures.items():
+                try:
+                    for r, report in enumerate(f.result()):
+                        received.update(report["digests"])
+                        reports[f"{url}#{r}"] = {k: report[k] for k in ("bytes", "as_received", "receiver")}
+                except EngineError as err:
+                    error = error or str(err)
+                    self._drop()
+        if mine and error is None:
+            try:
+                e.end_weight_update()
+            except EngineError as err:
+                error = str(err)
+        if mine and error is not None:
+            e.abandon_weight_update()
+        self._agree(error, "sending")
+        every = self._gather(sent)  # every piece's sender digest (a driver checks its servers' pieces)
+        if mine:
+            ours = {i for i, _ in mine}
+            expected = {}
+            for part in every:
+                expected.update(part)
+            expected = {k: expected.get(k, "never sent") for k in
+                        (rs.piece_key(t) for t in plan.transfers if t.server in ours)}
+            try:
+                verify(expected, received, where=f"SGLang servers of driver {rank}")
+            except DigestMismatchError as err:
+                error = str(err)
+        self._agree(error, "digests")
+        out = {"pieces": len(sent), "bytes": sum(t.nbytes for t in plan.transfers if t.src == rank)}
+        if mine:
+            out.update(tensors=len({t.name for t in plan.transfers}), servers=[u for _, u in mine],
+                       group=self.group_name, server_ranks=reports)
+        return out
+
+    def _send(self, chunks, plan, buckets, algorithm) -> dict[str, str]:
+        """This rank's pieces, bucket by bucket (isends in plan order, waited per bucket); their digests."""
+        from megatron.core import parallel_state as ps
+
+        mine, _, _, _ = _export_plan(chunks[0])
+        maps = {n: (pm, j) for pm in param_maps(self.hf) for j, n in enumerate(pm.hf)}
+        dims = Dims.of(self.hf, self.cfg.model.vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
+        rank, digests = dist.get_rank(), {}
+        specs = {t.name: t for t in plan.model.tensors}
+        for start, stop in buckets:
+            todo = [t for t in plan.transfers[start:stop] if t.src == rank]
+            if not todo:
+                continue
+            slices, pieces, works = {}, [], []
+            for t in todo:
+                pm, j = maps[t.name]
+                if pm.megatron not in slices:
+                    lp = mine[pm.megatron]
+                    slices[pm.megatron] = shard_to_hf(pm.kind, lp.param.detach(), dims, lp.tp_rank, lp.tp_size)
+                part = slices[pm.megatron][j][tuple(slice(a, b) for a, b in t.src_box)]
+                piece = part.to(specs[t.name].dtype).contiguous()
+                pieces.append(piece)
+                works.append(dist.isend(piece, dst=plan.learner.world_size + self._offset(plan, t), group=self.pg))
+            for w in works:
+                w.wait()
+            digests.update(zip((rs.piece_key(t) for t in todo), tensor_digests(pieces, algorithm)))
+        return digests
+
+    @staticmethod
+    def _offset(plan, t) -> int:
+        return sum(s.tensor for s in plan.servers[:t.server]) + t.rank
+
+    def close(self):
+        if self.pg is None:
+            return
+        e = self.engine
+        if e is not None:
+            for s in e.live:
+                if s.url in (self.members or ()):
+                    try:
+                        e._hook_request(s, {"what": "reshard_leave", "group": self.group_name}, "refit group",
+                                        every_rank=True)
+                    except EngineError:
+                        pass
+        self._drop()
+
+
+__all__ = ["ReshardTransport", "learner_layout"]

@@ -1,0 +1,75 @@
+"""The shard-to-shard refit (rollout.sync_transport=reshard) from megatron learner ranks into real CPU SGLang servers
+(tests/test_refit_transport.py). argv: out_dir hf_checkpoint urls(comma) server_tp drivers override...
+
+Two syncs, the weights moved between them (seeded noise on every parameter, alike on every replica): after each
+one every server's weights, digested inside it over its TP ranks (the report hook's full HF tensors, the
+independent check every transport shares), equal the learner's own export tensor for tensor, bit for bit; and the
+transport's own piece digests passed. Rank 0 reports the bytes each learner rank sent and each server rank
+received against the plan's shares, and the receivers' counts (learned at the first sync, replayed at the second).
+"""
+import sys
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from moe.bridge.digest import tensor_digests
+from moe.bridge.megatron_io import export_hf_state
+from moe.model import load_hf_config
+from rlpo_mega import distributed
+from rlpo_mega.config import load_config
+from rlpo_mega.model_setup import build_policy
+from rlpo_mega.rollout.engines import build_engine, make_transport
+from tests.dist import write_report
+
+
+def nudge(chunks, step):
+    """Seeded noise on every parameter, by its name: replicas of one parameter move alike."""
+    with torch.no_grad():
+        for chunk in chunks:
+            for name, p in chunk.named_parameters():
+                g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{step}/{dist.get_rank() if 'experts' in name else 0}".encode()))
+                p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.01)
+
+
+def main():
+    out, ckpt, urls, server_tp, drivers, *overrides = sys.argv[1:]
+    cfg = load_config(None, (
+        f"model.hf_config={ckpt}/config.json", f"model.init_from_hf={ckpt}", "rollout.engine=sglang",
+        f"rollout.sglang.urls=[{urls}]", f"rollout.sglang.tp_size={server_tp}", f"rollout.sglang.drivers={drivers}",
+        "rollout.sync_transport=reshard", "rollout.sync_bucket_mb=1", "logging.wandb=false", *overrides))
+    hf = load_hf_config(cfg.model.hf_config)
+    layout = distributed.init(cfg.parallel, hf, cfg.seed)
+    chunks, _ = build_policy(hf, layout, cfg.model, cfg.optim)
+    engine = build_engine(cfg, hf)
+    transport = make_transport(cfg, engine, hf)
+    report = {"syncs": []}
+    for step in range(2):
+        nudge(chunks, step)
+        result = transport.sync_model(chunks)
+        full = export_hf_state(chunks, dst=0)  # the learner's weights, whole, on rank 0 (the reference)
+        names = sorted(full) if dist.get_rank() == 0 else None
+        box = [None if names is None else dict(zip(names, tensor_digests([full[n] for n in names], "xxh3")))]
+        dist.broadcast_object_list(box, src=0)
+        mine = {}
+        if engine is not None:
+            held = engine.weight_digests(sorted(box[0]), "xxh3")
+            mine = {"equal": held == box[0], "missing": sorted(set(box[0]) - set(held))[:5],
+                    "differ": sorted(n for n in held if held[n] != box[0].get(n))[:5],
+                    "receivers": engine.receivers()}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, {"result": result, "check": mine})
+        report["syncs"].append(every)
+    plan, _ = next(iter(transport._plans.values()))
+    report["plan"] = {"sent": plan.sent_bytes(), "received": {f"{s}.{r}": n for (s, r), n in plan.received_bytes().items()},
+                      "shard": {f"{s}.{r}": n for (s, r), n in plan.shard_bytes().items()}, "model": plan.model.nbytes}
+    transport.close()
+    if engine is not None:
+        engine.shutdown()
+    if dist.get_rank() == 0:
+        write_report(report)
+    distributed.destroy()
+
+
+if __name__ == "__main__":
+    main()
