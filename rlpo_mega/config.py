@@ -390,12 +390,13 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 16
     stop_token_ids: Optional[list[int]] = None  # None = the tokenizer's eos
-    # a TRANSPORTS name: in_process | disk (rlpo_mega.weight_sync.transports) | sglang_distributed
-    # (rollout.engine=sglang; rlpo_mega.weight_sync.sglang_distributed)
     # true: the engine runs on the learner's own accelerators (training/colocate.py): each step the learner's
     # weights, gradients and accelerator optimizer state leave for the host while the engine generates, and return
     # for the update; the engine's memory is released meanwhile (rollout.engine=embedded)
     colocate: bool = False
+    # a TRANSPORTS name: in_process | disk (rlpo_mega.weight_sync.transports) | sglang_distributed (rollout.engine=
+    # sglang; rlpo_mega.weight_sync.sglang_distributed) | reshard (sglang, servers on their own GPUs: every learner
+    # rank sends its own shards to the server ranks holding them; rlpo_mega.weight_sync.reshard)
     sync_transport: str = "in_process"
     sync_bucket_mb: int = 64
     sync_dir: Optional[str] = None  # disk transport's directory (several engine ranks: a driver_<i> subdirectory each)

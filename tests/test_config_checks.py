@@ -161,6 +161,8 @@ def test_transport_engine_combinations(tiny_hf):
     warns = check_run_config(_cfg(*sg), tiny_hf)
     assert len(warns) == 1 and "http://n3:30000 may be on other nodes" in warns[0]
     assert check_run_config(_cfg(*sg, "rollout.sync_transport=sglang_distributed"), tiny_hf) == []
+    assert check_run_config(_cfg(*sg, "rollout.sync_transport=reshard"), tiny_hf) == []
+    assert "embedded engine lives in the learner's process; use in_process" in _err(tiny_hf, "rollout.sync_transport=reshard")
     launched = ("rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m")
     assert "enable_return_routed_experts=true" in _err(tiny_hf, *launched, "routing.mode=r3")
     check_run_config(_cfg(*launched, "routing.mode=r3",
@@ -385,6 +387,7 @@ def test_colocate_refusals(tiny_hf):
     sg = ("rollout.colocate=true", "rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m")
     assert check_run_config(_cfg(*sg), tiny_hf) == []
     assert "set rollout.sync_transport=in_process" in _err(tiny_hf, *sg, "rollout.sync_transport=sglang_distributed")
+    assert "set rollout.sync_transport=in_process" in _err(tiny_hf, *sg, "rollout.sync_transport=reshard")
     assert "rollout.sglang.launch=true, no rollout.sglang.urls" in _err(
         tiny_hf, *sg, "rollout.sglang.urls=[http://127.0.0.1:30000]")
     assert "use rollout.producer=sync" in _err(tiny_hf, "rollout.colocate=true", "rollout.producer=async")

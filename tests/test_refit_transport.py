@@ -74,16 +74,23 @@ def _check(r, learners, servers):
             assert b[url]["loaded"] == a[url]["loaded"] and b[url]["replayed"] > a[url]["replayed"], (a, b)
 
 
-@pytest.mark.parametrize("family,server_tp,layout", [
-    ("qwen3_moe", 2, ["parallel.expert=2"]),  # experts shard to shard: EP2 learners into a TP2 server (moe-TP 2)
-    ("mixtral", 2, ["parallel.tensor=2"]),  # attention and experts split over TP on both
+@pytest.mark.parametrize("family,server_tp,layout,kill", [
+    # experts shard to shard: EP2 learners into a TP2 server (moe-TP 2); then the server SIGKILLed mid-refit
+    ("qwen3_moe", 2, ["parallel.expert=2"], True),
+    ("mixtral", 2, ["parallel.tensor=2"], False),  # attention and experts split over TP on both sides
 ])
-def test_reshard_sync_is_bit_exact_and_sends_only_shards(family, server_tp, layout, sglang_python, tmp_path):
+def test_reshard_sync_is_bit_exact_and_sends_only_shards(family, server_tp, layout, kill, sglang_python, tmp_path):
+    """Two syncs, bit-exact (module docstring). kill: a third sync with the server SIGKILLed as the learner ranks
+    start sending: every rank raises the failure (EngineError, agreed) within seconds, none waits out a timeout."""
     ckpt = _checkpoint(family, str(tmp_path / "hf"))
     server = _server(sglang_python, ckpt, server_tp, str(tmp_path / "logs"))
+    env = {"RLPO_KILL_SERVER_PGID": str(server.proc.pid)} if kill else None
     try:
         r = torchrun("reshard_sync.py", 2, str(tmp_path / "run"), ckpt, server.url, str(server_tp), "1", *layout,
-                     timeout=600)
+                     timeout=600, env=env)
     finally:
         server.stop()
     _check(r, 2, 1)
+    if kill:
+        assert all(k["failed"] and "refit" in k["failed"] for k in r["killed"]), r["killed"]
+        assert max(k["seconds"] for k in r["killed"]) < 60, r["killed"]

@@ -53,9 +53,9 @@ class Stream:
             yield out
 
 
-def make_checkpoint(path: str, layers: int, experts: int):
-    """A random Qwen3-MoE of the shipped tiny config's dimensions at `layers` x `experts`, saved by transformers
-    (the released checkpoints' names); -> its HF config and {name: tensor} as saved."""
+def make_checkpoint(path: str, layers: int, experts: int, **sizes):
+    """A random Qwen3-MoE of the shipped tiny config's dimensions at `layers` x `experts` (and `sizes` where given),
+    saved by transformers (the released checkpoints' names); -> its HF config and {name: tensor} as saved."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +64,8 @@ def make_checkpoint(path: str, layers: int, experts: int):
     hf = load_hf_config(os.path.join(ROOT, "configs/models/tiny_qwen3_moe.json"))
     hf.num_hidden_layers, hf.num_experts = layers, experts
     hf.num_experts_per_tok = min(int(hf.num_experts_per_tok), experts)
+    for key, value in sizes.items():
+        setattr(hf, key, value)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(hf).save_pretrained(path)
     weights = {}

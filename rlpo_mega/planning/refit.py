@@ -15,8 +15,8 @@ How each transport moves the weights (what the code does, named where it is done
   HF checkpoint each server rank reads.
 - colocated (rollout.colocate): the export broadcasts every tensor to every learner rank, and the rank on each
   server rank's GPU hands it over by CUDA IPC (sglang_payloads): no link past the broadcast.
-- reshard: moe/bridge/reshard.reshard_plan, each learner rank's own shards to the server ranks holding them (the
-  transport that follows it is not built yet: issue 60); the plan's figures say what it will move."""
+- reshard: moe/bridge/reshard.reshard_plan, each learner rank's own shards to the server ranks holding them
+  (rlpo_mega/weight_sync/reshard.py follows it: one group of every learner rank and server TP rank)."""
 from __future__ import annotations
 
 import copy
@@ -232,7 +232,7 @@ def render_refit(refit: Refit) -> list[str]:
     head = ["transport", "busiest learner GPU out (GB)", "busiest server GPU in (GB)", "its shard (GB)", "time (s)"]
     table = []
     for r in rows:
-        name = r.transport + (" *" if r.configured else "") + (" (planned)" if r.transport == "reshard" else "")
+        name = r.transport + (" *" if r.configured else "")
         if r.unavailable:
             table.append([name, f"n/a: {r.unavailable}"])
         else:
@@ -246,7 +246,7 @@ def render_refit(refit: Refit) -> list[str]:
         else:
             out.append("  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(line, widths))))
     out.append("  * this recipe's rollout.sync_transport; reshard: each learner rank's own shards to the server ranks "
-               "holding them (moe/bridge/reshard.py; its transport is not built yet)")
+               "holding them (moe/bridge/reshard.py; rlpo_mega/weight_sync/reshard.py)")
     return out
 
 

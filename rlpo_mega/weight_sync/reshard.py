@@ -89,10 +89,7 @@ class ReshardTransport:
     def check_config(cls, cfg, engine_cls) -> None:
         if not getattr(engine_cls, "weight_update_group", False):
             raise ConfigError(f"rollout.sync_transport=reshard needs rollout.engine=sglang (got {cfg.rollout.engine})")
-        if cfg.rollout.colocate:
-            raise ConfigError("rollout.sync_transport=reshard sends over the network to servers on their own GPUs; "
-                              "colocated servers (rollout.colocate=true) take rollout.sync_transport=in_process (CUDA "
-                              "IPC per GPU)")
+        # colocated servers (rollout.colocate) are refused by the engine's own check: in_process (CUDA IPC per GPU)
 
     @classmethod
     def from_config(cls, cfg, engine, hf):

@@ -7,6 +7,7 @@ independent check every transport shares), equal the learner's own export tensor
 transport's own piece digests passed. Rank 0 reports the bytes each learner rank sent and each server rank
 received against the plan's shares, and the receivers' counts (learned at the first sync, replayed at the second).
 """
+import os
 import sys
 import zlib
 
@@ -60,11 +61,37 @@ def main():
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, {"result": result, "check": mine})
         report["syncs"].append(every)
+    kill = os.environ.get("RLPO_KILL_SERVER_PGID")
+    if kill:  # a server SIGKILLed mid-refit: rank 0 kills it once the servers are receiving, then sends its shards
+        import signal
+        import time
+
+        from rlpo_mega.engine_errors import EngineError
+        from rlpo_mega.weight_sync.reshard import ReshardTransport
+
+        send = ReshardTransport._send
+
+        def killing(self, *args):
+            if dist.get_rank() == 0:
+                os.killpg(int(kill), signal.SIGKILL)
+            return send(self, *args)
+
+        ReshardTransport._send = killing
+        nudge(chunks, 2)
+        t0 = time.monotonic()
+        try:
+            transport.sync_model(chunks)
+            failed = None
+        except EngineError as e:
+            failed = str(e)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, {"failed": failed, "seconds": time.monotonic() - t0})
+        report["killed"] = every
     plan, _ = next(iter(transport._plans.values()))
     report["plan"] = {"sent": plan.sent_bytes(), "received": {f"{s}.{r}": n for (s, r), n in plan.received_bytes().items()},
                       "shard": {f"{s}.{r}": n for (s, r), n in plan.shard_bytes().items()}, "model": plan.model.nbytes}
     transport.close()
-    if engine is not None:
+    if engine is not None and not kill:
         engine.shutdown()
     if dist.get_rank() == 0:
         write_report(report)
