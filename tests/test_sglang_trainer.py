@@ -66,6 +66,32 @@ def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
 
 
+def test_trainer_reshard_with_restart_and_a_server_killed_mid_refit(sglang_python, tmp_path):
+    """The trainer with rollout.sync_transport=reshard (every learner rank sends its own shards: EP2 learners, 2
+    drivers, 2 launched servers): driver 0's server killed after step 1 (rebuilt, a new refit group, both
+    re-synced) and again as step 2's shards leave (the sync fails on both ranks, agreed, rebuilt, re-synced).
+    Every completed sync passed its per-piece digests; the learner's log-probs of every step's samples equal the
+    servers' (the synced weights took effect, bit for bit)."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("train_scenarios.py", 2, "reshard_run", str(tmp_path / "run"), timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
+    for rank, mine in enumerate(r["ranks"]):
+        syncs = mine["syncs"]
+        # start, after step 1 (its rollout then fails on driver 0's dead server: rebuilt), the rebuild's re-sync,
+        # step 2's (killed mid-refit), the second rebuild's re-sync, after step 3
+        assert [s.get("failed", False) for s in syncs] == [False, False, False, True, False, False], (rank, syncs)
+        done = [s for s in syncs if not s.get("failed")]
+        assert all(s["bytes"] > 0 and s["pieces"] > 0 for s in done), (rank, syncs)
+        groups = [s["group"] for s in done]
+        assert groups[0] == groups[1] and len({groups[0], groups[2], groups[3]}) == 3 and groups[3] == groups[4], groups
+    assert [h["engine/restarts"] for h in r["history"]] == [0, 2, 2], r["history"]
+    for h in r["history"]:
+        assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+
+
 def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_python, tmp_path):
     """Two servers the trainer launched on its one driver (num_servers=2, drivers=1) pass the first sync and train;
     a SIGTERM to the learners and the servers together (scancel --signal=TERM) in step 2's sync, with the servers

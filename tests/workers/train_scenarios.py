@@ -399,6 +399,55 @@ def sglang_distributed_run(out):
     return {"rc": 0, "history": history(out, "sgl"), "drivers": every}
 
 
+def reshard_run(out):
+    """sglang_distributed_run's shape with rollout.sync_transport=reshard (every learner rank sends its own shards
+    to the server ranks holding them): 3 steps, 2 drivers, 2 launched servers; driver 0's server is killed after
+    step 1 (every engine and transport rebuilt, a new refit group, both servers re-synced), and again in step 2's
+    sync as the learner ranks start sending (the sync fails on every rank, the failure is agreed, everything is
+    rebuilt once more and re-synced). Every rank reports its syncs (a failed one as "failed")."""
+    from rlpo_mega.weight_sync.reshard import ReshardTransport
+
+    syncs, now = [], {"step": 0}
+    original_sync, original_send = Trainer.sync, ReshardTransport._send
+
+    def sync(self):
+        now["step"] = self.step
+        slot = self.engines.slot
+        try:
+            got = original_sync(self)
+        except EngineError:
+            syncs.append({"failed": True, "group": slot.transport.group_name if slot.transport else None})
+            raise
+        syncs.append({**got, "group": slot.transport.group_name})
+        return got
+
+    def send(self, *args):
+        e = self.engine
+        if now["step"] == 2 and not now.get("killed") and e is not None and e.driver == 0:
+            server = e.servers[0].launched
+            if server is not None and server.alive():
+                now["killed"] = True  # driver 0's server dies as the shards leave
+                server.kill()
+                server.proc.wait(30)
+        return original_send(self, *args)
+
+    def kill_after_first(trainer):
+        if trainer.step == 1 and trainer.rank == 0:
+            server = trainer.engines.slot.engine.servers[0].launched
+            server.kill()
+            server.proc.wait(30)
+
+    Trainer.sync, ReshardTransport._send = sync, send
+    try:
+        _run_with(_sglang_cfg(out, "rs", "train_iters=3", "trainer.engine_restarts=2", "rollout.sglang.drivers=2",
+                              "rollout.sglang.num_servers=2", "rollout.sync_transport=reshard"), kill_after_first)
+    finally:
+        Trainer.sync, ReshardTransport._send = original_sync, original_send
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"syncs": syncs})
+    return {"rc": 0, "history": history(out, "rs"), "ranks": every}
+
+
 def sglang_external_failover(out):
     """Two external servers on one driver (rank 0), started as the sbatch starts them (launch/sglang_server.py, by
     the test: RLPO_SGLANG_URLS, their process groups RLPO_SGLANG_PIDS), the demo's in_process sync (the first sync
