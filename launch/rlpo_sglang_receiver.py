@@ -160,15 +160,40 @@ class _Region:
         return out
 
 
-class _Watch(TorchFunctionMode):
-    """The writes one name's load makes into the model: each `copy_` into a parameter (or buffer) from a view of
-    the incoming tensor is kept; any other in-place write into one (or a copy from anything else) makes the load
-    opaque."""
+def _extent(t: torch.Tensor) -> int:
+    """Elements of storage a view spans, from its first to its last."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
-    def __init__(self, bases: dict, source: torch.Tensor):
+
+class _Watch(TorchFunctionMode):
+    """The writes one load call makes into the model, each attributed to the incoming tensor it reads: a `copy_`
+    into a parameter (or buffer) from a view lying within one incoming tensor's bytes is kept as that tensor's; a
+    constant `fill_` (a padded vocabulary's rows, written right after its copy) as the tensor copied last; any other
+    in-place write into one, or a copy from anything else, makes the call opaque."""
+
+    def __init__(self, bases: dict, sources: list):
         super().__init__()
-        self.bases, self.source, self.src_ptr = bases, source, _storage(source)
-        self.copies, self.opaque = [], None  # opaque: what made the load one the receiver cannot replay
+        self.bases, self.sources = bases, sources
+        self.spans: dict = {}  # storage -> [(first byte, end byte, index)] (a flattened bucket: many per storage)
+        for i, t in enumerate(sources):
+            first = t.storage_offset() * t.element_size()
+            self.spans.setdefault(_storage(t), []).append((first, first + _extent(t) * t.element_size(), i))
+        self.copies = [[] for _ in sources]
+        self.last = None  # the source copied from last
+        self.opaque = None  # opaque: what made the call one the receiver cannot replay
+
+    def _source(self, src: torch.Tensor):
+        spans = self.spans.get(_storage(src))
+        if not spans or src.requires_grad:
+            return None
+        first = src.storage_offset() * src.element_size()
+        end = first + _extent(src) * src.element_size()
+        for a, b, i in spans:
+            if a <= first and end <= b:
+                return i if self.sources[i].dtype == src.dtype else None  # (a reinterpreted view: not the tensor)
+        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -179,11 +204,12 @@ class _Watch(TorchFunctionMode):
             owner = self.bases.get(_storage(target))
             if owner is not None:
                 src = args[1] if len(args) > 1 else kwargs.get("src")
-                if (name == "copy_" and isinstance(src, torch.Tensor) and _storage(src) == self.src_ptr
-                        and not src.requires_grad):
-                    self.copies.append(_Copy(owner, target, src, self.source))
-                elif name == "fill_" and isinstance(src, (int, float, bool)):  # e.g. a padded vocabulary's rows
-                    self.copies.append(_Copy(owner, target, None, self.source, fill=src))
+                i = self._source(src) if name == "copy_" and isinstance(src, torch.Tensor) else None
+                if i is not None:
+                    self.copies[i].append(_Copy(owner, target, src, self.sources[i]))
+                    self.last = i
+                elif name == "fill_" and isinstance(src, (int, float, bool)) and self.last is not None:
+                    self.copies[self.last].append(_Copy(owner, target, None, self.sources[self.last], fill=src))
                 else:
                     self.opaque = self.opaque or (name if name != "copy_" else "copy_ from another tensor")
         out = kwargs.get("out")
@@ -192,14 +218,17 @@ class _Watch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_ALONE = object()  # learned in a call whose writes were not all replayable: learned alone at its next sync
+
+
 class Receiver:
     """`model.load_weights` replaced on one TP rank: learned names replayed, the rest SGLang's."""
 
     def __init__(self, model, loader_only=()):
         self.model, self.original = model, model.load_weights
         self.loader_only = [re.compile(p) for p in loader_only]
-        self.learned: dict = {}  # name -> _Learned, or None: SGLang's loader every time
-        self.regions: dict = {}  # name -> _Region, or None: the same for the shard-to-shard transport
+        self.learned: dict = {}  # name -> _Learned, None (SGLang's loader every time) or _ALONE
+        self.regions: dict = {}  # name -> _Region, None or _ALONE: the same for the shard-to-shard transport
         self.bases: dict = {}
         self.replay = True  # False: SGLang loads every name (the figure the receiver is measured against)
         self.stats = {"replayed": 0, "loaded": 0, "learned": 0, "calls": 0, "seconds": 0.0, "not_replayed": {}}
@@ -212,21 +241,33 @@ class Receiver:
                 if t is not None:
                     self.bases.setdefault(_storage(t), (module, attr))
 
-    def _learn(self, name: str, t: torch.Tensor):
-        """SGLang loads `name` (as it always does), watched; -> its replay, or None."""
+    def _not_replayed(self, why: str):
+        self.stats["not_replayed"][why] = self.stats["not_replayed"].get(why, 0) + 1
+
+    def _learn(self, batch: list) -> dict:
+        """SGLang loads `batch` [(name, tensor)] in one call, as it always does, watched -> {name: its replay, None
+        (never replayable: SGLang's at every sync, counted by reason) or _ALONE}. Where the call's writes are not
+        all replayable the culprit is not known: each name of a batch is learned alone at its next sync (one
+        SGLang call per name, the slow path), a name alone gets None."""
         if not self.bases:
             self._refresh_bases()
-        watch = _Watch(self.bases, t)
+        watch = _Watch(self.bases, [t for _, t in batch])
         with watch:
-            self.original([(name, t)])
-        self.stats["learned"] += 1
-        dtypes = {getattr(c.module, c.attr).dtype for c in watch.copies if c.fill is None}
-        why = watch.opaque or next((f"copy_ {t.dtype} -> {d}" for d in dtypes  # (none seen on 0.5.23)
-                                    if d.is_floating_point != t.dtype.is_floating_point), None)
-        if why:  # SGLang's at every sync; counted by reason (the learner's report)
-            self.stats["not_replayed"][why] = self.stats["not_replayed"].get(why, 0) + 1
-            return None
-        return _Learned(t, watch.copies)
+            self.original(batch)
+        self.stats["learned"] += len(batch)
+        if watch.opaque and len(batch) > 1:
+            return {name: _ALONE for name, _ in batch}
+        out = {}
+        for (name, t), copies in zip(batch, watch.copies):
+            dtypes = {getattr(c.module, c.attr).dtype for c in copies if c.fill is None}
+            why = watch.opaque or next((f"copy_ {t.dtype} -> {d}" for d in dtypes  # (none seen on 0.5.23)
+                                        if d.is_floating_point != t.dtype.is_floating_point), None)
+            if why:  # SGLang's at every sync; counted by reason (the learner's report)
+                self._not_replayed(why)
+                out[name] = None
+            else:
+                out[name] = _Learned(t, copies)
+        return out
 
     def load_weights(self, weights, *args, **kwargs):
         if args or kwargs:  # a variant this receiver does not know (e.g. is_nextn): SGLang's
@@ -239,15 +280,17 @@ class Receiver:
             self.stats["calls"] += 1
             self.stats["seconds"] += time.perf_counter() - t0
             return
-        rest = []
+        rest, new = [], []
         for name, t in weights:
             entry = self.learned.get(name, _NEW)
             if entry is _NEW:
                 if any(p.search(name) for p in self.loader_only):
                     self.learned[name] = None
                     rest.append((name, t))
-                else:  # loaded now, by SGLang, watched
-                    self.learned[name] = self._learn(name, t)
+                else:  # loaded below, by SGLang, watched
+                    new.append((name, t))
+            elif entry is _ALONE:
+                self.learned.update(self._learn([(name, t)]))
             elif entry is None:
                 rest.append((name, t))
             elif entry.replay(t):
@@ -256,41 +299,51 @@ class Receiver:
                 del self.learned[name]
                 self.bases = {}
                 rest.append((name, t))
+        if new:
+            self.learned.update(self._learn(new))
         if rest:
             self.original(rest)
             self.stats["loaded"] += len(rest)
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
 
-
     def load_regions(self, items):
-        """The shard-to-shard transport's load: items [(name, full HF shape, region, tensor of the region)]. A name
-        seen for the first time is loaded by SGLang from a whole-shaped tensor holding only the region (its loader
-        reads only its own slice: moe/bridge/reshard.server_region), watched, and its copies moved into the
-        region's coordinates; later syncs replay them from the region alone. Names SGLang must load itself, or
+        """The shard-to-shard transport's load: items [(name, full HF shape, region, tensor of the region)]. Names
+        seen for the first time are loaded by SGLang from whole-shaped tensors holding only their regions (its
+        loader reads only its own slice: moe/bridge/reshard.server_region), watched, and their copies moved into
+        the regions' coordinates; later syncs replay them from the region alone. Names SGLang must load itself, or
         whose copies reach outside the region, go to SGLang that way every sync, in one call."""
         t0 = time.perf_counter()
-        rest = []
-        for name, shape, region, t in items:
-            entry = self.regions.get(name, _NEW)
-            if entry is not _NEW and entry is not None and entry.replay(t):
-                self.stats["replayed"] += 1
-                continue
+        rest, new, alone = [], [], []
+
+        def whole(shape, region, t):
             full = torch.zeros(shape, dtype=t.dtype, device=t.device)
             full[tuple(slice(a, b) for a, b in region)].copy_(t)
-            if entry is _NEW and not any(p.search(name) for p in self.loader_only):
-                learned = self._learn(name, full)  # (SGLang loads it now, watched)
-                self.regions[name] = None if learned is None else _Region.of(learned, full, region)
-                if self.regions[name] is None and learned is not None:
-                    self.stats["not_replayed"]["reads outside its region"] = \
-                        self.stats["not_replayed"].get("reads outside its region", 0) + 1
+            return full
+
+        for name, shape, region, t in items:
+            entry = self.regions.get(name, _NEW)
+            if entry is not _NEW and entry is not None and entry is not _ALONE and entry.replay(t):
+                self.stats["replayed"] += 1
                 continue
-            if entry is _NEW:
-                self.regions[name] = None
-            elif entry is not None:  # the parameter or the tensor changed: SGLang's now, learned again next time
+            if entry is _NEW and any(p.search(name) for p in self.loader_only):
+                self.regions[name] = entry = None
+            if entry is _NEW or entry is _ALONE:  # loaded below, by SGLang, watched
+                (new if entry is _NEW else alone).append((name, whole(shape, region, t), region))
+                continue
+            if entry is not None:  # the parameter or the tensor changed: SGLang's now, learned again next time
                 del self.regions[name]
                 self.bases = {}
-            rest.append((name, full))
+            rest.append((name, whole(shape, region, t)))
+        for call in ([new] if new else []) + [[x] for x in alone]:
+            learned = self._learn([(name, full) for name, full, _ in call])
+            for name, full, region in call:
+                entry = learned[name]
+                if entry is not None and entry is not _ALONE:
+                    entry = _Region.of(entry, full, region)
+                    if entry is None:
+                        self._not_replayed("reads outside its region")
+                self.regions[name] = entry
         if rest:
             self.original(rest)
             self.stats["loaded"] += len(rest)
@@ -301,7 +354,7 @@ class Receiver:
         """`t` (the region's shape) filled with what the model holds of `name`'s region, or None where this
         receiver does not replay the name (SGLang loads it; its layout is SGLang's own)."""
         entry = self.regions.get(name)
-        return None if entry is None else entry.read_back(t)
+        return None if entry is None or entry is _ALONE else entry.read_back(t)
 
 
 def _loader_only_patterns(config) -> list[str]:

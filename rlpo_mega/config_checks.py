@@ -505,9 +505,11 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
                      "(the rollout's or the old pass's), and every sync moves the engine's routing with it")
     if world_size is not None:
         try:
-            resolve_layout(cfg.parallel, world_size, hf)
+            layout = resolve_layout(cfg.parallel, world_size, hf)
         except ParallelLayoutError as e:
             raise ConfigError(f"{e} (world size {world_size})") from None
+        if hasattr(transport, "check_layout"):  # what the transport needs of the learner's and servers' layouts
+            transport.check_layout(cfg, hf, layout, world_size)
     _check_context(cfg, hf)
     _check_batch(cfg, world_size)
     _check_data(cfg, warns, files)

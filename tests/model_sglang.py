@@ -9,7 +9,8 @@ of little-endian int32 [rows, num_hidden_layers, topk] from routed_experts_start
 one through the engine's abort (its tokens so far come back, finish "abort") or a queued one before it starts.
 Weight updates: begin/end sessions (the engine's own update spans a session's loads: one record entry per sync),
 update_weights_from_tensor (a ForkingPickler payload, or the digest report
-hook, REPORT_LOADER, answered through the driver's TCP store as launch/rlpo_sglang_hooks.py does),
+hook, REPORT_LOADER, answered through the driver's TCP store as launch/rlpo_sglang_hooks.py does; the receiver's
+install request is answered with no counts: the stub loads through its embedded engine),
 update_weight_version, flush_cache, server_info (tp_size 1, no radix cache: the stub caches nothing).
 rollout.partial_rollout_kv=keep: /pause_generation (mode in_place) holds the server: the running generation ends
 first (the embedded engine generates a request at once), the next wait, the weights load under the hold (no lock
@@ -175,6 +176,9 @@ class ModelSGLang:
                 req = json.loads(named[0][0])
                 store = torch.distributed.TCPStore(req["store"][0], int(req["store"][1]), is_master=False,
                                                    timeout=timedelta(seconds=req["timeout"]))
+                if req.get("what") == "receiver":  # the engine installs SGLang's in-server receiver: none here
+                    store.set(req["key"], keys_module().seal(self.key, req["key"], {"receiver": {}}))
+                    return 200, {"success": True}
                 digests = self.engine.weight_digests(sorted(self.names), req["algorithm"])
                 store.set(req["key"], keys_module().seal(self.key, req["key"], {"digests": digests}))
                 return 200, {"success": True}

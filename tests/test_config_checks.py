@@ -161,7 +161,15 @@ def test_transport_engine_combinations(tiny_hf):
     warns = check_run_config(_cfg(*sg), tiny_hf)
     assert len(warns) == 1 and "http://n3:30000 may be on other nodes" in warns[0]
     assert check_run_config(_cfg(*sg, "rollout.sync_transport=sglang_distributed"), tiny_hf) == []
-    assert check_run_config(_cfg(*sg, "rollout.sync_transport=reshard"), tiny_hf) == []
+    assert check_run_config(_cfg(*sg, "rollout.sync_transport=reshard"), tiny_hf, world_size=2) == []
+    # a server layout the shard-to-shard plan does not cover: one line, what and the transport that syncs it
+    msg = _err(tiny_hf, *sg, "rollout.sync_transport=reshard", "rollout.sglang.tp_size=2",
+               "rollout.sglang.server_args.enable_dp_attention=true", "rollout.sglang.server_args.dp_size=2",
+               world_size=2)
+    assert "reshard: no shard-to-shard refit plan: DP attention" in msg and "sync_transport=sglang_distributed syncs it" \
+        in msg and "\n" not in msg, msg
+    msg = _err(tiny_hf, *sg, "rollout.sync_transport=reshard", "rollout.sglang.server_args.ep_size=3", world_size=2)
+    assert "reshard: SGLang layout: tp_size=1 with ep_size=3 attn_dp_size=1 is not a layout" in msg, msg
     assert "embedded engine lives in the learner's process; use in_process" in _err(tiny_hf, "rollout.sync_transport=reshard")
     launched = ("rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m")
     assert "enable_return_routed_experts=true" in _err(tiny_hf, *launched, "routing.mode=r3")

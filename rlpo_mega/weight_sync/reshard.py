@@ -91,6 +91,20 @@ class ReshardTransport:
             raise ConfigError(f"rollout.sync_transport=reshard needs rollout.engine=sglang (got {cfg.rollout.engine})")
         # colocated servers (rollout.colocate) are refused by the engine's own check: in_process (CUDA IPC per GPU)
 
+    @staticmethod
+    def check_layout(cfg, hf, layout, world_size: int) -> None:
+        """`rlpo-mega check`: the refit planned for the configured learner layout and servers (rollout.sglang.tp_size
+        and server_args, read as /server_info reports them); a layout the plan does not cover is one line naming
+        what is not planned and the transport that syncs it (moe/bridge/reshard.CannotPlan)."""
+        sg = cfg.rollout.sglang
+        try:
+            server = rs.ServerLayout.from_server_info({**sg.server_args, "tp_size": sg.tp_size})
+            learner = rs.LearnerLayout(world_size, layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor,
+                                       cfg.model.vocab_divisible_by)
+            rs.reshard_plan(rs.ModelSpec.of(hf, torch.bfloat16), learner, [server])
+        except (rs.CannotPlan, ValueError) as e:
+            raise ConfigError(f"rollout.sync_transport=reshard: {e}") from None
+
     @classmethod
     def from_config(cls, cfg, engine, hf):
         from rlpo_mega.model_setup import PARAMS_DTYPES
