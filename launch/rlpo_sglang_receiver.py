@@ -39,10 +39,11 @@ class _Copy:
     """One write of a learned load: the parameter's view <- the incoming tensor's view (or a constant). The
     parameter is named by its module and attribute, read again at each replay: a parameter SGLang replaced
     has another storage, and the replay refuses it (a held reference would write into the discarded one)."""
-    __slots__ = ("module", "attr", "ptr", "view", "src", "fill")
+    __slots__ = ("module", "attr", "ptr", "key", "view", "src", "fill")
 
     def __init__(self, owner, dst, src, source, fill=None):
         (self.module, self.attr), self.ptr, self.fill = owner, _storage(dst), fill
+        self.key = (id(self.module), self.attr, self.ptr)  # one check per parameter and load call (_held)
         # the parameter's view, made once (it keeps the storage the replay checks against)
         self.view = torch.as_strided(dst.detach(), tuple(dst.shape), dst.stride(), dst.storage_offset())
         # the tensor's view: None where it is the whole tensor (the usual case: no view to make per sync)
@@ -53,6 +54,19 @@ class _Copy:
                 self.src = geometry
 
 
+def _held(copies, checked: dict) -> bool:
+    """Every copy's parameter still has the storage it was learned with (re-read from its module: SGLang may have
+    replaced it), checked once per parameter in a load call (`checked`: that call's answers)."""
+    for c in copies:
+        ok = checked.get(c.key)
+        if ok is None:
+            base = getattr(c.module, c.attr, None)
+            ok = checked[c.key] = base is not None and _storage(base) == c.ptr
+        if not ok:
+            return False
+    return True
+
+
 class _Learned:
     """A name's replay: the incoming tensor's geometry it was learned from and its copies (none: SGLang skips it)."""
     __slots__ = ("shape", "stride", "dtype", "copies")
@@ -60,13 +74,9 @@ class _Learned:
     def __init__(self, source, copies):
         self.shape, self.stride, self.dtype, self.copies = tuple(source.shape), source.stride(), source.dtype, copies
 
-    def replay(self, t: torch.Tensor) -> bool:
-        if t.shape != self.shape or t.stride() != self.stride or t.dtype != self.dtype:
+    def replay(self, t: torch.Tensor, checked: dict) -> bool:
+        if t.shape != self.shape or t.stride() != self.stride or t.dtype != self.dtype or not _held(self.copies, checked):
             return False
-        for c in self.copies:
-            base = getattr(c.module, c.attr, None)
-            if base is None or _storage(base) != c.ptr:
-                return False
         for c in self.copies:
             if c.fill is not None:
                 c.view.fill_(c.fill)
@@ -118,16 +128,20 @@ def _into_region(size, stride, offset, shape, region):
     return tuple(size), new_stride, sum((lo - a) * p for lo, (a, _), p in zip(start, region, part))
 
 
+_WHOLE = "whole"  # a region copy that reads the whole region tensor (no view of it to make)
+
+
 class _Region:
     """A name's replay from its server rank's region alone (the shard-to-shard transport): the copies of the
     learned load, each source view moved into the region tensor's coordinates; None from `of` where a copy reads
     outside the region (the plan and SGLang's loader disagree: that name stays SGLang's, loaded whole)."""
-    __slots__ = ("shape", "dtype", "copies")
+    __slots__ = ("shape", "dtype", "copies", "writes")
 
     @classmethod
     def of(cls, learned, full, region):
         out = cls()
-        out.shape, out.dtype, out.copies = tuple(b - a for a, b in region), full.dtype, []
+        out.shape, out.dtype, out.writes = tuple(b - a for a, b in region), full.dtype, []
+        whole = (out.shape, tuple(_contiguous_strides(out.shape)), 0)
         for c in learned.copies:
             geometry = None
             if c.fill is None:
@@ -135,27 +149,30 @@ class _Region:
                 geometry = _into_region(size, stride, offset, tuple(full.shape), region)
                 if geometry is None:
                     return None
-            out.copies.append((c, geometry))
+                if (tuple(geometry[0]), tuple(geometry[1]), geometry[2]) == whole:
+                    geometry = _WHOLE
+            out.writes.append((c, geometry))
+        out.copies = [c for c, _ in out.writes]
         return out
 
-    def replay(self, t: torch.Tensor) -> bool:
-        if tuple(t.shape) != self.shape or t.dtype != self.dtype or not t.is_contiguous():
+    def replay(self, t: torch.Tensor, checked: dict) -> bool:
+        if t.shape != self.shape or t.dtype != self.dtype or not t.is_contiguous() or not _held(self.copies, checked):
             return False
-        for c, _ in self.copies:
-            base = getattr(c.module, c.attr, None)
-            if base is None or _storage(base) != c.ptr:
-                return False
-        for c, geometry in self.copies:
+        for c, geometry in self.writes:
             if geometry is None:
                 c.view.fill_(c.fill)
+            elif geometry is _WHOLE:
+                c.view.copy_(t)
             else:
                 c.view.copy_(torch.as_strided(t, geometry[0], geometry[1], t.storage_offset() + geometry[2]))
         return True
 
     def read_back(self, out: torch.Tensor) -> torch.Tensor:
         """The region as the model holds it now: each copy read back from the parameter into `out`."""
-        for c, geometry in self.copies:
-            if geometry is not None:
+        for c, geometry in self.writes:
+            if geometry is _WHOLE:
+                out.copy_(c.view)
+            elif geometry is not None:
                 torch.as_strided(out, geometry[0], geometry[1], out.storage_offset() + geometry[2]).copy_(c.view)
         return out
 
@@ -231,7 +248,8 @@ class Receiver:
         self.regions: dict = {}  # name -> _Region, None or _ALONE: the same for the shard-to-shard transport
         self.bases: dict = {}
         self.replay = True  # False: SGLang loads every name (the figure the receiver is measured against)
-        self.stats = {"replayed": 0, "loaded": 0, "learned": 0, "calls": 0, "seconds": 0.0, "not_replayed": {}}
+        self.stats = {"replayed": 0, "loaded": 0, "learned": 0, "calls": 0, "seconds": 0.0, "not_replayed": {},
+                      "region_replayed": 0, "region_seconds": 0.0}  # (load_regions' share of replayed and seconds)
 
     def _refresh_bases(self):
         """{storage: (module, attribute)} of every parameter and buffer of the model."""
@@ -280,7 +298,7 @@ class Receiver:
             self.stats["calls"] += 1
             self.stats["seconds"] += time.perf_counter() - t0
             return
-        rest, new = [], []
+        rest, new, checked, replayed = [], [], {}, 0
         for name, t in weights:
             entry = self.learned.get(name, _NEW)
             if entry is _NEW:
@@ -293,12 +311,13 @@ class Receiver:
                 self.learned.update(self._learn([(name, t)]))
             elif entry is None:
                 rest.append((name, t))
-            elif entry.replay(t):
-                self.stats["replayed"] += 1
+            elif entry.replay(t, checked):
+                replayed += 1
             else:  # the parameter or the tensor changed since it was learned: SGLang's now, learned again next time
                 del self.learned[name]
                 self.bases = {}
                 rest.append((name, t))
+        self.stats["replayed"] += replayed
         if new:
             self.learned.update(self._learn(new))
         if rest:
@@ -314,7 +333,7 @@ class Receiver:
         the regions' coordinates; later syncs replay them from the region alone. Names SGLang must load itself, or
         whose copies reach outside the region, go to SGLang that way every sync, in one call."""
         t0 = time.perf_counter()
-        rest, new, alone = [], [], []
+        rest, new, alone, checked = [], [], [], {}
 
         def whole(shape, region, t):
             full = torch.zeros(shape, dtype=t.dtype, device=t.device)
@@ -323,8 +342,9 @@ class Receiver:
 
         for name, shape, region, t in items:
             entry = self.regions.get(name, _NEW)
-            if entry is not _NEW and entry is not None and entry is not _ALONE and entry.replay(t):
+            if entry is not _NEW and entry is not None and entry is not _ALONE and entry.replay(t, checked):
                 self.stats["replayed"] += 1
+                self.stats["region_replayed"] += 1
                 continue
             if entry is _NEW and any(p.search(name) for p in self.loader_only):
                 self.regions[name] = entry = None
@@ -349,6 +369,7 @@ class Receiver:
             self.stats["loaded"] += len(rest)
         self.stats["calls"] += 1
         self.stats["seconds"] += time.perf_counter() - t0
+        self.stats["region_seconds"] += time.perf_counter() - t0
 
     def read_region(self, name: str, region, t: torch.Tensor):
         """`t` (the region's shape) filled with what the model holds of `name`'s region, or None where this

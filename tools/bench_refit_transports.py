@@ -56,6 +56,7 @@ def worker(ckpt: str, urls: str, reps: int) -> dict:
     old = types.SimpleNamespace(transport=make_transport(old_cfg, engine, hf) if engine is not None else None,
                                 group=None)
     times = {"reshard": [], "sglang_distributed": []}
+    receivers = []  # each reshard sync's server-rank reports (the receivers' cumulative counts), this driver's
     results = {}
     for rep in range(reps + 1):
         for name, run in (("reshard", lambda: new.sync_model(chunks)),
@@ -63,11 +64,21 @@ def worker(ckpt: str, urls: str, reps: int) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             results[name] = run()
+            if name == "reshard":
+                receivers.append(results[name].get("server_ranks", {}))
             dist.barrier()
             if rep:  # the first of each: the receivers learn, the groups form
                 times[name].append(time.perf_counter() - t0)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, results["reshard"])
+    # the receivers' time per tensor in the timed syncs (the first one learned): this driver's server ranks
+    spans = []
+    for key, last in receivers[-1].items():
+        first = receivers[0][key]["receiver"]
+        n = last["receiver"]["region_replayed"] - first["region_replayed"]
+        spans.append((last["receiver"]["region_seconds"] - first["region_seconds"]) / max(1, n) * 1e6)
+    receiver_us = [None] * dist.get_world_size()
+    dist.all_gather_object(receiver_us, spans)
     # the old protocol's bytes by its definition (moe/bridge/megatron_io.ExportStream, dst=the drivers): each
     # parameter's leader (its lowest holding rank) sends it whole to every driver but itself (a tensor every rank
     # holds whole: each driver's own copy); a driver then broadcasts the model to its server's TP ranks
@@ -85,7 +96,7 @@ def worker(ckpt: str, urls: str, reps: int) -> dict:
         nbytes = math.prod(meta[name][0]) * 4  # float32: the engine's dtype here
         old_sent[ranks[0]] += nbytes * sum(d != ranks[0] for d in drivers)
     plan, _ = next(iter(new._plans.values()))
-    out = {"times": times, "reshard": every, "old_sent": old_sent, "plan_sent": plan.sent_bytes(), "model_bytes": plan.model.nbytes,
+    out = {"times": times, "reshard": every, "old_sent": old_sent, "receiver_us": receiver_us, "plan_sent": plan.sent_bytes(), "model_bytes": plan.model.nbytes,
            "shard": {f"{s}.{r}": n for (s, r), n in plan.shard_bytes().items()}, "urls": urls.split(","),
            "tensors": len(plan.model.tensors)}
     new.close()
@@ -165,6 +176,9 @@ def main() -> int:
     for key in sorted(r["shard"]):
         print(f"  {key:<12}{got[key] / 2**20:>10.3f}{r['shard'][key] / 2**20:>10.3f}{got[key] / r['shard'][key]:>8.3f}"
               f"{model / 2**20:>22.3f}")
+    us = [x for xs in r["receiver_us"] for x in xs]
+    print(f"the receivers' time per tensor in the timed reshard syncs (load_regions, replayed): "
+          f"{', '.join(f'{x:.1f}' for x in us)} us per server rank")
     t = {k: min(v) for k, v in r["times"].items()}
     print(f"sync wall time, best of {args.reps}: reshard {t['reshard']:.2f} s, sglang_distributed "
           f"{t['sglang_distributed']:.2f} s ({t['sglang_distributed'] / t['reshard']:.2f}x); all: {r['times']}")
