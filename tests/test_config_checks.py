@@ -168,6 +168,9 @@ def test_transport_engine_combinations(tiny_hf):
                world_size=2)
     assert "reshard: no shard-to-shard refit plan: DP attention" in msg and "sync_transport=sglang_distributed syncs it" \
         in msg and "\n" not in msg, msg
+    tied = load_hf_config(str(ROOT / "configs" / "models" / "tiny_mixtral.json"))  # tie_word_embeddings=true
+    msg = _err(tied, *sg, "rollout.sync_transport=reshard", world_size=2)
+    assert "reshard with a tied output layer" in msg and "use rollout.sync_transport=sglang_distributed" in msg, msg
     msg = _err(tiny_hf, *sg, "rollout.sync_transport=reshard", "rollout.sglang.server_args.ep_size=3", world_size=2)
     assert "reshard: SGLang layout: tp_size=1 with ep_size=3 attn_dp_size=1 is not a layout" in msg, msg
     assert "embedded engine lives in the learner's process; use in_process" in _err(tiny_hf, "rollout.sync_transport=reshard")

@@ -61,6 +61,17 @@ def learner_layout(chunks, vocab_divisible_by: int) -> rs.LearnerLayout:
                             frozenset(n for w in every for n in w))
 
 
+def _tied_refusal(hf):
+    """The line refusing a tied output layer, or None. The plan sends the embedding only (the export has no separate
+    head), and SGLang 0.5.23's Mixtral keeps a head of its own whatever tie_word_embeddings says, which this
+    transport's per-piece digests would not see (the engine's own transports send lm_head too: tied_aliases)."""
+    if getattr(hf, "tie_word_embeddings", False):
+        return ("rollout.sync_transport=reshard with a tied output layer (tie_word_embeddings=true in model.hf_config) "
+                "is not planned (some SGLang models keep a separate lm_head): use rollout.sync_transport="
+                "sglang_distributed")
+    return None
+
+
 def _layout_request(layout: rs.LearnerLayout) -> dict:
     return {"world_size": layout.world_size, "tensor": layout.tensor, "pipeline": layout.pipeline,
             "expert": layout.expert, "expert_tensor": layout.expert_tensor,
@@ -97,6 +108,9 @@ class ReshardTransport:
         and server_args, read as /server_info reports them); a layout the plan does not cover is one line naming
         what is not planned and the transport that syncs it (moe/bridge/reshard.CannotPlan)."""
         sg = cfg.rollout.sglang
+        tied = _tied_refusal(hf)
+        if tied:
+            raise ConfigError(tied)
         try:
             server = rs.ServerLayout.from_server_info({**sg.server_args, "tp_size": sg.tp_size})
             learner = rs.LearnerLayout(world_size, layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor,
@@ -111,6 +125,9 @@ class ReshardTransport:
 
         if engine is not None and not getattr(engine, "weight_update_group", False):
             raise EngineError("rollout.sync_transport=reshard needs rollout.engine=sglang")
+        tied = _tied_refusal(hf)
+        if tied:
+            raise EngineError(tied)
         return cls(cfg, engine, hf, PARAMS_DTYPES[cfg.model.params_dtype])
 
     # ---- agreement over the control group ------------------------------------------------------------------
