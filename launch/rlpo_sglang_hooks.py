@@ -371,6 +371,11 @@ def report_digests(model, named_tensors):
     digests (digests_of) with their peak extra memory."""
     req = json.loads(named_tensors[0][0])
     group = _tp_group()
+    import rlpo_sglang_receiver
+
+    # the O(1) receiver on this rank from the first report on (the digest check after a server's first sync, its
+    # environment before a weight-update group): every later sync, by any transport, loads through it
+    rlpo_sglang_receiver.install(model)
     if req.get("what") in ("reshard_join", "reshard_sync", "reshard_leave"):  # every TP rank reports its own
         try:
             result = (_reshard_join(req, group) if req["what"] == "reshard_join" else
@@ -386,8 +391,6 @@ def report_digests(model, named_tensors):
             result = {"environment": environment()}
             return
         if req.get("what") == "receiver":  # installed on this rank (once); its counts so far
-            import rlpo_sglang_receiver
-
             result = {"receiver": dict(rlpo_sglang_receiver.install(model, req.get("replay")).stats)}
             return
         _reset_peak()

@@ -72,7 +72,7 @@ def test_plan_tables_name_each_role():
     # recipe's marked, the one that cannot reach servers on other nodes saying why
     refit = text[text.index("\nrefit (one weight sync, 213.7 GB in bf16"):]
     assert re.search(r"\nsglang_distributed \*\s+[\d.]+\s+213\.7\s+53\.5\s+[\d.]+\n", refit), refit
-    assert re.search(r"\nreshard \(planned\)\s+[\d.]+\s+53\.5\s+53\.5\s+[\d.]+\n", refit), refit
+    assert re.search(r"\nreshard\s+[\d.]+\s+53\.5\s+53\.5\s+[\d.]+\n", refit), refit
     assert re.search(r"\nin_process\s+n/a: servers on another node", refit), refit
 
 

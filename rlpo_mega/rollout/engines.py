@@ -121,7 +121,8 @@ class EngineSlot:
             self._stop_node_servers()
             raise
         if self.engine is None:
-            if getattr(TRANSPORTS.get(self.cfg.rollout.sync_transport), "all_ranks", False):
+            name = self.cfg.rollout.sync_transport
+            if name in TRANSPORTS and getattr(TRANSPORTS.get(name), "all_ranks", False):
                 self.transport = make_transport(self.cfg, None, self.hf)  # a sender without servers of its own
             return
         if launched:

@@ -91,7 +91,6 @@ class _Server:
         # A (re)started server holds everything.
         self.released: set = set()
         self.key_checked = False  # takes the job's key and refuses requests without it (SGLangEngine._check_key)
-        self.receiver = False  # the O(1) receiver installed in its TP ranks (SGLangEngine._install_receivers)
 
 
 @ENGINES.register("sglang")
@@ -468,7 +467,6 @@ class SGLangEngine(InServerReports, RolloutEngine):
                     continue
             if self._healthy(s):
                 s.key_checked = False  # started again, maybe by someone else: it takes the job's key, and only it
-                s.receiver = False  # a new process: its receiver is installed again before its weights
                 try:
                     self._check_key(s)
                 except EngineError as e:
@@ -892,17 +890,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
         if refresh:
             self.refresh()
         self._check_layout()
-        self._install_receivers()
         for s in self.live:
             self._begin(s)
-
-    def _install_receivers(self) -> None:
-        """The O(1) receiver (launch/rlpo_sglang_receiver.py) in every TP rank of each live server that does not
-        have it yet, before its first weights: every transport's load goes through it (issue 60 item 3)."""
-        for s in self.live:
-            if not s.receiver:
-                self._hook_request(s, {"what": "receiver"}, "receiver")
-                s.receiver = True
 
     def _begin(self, server: _Server) -> None:
         """POST /begin_weight_update; a session left open (a sync that failed half-way, here or by a learner that
@@ -1039,7 +1028,6 @@ class SGLangEngine(InServerReports, RolloutEngine):
 
     def reload_from_disk(self, path: str) -> None:
         self.refresh()
-        self._install_receivers()
         for s in self.live:
             self._post_ok(s, "/update_weights_from_disk", {"model_path": os.path.abspath(path),
                                                            "flush_cache": False})
