@@ -124,6 +124,22 @@ def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_
     assert all(m < 1e-4 for m in a["mismatch"] + c["mismatch"]), (a, c)
 
 
+def test_reshard_a_server_killed_mid_refit_then_a_stop_in_the_sync_saves(sglang_python, tmp_path):
+    """rollout.sync_transport=reshard under the fault harness's stop (tests/workers/faults.py, run a): two launched
+    servers on one driver; the second SIGKILLed as step 1's shards leave (the sync fails at once on both ranks and is
+    retried under the guard); then SIGTERM to learners and servers together in step 2's sync (the servers dead when
+    it runs): the stop wins over the failure, step 2 is saved and the run exits 75."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    r = torchrun("faults.py", 2, str(tmp_path / "run"), "sglang", "reshard", timeout=900,
+                 env=_trainer_env(sglang_python, ckpt))
+    a = r["a"]
+    assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
+    assert len(a["killed"]) == 1 and len(a["failed_syncs"]) == 2 and a["failed_syncs"][0] < 60, a
+    assert a["restarts"] == [1, 1] and all(m < 1e-4 for m in a["mismatch"]), a
+
+
 def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
     """After step 1 the server is frozen (SIGSTOP: it still accepts connections, never answers). Step 2's
     rollout waits; SIGTERM to rank 0 meanwhile: the wait ends, every rank saves step 1 and the run exits."""

@@ -21,6 +21,7 @@ from rlpo_mega.checkpoint import run as state
 from rlpo_mega.rollout import EngineError
 from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import Trainer
+from rlpo_mega.weight_sync.reshard import ReshardTransport
 from tests.dist import write_report
 from tests.workers.train_scenarios import _sglang_cfg, cfg, history, train
 
@@ -201,6 +202,18 @@ class StopsWithServers(Faults):
                 server.launched.proc.wait(30)
             return f.orig_post(engine, server, path, *a, **kw)
         SGLangEngine._post_ok = post_ok
+        self.orig_send = ReshardTransport._send
+
+        def send(transport, *a, **kw):
+            # rollout.sync_transport=reshard: the last server dies as the learner ranks' shards leave
+            e = transport.engine
+            if (e is not None and f.trainer.started and f.trainer.step == f.kill_in_sync and not f.killed
+                    and e.servers[-1].launched is not None):
+                f.killed.append(e.servers[-1].url)
+                os.killpg(e.servers[-1].launched.proc.pid, signal.SIGKILL)
+                e.servers[-1].launched.proc.wait(30)
+            return f.orig_send(transport, *a, **kw)
+        ReshardTransport._send = send
         self.faulted_sync = Trainer.sync
 
         def sync(trainer):
@@ -226,6 +239,7 @@ class StopsWithServers(Faults):
     def __exit__(self, *exc):
         SGLangEngine.stream, SGLangEngine._answer = self.orig_stream, self.orig_answer
         SGLangEngine._post_ok = self.orig_post
+        ReshardTransport._send = self.orig_send
         Trainer.sync = self.faulted_sync
         return super().__exit__(*exc)
 
@@ -249,7 +263,7 @@ class StopsWithServers(Faults):
                 server.proc.wait(30)
 
 
-def sglang_launched_stops(out):
+def sglang_launched_stops(out, transport=None):
     """Real SGLang, two servers the trainer launched on its one driver (rollout.sglang.num_servers=2, drivers=1;
     the first sync with several servers per driver), the recipes' sglang_distributed sync; 3 steps, each saved:
     a: the second server SIGKILLed in step 1's sync, as its bucket is sent (the driver's broadcast meets a dead
@@ -257,16 +271,22 @@ def sglang_launched_stops(out):
        sync (the servers dead when it runs): step 2 saved, 75.
     b: resumed with one server fewer (num_servers=1); SIGTERM to learners and server in step 3's rollout (the
        driver at its first answer): nothing newer to save, 75.
-    c: resumed again with one server: step 3 trained, on the prompts b's rollout was sent."""
+    c: resumed again with one server: step 3 trained, on the prompts b's rollout was sent.
+    transport="reshard": run a only, with rollout.sync_transport=reshard (the second server killed as the learner
+    ranks' shards leave in step 1's sync; SIGTERM to learners and servers in step 2's)."""
     ck, rep = os.path.join(out, "ckpt"), {}
-    for run, servers, faults in (("a", 2, {"phase": "sync", "at": 2, "kill_in_sync": 1}),
-                                 ("b", 1, {"phase": "rollout", "at": 3, "first_answer": True}),
-                                 ("c", 1, {})):
+    runs = (("a", 2, {"phase": "sync", "at": 2, "kill_in_sync": 1}),
+            ("b", 1, {"phase": "rollout", "at": 3, "first_answer": True}),
+            ("c", 1, {}))
+    extra = ()
+    if transport is not None:
+        runs, extra = runs[:1], (f"rollout.sync_transport={transport}",)
+    for run, servers, faults in runs:
         resume = ("checkpoint.resume=true", "checkpoint.overwrite=false") if run != "a" else ()
         with StopsWithServers(**faults) as f:
             rc = train(_sglang_cfg(out, run, f"train_iters={STEPS}", f"checkpoint.save_dir={ck}",
                                    "checkpoint.save_every=1", "rollout.sglang.drivers=1", "trainer.engine_restarts=1",
-                                   f"rollout.sglang.num_servers={servers}", *resume))
+                                   f"rollout.sglang.num_servers={servers}", *resume, *extra))
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, f.trained)
         hist = history(out, run) if os.path.exists(os.path.join(out, run, "metrics.jsonl")) else []
@@ -280,6 +300,9 @@ def sglang_launched_stops(out):
 
 
 if __name__ == "__main__":
-    result = (sglang_launched_stops if sys.argv[2:] == ["sglang"] else stops)(sys.argv[1])
+    if sys.argv[2:3] == ["sglang"]:
+        result = sglang_launched_stops(sys.argv[1], *sys.argv[3:4])
+    else:
+        result = stops(sys.argv[1])
     if dist.get_rank() == 0:
         write_report(result)
