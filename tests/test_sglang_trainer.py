@@ -21,6 +21,14 @@ def _trainer_env(sglang_python, ckpt, **extra):
             "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS), **extra}
 
 
+def _scenario(sglang_python, tmp_path, worker, *args):
+    """A qwen3_moe checkpoint made for the test, then `worker` under torchrun (2 ranks) with `args`."""
+    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+    ckpt = str(tmp_path / "hf")
+    make_hf_checkpoint(hf, ckpt)
+    return torchrun(worker, 2, *args, timeout=900, env=_trainer_env(sglang_python, ckpt))
+
+
 def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
     """The recipes' weight path under torchrun, with 2 rollout drivers: the trainer (2 learner ranks) launches 2
     SGLang servers from rank 0 (the node's launcher); rollout.sglang.drivers=2 makes ranks 0 and 1 clients of one
@@ -33,11 +41,7 @@ def test_trainer_sglang_distributed_with_restart(sglang_python, tmp_path):
     sync is digest-verified inside each server (report_digests). Then driver 0's server is killed again in step
     2's sync as its bucket is sent: driver 0's sync fails, driver 1's completes, the failure is agreed, everything
     is rebuilt once more and both re-sync (a multi-driver sync failure)."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    r = torchrun("train_scenarios.py", 2, "sglang_distributed_run", str(tmp_path / "run"), timeout=900,
-                 env=_trainer_env(sglang_python, ckpt))
+    r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "sglang_distributed_run", str(tmp_path / "run"))
     assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
     drivers = r["drivers"]
     urls = [d["syncs"][0]["servers"] for d in drivers]
@@ -72,11 +76,7 @@ def test_trainer_reshard_with_restart_and_a_server_killed_mid_refit(sglang_pytho
     re-synced) and again as step 2's shards leave (the sync fails on both ranks, agreed, rebuilt, re-synced).
     Every completed sync passed its per-piece digests; the learner's log-probs of every step's samples equal the
     servers' (the synced weights took effect, bit for bit)."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    r = torchrun("train_scenarios.py", 2, "reshard_run", str(tmp_path / "run"), timeout=900,
-                 env=_trainer_env(sglang_python, ckpt))
+    r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "reshard_run", str(tmp_path / "run"))
     assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
     for rank, mine in enumerate(r["ranks"]):
         syncs = mine["syncs"]
@@ -99,10 +99,7 @@ def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_
     same way in step 3's rollout (at the driver's first answer; step 2 is not saved again); the next resume
     trains step 3 on the prompts the stopped rollout was sent. Every step trained once, none lost; every
     step's learner log-probs equal the servers' (the resumed server was given the checkpoint's weights)."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    r = torchrun("faults.py", 2, str(tmp_path / "run"), "sglang", timeout=900, env=_trainer_env(sglang_python, ckpt))
+    r = _scenario(sglang_python, tmp_path, "faults.py", str(tmp_path / "run"), "sglang")
     a, b, c = r["a"], r["b"], r["c"]
     assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
     # step 1's sync: the second server died as its bucket was sent; the bucket failed at once on the driver's side
@@ -129,11 +126,7 @@ def test_reshard_a_server_killed_mid_refit_then_a_stop_in_the_sync_saves(sglang_
     servers on one driver; the second SIGKILLed as step 1's shards leave (the sync fails at once on both ranks and is
     retried under the guard); then SIGTERM to learners and servers together in step 2's sync (the servers dead when
     it runs): the stop wins over the failure, step 2 is saved and the run exits 75."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    r = torchrun("faults.py", 2, str(tmp_path / "run"), "sglang", "reshard", timeout=900,
-                 env=_trainer_env(sglang_python, ckpt))
+    r = _scenario(sglang_python, tmp_path, "faults.py", str(tmp_path / "run"), "sglang", "reshard")
     a = r["a"]
     assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
     assert len(a["killed"]) == 1 and len(a["failed_syncs"]) == 2 and a["failed_syncs"][0] < 60, a
@@ -143,11 +136,7 @@ def test_reshard_a_server_killed_mid_refit_then_a_stop_in_the_sync_saves(sglang_
 def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
     """After step 1 the server is frozen (SIGSTOP: it still accepts connections, never answers). Step 2's
     rollout waits; SIGTERM to rank 0 meanwhile: the wait ends, every rank saves step 1 and the run exits."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    r = torchrun("train_scenarios.py", 2, "sglang_hang_sigterm", str(tmp_path / "run"), timeout=900,
-                 env=_trainer_env(sglang_python, ckpt))
+    r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "sglang_hang_sigterm", str(tmp_path / "run"))
     assert r["rc"] == 0 and r["stopped"] and [h["step"] for h in r["history"]] == [1], r
     assert r["saved"] == ["step_00000001"] and r["save_on_signal"], r  # the SIGTERM save: no checksum re-read
     # the wait ends at once (aborts bounded by health_timeout, 5 s), not at request_timeout or hang_timeout
@@ -164,11 +153,8 @@ def test_trainer_sglang_async_partial_rollout(sglang_python, tmp_path, kv):
     their routes (every token replayed, no fallback) and carry two versions, the older one step behind.
     kv=keep (rollout.partial_rollout_kv): the syncs hold the running requests in place instead of aborting them,
     and the server's own spans name each token's version: one engine call per step, nothing sent again."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    r = torchrun("train_scenarios.py", 2, "sglang_async" if kv == "recompute" else "sglang_async_keep",
-                 str(tmp_path / "run"), timeout=900, env=_trainer_env(sglang_python, ckpt))
+    r = _scenario(sglang_python, tmp_path, "train_scenarios.py",
+                  "sglang_async" if kv == "recompute" else "sglang_async_keep", str(tmp_path / "run"))
     hist = r["history"]
     assert r["rc"] == 0 and [h["step"] for h in hist] == [1, 2, 3, 4], r
     if kv == "keep":  # held, not aborted: each step's samples come from its one call, none continued or restarted
@@ -200,11 +186,7 @@ def test_colocated_sglang_server_hands_the_memory_over_in_one_order(sglang_pytho
     What differs between the runs is the server's own log-probs (batch composition; sglang's batch-invariant kernels
     are triton's, CUDA only): the mismatch/ metrics, at 1e-7. SGLang's CPU build has no torch_memory_saver, so
     release and resume free nothing here."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    r = torchrun("train_scenarios.py", 2, "sglang_colocate", str(tmp_path / "run"), timeout=900,
-                 env=_trainer_env(sglang_python, ckpt))
+    r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "sglang_colocate", str(tmp_path / "run"))
     apart, colocated = r["apart"], r["colocated"]
     assert [h["step"] for h in apart] == [h["step"] for h in colocated] == [1, 2, 3]
     own = ("time", "perf/", "colocate/", "sync/", "memory/", "mismatch/")  # clocks, the hand-over's, the server's

@@ -344,8 +344,8 @@ class ReshardTransport:
                     try:
                         e._hook_request(s, {"what": "reshard_leave", "group": self.group_name}, "refit group",
                                         every_rank=True)
-                    except EngineError:
-                        pass
+                    except EngineError as err:  # gone or failing: it holds no group worth a reply; ours is dropped
+                        log.debug("SGLang server %s did not leave the refit group: %s", s.url, err)
         self._drop()
 
 

@@ -343,6 +343,14 @@ def _run_with(config, after_step):
     return trainer
 
 
+def _kill_driver0_server_after_first(trainer):
+    """After step 1 (an after_step of _run_with): driver 0's first server SIGKILLed."""
+    if trainer.step == 1 and trainer.rank == 0:
+        server = trainer.engines.slot.engine.servers[0].launched
+        server.kill()
+        server.proc.wait(30)
+
+
 def sglang_distributed_run(out):
     """3 steps with 2 rollout drivers (ranks 0 and 1), each driving one of the 2 servers rank 0 launched, dynamic
     sampling streamed on each; driver 0's server is killed after step 1 (EngineGuard rebuilds every engine +
@@ -377,12 +385,6 @@ def sglang_distributed_run(out):
             server.launched.proc.wait(30)
         return original_post(engine, server, path, *args, **kw)
 
-    def kill_after_first(trainer):
-        if trainer.step == 1 and trainer.rank == 0:
-            server = trainer.engines.slot.engine.servers[0].launched
-            server.kill()
-            server.proc.wait(30)
-
     Trainer.sync, SGLangEngine._answer, SGLangEngine._post_ok = sync, answer, post_ok
     try:
         # with streaming dynamic sampling: each driver sends 2x its share of prompts and ends its rollout (the
@@ -391,7 +393,7 @@ def sglang_distributed_run(out):
         _run_with(_sglang_cfg(out, "sgl", "train_iters=3", "trainer.engine_restarts=2", "rollout.sglang.drivers=2",
                               "rollout.sglang.num_servers=2", "algorithm.dynamic_sampling.enabled=true",
                               "algorithm.dynamic_sampling.max_carry_steps=0", "prompts.oversample=2.0"),
-                  kill_after_first)
+                  _kill_driver0_server_after_first)
     finally:
         Trainer.sync, SGLangEngine._answer, SGLangEngine._post_ok = original_sync, original_answer, original_post
     every = [None] * dist.get_world_size()
@@ -431,16 +433,11 @@ def reshard_run(out):
                 server.proc.wait(30)
         return original_send(self, *args)
 
-    def kill_after_first(trainer):
-        if trainer.step == 1 and trainer.rank == 0:
-            server = trainer.engines.slot.engine.servers[0].launched
-            server.kill()
-            server.proc.wait(30)
-
     Trainer.sync, ReshardTransport._send = sync, send
     try:
         _run_with(_sglang_cfg(out, "rs", "train_iters=3", "trainer.engine_restarts=2", "rollout.sglang.drivers=2",
-                              "rollout.sglang.num_servers=2", "rollout.sync_transport=reshard"), kill_after_first)
+                              "rollout.sglang.num_servers=2", "rollout.sync_transport=reshard"),
+                  _kill_driver0_server_after_first)
     finally:
         Trainer.sync, ReshardTransport._send = original_sync, original_send
     every = [None] * dist.get_world_size()
