@@ -307,51 +307,96 @@ def _reshard_sync(model, req, group) -> dict:
     """Receive this TP rank's pieces of every tensor from the learner ranks that hold them, bucket by bucket (the
     plan's order on both sides), load each tensor's region through the receiver (rlpo_sglang_receiver.load_regions)
     and digest each piece as read back from the parameters it went into."""
-    import rlpo_sglang_receiver
-    from moe.bridge import reshard as rs
-    from moe.bridge.digest import tensor_digests
-
     pg = _GROUPS.get(req["group"])
     if pg is None:
         raise RuntimeError(f"no refit group {req['group']!r} on this server (restarted since the learner made it?)")
     plan, specs, buckets = _reshard_plan(model.config, req)
     index, tp_rank = int(req["index"]), group.rank_in_group
+
+    def receive(into):
+        # irecvs in plan order: each sender's isends are in the same order (no cycle between ranks)
+        for w in [torch.distributed.irecv(target, src=t.src, group=pg) for t, target in into]:
+            w.wait()
+
+    result = {"digests": {}, "as_received": 0, "bytes": 0, "receiver": {}}
+    for start, stop in buckets:
+        mine = [t for t in plan.transfers[start:stop] if t.server == index and t.rank == tp_rank]
+        if mine:
+            _load_pieces(model, plan, specs, index, tp_rank, mine, receive, req["algorithm"], result)
+    return result
+
+
+def _reshard_local(model, req, group) -> dict:
+    """rollout.colocate: this TP rank's pieces of one bucket, packed into one byte tensor (moe/bridge/reshard.
+    packed_offsets) on this rank's own GPU by the learner rank there, after the learner ranks exchanged them
+    (rlpo_mega/weight_sync/reshard.py); opened by its CUDA IPC handle (on a CPU, a shared-memory file), unpacked,
+    loaded region by region through the receiver and digested as read back."""
+    from moe.bridge import reshard as rs
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    plan, specs, buckets = _reshard_plan(model.config, req)
+    index, tp_rank = int(req["index"]), group.rank_in_group
+    start, stop = buckets[int(req["bucket"])]
+    mine = [t for t in plan.transfers[start:stop] if t.server == index and t.rank == tp_rank]
+    result = {"digests": {}, "as_received": 0, "bytes": 0, "receiver": {}}
+    if not mine:
+        if req.get("entry"):
+            raise ValueError(f"a packed bucket for TP rank {tp_rank}, which the plan gives nothing of bucket "
+                             f"{req['bucket']}")
+        return result
+    monkey_patch_torch_reductions()  # (SGLang's TP worker has: a CUDA handle names its GPU by UUID)
+    flat = MultiprocessingSerializer.deserialize(req["entry"])
+    try:
+        views = rs.unpack(flat, mine, [specs[t.name].dtype for t in mine])
+    except ValueError as e:
+        raise ValueError(f"bucket {req['bucket']}, TP rank {tp_rank}: {e}") from None
+
+    def unpack(into):
+        for (t, target), view in zip(into, views):
+            target.copy_(view)
+
+    _load_pieces(model, plan, specs, index, tp_rank, mine, unpack, req["algorithm"], result)
+    del flat, views  # its handle closed here: the producer's memory can go once every rank has loaded
+    return result
+
+
+def _load_pieces(model, plan, specs, index: int, tp_rank: int, mine: list, fill, algorithm: str, result: dict):
+    """One bucket's pieces of this TP rank (`mine`, in plan order) into their tensors' regions: `fill([(transfer,
+    contiguous target)])` writes each piece, the regions are loaded through the receiver and each piece is digested
+    as read back from the parameters (as received where SGLang loads the name itself). Adds to `result`."""
+    import rlpo_sglang_receiver
+    from moe.bridge import reshard as rs
+    from moe.bridge.digest import tensor_digests
+
     layout = plan.servers[index]
     receiver = rlpo_sglang_receiver.install(model)
     device = next(model.parameters()).device
-    digests, as_received, nbytes = {}, 0, 0
-    for start, stop in buckets:
-        mine = [t for t in plan.transfers[start:stop] if t.server == index and t.rank == tp_rank]
-        if not mine:
-            continue
-        regions, works, scattered = {}, [], []
-        for t in mine:
-            if t.name not in regions:
-                box = rs.server_region(specs[t.name], plan.model, layout, tp_rank)
-                regions[t.name] = (box, torch.empty([b - a for a, b in box], dtype=specs[t.name].dtype, device=device))
-            view = regions[t.name][1][tuple(slice(a, b) for a, b in t.dst_box)]
-            target = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype, device=device)
-            if target is not view:
-                scattered.append((view, target))
-            # irecvs in plan order: each sender's isends are in the same order (no cycle between ranks)
-            works.append(torch.distributed.irecv(target, src=t.src, group=pg))
-            nbytes += t.nbytes
-        for w in works:
-            w.wait()
-        for view, target in scattered:
-            view.copy_(target)
-        receiver.load_regions([(n, specs[n].shape, box, buf) for n, (box, buf) in regions.items()])
-        pieces = []
-        for t in mine:
-            box, buf = regions[t.name]
-            back = receiver.read_region(t.name, box, torch.empty_like(buf))
-            if back is None:  # SGLang loads it (its own layout): digested as received
-                back, as_received = buf, as_received + 1
-            pieces.append(back[tuple(slice(a, b) for a, b in t.dst_box)].contiguous())
-        digests.update(zip((rs.piece_key(t) for t in mine), tensor_digests(pieces, req["algorithm"])))
-        del regions, pieces
-    return {"digests": digests, "as_received": as_received, "bytes": nbytes,
-            "receiver": {k: v for k, v in receiver.stats.items()}}
+    regions, into, scattered = {}, [], []
+    for t in mine:
+        if t.name not in regions:
+            box = rs.server_region(specs[t.name], plan.model, layout, tp_rank)
+            regions[t.name] = (box, torch.empty([b - a for a, b in box], dtype=specs[t.name].dtype, device=device))
+        view = regions[t.name][1][tuple(slice(a, b) for a, b in t.dst_box)]
+        target = view if view.is_contiguous() else torch.empty(view.shape, dtype=view.dtype, device=device)
+        if target is not view:
+            scattered.append((view, target))
+        into.append((t, target))
+        result["bytes"] += t.nbytes
+    fill(into)
+    for view, target in scattered:
+        view.copy_(target)
+    receiver.load_regions([(n, specs[n].shape, box, buf) for n, (box, buf) in regions.items()])
+    pieces = []
+    for t in mine:
+        box, buf = regions[t.name]
+        back = receiver.read_region(t.name, box, torch.empty_like(buf))
+        if back is None:  # SGLang loads it (its own layout): digested as received
+            back = buf
+            result["as_received"] += 1
+        pieces.append(back[tuple(slice(a, b) for a, b in t.dst_box)].contiguous())
+    result["digests"].update(zip((rs.piece_key(t) for t in mine), tensor_digests(pieces, algorithm)))
+    result["receiver"] = dict(receiver.stats)
 
 
 def _report(req, result, rank=None):
@@ -376,10 +421,11 @@ def report_digests(model, named_tensors):
     # the O(1) receiver on this rank from the first report on (the digest check after a server's first sync, its
     # environment before a weight-update group): every later sync, by any transport, loads through it
     rlpo_sglang_receiver.install(model)
-    if req.get("what") in ("reshard_join", "reshard_sync", "reshard_leave"):  # every TP rank reports its own
+    refit = {"reshard_join": lambda: _reshard_join(req, group), "reshard_sync": lambda: _reshard_sync(model, req, group),
+             "reshard_local": lambda: _reshard_local(model, req, group), "reshard_leave": lambda: _reshard_leave(req)}
+    if req.get("what") in refit:  # every TP rank reports its own
         try:
-            result = (_reshard_join(req, group) if req["what"] == "reshard_join" else
-                      _reshard_sync(model, req, group) if req["what"] == "reshard_sync" else _reshard_leave(req))
+            result = refit[req["what"]]()
         except Exception as e:
             result = {"error": f"{type(e).__name__}: {e}"}
             raise

@@ -12,6 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = os.path.join(ROOT, "tests", "workers")
 
 
+def _pythonpath() -> str:
+    """The repository first, then what the caller's PYTHONPATH already holds (a GPU machine's carried wheels are
+    installed into a folder named there)."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+
+
 def free_port(low: int = 20000, high: int = 29999) -> int:
     """A free TCP port below the kernel's ephemeral range, for a server that binds it only later.
 
@@ -51,7 +57,7 @@ def torchrun(worker: str, nproc: int, *args: str, env: dict | None = None, timeo
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "report.json")
         path = os.path.join(WORKERS, worker)
-        full_env = {**os.environ, "RLPO_REPORT": report, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
+        full_env = {**os.environ, "RLPO_REPORT": report, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1",
                     "PYTHONWARNINGS": "ignore", **(env or {})}
         if fresh or os.environ.get("RLPO_TEST_FRESH_LAUNCH") == "1":
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--standalone",
@@ -79,7 +85,7 @@ def _warm_server() -> subprocess.Popen:
             server = _IDLE.pop()
             if server.poll() is None:
                 return server
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     server = subprocess.Popen([sys.executable, "-m", "tests.warm_launch"], cwd=ROOT, env=env, text=True,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     ready = server.stdout.readline()

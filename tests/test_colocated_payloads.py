@@ -162,3 +162,62 @@ def test_a_gpu_payload_opens_in_another_process_by_its_uuid():
     for name, t in named:
         assert got["sums"][name] == pytest.approx(t.double().sum().item(), rel=1e-6), name
     del payload
+
+
+# the colocated refit's server rank (launch/rlpo_sglang_hooks._reshard_local): the packed bucket opened by its
+# handle (a GPU's by UUID, as SGLang's patched rebuild does; a CPU's shared-memory file by name) and unpacked by the
+# plan's offsets (moe/bridge/reshard.unpack)
+_PACKED_RANK = textwrap.dedent("""
+    import base64, json, pickle, sys, torch
+    from torch.multiprocessing import reductions
+    from moe.bridge import reshard as rs
+    original = reductions.rebuild_cuda_tensor
+
+    def by_uuid(*args):
+        uuid = args[6]
+        index = next(i for i in range(torch.cuda.device_count())
+                     if str(torch.cuda.get_device_properties(i).uuid) == uuid)
+        return original(*args[:6], index, *args[7:])
+
+    reductions.rebuild_cuda_tensor = by_uuid
+    entry, spec = sys.stdin.read().split("\\n", 1)
+    flat = pickle.loads(base64.b64decode(entry))
+    spec = json.loads(spec)
+    transfers = [rs.Transfer(0, 0, 0, f"t{i}", tuple(map(tuple, r)), (), (), n) for i, (r, n, _) in enumerate(spec)]
+    views = rs.unpack(flat, transfers, [getattr(torch, d) for _, _, d in spec])
+    print(json.dumps({"sums": [v.double().sum().item() for v in views], "device": str(flat.device)}))
+""")
+
+
+def test_a_packed_refit_bucket_opens_in_another_process():
+    """rollout.sync_transport=reshard, colocated: one server rank's pieces packed into one byte tensor on the GPU it
+    shares with the learner rank (moe.bridge.reshard.pack; pieces of different dtypes and sizes, each at a 16-byte
+    offset), serialized as the relay does (sglang_payloads.serialize: the GPU named by UUID), open in another
+    process, where each piece unpacks to its values. On a CPU the same path through a shared-memory file."""
+    from moe.bridge import reshard as rs
+
+    device = torch.device("cuda", torch.cuda.device_count() - 1) if torch.cuda.is_available() else torch.device("cpu")
+    shapes = [((3, 17), torch.float32), ((5,), torch.bfloat16), ((2, 4, 3), torch.float32), ((7,), torch.bfloat16)]
+    pieces = [torch.randn(s, device=device).to(d) for s, d in shapes]
+    spec = [[[[0, n] for n in s], p.numel() * p.element_size(), str(d).split(".")[-1]]
+            for (s, d), p in zip(shapes, pieces)]
+    transfers = [rs.Transfer(0, 0, 0, f"t{i}", tuple(map(tuple, r)), (), (), n) for i, (r, n, _) in enumerate(spec)]
+    flat = rs.pack(transfers, pieces, device)
+    offsets, size = rs.packed_offsets(transfers)
+    assert flat.numel() == size and all(a % rs.PACK_ALIGN == 0 for a in offsets) and offsets == sorted(set(offsets))
+    assert all(torch.equal(v, p) for v, p in zip(rs.unpack(flat, transfers, [d for _, d in shapes]), pieces))
+    with pytest.raises(ValueError, match="packs"):
+        rs.unpack(flat[:-16], transfers, [d for _, d in shapes])
+    entry = sp.serialize(flat)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    if device.type == "cuda":
+        assert str(torch.cuda.get_device_properties(device).uuid) in [
+            a for _, a, _ in pickletools.genops(base64.b64decode(entry)) if isinstance(a, str)]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in reversed(range(torch.cuda.device_count())))
+    proc = subprocess.run([sys.executable, "-c", _PACKED_RANK], input=entry + "\n" + json.dumps(spec),
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["device"].startswith(device.type)
+    assert got["sums"] == pytest.approx([p.double().sum().item() for p in pieces], rel=1e-6)
+    del flat

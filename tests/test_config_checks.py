@@ -398,7 +398,9 @@ def test_colocate_refusals(tiny_hf):
     sg = ("rollout.colocate=true", "rollout.engine=sglang", "rollout.sglang.launch=true", "model.init_from_hf=/m")
     assert check_run_config(_cfg(*sg), tiny_hf) == []
     assert "set rollout.sync_transport=in_process" in _err(tiny_hf, *sg, "rollout.sync_transport=sglang_distributed")
-    assert "set rollout.sync_transport=in_process" in _err(tiny_hf, *sg, "rollout.sync_transport=reshard")
+    assert "set rollout.sync_transport=in_process (or reshard" in _err(tiny_hf, *sg, "rollout.sync_transport=disk")
+    # reshard: each server rank's shard packed on its GPU (weight_sync/reshard.py, _local)
+    assert check_run_config(_cfg(*sg, "rollout.sync_transport=reshard"), tiny_hf) == []
     assert "rollout.sglang.launch=true, no rollout.sglang.urls" in _err(
         tiny_hf, *sg, "rollout.sglang.urls=[http://127.0.0.1:30000]")
     assert "use rollout.producer=sync" in _err(tiny_hf, "rollout.colocate=true", "rollout.producer=async")

@@ -74,23 +74,36 @@ def _check(r, learners, servers):
             assert b[url]["loaded"] == a[url]["loaded"] and b[url]["replayed"] > a[url]["replayed"], (a, b)
 
 
-@pytest.mark.parametrize("family,server_tp,layout,kill", [
+@pytest.mark.parametrize("family,server_tp,layout,kill,colocate", [
     # experts shard to shard: EP2 learners into a TP2 server (moe-TP 2); then the server SIGKILLed mid-refit
-    ("qwen3_moe", 2, ["parallel.expert=2"], True),
-    ("mixtral", 2, ["parallel.tensor=2"], False),  # attention and experts split over TP on both sides
-])
-def test_reshard_sync_is_bit_exact_and_sends_only_shards(family, server_tp, layout, kill, sglang_python, tmp_path):
+    ("qwen3_moe", 2, ["parallel.expert=2"], True, False),
+    ("mixtral", 2, ["parallel.tensor=2"], False, False),  # attention and experts split over TP on both sides
+    # colocated: the server's TP ranks on the learner ranks' "GPUs"; each rank's pieces exchanged between the
+    # learner ranks and packed by the rank on its GPU (CUDA IPC there, shared memory here); then SIGKILLed
+    ("qwen3_moe", 2, ["parallel.expert=2"], True, True),
+], ids=["qwen3_moe-ep2-tp2server-kill", "mixtral-tp2-tp2server", "qwen3_moe-ep2-colocated-tp2-kill"])
+def test_reshard_sync_is_bit_exact_and_sends_only_shards(family, server_tp, layout, kill, colocate, sglang_python,
+                                                         tmp_path):
     """Two syncs, bit-exact (module docstring). kill: a third sync with the server SIGKILLed as the learner ranks
     start sending: every rank raises the failure (EngineError, agreed) within seconds, none waits out a timeout."""
     ckpt = _checkpoint(family, str(tmp_path / "hf"))
-    server = _server(sglang_python, ckpt, server_tp, str(tmp_path / "logs"))
-    env = {"RLPO_KILL_SERVER_PGID": str(server.proc.pid)} if kill else None
-    try:
-        r = torchrun("reshard_sync.py", 2, str(tmp_path / "run"), ckpt, server.url, str(server_tp), "1", *layout,
-                     timeout=600, env=env)
-    finally:
-        server.stop()
+    if colocate:  # rank 0 launches it (rollout.sglang.launch)
+        env = {"RLPO_SGLANG_PYTHON": sglang_python, "RLPO_SGLANG_PATH": os.path.join(SUPPORT, "path"),
+               "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS), "RLPO_KILL_SERVER_PGID": "launched"}
+        r = torchrun("reshard_sync.py", 2, str(tmp_path / "run"), ckpt, "colocate", str(server_tp), "1", *layout,
+                     f"rollout.sglang.base_port={free_port()}", timeout=600, env=env)
+    else:
+        server = _server(sglang_python, ckpt, server_tp, str(tmp_path / "logs"))
+        env = {"RLPO_KILL_SERVER_PGID": str(server.proc.pid)} if kill else None
+        try:
+            r = torchrun("reshard_sync.py", 2, str(tmp_path / "run"), ckpt, server.url, str(server_tp), "1", *layout,
+                         timeout=600, env=env)
+        finally:
+            server.stop()
     _check(r, 2, 1)
+    drivers = [e["result"] for every in r["syncs"] for e in every if e["check"]]
+    # colocated: no refit group (the packed buckets went by the relay); apart: the group
+    assert all((d["group"] is None) == colocate for d in drivers), drivers
     if kill:
         assert all(k["failed"] and "refit" in k["failed"] for k in r["killed"]), r["killed"]
         assert max(k["seconds"] for k in r["killed"]) < 60, r["killed"]

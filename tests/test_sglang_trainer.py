@@ -187,17 +187,21 @@ def test_colocated_sglang_server_hands_the_memory_over_in_one_order(sglang_pytho
     are triton's, CUDA only): the mismatch/ metrics, at 1e-7. SGLang's CPU build has no torch_memory_saver, so
     release and resume free nothing here."""
     r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "sglang_colocate", str(tmp_path / "run"))
-    apart, colocated = r["apart"], r["colocated"]
-    assert [h["step"] for h in apart] == [h["step"] for h in colocated] == [1, 2, 3]
+    apart = r["apart"]
     own = ("time", "perf/", "colocate/", "sync/", "memory/", "mismatch/")  # clocks, the hand-over's, the server's
-    for a, c in zip(apart, colocated):
-        assert c["mismatch/ratio_dev_max"] < 1e-4 and a["mismatch/ratio_dev_max"] < 1e-4, (a, c)
-        assert c["reward/samples"] == a["reward/samples"] == 16
-        assert c["colocate/learner_offloaded_bytes"] > 0 and "colocate/offload_s" not in a
-        learner = sorted(k for k in a if not k.startswith(own))
-        assert "loss/policy" in learner and "reward/mean" in learner, learner
-        assert {k: a[k] for k in learner} == {k: c.get(k) for k in learner}, {k: (a[k], c.get(k)) for k in learner if a[k] != c.get(k)}
-    assert r["weights_equal"] == [True, True]
+    # colocated_reshard: the same colocated run with rollout.sync_transport=reshard (each server rank's shard packed
+    # on its "GPU"): the same numbers, so the same weights reached the server
+    for run in ("colocated", "colocated_reshard"):
+        colocated = r[run]
+        assert [h["step"] for h in apart] == [h["step"] for h in colocated] == [1, 2, 3]
+        for a, c in zip(apart, colocated):
+            assert c["mismatch/ratio_dev_max"] < 1e-4 and a["mismatch/ratio_dev_max"] < 1e-4, (a, c)
+            assert c["reward/samples"] == a["reward/samples"] == 16
+            assert c["colocate/learner_offloaded_bytes"] > 0 and "colocate/offload_s" not in a
+            learner = sorted(k for k in a if not k.startswith(own))
+            assert "loss/policy" in learner and "reward/mean" in learner, learner
+            assert {k: a[k] for k in learner} == {k: c.get(k) for k in learner}, (run, {k: (a[k], c.get(k)) for k in learner if a[k] != c.get(k)})
+    assert r["weights_equal"] == r["weights_equal_colocated_reshard"] == [True, True]
     # the server started with the learner's state off the launching rank's (emulated) GPU, its KV pool sized for
     # the memory it will have (rollout.colocate, HandOver.before_launch); apart, the state stays where it is
     at_launch = r["learner_bytes_at_launch"]
@@ -211,6 +215,9 @@ def test_colocated_sglang_server_hands_the_memory_over_in_one_order(sglang_pytho
     sync = ["/release_memory_occupation ['weights', 'kv_cache', 'cuda_graph']", "/resume_memory_occupation ['weights']",
             load]
     assert seen == sync + ([kv] + sync) * 3, seen
+    # reshard's loads are its report hook's requests (_hook_request), not weight posts: the same memory order
+    seen = [c for c in r["calls"]["colocated_reshard"] if "memory_occupation" in c]
+    assert seen == sync[:2] + ([kv] + sync[:2]) * 3, seen
 
 
 def test_two_external_servers_on_one_driver_failover_and_rejoin(sglang_python, tmp_path):

@@ -63,19 +63,25 @@ def active_params(hf: dict) -> int:
     return hf["num_hidden_layers"] * (attn + experts) + hf["vocab_size"] * h
 
 
-def train_overrides(out: str, model_path: str) -> list[str]:
+def train_overrides(out: str, model_path: str, max_new_tokens: int = 2048) -> list[str]:
     """configs/gpu_smoke.yaml (embedded engine, GSPO + R3, bf16, distributed optimizer) on the big model: 2 steps of
     16 answers of up to 2048 tokens, micro-batches of up to 8192 tokens, no warm-up, no checkpoint; colocated (the
     engine's weights on the host while the learner trains, the learner's state there while the engine generates:
     training/colocate.py), so each phase has its own planned row."""
     return [f"model.hf_config={model_path}", f"logging.dir={out}/run", "train_iters=2", "trainer.warmup.steps=0",
             "checkpoint.save_dir=null", "checkpoint.save_every=0", "prompts.prompts_per_step=4", "prompts.n_samples=4",
-            "rollout.max_new_tokens=2048", "trainer.max_tokens_per_micro_batch=8192", "trainer.layout=packed",
+            f"rollout.max_new_tokens={max_new_tokens}", "trainer.max_tokens_per_micro_batch=8192", "trainer.layout=packed",
             "logging.host_syncs=false", "rollout.colocate=true"]
 
 
 def _row(name, ok, measured, expected, note=""):
     return {"check": name, "ok": ok, "measured": measured, "expected": expected, "note": note}
+
+
+def _pythonpath() -> str:
+    """The repository first, then what the caller's PYTHONPATH already holds (a GPU machine's carried wheels are
+    installed into a folder named there)."""
+    return os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
 
 
 def check_smoke(out: str) -> dict:
@@ -110,7 +116,7 @@ print(json.dumps({"order": order, "device": torch.cuda.current_device()}))
 
 
 def check_set_device(out: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": ROOT, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517"}
     p = subprocess.run([sys.executable, "-c", SET_DEVICE_PROBE], cwd=ROOT, env=env, capture_output=True, text=True)
     try:
@@ -144,18 +150,18 @@ def check_first_offload(gib: int) -> dict:
                 f"{times['offload_1']:.2f} s first, {times['offload_2']:.2f} s after", "later ones > 5 GB/s", note)
 
 
-def check_plan_and_mfu(out: str, peak_tflops: float) -> list[dict]:
+def check_plan_and_mfu(out: str, peak_tflops: float, layers_max: int = 48, max_new_tokens: int = 2048) -> list[dict]:
     import torch
 
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    hf = model_for_gpu(gpu_gb)
+    hf = model_for_gpu(gpu_gb, layers_max)
     model_path = f"{out}/model/config.json"
     os.makedirs(os.path.dirname(model_path), exist_ok=True)
     with open(model_path, "w") as f:
         json.dump(hf, f, indent=1)
-    over = train_overrides(out, model_path)
+    over = train_overrides(out, model_path, max_new_tokens)
     cli = [sys.executable, "-m", "rlpo_mega.cli"]
-    env = {**os.environ, "PYTHONPATH": ROOT, "WANDB_MODE": "disabled"}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "WANDB_MODE": "disabled"}
     plan = subprocess.run([*cli, "plan", "configs/gpu_smoke.yaml", *over, f"cluster.gpu_memory_gb={gpu_gb:.1f}",
                            "--world-size", "1", "--lengths", "all-max", "--prompt-tokens", "16", "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
@@ -222,6 +228,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="output directory (default runs/gpu_checklist/<UTC time>)")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (H100/H200 SXM: 989)")
     p.add_argument("--offload-gib", type=int, default=16, help="GiB the first-offload check moves (default 16)")
+    # a short lease: fewer layers and shorter answers keep the plan row's run in minutes (the plan is compared at
+    # the same config, so the row still tests the planner, at a model filling less of the GPU)
+    p.add_argument("--layers-max", type=int, default=48, help="the plan row's model: at most this many layers")
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="the plan row's answers: at most this long")
     p.add_argument("--skip", nargs="*", default=[], choices=["smoke", "set_device", "offload", "plan"])
     a = p.parse_args(argv)
     import torch
@@ -240,7 +250,7 @@ def main(argv=None) -> int:
     rows = []
     checks = [("smoke", lambda: [check_smoke(out)]), ("set_device", lambda: [check_set_device(out)]),
               ("offload", lambda: [check_first_offload(a.offload_gib)]),
-              ("plan", lambda: check_plan_and_mfu(out, a.peak_tflops))]
+              ("plan", lambda: check_plan_and_mfu(out, a.peak_tflops, a.layers_max, a.max_new_tokens))]
     for name, fn in checks:
         if name in a.skip:
             continue

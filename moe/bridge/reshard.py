@@ -478,12 +478,46 @@ def plan_buckets(plan: Plan, bucket_bytes: int, joined: frozenset = frozenset())
     return out
 
 
+PACK_ALIGN = 16  # a piece's byte offset in a packed bucket: a view as its dtype needs an aligned offset
+
+
+def packed_offsets(transfers) -> tuple[list[int], int]:
+    """Where each transfer's bytes sit when one server rank's pieces of a bucket are packed into one byte tensor, in
+    the given (plan) order, each at a PACK_ALIGN-aligned offset; and the packed size. The colocated refit packs on
+    the learner rank on the server rank's GPU and unpacks in the server: both call this."""
+    offsets, at = [], 0
+    for t in transfers:
+        offsets.append(at)
+        at += -(-t.nbytes // PACK_ALIGN) * PACK_ALIGN
+    return offsets, at
+
+
+def pack(transfers, pieces, device) -> "torch.Tensor":
+    """One server rank's pieces of a bucket (`pieces[i]` is `transfers[i]`'s slice) as one byte tensor on `device`, at
+    packed_offsets: what the colocated refit hands a server rank by one CUDA IPC handle."""
+    offsets, size = packed_offsets(transfers)
+    flat = torch.empty(size, dtype=torch.uint8, device=device)
+    for t, piece, at in zip(transfers, pieces, offsets):
+        flat[at:at + t.nbytes].view(piece.dtype).view(piece.shape).copy_(piece)
+    return flat
+
+
+def unpack(flat: "torch.Tensor", transfers, dtypes) -> list:
+    """pack's inverse, as views of `flat` (no copy): each transfer's slice, shaped as its region, in `dtypes[i]`."""
+    offsets, size = packed_offsets(transfers)
+    if flat.dtype != torch.uint8 or flat.dim() != 1 or flat.numel() != size:
+        raise ValueError(f"a packed bucket of {flat.numel()} {flat.dtype} elements where the plan packs {size} bytes")
+    return [flat[at:at + t.nbytes].view(dtype).view([b - a for a, b in t.region])
+            for t, dtype, at in zip(transfers, dtypes, offsets)]
+
+
 def piece_key(t: Transfer) -> str:
     """The name a transfer's digest goes by on both sides: the tensor, the server rank and the slice."""
     return f"{t.name}@{t.server}.{t.rank}:" + ",".join(f"{a}-{b}" for a, b in t.region)
 
 
 __all__ = ["BROADCAST_TRANSPORT", "Box", "CannotPlan", "LearnerLayout", "ModelSpec", "Plan", "ServerLayout",
-           "TensorSpec", "Transfer", "box_numel", "learner_shards", "piece_key", "plan_buckets", "reshard_plan",
+           "TensorSpec", "Transfer", "box_numel", "learner_shards", "pack", "packed_offsets", "piece_key",
+           "plan_buckets", "reshard_plan", "unpack",
            "server_region",
            "server_shard_bytes"]

@@ -64,11 +64,12 @@ def check_sglang(cfg, warns: list[str], world_size: Optional[int] = None, nodes:
         warns.append(f"rollout.sync_transport=in_process sends SGLang weights through shared memory of this "
                      f"host, but {', '.join(remote)} may be on other nodes: use sglang_distributed there")
     if ro.colocate:
-        if ro.sync_transport != "in_process":
+        if ro.sync_transport not in ("in_process", "reshard"):
             # NCCL refuses two ranks of one communicator on one GPU: the weights go by update_weights_from_tensor
             raise ConfigError(f"rollout.colocate=true with rollout.sync_transport={ro.sync_transport}: servers on the "
                               "learner's own GPUs take the weights by update_weights_from_tensor (CUDA IPC), not an "
-                              "NCCL group with the learner: set rollout.sync_transport=in_process")
+                              "NCCL group with the learner: set rollout.sync_transport=in_process (or reshard: each "
+                              "server rank's own shard, packed on its GPU)")
         if ro.sglang.urls or not ro.sglang.launch:
             raise ConfigError("rollout.colocate=true with SGLang: the trainer launches the servers on its own GPUs "
                               "(rollout.sglang.launch=true, no rollout.sglang.urls)")

@@ -191,7 +191,7 @@ class PayloadRelay:
         stream.compute_digests = False  # the drivers digest and verify
         for bucket in stream:
             if bucket:
-                self._finish(self._start(bucket))
+                self.finish(self._start(bucket))
 
     def gathering(self, stream):
         """A driver's export stream: each bucket comes as a RelayedBucket; the entries' producers are acknowledged
@@ -199,14 +199,25 @@ class PayloadRelay:
         return _Gathering(stream, self)
 
     def _start(self, bucket) -> _Step:
-        keep, mine, errors = None, {}, []
+        keep, mine = None, {}
         if self.entries:
             try:
                 keep = flatten(bucket, self.aliases)
                 for j, k, d in self.entries:  # one pickle per entry: each TP rank opens its own reference
                     mine.setdefault(d, []).append([j, k, serialize(keep)])
             except Exception as e:  # (out of memory on this GPU): the driver's load fails with it, the exchange goes on
-                keep, mine = None, {d: f"rank {self.rank}: {type(e).__name__}: {e}" for _, _, d in self.entries}
+                keep, mine = None, self.failed(e)
+        return self.exchange(mine, keep)
+
+    def failed(self, e: Exception) -> dict:
+        """This rank's entries replaced by its error, for each of their drivers (exchange's `mine`)."""
+        return {d: f"rank {self.rank}: {type(e).__name__}: {e}" for _, _, d in self.entries}
+
+    def exchange(self, mine: dict, keep) -> _Step:
+        """This rank's entries {driver: [[server index, TP rank, payload], ...] or its error} to their drivers; a
+        driver gathers its servers' entries (the returned step's payloads). `keep`: what the payloads refer to, held
+        until finish (the servers have loaded). Collective over the relay's ranks, once per bucket."""
+        errors = []
         g = self.group
         waits = [dist.irecv(torch.zeros(1, dtype=torch.int64), src=d, group=g, tag=_ACK) for d in self.to_drivers]
         sends = []
@@ -239,14 +250,16 @@ class PayloadRelay:
             w.wait()
         return _Step(keep, payloads, errors, waits)
 
-    def _finish(self, step: _Step) -> None:
+    def finish(self, step: _Step) -> None:
         """Acknowledges this driver's producers (the servers have loaded), waits for this rank's own drivers, then
         lets its bucket go (on a GPU, torch frees IPC-shared memory once every server rank has released it)."""
         acks = [dist.isend(torch.ones(1, dtype=torch.int64), dst=p, group=self.group, tag=_ACK)
                 for p in self.from_producers]
         for w in acks + step.waits:
             w.wait()
-        on_gpu = step.keep is not None and step.keep["flattened_tensor"].is_cuda
+        # keep: a flattened bucket (its payload dict) or a list of tensors (the colocated refit's per-rank buckets)
+        held = [step.keep["flattened_tensor"]] if isinstance(step.keep, dict) else list(step.keep or ())
+        on_gpu = any(t.is_cuda for t in held)
         step.keep = step.payloads = None
         if on_gpu:
             torch.cuda.ipc_collect()
@@ -275,7 +288,7 @@ class _Gathering:
             try:
                 yield RelayedBucket(bucket, step.payloads, step.errors)
             finally:
-                self._relay._finish(step)
+                self._relay.finish(step)
 
 
 __all__ = ["FLATTENED", "PayloadRelay", "RelayedBucket", "ServerPlacement", "flatten", "placements", "serialize",

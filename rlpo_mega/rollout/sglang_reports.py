@@ -70,22 +70,29 @@ class InServerReports:
             return self._store
 
     def _hook_request(self, server: _Server, request: dict, what: str, forged=EngineError, session: bool = True,
-                      every_rank: bool = False):
+                      every_rank: bool = False, per_rank: Optional[list] = None):
         """Run launch/rlpo_sglang_hooks.py's loader in every TP rank of `server` with `request`; its TP rank 0's
         report (a JSON object) comes back through this rank's TCP store, sealed with the job's key -- or, every_rank,
         each TP rank's report (a list in rank order: the shard-to-shard refit's requests). what: the report, for the
         errors; forged: the error a report without the job's seal raises. session=False: inside an update session
-        the caller opened (begin_weight_update), which the call neither opens nor closes."""
+        the caller opened (begin_weight_update), which the call neither opens nor closes. per_rank: a dict per TP
+        rank merged into that rank's request (the colocated refit's payload of each rank)."""
         key = f"rlpo_reports/{uuid.uuid4().hex}"
-        request = json.dumps({**request, "store": [self.learner_address(), self.store().port], "key": key,
-                              "timeout": self.cfg.control_timeout})
-        # a plain pickle (bytes inline), not shared memory: the server may be on another host
-        payload = base64.b64encode(pickle.dumps([(request, torch.zeros(1))])).decode()
+        request = {**request, "store": [self.learner_address(), self.store().port], "key": key,
+                   "timeout": self.cfg.control_timeout}
+
+        def payload(extra: dict) -> str:
+            # a plain pickle (bytes inline), not shared memory: the server may be on another host
+            return base64.b64encode(pickle.dumps([(json.dumps({**request, **extra}), torch.zeros(1))])).decode()
+
+        if per_rank is not None and len(per_rank) != self.cfg.tp_size:
+            raise EngineError(f"SGLang server {server.url}: {len(per_rank)} per-rank requests for TP{self.cfg.tp_size}")
+        payloads = [payload(extra) for extra in per_rank] if per_rank is not None else [payload({})] * self.cfg.tp_size
         if session:
             self._begin(server)
         try:
             status, body = self._http(server, "/update_weights_from_tensor", {
-                "serialized_named_tensors": [payload] * self.cfg.tp_size, "load_format": REPORT_LOADER,
+                "serialized_named_tensors": payloads, "load_format": REPORT_LOADER,
                 "flush_cache": False})
         except BaseException:
             if session:

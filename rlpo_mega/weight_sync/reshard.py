@@ -16,6 +16,15 @@ bucket (plan_buckets: both sides cut the plan alike) and loads each tensor's reg
   drivers   read each server rank's digests of the pieces it holds, read back from its parameters
   all       agree: every piece's digests compared (DigestMismatchError), every failure raised on every rank
 
+Colocated servers (rollout.colocate: the servers on the learner's own GPUs, where NCCL refuses a second rank of one
+communicator on a GPU) take the same plan by CUDA IPC instead of a group: bucket by bucket the learner ranks exchange
+the pieces among themselves (point to point over the learner's group), so that the learner rank on each server
+rank's GPU holds that rank's pieces; it packs them into one byte tensor on its GPU (moe/bridge/reshard.packed_offsets)
+and relays the tensor's IPC handle to the server's driver (rollout/sglang_payloads.PayloadRelay), which posts each
+server one `reshard_local` hook request carrying each TP rank's own handle. The hook opens it on its GPU and loads
+through the same receiver. No rank gathers the model here either: a GPU holds at most one bucket of its server
+rank's pieces beside the learner's shards.
+
 Each piece is digested on both sides (moe.bridge.reshard.piece_key); a name SGLang loads itself (a family's
 post-processed tensors, MoEFamily.sglang_loader_keys) is digested as received, counted in the result. A failure
 on any rank (a server dead mid-refit, a send refused) drops this rank's side of the group at once, so every peer's
@@ -41,6 +50,7 @@ from moe.bridge.mapping import Dims, param_maps, shard_to_hf
 from moe.bridge.megatron_io import _export_plan, _inner
 from rlpo_mega.config import ConfigError
 from rlpo_mega.engine_errors import EngineError
+from rlpo_mega.rollout import ENGINES
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
@@ -95,12 +105,13 @@ class ReshardTransport:
         self._rendezvous = None  # rank 0: the TCP store the group meets at
         self._plans: dict = {}
         self.control = None
+        # rollout.colocate: the servers on the learner's GPUs, which take their pieces by CUDA IPC (_local)
+        self.colocate = bool(cfg.rollout.colocate)
 
     @classmethod
     def check_config(cls, cfg, engine_cls) -> None:
         if not getattr(engine_cls, "weight_update_group", False):
             raise ConfigError(f"rollout.sync_transport=reshard needs rollout.engine=sglang (got {cfg.rollout.engine})")
-        # colocated servers (rollout.colocate) are refused by the engine's own check: in_process (CUDA IPC per GPU)
 
     @staticmethod
     def check_layout(cfg, hf, layout, world_size: int) -> None:
@@ -131,13 +142,16 @@ class ReshardTransport:
         return cls(cfg, engine, hf, PARAMS_DTYPES[cfg.model.params_dtype])
 
     # ---- agreement over the control group ------------------------------------------------------------------
-    def _gather(self, obj) -> list:
+    def _control(self):
         if self.control is None:
             from rlpo_mega import distributed
 
             self.control = distributed.control_group(self.cfg.rollout.wait_timeout)
+        return self.control
+
+    def _gather(self, obj) -> list:
         every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, obj, group=self.control)
+        dist.all_gather_object(every, obj, group=self._control())
         return every
 
     def _agree(self, error: Optional[str], what: str):
@@ -150,7 +164,8 @@ class ReshardTransport:
 
     # ---- the group -------------------------------------------------------------------------------------------
     def _servers(self) -> list:
-        """[(driver rank, URL, (tp, ep, attention dp))] of every live server, in rank order (every rank)."""
+        """[(driver rank, URL, (tp, ep, attention dp), its place in the run's server list)] of every live server, in
+        rank order (every rank); the place names a colocated server's GPUs (sglang_payloads.placements)."""
         mine, error = [], None
         e = self.engine
         if e is not None:
@@ -160,7 +175,8 @@ class ReshardTransport:
                 for s in e.live:
                     status, body = e._http(s, "/server_info", method="GET")
                     layout = rs.ServerLayout.from_server_info(json.loads(body))
-                    mine.append((dist.get_rank(), s.url, (layout.tensor, layout.expert, layout.attention_dp)))
+                    mine.append((dist.get_rank(), s.url, (layout.tensor, layout.expert, layout.attention_dp),
+                                 e._place[s.url]))
             except (EngineError, rs.CannotPlan, ValueError) as err:
                 error = str(err)
         every = self._gather((mine, error))
@@ -198,7 +214,7 @@ class ReshardTransport:
         store = self._rendezvous if dist.get_rank() == 0 else dist.TCPStore(
             host, port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
         calls, e = [], self.engine
-        for i, (driver, url, _) in enumerate(servers):
+        for i, (driver, url, _, _) in enumerate(servers):
             if driver == dist.get_rank():
                 server = next(s for s in e.live if s.url == url)
                 calls.append(lambda s=server, i=i: e._hook_request(s, {
@@ -220,11 +236,11 @@ class ReshardTransport:
                 except EngineError as err:
                     error = error or str(err)
         self._agree(error, "joining")
-        self.members, self.group_name = [url for _, url, _ in servers], name
+        self.members, self.group_name = [s[1] for s in servers], name
 
     # ---- the sync --------------------------------------------------------------------------------------------
     def _plan(self, chunks, servers):
-        layouts = tuple(rs.ServerLayout(*layout) for _, _, layout in servers)
+        layouts = tuple(rs.ServerLayout(*s[2]) for s in servers)
         if layouts not in self._plans:
             learner = learner_layout(chunks, self.cfg.model.vocab_divisible_by)
             model = rs.ModelSpec.of(self.hf, self.dtype)
@@ -238,43 +254,23 @@ class ReshardTransport:
         servers = self._servers()
         if not servers:
             raise EngineError("refit: no live SGLang server to sync")
-        if self.pg is None or self.members != [url for _, url, _ in servers]:
+        if not self.colocate and (self.pg is None or self.members != [s[1] for s in servers]):
             self._join(servers)
         plan, buckets = self._plan(chunks, servers)
         algorithm = algorithm_for(next(_inner(chunks[0]).parameters()).device)
         e, rank = self.engine, dist.get_rank()
-        request = {"what": "reshard_sync", "group": self.group_name, "learner": _layout_request(plan.learner),
-                   "servers": [list(layout) for _, _, layout in servers], "dtype": str(self.dtype).split(".")[-1],
-                   "bucket_bytes": self.bucket_bytes, "algorithm": algorithm,
-                   "check": [len(plan.transfers), sum(t.nbytes for t in plan.transfers)]}
-        mine = [(i, url) for i, (driver, url, _) in enumerate(servers) if driver == rank]
-        error, sent, received, reports = None, {}, {}, {}
-        with ThreadPoolExecutor(max_workers=max(1, len(mine))) as pool:
-            futures = {}
-            if mine:
-                try:
-                    e.begin_weight_update(refresh=False)
-                    for i, url in mine:
-                        server = next(s for s in e.live if s.url == url)
-                        futures[url] = pool.submit(e._hook_request, server, {**request, "index": i}, "refit",
-                                                   session=False, every_rank=True)
-                except EngineError as err:
-                    error = str(err)
-            if error is None:
-                try:
-                    sent = self._send(chunks, plan, buckets, algorithm)
-                except RuntimeError as err:  # gloo: a peer closed or reset; NCCL: its error (text only: no frames)
-                    error = f"sending its shards: {str(err).splitlines()[0]}"
-            if error is not None:
-                self._drop()  # the servers' pending receives fail now
-            for url, f in futures.items():
-                try:
-                    for r, report in enumerate(f.result()):
-                        received.update(report["digests"])
-                        reports[f"{url}#{r}"] = {k: report[k] for k in ("bytes", "as_received", "receiver")}
-                except EngineError as err:
-                    error = error or str(err)
-                    self._drop()
+        request = {"learner": _layout_request(plan.learner), "servers": [list(s[2]) for s in servers],
+                   "dtype": str(self.dtype).split(".")[-1], "bucket_bytes": self.bucket_bytes,
+                   "algorithm": algorithm, "check": [len(plan.transfers), sum(t.nbytes for t in plan.transfers)]}
+        mine = [(i, s[1]) for i, s in enumerate(servers) if s[0] == rank]
+        error = None
+        if mine:
+            try:
+                e.begin_weight_update(refresh=False)
+            except EngineError as err:
+                error = str(err)
+        move = self._local if self.colocate else self._remote
+        sent, received, reports, error = move(chunks, plan, buckets, servers, request, mine, algorithm, error)
         if mine and error is None:
             try:
                 e.end_weight_update()
@@ -302,33 +298,155 @@ class ReshardTransport:
                        group=self.group_name, server_ranks=reports)
         return out
 
+    @staticmethod
+    def _take(reports: dict, url: str, got: list, received: dict):
+        """A server's per-rank reports (in TP rank order) into the digests received and the per-rank counts."""
+        for r, report in enumerate(got):
+            received.update(report["digests"])
+            mine = reports.setdefault(f"{url}#{r}", {"bytes": 0, "as_received": 0})
+            mine["bytes"] += report["bytes"]
+            mine["as_received"] += report["as_received"]
+            mine["receiver"] = report["receiver"] or mine.get("receiver", {})
+
+    def _remote(self, chunks, plan, buckets, servers, request, mine, algorithm, error):
+        """Servers on their own GPUs: each driver posts each of its servers one sync request (the server's ranks
+        receive over the refit group, bucket by bucket) while every rank sends its pieces."""
+        e, sent, received, reports = self.engine, {}, {}, {}
+        with ThreadPoolExecutor(max_workers=max(1, len(mine))) as pool:
+            futures = {}
+            if error is None:
+                try:
+                    for i, url in mine:
+                        server = next(s for s in e.live if s.url == url)
+                        futures[url] = pool.submit(e._hook_request, server, {
+                            **request, "what": "reshard_sync", "group": self.group_name, "index": i}, "refit",
+                            session=False, every_rank=True)
+                except EngineError as err:
+                    error = str(err)
+            if error is None:
+                try:
+                    sent = self._send(chunks, plan, buckets, algorithm)
+                except RuntimeError as err:  # gloo: a peer closed or reset; NCCL: its error (text only: no frames)
+                    error = f"sending its shards: {str(err).splitlines()[0]}"
+            if error is not None:
+                self._drop()  # the servers' pending receives fail now
+            for url, f in futures.items():
+                try:
+                    self._take(reports, url, f.result(), received)
+                except EngineError as err:
+                    error = error or str(err)
+                    self._drop()
+        return sent, received, reports, error
+
+    def _local(self, chunks, plan, buckets, servers, request, mine, algorithm, error):
+        """rollout.colocate: bucket by bucket, the learner ranks exchange the pieces (each to the learner rank on
+        the GPU of the server rank that takes it: one batch of point-to-point sends and receives over the learner's
+        own group, NCCL on GPUs); that rank packs each of its server ranks' pieces into one byte tensor on its GPU
+        and relays its CUDA IPC handle (on a CPU, a shared-memory file) to the server's driver, which posts each
+        server one request with every TP rank's own (sglang_payloads.PayloadRelay, the colocated in_process path's
+        relay). The relay's acknowledgement keeps a packed bucket alive until its server has loaded it. A failure
+        stops the posting, not the exchange: every rank runs every bucket's collectives, then the failure is agreed."""
+        from rlpo_mega.rollout.sglang_payloads import PayloadRelay, ServerPlacement, serialize
+
+        world = dist.get_world_size()
+        places = {p.index: p for p in ENGINES.get(self.cfg.rollout.engine).colocated_placements(
+            self.cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))}
+        relay = PayloadRelay([ServerPlacement(i, s[0], places[s[3]].producers) for i, s in enumerate(servers)],
+                             dist.get_rank(), self._control())
+        device = next(_inner(chunks[0]).parameters()).device
+        producer = {(i, k): p for i, s in enumerate(servers) for k, p in enumerate(places[s[3]].producers)}
+        e, rank, sent, received, reports = self.engine, dist.get_rank(), {}, {}, {}
+        live = {s.url: s for s in e.live} if mine else {}
+        for b, (start, stop) in enumerate(buckets):
+            transfers = plan.transfers[start:stop]
+            packed, keep, made = {}, [], {}
+            try:
+                pieces = self._pieces(chunks, plan, transfers, algorithm, sent)
+                got = self._exchange(plan, transfers, pieces, producer, device)
+                for j, k, d in relay.entries:
+                    todo = [(n, t) for n, t in enumerate(transfers) if t.server == j and t.rank == k]
+                    if not todo:
+                        made.setdefault(d, []).append([j, k, ""])
+                        continue
+                    flat = rs.pack([t for _, t in todo], [got[n] for n, _ in todo], device)
+                    keep.append(flat)
+                    made.setdefault(d, []).append([j, k, serialize(flat)])  # one pickle per entry, its own reference
+                del pieces, got
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as err:  # a send refused, no memory for a bucket
+                keep, made = [], relay.failed(err)
+            step = relay.exchange(made, keep)
+            try:
+                error = error or (f"making the packed buckets: {'; '.join(step.errors)}" if step.errors else None)
+                posts = [(i, url) for i, url in mine if any(step.payloads.get(i) or ())] if error is None else []
+                with ThreadPoolExecutor(max_workers=max(1, len(posts))) as pool:
+                    futures = {url: pool.submit(e._hook_request, live[url], {
+                        **request, "what": "reshard_local", "index": i, "bucket": b}, "refit", session=False,
+                        every_rank=True, per_rank=[{"entry": x} for x in step.payloads[i]]) for i, url in posts}
+                    for url, f in futures.items():
+                        try:
+                            self._take(reports, url, f.result(), received)
+                        except EngineError as err:
+                            error = error or str(err)
+            finally:
+                relay.finish(step)
+        return sent, received, reports, error
+
     def _send(self, chunks, plan, buckets, algorithm) -> dict[str, str]:
         """This rank's pieces, bucket by bucket (isends in plan order, waited per bucket); their digests."""
+        digests = {}
+        for start, stop in buckets:
+            transfers = plan.transfers[start:stop]
+            pieces = self._pieces(chunks, plan, transfers, algorithm, digests)
+            works = [dist.isend(pieces[n], dst=plan.learner.world_size + self._offset(plan, transfers[n]), group=self.pg)
+                     for n in sorted(pieces)]
+            for w in works:
+                w.wait()
+        return digests
+
+    def _pieces(self, chunks, plan, transfers, algorithm, digests: dict) -> dict:
+        """{index in `transfers`: the piece} of those this rank sends, cut from its own shards in the plan's dtype,
+        each digested into `digests` (by piece_key)."""
         from megatron.core import parallel_state as ps
 
+        rank = dist.get_rank()
+        todo = [(n, t) for n, t in enumerate(transfers) if t.src == rank]
+        if not todo:
+            return {}
         mine, _, _, _ = _export_plan(chunks[0])
         maps = {n: (pm, j) for pm in param_maps(self.hf) for j, n in enumerate(pm.hf)}
         dims = Dims.of(self.hf, self.cfg.model.vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
-        rank, digests = dist.get_rank(), {}
         specs = {t.name: t for t in plan.model.tensors}
-        for start, stop in buckets:
-            todo = [t for t in plan.transfers[start:stop] if t.src == rank]
-            if not todo:
-                continue
-            slices, pieces, works = {}, [], []
-            for t in todo:
-                pm, j = maps[t.name]
-                if pm.megatron not in slices:
-                    lp = mine[pm.megatron]
-                    slices[pm.megatron] = shard_to_hf(pm.kind, lp.param.detach(), dims, lp.tp_rank, lp.tp_size)
-                part = slices[pm.megatron][j][tuple(slice(a, b) for a, b in t.src_box)]
-                piece = part.to(specs[t.name].dtype).contiguous()
-                pieces.append(piece)
-                works.append(dist.isend(piece, dst=plan.learner.world_size + self._offset(plan, t), group=self.pg))
-            for w in works:
+        slices, pieces = {}, {}
+        for n, t in todo:
+            pm, j = maps[t.name]
+            if pm.megatron not in slices:
+                lp = mine[pm.megatron]
+                slices[pm.megatron] = shard_to_hf(pm.kind, lp.param.detach(), dims, lp.tp_rank, lp.tp_size)
+            part = slices[pm.megatron][j][tuple(slice(a, b) for a, b in t.src_box)]
+            pieces[n] = part.to(specs[t.name].dtype).contiguous()
+        digests.update(zip((rs.piece_key(t) for _, t in todo), tensor_digests(list(pieces.values()), algorithm)))
+        return pieces
+
+    def _exchange(self, plan, transfers, pieces: dict, producer: dict, device) -> dict:
+        """rollout.colocate: every piece to the learner rank that packs its server rank's bucket (`producer`: (server,
+        TP rank) -> learner rank), as one batch of sends and receives over the learner's group (batched: two ranks
+        that both send and receive would otherwise each wait on its send first, on NCCL's one stream); {index in
+        `transfers`: piece} of those this rank packs, its own included."""
+        rank, specs = dist.get_rank(), {t.name: t for t in plan.model.tensors}
+        out, ops = {}, []
+        for n, t in enumerate(transfers):
+            p = producer[(t.server, t.rank)]
+            if t.src == rank and p == rank:
+                out[n] = pieces[n]
+            elif t.src == rank:
+                ops.append(dist.P2POp(dist.isend, pieces[n], p))
+            elif p == rank:
+                out[n] = torch.empty([b - a for a, b in t.region], dtype=specs[t.name].dtype, device=device)
+                ops.append(dist.P2POp(dist.irecv, out[n], t.src))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
                 w.wait()
-            digests.update(zip((rs.piece_key(t) for t in todo), tensor_digests(pieces, algorithm)))
-        return digests
+        return out
 
     @staticmethod
     def _offset(plan, t) -> int:

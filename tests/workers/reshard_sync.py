@@ -1,5 +1,7 @@
 """The shard-to-shard refit (rollout.sync_transport=reshard) from megatron learner ranks into real CPU SGLang servers
-(tests/test_refit_transport.py). argv: out_dir hf_checkpoint urls(comma) server_tp drivers override...
+(tests/test_refit_transport.py). argv: out_dir hf_checkpoint urls(comma) server_tp drivers override...; urls
+"colocate": one server launched by rank 0 on the learner's "GPUs" (rollout.colocate; RLPO_SGLANG_{PYTHON,PATH,
+SERVER_ARGS} from the test), which takes its pieces packed per rank (the CUDA IPC path; shared memory on a CPU).
 
 Two syncs, the weights moved between them (seeded noise on every parameter, alike on every replica): after each
 one every server's weights, digested inside it over its TP ranks (the report hook's full HF tensors, the
@@ -7,6 +9,7 @@ independent check every transport shares), equal the learner's own export tensor
 transport's own piece digests passed. Rank 0 reports the bytes each learner rank sent and each server rank
 received against the plan's shares, and the receivers' counts (learned at the first sync, replayed at the second).
 """
+import json
 import os
 import sys
 import zlib
@@ -35,9 +38,20 @@ def nudge(chunks, step):
 
 def main():
     out, ckpt, urls, server_tp, drivers, *overrides = sys.argv[1:]
+    if urls == "colocate":
+        env = os.environ
+        servers = ["rollout.colocate=true", "rollout.sglang.launch=true", "rollout.sglang.num_servers=1",
+                   f"rollout.sglang.python={env['RLPO_SGLANG_PYTHON']}", "rollout.sglang.startup_timeout=300",
+                   f"rollout.sglang.log_dir={os.path.join(out, 'sglang_logs')}", "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1",
+                   f"rollout.sglang.env.PYTHONPATH={env['RLPO_SGLANG_PATH']}",
+                   *(["rollout.sglang.env.SGLANG_CPU_OMP_THREADS_BIND=0|1"] if server_tp == "2" else []),
+                   *(f"rollout.sglang.server_args.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                     for k, v in json.loads(env["RLPO_SGLANG_SERVER_ARGS"]).items())]
+    else:
+        servers = [f"rollout.sglang.urls=[{urls}]"]
     cfg = load_config(None, (
-        f"model.hf_config={ckpt}/config.json", f"model.init_from_hf={ckpt}", "rollout.engine=sglang",
-        f"rollout.sglang.urls=[{urls}]", f"rollout.sglang.tp_size={server_tp}", f"rollout.sglang.drivers={drivers}",
+        f"model.hf_config={ckpt}/config.json", f"model.init_from_hf={ckpt}", "rollout.engine=sglang", *servers,
+        f"rollout.sglang.tp_size={server_tp}", f"rollout.sglang.drivers={drivers}",
         "rollout.sync_transport=reshard", "rollout.sync_bucket_mb=1", "logging.wandb=false", *overrides))
     hf = load_hf_config(cfg.model.hf_config)
     layout = distributed.init(cfg.parallel, hf, cfg.seed)
@@ -62,21 +76,23 @@ def main():
         dist.all_gather_object(every, {"result": result, "check": mine})
         report["syncs"].append(every)
     kill = os.environ.get("RLPO_KILL_SERVER_PGID")
-    if kill:  # a server SIGKILLed mid-refit: rank 0 kills it once the servers are receiving, then sends its shards
+    if kill:  # a server SIGKILLed mid-refit: rank 0 kills it once the servers are receiving, then cuts its pieces
         import signal
         import time
 
         from rlpo_mega.engine_errors import EngineError
         from rlpo_mega.weight_sync.reshard import ReshardTransport
 
-        send = ReshardTransport._send
+        pieces, killed = ReshardTransport._pieces, []
 
         def killing(self, *args):
-            if dist.get_rank() == 0:
-                os.killpg(int(kill), signal.SIGKILL)
-            return send(self, *args)
+            if dist.get_rank() == 0 and not killed:
+                pgid = int(kill) if kill != "launched" else engine.servers[0].launched.proc.pid
+                os.killpg(pgid, signal.SIGKILL)
+                killed.append(pgid)
+            return pieces(self, *args)
 
-        ReshardTransport._send = killing
+        ReshardTransport._pieces = killing
         nudge(chunks, 2)
         t0 = time.monotonic()
         try:
@@ -91,7 +107,7 @@ def main():
     report["plan"] = {"sent": plan.sent_bytes(), "received": {f"{s}.{r}": n for (s, r), n in plan.received_bytes().items()},
                       "shard": {f"{s}.{r}": n for (s, r), n in plan.shard_bytes().items()}, "model": plan.model.nbytes}
     transport.close()
-    if engine is not None and not kill:
+    if engine is not None and kill in (None, "launched"):  # (a launched server is stopped by its engine)
         engine.shutdown()
     if dist.get_rank() == 0:
         write_report(report)

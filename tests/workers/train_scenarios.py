@@ -582,24 +582,27 @@ def sglang_colocate(out):
 
     SGLangEngine._post_ok = recording
     rep, weights = {}, {}
+    # colocated_reshard: colocated, each server rank's own shard packed on its GPU (rollout.sync_transport=reshard)
+    runs = {"apart": "in_process", "colocated": "in_process", "colocated_reshard": "reshard"}
     try:
-        for run in ("apart", "colocated"):
+        for run, transport in runs.items():
             calls.append([])
             at_launch.append([])
-            trainer = _run_with(_sglang_cfg(out, run, "train_iters=3", "rollout.sync_transport=in_process",
+            trainer = _run_with(_sglang_cfg(out, run, "train_iters=3", f"rollout.sync_transport={transport}",
                                             "rollout.sglang.server_args.enable_deterministic_inference=true",
                                             "rollout.sglang.server_args.disable_radix_cache=true",
-                                            f"rollout.colocate={str(run == 'colocated').lower()}"), lambda t: None)
+                                            f"rollout.colocate={str(run != 'apart').lower()}"), lambda t: None)
             weights[run] = [p.detach().clone() for p in unwrap(trainer.policy.chunks[0]).parameters()]
             rep[run] = history(out, run)
     finally:
         SGLangEngine._post_ok = post
         trainer_module.learner_residency, engines_module.launch_node_servers = residency, launch
-    rep["calls"] = dict(zip(("apart", "colocated"), calls))
-    rep["learner_bytes_at_launch"] = dict(zip(("apart", "colocated"), at_launch))
-    equal = [None] * dist.get_world_size()
-    dist.all_gather_object(equal, all(torch.equal(a, b) for a, b in zip(weights["apart"], weights["colocated"])))
-    rep["weights_equal"] = equal
+    rep["calls"] = dict(zip(runs, calls))
+    rep["learner_bytes_at_launch"] = dict(zip(runs, at_launch))
+    for run in ("colocated", "colocated_reshard"):
+        equal = [None] * dist.get_world_size()
+        dist.all_gather_object(equal, all(torch.equal(a, b) for a, b in zip(weights["apart"], weights[run])))
+        rep["weights_equal" if run == "colocated" else f"weights_equal_{run}"] = equal
     return rep
 
 
