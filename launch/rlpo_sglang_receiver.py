@@ -67,6 +67,28 @@ def _held(copies, checked: dict) -> bool:
     return True
 
 
+class _Batch:
+    """The copies of one load call, made together (torch._foreach_copy_: one dispatch for the call instead of one
+    `copy_` per tensor; in list order, so the writes land as they would one by one). A fill, or a load by SGLang,
+    flushes it first: nothing is reordered around them."""
+    __slots__ = ("dst", "src")
+    LIMIT = 1024  # copies held at most: a load from disk streams its tensors, which the batch would otherwise hold
+
+    def __init__(self):
+        self.dst, self.src = [], []
+
+    def add(self, dst: torch.Tensor, src: torch.Tensor):
+        self.dst.append(dst)
+        self.src.append(src)
+        if len(self.dst) >= self.LIMIT:
+            self.flush()
+
+    def flush(self):
+        if self.dst:
+            torch._foreach_copy_(self.dst, self.src)
+            self.dst, self.src = [], []
+
+
 class _Learned:
     """A name's replay: the incoming tensor's geometry it was learned from and its copies (none: SGLang skips it)."""
     __slots__ = ("shape", "stride", "dtype", "copies")
@@ -74,17 +96,18 @@ class _Learned:
     def __init__(self, source, copies):
         self.shape, self.stride, self.dtype, self.copies = tuple(source.shape), source.stride(), source.dtype, copies
 
-    def replay(self, t: torch.Tensor, checked: dict) -> bool:
+    def replay(self, t: torch.Tensor, checked: dict, batch: _Batch) -> bool:
         if t.shape != self.shape or t.stride() != self.stride or t.dtype != self.dtype or not _held(self.copies, checked):
             return False
         for c in self.copies:
             if c.fill is not None:
+                batch.flush()
                 c.view.fill_(c.fill)
             elif c.src is None:
-                c.view.copy_(t)
+                batch.add(c.view, t)
             else:
                 size, stride, offset = c.src
-                c.view.copy_(torch.as_strided(t, size, stride, t.storage_offset() + offset))
+                batch.add(c.view, torch.as_strided(t, size, stride, t.storage_offset() + offset))
         return True
 
 
@@ -155,16 +178,17 @@ class _Region:
         out.copies = [c for c, _ in out.writes]
         return out
 
-    def replay(self, t: torch.Tensor, checked: dict) -> bool:
+    def replay(self, t: torch.Tensor, checked: dict, batch: _Batch) -> bool:
         if t.shape != self.shape or t.dtype != self.dtype or not t.is_contiguous() or not _held(self.copies, checked):
             return False
         for c, geometry in self.writes:
             if geometry is None:
+                batch.flush()
                 c.view.fill_(c.fill)
             elif geometry is _WHOLE:
-                c.view.copy_(t)
+                batch.add(c.view, t)
             else:
-                c.view.copy_(torch.as_strided(t, geometry[0], geometry[1], t.storage_offset() + geometry[2]))
+                batch.add(c.view, torch.as_strided(t, geometry[0], geometry[1], t.storage_offset() + geometry[2]))
         return True
 
     def read_back(self, out: torch.Tensor) -> torch.Tensor:
@@ -298,7 +322,7 @@ class Receiver:
             self.stats["calls"] += 1
             self.stats["seconds"] += time.perf_counter() - t0
             return
-        rest, new, checked, replayed = [], [], {}, 0
+        rest, new, checked, replayed, batch = [], [], {}, 0, _Batch()
         for name, t in weights:
             entry = self.learned.get(name, _NEW)
             if entry is _NEW:
@@ -308,15 +332,17 @@ class Receiver:
                 else:  # loaded below, by SGLang, watched
                     new.append((name, t))
             elif entry is _ALONE:
+                batch.flush()
                 self.learned.update(self._learn([(name, t)]))
             elif entry is None:
                 rest.append((name, t))
-            elif entry.replay(t, checked):
+            elif entry.replay(t, checked, batch):
                 replayed += 1
             else:  # the parameter or the tensor changed since it was learned: SGLang's now, learned again next time
                 del self.learned[name]
                 self.bases = {}
                 rest.append((name, t))
+        batch.flush()
         self.stats["replayed"] += replayed
         if new:
             self.learned.update(self._learn(new))
@@ -333,7 +359,7 @@ class Receiver:
         the regions' coordinates; later syncs replay them from the region alone. Names SGLang must load itself, or
         whose copies reach outside the region, go to SGLang that way every sync, in one call."""
         t0 = time.perf_counter()
-        rest, new, alone, checked = [], [], [], {}
+        rest, new, alone, checked, batch = [], [], [], {}, _Batch()
 
         def whole(shape, region, t):
             full = torch.zeros(shape, dtype=t.dtype, device=t.device)
@@ -342,7 +368,7 @@ class Receiver:
 
         for name, shape, region, t in items:
             entry = self.regions.get(name, _NEW)
-            if entry is not _NEW and entry is not None and entry is not _ALONE and entry.replay(t, checked):
+            if entry is not _NEW and entry is not None and entry is not _ALONE and entry.replay(t, checked, batch):
                 self.stats["replayed"] += 1
                 self.stats["region_replayed"] += 1
                 continue
@@ -355,6 +381,7 @@ class Receiver:
                 del self.regions[name]
                 self.bases = {}
             rest.append((name, whole(shape, region, t)))
+        batch.flush()
         for call in ([new] if new else []) + [[x] for x in alone]:
             learned = self._learn([(name, full) for name, full, _ in call])
             for name, full, region in call:

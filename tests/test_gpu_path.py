@@ -459,6 +459,11 @@ def test_the_gpu_checklist_sizes_its_model_to_most_of_the_gpu_and_the_plan_holds
         assert 0.5 * gpu_gb * 1e9 < train["total"] <= train["budget"], (gpu_gb, train)
         assert train["parameters"] == sum(gpu_checklist.layer_params(hf)[0] * hf["num_hidden_layers"]
                                           for _ in [0]) + gpu_checklist.layer_params(hf)[1], train
+    # the row reads the metrics where the run writes them (the run directory is logging.dir itself)
+    from rlpo_mega.config import load_config
+
+    cfg = load_config(os.path.join(ROOT, "configs/gpu_smoke.yaml"), tuple(gpu_checklist.train_overrides("/o", "/m.json")))
+    assert gpu_checklist.metrics_path("/o") == os.path.join(cfg.logging.dir, "metrics.jsonl")
     proc = subprocess.run([sys.executable, "tools/gpu_checklist.py"], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr, proc.stderr

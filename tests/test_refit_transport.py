@@ -1,5 +1,5 @@
-"""rollout.sync_transport=reshard on real CPU SGLang 0.5.23 servers: megatron learner ranks each send their own
-shards to the server ranks that hold them (rlpo_mega/weight_sync/reshard.py; the plan: moe/bridge/reshard.py,
+"""rollout.sync_transport=reshard on real CPU SGLang 0.5.23 servers (TP2 and TP1; colocated on the learner ranks'
+"GPUs" too): megatron learner ranks (EP2, TP2, PP2) each send their own shards to the server ranks that hold them (rlpo_mega/weight_sync/reshard.py; the plan: moe/bridge/reshard.py,
 tests/test_reshard_plan.py). After every sync each server's weights, digested inside it, equal the learner's export
 bit for bit (the check every transport shares), the per-piece digests of the transport itself passed, each
 learner rank sent its plan share and each server rank received its own shard and nothing else; the second sync
@@ -77,11 +77,13 @@ def _check(r, learners, servers):
 @pytest.mark.parametrize("family,server_tp,layout,kill,colocate", [
     # experts shard to shard: EP2 learners into a TP2 server (moe-TP 2); then the server SIGKILLed mid-refit
     ("qwen3_moe", 2, ["parallel.expert=2"], True, False),
-    ("mixtral", 2, ["parallel.tensor=2"], False, False),  # attention and experts split over TP on both sides
-    # colocated: the server's TP ranks on the learner ranks' "GPUs"; each rank's pieces exchanged between the
-    # learner ranks and packed by the rank on its GPU (CUDA IPC there, shared memory here); then SIGKILLed
-    ("qwen3_moe", 2, ["parallel.expert=2"], True, True),
-], ids=["qwen3_moe-ep2-tp2server-kill", "mixtral-tp2-tp2server", "qwen3_moe-ep2-colocated-tp2-kill"])
+    # TP2 learners into a TP1 server: its one rank takes each tensor's halves from both learner ranks
+    ("mixtral", 1, ["parallel.tensor=2"], False, False),
+    # colocated, pipeline-parallel learners (each rank its own layers): the server's TP ranks on the learner ranks'
+    # "GPUs", each rank's pieces exchanged between the learner ranks and packed by the rank on its GPU (CUDA IPC
+    # there, shared memory here); then SIGKILLed
+    ("qwen3_moe", 2, ["parallel.pipeline=2"], True, True),
+], ids=["qwen3_moe-ep2-tp2server-kill", "mixtral-tp2-tp1server", "qwen3_moe-pp2-colocated-tp2-kill"])
 def test_reshard_sync_is_bit_exact_and_sends_only_shards(family, server_tp, layout, kill, colocate, sglang_python,
                                                          tmp_path):
     """Two syncs, bit-exact (module docstring). kill: a third sync with the server SIGKILLed as the learner ranks

@@ -175,7 +175,7 @@ def check_plan_and_mfu(out: str, peak_tflops: float, layers_max: int = 48, max_n
         return [_row("plan vs peak", False, f"plan exit {plan.returncode}, train exit {run.returncode}", "0, 0",
                      why[-1][:160] if why else "")]
     planned = {r["name"].rsplit(", ", 1)[-1]: r for r in json.loads(plan.stdout)["learner_gpus"]}
-    with open(f"{out}/run/{_run_name()}/metrics.jsonl") as f:
+    with open(metrics_path(out)) as f:
         steps = [json.loads(line) for line in f if line.strip()]
     peak = {k.rsplit("/", 1)[1]: max(h.get(k, 0) for h in steps) for k in steps[-1] if k.startswith("memory/peak_gb/")}
     gb, rows = 1e9, []
@@ -207,11 +207,11 @@ def check_plan_and_mfu(out: str, peak_tflops: float, layers_max: int = 48, max_n
     return rows
 
 
-def _run_name() -> str:
-    import yaml
-
-    with open(os.path.join(ROOT, "configs", "gpu_smoke.yaml")) as f:
-        return yaml.safe_load(f)["logging"]["run_name"]
+def metrics_path(out: str) -> str:
+    """Where the plan row's run writes its metrics: logging.dir (train_overrides) holds metrics.jsonl itself
+    (rlpo_mega/logging/metrics.py: the run directory is logging.dir where set; on the first GPU run this read
+    <dir>/<run_name>/metrics.jsonl and the row failed after the training had run)."""
+    return os.path.join(out, "run", "metrics.jsonl")
 
 
 def table(rows: list[dict]) -> str:

@@ -16,7 +16,9 @@ How each transport moves the weights (what the code does, named where it is done
 - colocated (rollout.colocate): the export broadcasts every tensor to every learner rank, and the rank on each
   server rank's GPU hands it over by CUDA IPC (sglang_payloads): no link past the broadcast.
 - reshard: moe/bridge/reshard.reshard_plan, each learner rank's own shards to the server ranks holding them
-  (rlpo_mega/weight_sync/reshard.py follows it: one group of every learner rank and server TP rank)."""
+  (rlpo_mega/weight_sync/reshard.py follows it: one group of every learner rank and server TP rank; colocated, the
+  learner ranks exchange the pieces so that the rank on each server rank's GPU packs them, handed over by CUDA IPC:
+  the same traffic, a piece already on its server rank's GPU moving over no link)."""
 from __future__ import annotations
 
 import copy

@@ -27,6 +27,8 @@ def plan(cfg, hf, n_params: int, budget: int, prompt_tokens: int) -> EnginePlan:
         out.released = out.colocated["runtime"]
         # each learner GPU receives every bucket (one broadcast) and flattens it into its server rank's payload
         # (training/sync.py, sglang_payloads.PayloadRelay), which the server rank opens by CUDA IPC, no copy of its own
+        # sync_transport=reshard: this rank's pieces of a bucket and those gathered for its server rank are parts of
+        # one bucket, and the packed copy is no larger than the latter (weight_sync/reshard.py, _local): 2 too
         out.gpu_sync = 2 * (cfg.rollout.sync_bucket_mb << 20)
     return out
 
