@@ -281,13 +281,14 @@ def _reshard_leave(req) -> dict:
     return {"left": pg is not None}
 
 
-def _reshard_plan(config, req):
+def _reshard_plan(config, req, device: str):
     """The learner's plan, made here from the same pure function and the same inputs (moe/bridge/reshard.py); the
     request's count and bytes must match it, or the two sides read different models."""
     from moe.bridge import reshard as rs
     from moe.bridge.mapping import param_maps
 
-    key = json.dumps([req["learner"], req["servers"], req["dtype"], req["bucket_bytes"]], sort_keys=True)
+    key = (id(config),  # (a server has one; a test may ask with another)
+           json.dumps([req["learner"], req["servers"], req["dtype"], req["bucket_bytes"]], sort_keys=True))
     if key not in _PLANS:
         model = rs.ModelSpec.of(config, getattr(torch, req["dtype"]))
         learner = rs.LearnerLayout(**{k: (frozenset(v) if k == "whole_on_tp" else v) for k, v in req["learner"].items()})
@@ -297,9 +298,16 @@ def _reshard_plan(config, req):
     plan, specs, buckets = _PLANS[key]
     mine = [len(plan.transfers), sum(t.nbytes for t in plan.transfers)]
     if mine != list(req["check"]):
+        # SGLang's CPU path rewrites the served config (configs/update_config.py,
+        # adjust_config_with_unaligned_cpu_tp: an intermediate size padded to a multiple of TP x 32), which the
+        # plan -- made for GPU servers -- does not model: on a CPU server that is the likelier cause
+        tp = max(s[0] for s in req["servers"])
+        cpu = (f"; or, on this CPU server, SGLang padded an intermediate size that is no multiple of TP x 32 = "
+               f"{tp * 32} (the plan models GPU servers: use such a size, or rollout.sync_transport="
+               "sglang_distributed)") if device == "cpu" else ""
         raise ValueError(f"the refit plan made in this server ({mine[0]} transfers, {mine[1]} bytes) is not the "
                          f"learner's ({req['check'][0]}, {req['check'][1]}): its checkpoint's config.json differs from "
-                         "the learner's model.hf_config")
+                         f"the learner's model.hf_config{cpu}")
     return plan, specs, buckets
 
 
@@ -310,7 +318,7 @@ def _reshard_sync(model, req, group) -> dict:
     pg = _GROUPS.get(req["group"])
     if pg is None:
         raise RuntimeError(f"no refit group {req['group']!r} on this server (restarted since the learner made it?)")
-    plan, specs, buckets = _reshard_plan(model.config, req)
+    plan, specs, buckets = _reshard_plan(model.config, req, next(model.parameters()).device.type)
     index, tp_rank = int(req["index"]), group.rank_in_group
 
     def receive(into):
@@ -335,7 +343,7 @@ def _reshard_local(model, req, group) -> dict:
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
-    plan, specs, buckets = _reshard_plan(model.config, req)
+    plan, specs, buckets = _reshard_plan(model.config, req, next(model.parameters()).device.type)
     index, tp_rank = int(req["index"]), group.rank_in_group
     start, stop = buckets[int(req["bucket"])]
     mine = [t for t in plan.transfers[start:stop] if t.server == index and t.rank == tp_rank]

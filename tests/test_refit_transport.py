@@ -1,6 +1,6 @@
 """rollout.sync_transport=reshard on real CPU SGLang 0.5.23 servers (TP2 and TP1; colocated on the learner ranks'
-"GPUs" too): megatron learner ranks (EP2, TP2, PP2) each send their own shards to the server ranks that hold them (rlpo_mega/weight_sync/reshard.py; the plan: moe/bridge/reshard.py,
-tests/test_reshard_plan.py). After every sync each server's weights, digested inside it, equal the learner's export
+"GPUs" too): megatron learner ranks (EP2, TP2, PP2) each send their own shards to the server ranks that hold them
+(rlpo_mega/weight_sync/reshard.py; the plan: moe/bridge/reshard.py, tests/test_reshard_plan.py). After every sync each server's weights, digested inside it, equal the learner's export
 bit for bit (the check every transport shares), the per-piece digests of the transport itself passed, each
 learner rank sent its plan share and each server rank received its own shard and nothing else; the second sync
 is replayed by the in-server receiver (no SGLang loader call).

@@ -352,3 +352,37 @@ def test_real_sizes_balance(recipe):
     assert plan.received_bytes() == shard
     assert sum(sent) == sum(shard.values()) >= len(servers) * model.nbytes
     assert max(sent) <= 1.25 * sum(sent) / learner.world_size, max(sent) * learner.world_size / sum(sent)
+
+
+def test_a_server_whose_plan_differs_is_refused_naming_the_cause(monkeypatch):
+    """The in-server hook (launch/rlpo_sglang_hooks._reshard_plan) makes the plan from its own served config and
+    refuses the learner's request where the transfer count or bytes differ; on a CPU server it also names SGLang's
+    CPU padding of an intermediate size (which rewrites the served config: the plan models GPU servers)."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+    try:
+        import rlpo_sglang_hooks as hooks
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(hooks, "_PLANS", {})
+    hf = load_hf_config("configs/models/tiny_qwen3_moe.json")
+    learner = LearnerLayout(2, 1, 1, 2, 1, 128)
+    plan = reshard_plan(ModelSpec.of(hf, torch.bfloat16), learner, [ServerLayout(2, 1)])
+    req = {"learner": {"world_size": 2, "tensor": 1, "pipeline": 1, "expert": 2, "expert_tensor": 1,
+                       "vocab_divisible_by": 128, "whole_on_tp": []}, "servers": [[2, 1, 1]], "dtype": "bfloat16",
+           "bucket_bytes": 1 << 20, "check": [len(plan.transfers), sum(t.nbytes for t in plan.transfers)]}
+    assert hooks._reshard_plan(hf, req, "cpu")[0].transfers == plan.transfers  # the same plan: accepted
+    served = load_hf_config("configs/models/tiny_qwen3_moe.json")
+    served.moe_intermediate_size = 64 * (-(-served.moe_intermediate_size // 64))  # as SGLang's CPU path pads it
+    if served.moe_intermediate_size == hf.moe_intermediate_size:
+        served.moe_intermediate_size += 64
+    for device, cpu in (("cuda", False), ("cpu", True)):
+        with pytest.raises(ValueError) as e:
+            hooks._reshard_plan(served, json.loads(json.dumps(req)), device)
+        line = str(e.value)
+        assert "is not the learner's" in line and "config.json differs" in line and "\n" not in line, line
+        assert ("SGLang padded an intermediate size" in line) == cpu and (
+            "TP x 32 = 64" in line) == cpu, line

@@ -397,7 +397,8 @@ class ReshardTransport:
         for start, stop in buckets:
             transfers = plan.transfers[start:stop]
             pieces = self._pieces(chunks, plan, transfers, algorithm, digests)
-            works = [dist.isend(pieces[n], dst=plan.learner.world_size + self._offset(plan, transfers[n]), group=self.pg)
+            first = plan.learner.world_size  # the server ranks follow the learner's in the group
+            works = [dist.isend(pieces[n], dst=first + self._offset(plan, transfers[n]), group=self.pg)
                      for n in sorted(pieces)]
             for w in works:
                 w.wait()
