@@ -1,4 +1,4 @@
-"""Colocated SGLang weight payloads (rlpo_mega/rollout/sglang_payloads.py): who makes each server TP rank's entry,
+"""Colocated SGLang weight payloads (rlpo_mega/weight_sync/sglang_payloads.py): who makes each server TP rank's entry,
 the flattened_bucket format, the UUID reduction's place in torch's CUDA reduction, and the relay under torchrun.
 A real CPU SGLang server loading these payloads: tests/test_sglang.py::test_colocated_flattened_bucket_update."""
 import base64
@@ -16,7 +16,7 @@ import torch
 
 from rlpo_mega.config import load_config
 from rlpo_mega.planning import plan as planning
-from rlpo_mega.rollout import sglang_payloads as sp
+from rlpo_mega.weight_sync import sglang_payloads as sp
 from tests.dist import ROOT, torchrun
 
 

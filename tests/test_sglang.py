@@ -195,7 +195,7 @@ def test_tensor_update_and_digest(family):
 
 @engine_path_once
 def test_colocated_flattened_bucket_update(family):
-    """rollout.colocate's payloads (rollout/sglang_payloads.py) into the real server: each bucket goes as one
+    """rollout.colocate's payloads (weight_sync/sglang_payloads.py) into the real server: each bucket goes as one
     load_format=flattened_bucket post, its tensors' bytes in one uint8 tensor (one shared-memory file, made by this
     process) with SimpleNamespace metadata, which SGLang's SafeUnpickler admits. The server then holds exactly what
     was sent: the digests taken inside it agree (the transport's check), a zeroed output head gives uniform

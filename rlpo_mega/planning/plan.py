@@ -38,7 +38,7 @@ from rlpo_mega.planning.refit import Refit, refit_plan, render_refit
 from rlpo_mega.planning.rows import GB, EnginePlan, PlanError, Row  # noqa: F401  (PlanError: the CLI's)
 from rlpo_mega.rollout import ENGINES
 from rlpo_mega.rollout.producers import PRODUCERS
-from rlpo_mega.rollout.base import share_of
+from rlpo_mega.shares import share_of
 
 LENGTH_DISTS = ("uniform", "heavy-tail", "all-max")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -22,6 +22,7 @@ How each transport moves the weights (what the code does, named where it is done
 from __future__ import annotations
 
 import copy
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,8 +32,8 @@ import torch
 from moe.bridge.reshard import (CannotPlan, LearnerLayout, ModelSpec, ServerLayout, box_numel, learner_shards,
                                 reshard_plan, server_shard_bytes)
 from rlpo_mega.planning.rows import GB
-from rlpo_mega.rollout.base import share_of
-from rlpo_mega.rollout.sglang_payloads import placements
+from rlpo_mega.shares import share_of
+from rlpo_mega.weight_sync.sglang_payloads import placements
 from rlpo_mega.rollout.sglang_plan import planned_servers
 
 TRANSPORTS = ("in_process", "sglang_distributed", "disk", "reshard")
@@ -148,6 +149,13 @@ def _colocated_broadcast(model: ModelSpec, lay: LearnerLayout, place: Placement,
             links.move(place.learner[a], place.learner[b], spec.nbytes)
 
 
+@functools.lru_cache(maxsize=8)
+def _reshard_plan(model: ModelSpec, lay: LearnerLayout, servers: tuple):
+    """reshard_plan once per layout in a process (seconds at a recipe's real size: a plan at two length
+    distributions, `check` then `plan`, asks for the same one)."""
+    return reshard_plan(model, lay, list(servers))
+
+
 @dataclass
 class Refit:
     """A plan's refit table."""
@@ -180,7 +188,7 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
             row.unavailable = "servers on the learner's GPUs (NCCL takes one rank per GPU)"
         elif name == "reshard":
             try:
-                plan = reshard_plan(model, lay, [server] * len(place.servers))
+                plan = _reshard_plan(model, lay, (server,) * len(place.servers))
             except CannotPlan as e:
                 row.unavailable = str(e)
             else:

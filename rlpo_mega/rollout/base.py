@@ -28,14 +28,6 @@ ENGINES = Registry("rollout engine")
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-def share_of(items: Sequence, index: int, parts: int) -> list:
-    """Part `index` of `parts` contiguous shares of `items`, the first len(items) % parts one longer: how prompts
-    split over engine ranks (rollout/producers.share) and servers over SGLang drivers."""
-    per, extra = divmod(len(items), parts)
-    start = index * per + min(index, extra)
-    return list(items[start:start + per + (1 if index < extra else 0)])
-
-
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0

@@ -99,7 +99,7 @@ def _check_colocated_drivers(sg, nodes: Optional[int]) -> None:
     """rollout.colocate: each driver sends its servers CUDA IPC handles of its own node's GPUs, which open on that
     node only (torch's rebuild_cuda_tensor opens the handle on the device it names). Drivers are evenly spaced
     ranks (one node's ranks are consecutive) and take contiguous shares of the servers in node order
-    (SGLangEngine.ranks, base.share_of), so every driver's servers are on its own node exactly when each node has
+    (SGLangEngine.ranks, shares.share_of), so every driver's servers are on its own node exactly when each node has
     the same number of drivers and they split its servers evenly."""
     if not nodes or nodes < 2:
         return

@@ -56,12 +56,12 @@ from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
 
-from .base import (ENGINES, EngineError, Feed, RolloutEngine, RolloutInterrupted, Sample, SampleMeta,
-                   SamplingParams, share_of)
+from .base import ENGINES, EngineError, Feed, RolloutEngine, RolloutInterrupted, Sample, SampleMeta, SamplingParams
 from .sglang_client import (Connections, IOLoop, ServerSlots, SlotsClosed, decode_routes, dumps, loads, parse_logprobs,
                             receive_buffer, split_routes)
 from . import sglang_auth, sglang_plan
-from .sglang_payloads import FLATTENED, flatten, placements, serialize, tied_aliases
+from rlpo_mega.shares import share_of
+from rlpo_mega.weight_sync.sglang_payloads import FLATTENED, flatten, placements, serialize, tied_aliases
 from .sglang_checks import check_sglang
 from .sglang_launch import launch_node_servers
 from .sglang_reports import InServerReports
@@ -98,7 +98,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
     """cfg: SGLangEngineConfig. hf_config: the served model's transformers config (or a config.json path /
     HF directory), for route decoding and digest read-back. model_path: the HF directory to launch from
     (launch mode) or to restart from. driver: this client's index among the cfg.drivers clients: of
-    cfg.urls it drives its contiguous share (base.share_of); servers it launches itself it drives all."""
+    cfg.urls it drives its contiguous share (rlpo_mega/shares.share_of); servers it launches itself it drives all."""
 
     # its servers join a weight-update group (rlpo_mega/weight_sync/sglang_distributed.py)
     weight_update_group = True

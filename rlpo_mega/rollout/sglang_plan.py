@@ -7,7 +7,7 @@ import math
 from rlpo_mega.config import response_budget
 from rlpo_mega.planning import memory
 from rlpo_mega.planning.rows import GB, EnginePlan, PlanError, Row
-from rlpo_mega.rollout.base import share_of
+from rlpo_mega.shares import share_of
 
 DEFAULT_MEM_FRACTION = 0.85
 SGLANG_RUNTIME_GB = 4.0  # a server's CUDA graphs, activations of a prefill chunk, NCCL (assumed)

@@ -4,7 +4,7 @@ The export stream (moe.bridge.megatron_io) gathers each parameter from the learn
 the engine's dtype, bucket by bucket; the configured transport (rlpo_mega.weight_sync) delivers it and
 verifies the digests. Every rank takes part in the export; only the engine ranks receive, each the full weights.
 Colocated SGLang servers (rollout.colocate) are the exception: every rank receives, and the rank on each server
-rank's GPU makes that rank's payload, which the driver gathers and posts (rollout/sglang_payloads.py).
+rank's GPU makes that rank's payload, which the driver gathers and posts (weight_sync/sglang_payloads.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from moe.bridge.megatron_io import ExportStream
 from rlpo_mega.model_setup import PARAMS_DTYPES
 from rlpo_mega.rollout import ENGINES, EngineError
 from rlpo_mega.rollout.engines import engine_ranks
-from rlpo_mega.rollout.sglang_payloads import PayloadRelay, tied_aliases
+from rlpo_mega.weight_sync.sglang_payloads import PayloadRelay, tied_aliases
 
 
 def sync_weights(chunks, cfg, slot) -> dict:

@@ -20,7 +20,7 @@ Colocated servers (rollout.colocate: the servers on the learner's own GPUs, wher
 communicator on a GPU) take the same plan by CUDA IPC instead of a group: bucket by bucket the learner ranks exchange
 the pieces among themselves (point to point over the learner's group), so that the learner rank on each server
 rank's GPU holds that rank's pieces; it packs them into one byte tensor on its GPU (moe/bridge/reshard.packed_offsets)
-and relays the tensor's IPC handle to the server's driver (rollout/sglang_payloads.PayloadRelay), which posts each
+and relays the tensor's IPC handle to the server's driver (sglang_payloads.PayloadRelay), which posts each
 server one `reshard_local` hook request carrying each TP rank's own handle. The hook opens it on its GPU and loads
 through the same receiver. No rank gathers the model here either: a GPU holds at most one bucket of its server
 rank's pieces beside the learner's shards.
@@ -50,7 +50,7 @@ from moe.bridge.mapping import Dims, param_maps, shard_to_hf
 from moe.bridge.megatron_io import _export_plan, _inner
 from rlpo_mega.config import ConfigError
 from rlpo_mega.engine_errors import EngineError
-from rlpo_mega.rollout import ENGINES
+from rlpo_mega.weight_sync.sglang_payloads import PayloadRelay, ServerPlacement, placements, serialize
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
@@ -279,12 +279,9 @@ class ReshardTransport:
         if mine and error is not None:
             e.abandon_weight_update()
         self._agree(error, "sending")
-        every = self._gather(sent)  # every piece's sender digest (a driver checks its servers' pieces)
+        expected = self._to_drivers(sent, servers)  # the sender digests of each driver's servers' pieces
         if mine:
             ours = {i for i, _ in mine}
-            expected = {}
-            for part in every:
-                expected.update(part)
             expected = {k: expected.get(k, "never sent") for k in
                         (rs.piece_key(t) for t in plan.transfers if t.server in ours)}
             try:
@@ -292,7 +289,8 @@ class ReshardTransport:
             except DigestMismatchError as err:
                 error = str(err)
         self._agree(error, "digests")
-        out = {"pieces": len(sent), "bytes": sum(t.nbytes for t in plan.transfers if t.src == rank)}
+        out = {"pieces": sum(len(d) for d in sent.values()),
+               "bytes": sum(t.nbytes for t in plan.transfers if t.src == rank)}
         if mine:
             out.update(tensors=len({t.name for t in plan.transfers}), servers=[u for _, u in mine],
                        group=self.group_name, server_ranks=reports)
@@ -346,11 +344,11 @@ class ReshardTransport:
         server one request with every TP rank's own (sglang_payloads.PayloadRelay, the colocated in_process path's
         relay). The relay's acknowledgement keeps a packed bucket alive until its server has loaded it. A failure
         stops the posting, not the exchange: every rank runs every bucket's collectives, then the failure is agreed."""
-        from rlpo_mega.rollout.sglang_payloads import PayloadRelay, ServerPlacement, serialize
-
-        world = dist.get_world_size()
-        places = {p.index: p for p in ENGINES.get(self.cfg.rollout.engine).colocated_placements(
-            self.cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))}
+        world, sg = dist.get_world_size(), self.cfg.rollout.sglang
+        # the learner rank on each server rank's GPU (the engine's own placement: its drivers are the live
+        # servers' own, from _servers)
+        places = {p.index: p for p in placements(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                                                 sg.num_servers, sg.tp_size, [0])}
         relay = PayloadRelay([ServerPlacement(i, s[0], places[s[3]].producers) for i, s in enumerate(servers)],
                              dist.get_rank(), self._control())
         device = next(_inner(chunks[0]).parameters()).device
@@ -391,7 +389,7 @@ class ReshardTransport:
                 relay.finish(step)
         return sent, received, reports, error
 
-    def _send(self, chunks, plan, buckets, algorithm) -> dict[str, str]:
+    def _send(self, chunks, plan, buckets, algorithm) -> dict:
         """This rank's pieces, bucket by bucket (isends in plan order, waited per bucket); their digests."""
         digests = {}
         for start, stop in buckets:
@@ -406,7 +404,7 @@ class ReshardTransport:
 
     def _pieces(self, chunks, plan, transfers, algorithm, digests: dict) -> dict:
         """{index in `transfers`: the piece} of those this rank sends, cut from its own shards in the plan's dtype,
-        each digested into `digests` (by piece_key)."""
+        each digested into `digests` ({server index: {piece_key: digest}})."""
         from megatron.core import parallel_state as ps
 
         rank = dist.get_rank()
@@ -425,8 +423,23 @@ class ReshardTransport:
                 slices[pm.megatron] = shard_to_hf(pm.kind, lp.param.detach(), dims, lp.tp_rank, lp.tp_size)
             part = slices[pm.megatron][j][tuple(slice(a, b) for a, b in t.src_box)]
             pieces[n] = part.to(specs[t.name].dtype).contiguous()
-        digests.update(zip((rs.piece_key(t) for _, t in todo), tensor_digests(list(pieces.values()), algorithm)))
+        for (_, t), digest in zip(todo, tensor_digests(list(pieces.values()), algorithm)):
+            digests.setdefault(t.server, {})[rs.piece_key(t)] = digest
         return pieces
+
+    def _to_drivers(self, sent: dict, servers: list) -> dict:
+        """Every rank's sender digests ({server index: {piece key: digest}}) to the driver of each server, one gather
+        per driver over the control group: a driver receives its servers' pieces' digests only (at Qwen3-235B's
+        scale an all-gather would hand every rank every one of some 100k pieces' digests). On a driver: its
+        servers' {piece key: digest} from every rank; elsewhere {}."""
+        rank, world, got = dist.get_rank(), dist.get_world_size(), {}
+        for d in sorted({s[0] for s in servers}):
+            part = {k: v for i, digests in sent.items() if servers[i][0] == d for k, v in digests.items()}
+            every = [None] * world if rank == d else None
+            dist.gather_object(part, every, dst=d, group=self._control())
+            for p in every or ():
+                got.update(p)
+        return got
 
     def _exchange(self, plan, transfers, pieces: dict, producer: dict, device) -> dict:
         """rollout.colocate: every piece to the learner rank that packs its server rank's bucket (`producer`: (server,

@@ -1,4 +1,4 @@
-"""Colocated weight payloads (rollout/sglang_payloads.py) under torchrun, 2 gloo ranks: an EP2 learner syncs through
+"""Colocated weight payloads (weight_sync/sglang_payloads.py) under torchrun, 2 gloo ranks: an EP2 learner syncs through
 training/sync.sync_weights to one colocated "TP2 server" driven by rank 0 (rollout.colocate, in_process). The server
 is a stub in rank 0's process that answers as SGLang 0.5.23 does for these calls: server_info, begin/end sessions, the
 digest report hook, and update_weights_from_tensor with load_format=flattened_bucket. TP rank k opens entry [k]
@@ -30,7 +30,7 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.config import load_config
 from rlpo_mega.rollout import EngineError
-from rlpo_mega.rollout import sglang_payloads as sp
+from rlpo_mega.weight_sync import sglang_payloads as sp
 from rlpo_mega.model_setup import build_policy
 from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.rollout.sglang_reports import REPORT_LOADER

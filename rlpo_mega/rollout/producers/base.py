@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 from rlpo_mega.algorithms.registry import Registry
 from rlpo_mega.config import ConfigError
-from rlpo_mega.rollout.base import Sample, SamplingParams, drive, share_of
+from rlpo_mega.rollout.base import Sample, SamplingParams, drive
+from rlpo_mega.shares import share_of
 from rlpo_mega.rollout.gather import gather_scalars
 from rlpo_mega.rollout.producers.tasks import Episodes, SingleAnswers, Task
 

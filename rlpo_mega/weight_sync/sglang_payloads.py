@@ -48,7 +48,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .base import share_of
+from rlpo_mega.shares import share_of
 
 FLATTENED = "flattened_bucket"  # SGLang's load_format (weight_updater.py:354)
 _ALIGN = 16  # each tensor's byte offset in the bucket: a view as its dtype needs an aligned offset
@@ -113,7 +113,7 @@ def _reduce_tensor(t: torch.Tensor):
         device = args[_DEVICE_ARG]
         if not isinstance(device, int):
             raise RuntimeError(f"torch's CUDA tensor reduction changed: argument {_DEVICE_ARG} is {device!r}, not "
-                               "the device index (rlpo_mega/rollout/sglang_payloads.py)")
+                               "the device index (rlpo_mega/weight_sync/sglang_payloads.py)")
         args = (*args[:_DEVICE_ARG], str(torch.cuda.get_device_properties(device).uuid), *args[_DEVICE_ARG + 1:])
     return rebuild, args
 
