@@ -122,7 +122,7 @@ def test_the_plan_counts_every_gpus_sync_buffers():
 # a server rank's side, as SGLang 0.5.23 does it (tp_worker.py:198 patches torch's rebuild_cuda_tensor to map a GPU
 # UUID back to this process's device index, patch_torch.py:41-99; weight_updater.py:383-413 rebuilds the views), with
 # the device order reversed where there are several GPUs
-_SERVER_RANK = textwrap.dedent("""
+_BY_UUID = textwrap.dedent("""
     import base64, json, pickle, sys, torch
     from torch.multiprocessing import reductions
     original = reductions.rebuild_cuda_tensor
@@ -134,6 +134,8 @@ _SERVER_RANK = textwrap.dedent("""
         return original(*args[:6], index, *args[7:])
 
     reductions.rebuild_cuda_tensor = by_uuid
+""")
+_SERVER_RANK = _BY_UUID + textwrap.dedent("""
     bucket = pickle.loads(base64.b64decode(sys.stdin.read()))
     flat = bucket["flattened_tensor"]
     out = {m.name: flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).double().sum().item()
@@ -167,19 +169,8 @@ def test_a_gpu_payload_opens_in_another_process_by_its_uuid():
 # the colocated refit's server rank (launch/rlpo_sglang_hooks._reshard_local): the packed bucket opened by its
 # handle (a GPU's by UUID, as SGLang's patched rebuild does; a CPU's shared-memory file by name) and unpacked by the
 # plan's offsets (moe/bridge/reshard.unpack)
-_PACKED_RANK = textwrap.dedent("""
-    import base64, json, pickle, sys, torch
-    from torch.multiprocessing import reductions
+_PACKED_RANK = _BY_UUID + textwrap.dedent("""
     from moe.bridge import reshard as rs
-    original = reductions.rebuild_cuda_tensor
-
-    def by_uuid(*args):
-        uuid = args[6]
-        index = next(i for i in range(torch.cuda.device_count())
-                     if str(torch.cuda.get_device_properties(i).uuid) == uuid)
-        return original(*args[:6], index, *args[7:])
-
-    reductions.rebuild_cuda_tensor = by_uuid
     entry, spec = sys.stdin.read().split("\\n", 1)
     flat = pickle.loads(base64.b64decode(entry))
     spec = json.loads(spec)
