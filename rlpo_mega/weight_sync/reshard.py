@@ -107,6 +107,7 @@ class ReshardTransport:
         self.control = None
         # rollout.colocate: the servers on the learner's GPUs, which take their pieces by CUDA IPC (_local)
         self.colocate = bool(cfg.rollout.colocate)
+        self._maps, self._spec_cache = None, None  # _pieces' and _exchange's lookups, made once
 
     @classmethod
     def check_config(cls, cfg, engine_cls) -> None:
@@ -411,10 +412,13 @@ class ReshardTransport:
         todo = [(n, t) for n, t in enumerate(transfers) if t.src == rank]
         if not todo:
             return {}
-        mine, _, _, _ = _export_plan(chunks[0])
-        maps = {n: (pm, j) for pm in param_maps(self.hf) for j, n in enumerate(pm.hf)}
-        dims = Dims.of(self.hf, self.cfg.model.vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
-        specs = {t.name: t for t in plan.model.tensors}
+        mine, _, _, _ = _export_plan(chunks[0])  # (cached on the model)
+        if self._maps is None:  # what cuts a shard into HF slices: the same for every bucket and sync
+            tp = ps.get_tensor_model_parallel_world_size()
+            self._maps = ({n: (pm, j) for pm in param_maps(self.hf) for j, n in enumerate(pm.hf)},
+                          Dims.of(self.hf, self.cfg.model.vocab_divisible_by, tp))
+        maps, dims = self._maps
+        specs = self._specs(plan)
         slices, pieces = {}, {}
         for n, t in todo:
             pm, j = maps[t.name]
@@ -446,7 +450,7 @@ class ReshardTransport:
         TP rank) -> learner rank), as one batch of sends and receives over the learner's group (batched: two ranks
         that both send and receive would otherwise each wait on its send first, on NCCL's one stream); {index in
         `transfers`: piece} of those this rank packs, its own included."""
-        rank, specs = dist.get_rank(), {t.name: t for t in plan.model.tensors}
+        rank, specs = dist.get_rank(), self._specs(plan)
         out, ops = {}, []
         for n, t in enumerate(transfers):
             p = producer[(t.server, t.rank)]
@@ -461,6 +465,12 @@ class ReshardTransport:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
         return out
+
+    def _specs(self, plan) -> dict:
+        """{HF name: TensorSpec} of the plan's model, made once per plan (not per bucket)."""
+        if self._spec_cache is None or self._spec_cache[0] is not plan.model:
+            self._spec_cache = (plan.model, {t.name: t for t in plan.model.tensors})
+        return self._spec_cache[1]
 
     @staticmethod
     def _offset(plan, t) -> int:
