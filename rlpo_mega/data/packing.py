@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Optional, Sequence
 
 LAYOUTS = ("packed", "padded")
@@ -32,20 +33,21 @@ def karmarkar_karp(weights: Sequence[int], parts: int) -> list[list[int]]:
     if parts == 1:  # one set: everything (the differencing below would copy lists n times to find it)
         return [list(range(len(weights)))]
     # a partial solution: `parts` (sum, items) sets sorted by sum descending; keyed by its spread
-    heap, tie = [], 0
-    for i in sorted(range(len(weights)), key=lambda i: (-weights[i], i)):
-        sets = [(weights[i], [i])] + [(0, []) for _ in range(parts - 1)]
-        heapq.heappush(heap, (-weights[i], tie, sets))
-        tie += 1
-    if not heap:
+    # (items are tuples, never mutated: every partial solution's empty sets can be one shared list, made at C
+    # speed; the plan runs each step and the planner over many drawn steps of thousands of samples)
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    if not order:
         return [[] for _ in range(parts)]
+    empty = [(0, ())] * (parts - 1)
+    heap = [(-weights[i], tie, [(weights[i], (i,))] + empty) for tie, i in enumerate(order)]  # already a heap
+    tie = len(heap)
+    pop, push, first = heapq.heappop, heapq.heappush, itemgetter(0)
     while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
+        a, b = pop(heap)[2], pop(heap)[2]
         # the heaviest set of one with the lightest of the other: the difference shrinks
         merged = [(sa + sb, ia + ib) for (sa, ia), (sb, ib) in zip(a, reversed(b))]
-        merged.sort(key=lambda s: -s[0])
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), tie, merged))
+        merged.sort(key=first, reverse=True)  # stable, as key=-sum: equal sums keep their order
+        push(heap, (merged[-1][0] - merged[0][0], tie, merged))
         tie += 1
     return [sorted(items) for _, items in heap[0][2]]
 
