@@ -119,17 +119,32 @@ def _launch(args) -> int:
     return _agent(cmd[3:], "train", args.debug, args.stop_timeout)  # cmd: python -m torch.distributed.run ...
 
 
+def _frame_method_name(depth: int = 2) -> str:
+    """torch's rendezvous names each of its events by the caller's caller, with inspect.stack() twice
+    (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py:52-55, torch 2.13; evaluated for every event even
+    when no event handler is set). inspect.stack() reads every frame's source and walks sys.modules per frame
+    (inspect.getmodule): with torch, megatron and transformers imported the agent spent ~9.5 s of CPU per run on
+    it, most while it closed the rendezvous after the workers had exited (py-spy, a 2-step demo run). The same
+    name, from the frame: sys._getframe(depth) here is inspect.stack()[depth] there."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return "no_method_name"
+
+
 def _agent(argv: list[str], command: str, debug: bool, stop_timeout: int) -> int:
     import shutil
     import signal
     import tempfile
 
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from rlpo_mega.errors import ERROR_FILE_ENV, EXIT_STOPPED, EXIT_USER_ERROR
 
+    dynamic_rendezvous.get_method_name = _frame_method_name
     argv = [f"--shutdown-timeout={stop_timeout}"] + argv
     scratch = tempfile.mkdtemp(prefix="rlpo-launch-")
     error_file = os.path.join(scratch, "error")

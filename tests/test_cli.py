@@ -32,6 +32,24 @@ def test_overrides_after_options():
             cli.parse(bad)
 
 
+def test_the_agents_rendezvous_event_names_are_torchs_without_inspect():
+    """The agent's stand-in for torch's get_method_name (cli._frame_method_name: the frame instead of
+    inspect.stack(), seconds of the agent's CPU per run) names the same function at every depth, and the same
+    fallback past the outermost frame."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def caller_of_record(name_of):
+        def _record():
+            return name_of()  # as torch's _record calls it: the default depth names _record's caller
+        return _record()
+
+    assert caller_of_record(cli._frame_method_name) == caller_of_record(dynamic_rendezvous.get_method_name) \
+        == "caller_of_record"
+    for depth in (2, 3, 10_000):  # (0 and 1 are the two functions themselves)
+        assert cli._frame_method_name(depth) == dynamic_rendezvous.get_method_name(depth)
+    assert cli._frame_method_name(10_000) == "no_method_name"
+
+
 def test_torchrun_multi_node_flags():
     args = _train_args("--nproc-per-node", "8", "--nnodes", "4", "--node-rank", "3", "--master-addr", "n1",
                        "--master-port", "23456", "--rdzv-id", "job7", "--max-restarts", "2", "--log-dir", "logs/tr")

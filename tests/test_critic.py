@@ -77,8 +77,11 @@ def test_value_model_equals_transformers_token_classification(layout, tmp_path_f
 
 def test_ppo_demo_learns(tmp_path):
     """`make demo-ppo` (configs/demo_ppo_cpu.yaml) through the real CLI at 2 processes: PPO + GAE with its critic
-    lifts the reward from the warm-up's ~0.1 to >= 0.75 (a 5-step mean, the README's claim) within its 80 steps.
-    Seed 3: the demo was tuned on seeds 1234, 1 and 2 (best 5-step means 0.904, 0.822, 0.920; seed 3: 0.916)."""
+    lifts the reward from the warm-up's ~0.1 to >= 0.75 (a 5-step mean, the README's claim for its 80 steps), here
+    within its first 50 (CI time; a constant learning rate: the first 50 steps are the 80-step run's). Seed 3: the demo was
+    tuned on seeds 1234, 1 and 2 (best 5-step means 0.904, 0.822, 0.920; seed 3: 0.916 over 80 steps; measured
+    2026-11-30, evaluating every 10 steps, over the first 50: 5-step means 0.625 / 0.739 / 0.848 from steps 21 / 31 / 46; greedy eval
+    accuracy 0 -> 0.95 at step 50)."""
     import subprocess
     import sys
 
@@ -87,7 +90,7 @@ def test_ppo_demo_learns(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_ppo_cpu.yaml", "seed=3", f"logging.dir={run}",
-         "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null", "trainer.eval_every=80",
+         "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null", "train_iters=50", "trainer.eval_every=50",
          "--nproc-per-node", "2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
         capture_output=True, text=True, timeout=900)
@@ -95,11 +98,11 @@ def test_ppo_demo_learns(tmp_path):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     reward = [r["reward/mean"] for r in rows if "reward/mean" in r]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-    assert len(reward) == 80 and sorted(evals) == [0, 80]
+    assert len(reward) == 50 and sorted(evals) == [0, 50]
     assert reward[0] <= 0.15, reward[:5]  # the warm-up taught a+b+1
     windows = [sum(reward[i:i + 5]) / 5 for i in range(len(reward) - 4)]
     assert max(windows) >= 0.75, [round(w, 3) for w in windows[::5]]
-    assert evals[80] >= evals[0] + 0.5, evals
+    assert evals[50] >= evals[0] + 0.5, evals
     assert all("critic/value_loss" in r for r in rows if "reward/mean" in r)
     policy_steps = [r["step"] for r in rows if "loss/policy" in r]
     assert policy_steps[0] == 5  # critic.warmup_steps=4: the critic trains alone first

@@ -603,9 +603,12 @@ def _demo_tools(tmp_path, *extra):
 
 def test_demo_tools_learns_to_use_its_tool(tmp_path):
     """`make demo-tools` (configs/demo_tools_cpu.yaml): RL raises the reward, the tool calls per episode and the
-    useful ones (the answer is the tool's digit) from the warm-up's start (measured, seed 3, first/last 5 steps:
-    reward and useful calls 0.004 -> 0.748, tool calls 0.65 -> 0.99)."""
-    stdout, rows = _demo_tools(tmp_path)
+    useful ones (the answer is the tool's digit) from the warm-up's start; here over the first 40 of its 80 steps
+    (CI time; a constant learning rate: they are the full run's). Measured, seed 3, first/last 5 steps: reward and
+    useful calls 0.004 -> 0.748, tool calls 0.65 -> 0.99 over 80 steps; 2026-11-30 over steps 36-40: reward and
+    useful calls 0.586, tool calls 0.998."""
+    stdout, rows = _demo_tools(tmp_path, "train_iters=40")
+    assert len(rows) == 40
 
     def first_last(key):
         v = [r[key] for r in rows]
