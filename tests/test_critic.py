@@ -78,10 +78,10 @@ def test_value_model_equals_transformers_token_classification(layout, tmp_path_f
 def test_ppo_demo_learns(tmp_path):
     """`make demo-ppo` (configs/demo_ppo_cpu.yaml) through the real CLI at 2 processes: PPO + GAE with its critic
     lifts the reward from the warm-up's ~0.1 to >= 0.75 (a 5-step mean, the README's claim for its 80 steps), here
-    within its first 50 (CI time; a constant learning rate: the first 50 steps are the 80-step run's). Seed 3: the demo was
-    tuned on seeds 1234, 1 and 2 (best 5-step means 0.904, 0.822, 0.920; seed 3: 0.916 over 80 steps; measured
-    2026-11-30, evaluating every 10 steps, over the first 50: 5-step means 0.625 / 0.739 / 0.848 from steps 21 / 31 / 46; greedy eval
-    accuracy 0 -> 0.95 at step 50)."""
+    within its first 50 (CI time; a constant learning rate: the first 50 steps are the 80-step run's). Seed 3: the
+    demo was tuned on seeds 1234, 1 and 2 (best 5-step means 0.904, 0.822, 0.920; seed 3: 0.916 over 80 steps;
+    measured 2026-11-30, evaluating every 10 steps, over the first 50: 5-step means 0.625 / 0.739 / 0.848 from
+    steps 21 / 31 / 46; greedy eval accuracy 0 -> 0.95 at step 50)."""
     import subprocess
     import sys
 
