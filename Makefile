@@ -15,14 +15,12 @@ INSTALL_BWRAP = command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && \
 
 .PHONY: venv venv-sglang sandbox-deps demo demo-ppo demo-tools test gpu-smoke clean
 
-# --no-compile: pip would byte-compile every installed module (12.5k files here, ~4 ms each on this CPU); the
-# first import compiles only what is imported.
 $(STAMP): setup.py
 	@$(INSTALL_BWRAP)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q --no-compile "$(TORCH_SPEC)"
-	$(VENV)/bin/pip install -q --no-compile -e ".[test]"
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)
