@@ -26,6 +26,9 @@ from datetime import timedelta
 import torch
 
 REPORT_LOADER = "rlpo_sglang_hooks.report_digests"
+# moe/bridge/fp8.py's SCALE_SUFFIX and BLOCK, restated: this module imports moe.* only inside its functions (sglang
+# imports it at its start); tests/test_fp8.py checks that the two agree
+FP8_SCALE, FP8_BLOCK = "_scale_inv", 128
 
 
 def _tp_group():
@@ -38,18 +41,20 @@ def _components(module, name: str, tp: int):
     """Row counts (dim 0, or dim 1 of fused experts) of the fused parts of one TP-local shard, or None when
     the shard is one piece. Rank r's shard is [part_0 of rank r; part_1 of rank r; ...]."""
     kind = type(module).__name__
-    if kind == "QKVParallelLinear" and name.endswith(("weight", "bias")):
-        return [module.num_heads * module.head_size, module.num_kv_heads * module.head_size,
-                module.num_kv_heads * module.v_head_size]
-    if kind == "MergedColumnParallelLinear" and name.endswith(("weight", "bias")):
-        return [s // tp for s in module.output_sizes]
+    # a block-FP8 weight's scales (rollout.weights=fp8): one row per 128 of its weight's rows
+    rows = (lambda n: n // FP8_BLOCK) if name.endswith(FP8_SCALE) else (lambda n: n)
+    if kind == "QKVParallelLinear" and name.endswith(("weight", "bias", FP8_SCALE)):
+        return [rows(module.num_heads * module.head_size), rows(module.num_kv_heads * module.head_size),
+                rows(module.num_kv_heads * module.v_head_size)]
+    if kind == "MergedColumnParallelLinear" and name.endswith(("weight", "bias", FP8_SCALE)):
+        return [rows(s // tp) for s in module.output_sizes]
     return None
 
 
 def _split_dim(module, name: str) -> int | None:
     """The dimension SGLang splits over TP for this parameter (None: replicated)."""
     kind = type(module).__name__
-    leaf = name.rsplit(".", 1)[-1]
+    leaf = name.rsplit(".", 1)[-1].removesuffix(FP8_SCALE)  # a weight's block-FP8 scales split as it does
     if leaf in ("w13_weight", "w2_weight"):  # fused experts: split by SGLang's MoE layout, not the TP layout
         moe_tp, moe_ep = getattr(module, "moe_tp_size", 1), getattr(module, "moe_ep_size", 1)
         if moe_tp > 1 and moe_ep > 1:
@@ -84,7 +89,8 @@ def _model_intermediate(config) -> int:
 def _unshard(module, name: str, shards: list, tp: int, config) -> torch.Tensor:
     """TP-local shards (rank order) -> SGLang's TP-1 tensor of that parameter."""
     dim = _split_dim(module, name)
-    leaf = name.rsplit(".", 1)[-1]
+    scales = name.endswith(FP8_SCALE)
+    leaf = name.rsplit(".", 1)[-1].removesuffix(FP8_SCALE)
     if leaf in ("w13_weight", "w2_weight"):
         # rank r holds intermediate rows [r*P, (r+1)*P) of the *padded* size (on its CPU path SGLang pads
         # moe_intermediate_size to a multiple of tp*its kernel's block and keeps the model's value as
@@ -94,6 +100,8 @@ def _unshard(module, name: str, shards: list, tp: int, config) -> torch.Tensor:
         elif dim == 0:
             shards = [torch.cat(shards, 0)]
         real = _model_intermediate(config)
+        if scales:  # block-FP8 scales: the model's intermediate size in 128-blocks
+            real = -(-real // FP8_BLOCK)
         if leaf == "w2_weight":
             return torch.cat(shards, 2)[..., :real]
         parts = [s.chunk(2, dim=1) for s in shards]  # per expert [gate_r; up_r]
@@ -133,7 +141,7 @@ def hf_tensors(model, group=None):
         owner = modules.get(name.rsplit(".", 1)[0]) if "." in name else model
         dim = _split_dim(owner, name) if tp > 1 else None
         t = p.detach()
-        if name.endswith(("w13_weight", "w2_weight")):
+        if name.endswith(("w13_weight", "w2_weight", "w13_weight" + FP8_SCALE, "w2_weight" + FP8_SCALE)):
             local = t.shape[0]
             for e0 in range(local):
                 part = t[e0:e0 + 1]
@@ -171,6 +179,11 @@ def _unpad_shared_expert(name: str, t: torch.Tensor, config) -> torch.Tensor:
     return t
 
 
+def _fp8_part(name: str, t: torch.Tensor) -> bool:
+    """A block-FP8 weight's codes or scales (rollout.weights=fp8): digested as held, never cast."""
+    return t.dtype == torch.float8_e4m3fn or name.endswith(FP8_SCALE)
+
+
 def _serving_dtype(model) -> torch.dtype:
     """The dtype SGLang serves in (its --dtype): the embedding's. Some tensors are held wider (sigmoid routers'
     gate weights in fp32); the learner sends them in this dtype and the upcast is exact, so they are digested
@@ -201,8 +214,8 @@ def digests_of(model, algorithm: str, group=None):
         else:
             views = sglang_to_hf({name: t}, model.config, tie=False)
         if out is not None:  # one host copy per gathered parameter (a fused expert weight: all its experts)
-            cast = [v.to(dtype) if v.is_floating_point() and v.dtype != dtype
-                    and not family.fp32_hf_tensor(model.config, n) else v for n, v in views.items()]
+            cast = [v.to(dtype) if v.is_floating_point() and v.dtype != dtype and not family.fp32_hf_tensor(
+                model.config, n) and not _fp8_part(n, v) else v for n, v in views.items()]
             out.update(zip(views, tensor_digests(cast, algorithm)))
         del t, views
     if out is not None:

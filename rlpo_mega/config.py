@@ -385,6 +385,13 @@ class RolloutConfig:
     # async: tokens a sample got before its last continuation (sampled by an older policy version than its last
     # tokens, rollout/producers/asynchronous.py) are left out of the loss, as slime's partial-rollout masking
     partial_rollout_mask: bool = False
+    # the weights the engine serves. bf16: the learner's own, in model.params_dtype. fp8: block FP8 (moe/bridge/fp8.py):
+    # each attention and expert projection quantised at every sync in 128 x 128 tiles of e4m3 with an fp32
+    # weight_scale_inv per tile; embeddings, the output layer, norms and the router stay in model.params_dtype (the
+    # family's fp8_weights). Needs rollout.engine=sglang (launched servers get the quantization config; servers
+    # started by hand need --quantization fp8 and its --json-model-override-args: launch/README.md, FP8) and turns
+    # the mismatch correction on (algorithm.mismatch.mode=tis unless set)
+    weights: Literal["bf16", "fp8"] = "bf16"
     temperature: float = 1.0  # must equal algorithm.temperature (the log-probs are of these logits)
     top_p: float = 1.0
     top_k: int = -1
@@ -615,9 +622,17 @@ def load_config(path: Optional[str] = None, overrides: tuple[str, ...] = (), sch
         for item, layer in layers:
             merged = _merge(merged, layer, f"override {item!r}", schema)
     try:
-        return OmegaConf.to_object(merged)
+        cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:  # e.g. a mandatory value (???) left unset
         raise ConfigError(f"config key {e.full_key!r}: {str(e).splitlines()[0]}") from None
+    if isinstance(cfg, RunConfig) and cfg.rollout.weights == "fp8":
+        # FP8 rollout's default correction: token-level TIS (slime's and verl's with FP8, C = tis_cap), unless the
+        # file or an override chose a mode, none included
+        given = (path and OmegaConf.select(loaded, "algorithm.mismatch.mode") is not None) or any(
+            OmegaConf.select(layer, "algorithm.mismatch.mode") is not None for _, layer in layers)
+        if not given:
+            cfg.algorithm.mismatch.mode = "tis"
+    return cfg
 
 
 def to_dict(cfg) -> dict:

@@ -21,6 +21,7 @@ import os
 import warnings as _warnings
 from typing import Any, Iterable, Optional
 
+from moe.bridge.fp8 import server_alignment_problem
 from moe.context_parallel import padded_length
 from moe.families import FAMILIES, UnsupportedModelError
 from moe.model import have_transformer_engine, load_hf_config
@@ -475,6 +476,35 @@ def _check_batch(cfg, world_size: Optional[int]):
                           f"{mbs}*{nmb}; change parallel.micro_batch_size or parallel.num_micro_batches")
 
 
+def _check_fp8(cfg, hf, warns: list[str]):
+    """rollout.weights=fp8: what is built for it (moe/bridge/fp8.py), and servers that can hold it."""
+    ro = cfg.rollout
+    if ro.weights != "fp8":
+        return
+    if ro.engine != "sglang":
+        raise ConfigError(f"rollout.weights=fp8 serves block-FP8 weights from SGLang servers; rollout.engine="
+                          f"{ro.engine} serves the learner's own: set rollout.engine=sglang or rollout.weights=bf16")
+    if ro.sync_transport != "in_process" or ro.colocate:
+        raise ConfigError(f"rollout.weights=fp8 is built for servers apart with rollout.sync_transport=in_process "
+                          f"(got sync_transport={ro.sync_transport}{', colocate=true' if ro.colocate else ''}): its "
+                          "quantised buckets through the other transports are not built yet; use that, or "
+                          "rollout.weights=bf16")
+    dtype = ro.sglang.server_args.get("dtype", "bfloat16")
+    if dtype not in ("bfloat16", "auto"):
+        raise ConfigError(f"rollout.weights=fp8 with rollout.sglang.server_args.dtype={dtype}: FP8 servers serve in "
+                          "bfloat16 (the sync sends the unquantised tensors in it); remove the key or set bfloat16")
+    try:
+        problem = server_alignment_problem(hf, ro.sglang.tp_size, int(ro.sglang.server_args.get("ep_size", 1)))
+    except UnsupportedModelError as e:
+        raise ConfigError(str(e)) from None
+    if problem:
+        raise ConfigError(problem)
+    if cfg.algorithm.mismatch.mode == "none":
+        warns.append("rollout.weights=fp8 with algorithm.mismatch.mode=none: the tokens were sampled by the FP8 "
+                     "weights and are trained as if the learner's bf16 ones had sampled them; "
+                     "algorithm.mismatch.mode=tis (the default with FP8) corrects for it")
+
+
 def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warnings: bool = True,
                      files: bool = True, nodes: Optional[int] = None) -> list[str]:
     """Check a RunConfig against the HF model config `hf` (None: read cfg.model.hf_config) and, when given, the
@@ -497,6 +527,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
     transport = TRANSPORTS.get(cfg.rollout.sync_transport)
     if hasattr(transport, "check_config"):  # what the transport needs of the engine
         transport.check_config(cfg, engine)
+    _check_fp8(cfg, hf, warns)
     _check_counts(cfg, warns)
     _check_critic(cfg, warns)
     if cfg.model.expert_bias_update_rate > 0 and cfg.routing.mode != "off":

@@ -103,6 +103,25 @@ class MoEFamily:
         (launch/rlpo_sglang_receiver.py)."""
         return set()
 
+    def fp8_weights(self, hf) -> set[str]:
+        """hf_names keys of the weights rollout.weights=fp8 sends in block FP8 (moe/bridge/fp8.py): the attention
+        and MLP projections (routed, shared and dense experts), which SGLang builds as Fp8 linear / MoE layers
+        under a block-FP8 quantization_config. Everything else -- the embedding and output layer (SGLang never
+        quantises them: sglang/srt/layers/quantization/fp8.py:389-476), every norm (q/k norms too), the router
+        (built with quant_config=None: sglang/srt/models/qwen3_moe.py:282-296; R3 replays the learner's routes, so it
+        must score as the learner's does), biases -- goes in the model's dtype. A family whose attention SGLang
+        post-processes from FP8 in its own way (MLA) overrides this to refuse until it is built."""
+        names = self.hf_names(hf)
+        keys = ("q", "k", "v", "o", "expert_gate", "expert_up", "expert_down", "dense_gate", "dense_up", "dense_down",
+                "shared_gate", "shared_up", "shared_down")
+        return {k for k in keys if k in names}
+
+    def fp8_ignored_layers(self, hf) -> list[str]:
+        """SGLang module names (quantization_config.ignored_layers) of linear layers SGLang would build in FP8 but
+        the family keeps in the model's dtype; matched on dotted prefixes (sglang/srt/layers/quantization/utils.py:
+        48-61). None for the GQA families: SGLang already builds their routers, embeddings and heads unquantised."""
+        return []
+
     def megatron_config_class(self, hf):
         """megatron-core's config class for this architecture (MLA has its own)."""
         from megatron.core.transformer import TransformerConfig

@@ -15,9 +15,12 @@ import re
 
 import torch
 
+from moe.bridge.fp8 import BLOCK, SCALE_SUFFIX
+
 from . import get_family
 
 _LAYER = re.compile(r"\.layers\.(\d+)\.")
+_SCALE, _FP8_BLOCK = SCALE_SUFFIX, BLOCK
 
 
 def sglang_to_hf(params: dict[str, torch.Tensor], hf, first_expert: int = 0, tie: bool = True) -> dict[str, torch.Tensor]:
@@ -31,8 +34,11 @@ def sglang_to_hf(params: dict[str, torch.Tensor], hf, first_expert: int = 0, tie
     vocab = int(hf.vocab_size)
     out = {}
     for name, t in params.items():
+        # a block-FP8 layer's weight_scale_inv (rollout.weights=fp8): one row per 128 rows of its weight, so its
+        # fused parts split at the same places in 128ths (SGLang refuses parts that are not whole blocks)
+        rows = (lambda n: n // _FP8_BLOCK) if name.endswith(_SCALE) else (lambda n: n)
         if ".qkv_proj." in name:
-            q, k, v = t.split([heads * head_dim, kv * head_dim, kv * head_dim], dim=0)
+            q, k, v = t.split([rows(heads * head_dim), rows(kv * head_dim), rows(kv * head_dim)], dim=0)
             for part, x in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 out[name.replace("qkv_proj", part)] = x
         elif ".fused_qkv_a_proj_with_mqa." in name:  # rows [q_a (q_lora_rank); kv_a (kv_lora_rank + rope)]
@@ -42,11 +48,13 @@ def sglang_to_hf(params: dict[str, torch.Tensor], hf, first_expert: int = 0, tie
         elif ".gate_up_proj." in name:
             g, u = t.chunk(2, dim=0)
             out[name.replace("gate_up_proj", "gate_proj")], out[name.replace("gate_up_proj", "up_proj")] = g, u
-        elif name.endswith("experts.w13_weight") or name.endswith("experts.w2_weight"):
+        elif name.endswith(("experts.w13_weight", "experts.w2_weight", "experts.w13_weight" + _SCALE,
+                            "experts.w2_weight" + _SCALE)):
             i = int(_LAYER.search(name).group(1))
+            suffix = _SCALE if name.endswith(_SCALE) else ""
             for k in range(t.shape[0]):
-                gate, up, down = _expert_names(names, family, hf, name, first_expert + k)
-                if name.endswith("w13_weight"):
+                gate, up, down = (n + suffix for n in _expert_names(names, family, hf, name, first_expert + k))
+                if "w13_weight" in name:
                     out[gate.format(i=i)], out[up.format(i=i)] = t[k].chunk(2, dim=0)
                 else:
                     out[down.format(i=i)] = t[k]

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from moe.bridge.fp8 import BLOCK
 from moe.families import get_family
 from moe.model import load_hf_config
 from moe.routing.trace import RoutingTraceError, TraceSpec, clean_trace
@@ -63,7 +64,7 @@ from . import sglang_auth, sglang_plan
 from rlpo_mega.shares import share_of
 from rlpo_mega.weight_sync.sglang_payloads import FLATTENED, flatten, placements, serialize, tied_aliases
 from .sglang_checks import check_sglang
-from .sglang_launch import launch_node_servers
+from .sglang_launch import fp8_server_args, launch_node_servers, server_args_cli
 from .sglang_reports import InServerReports
 
 log = logging.getLogger("rlpo_mega")
@@ -141,13 +142,15 @@ class SGLangEngine(InServerReports, RolloutEngine):
         ro = run_cfg.rollout
         return cls(ro.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
                    return_routes=run_cfg.routing.mode != "off", driver=driver, colocate=ro.colocate,
-                   keep_kv=ro.holds_requests)
+                   keep_kv=ro.holds_requests, weights=ro.weights)
 
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True,
-                 driver: int = 0, colocate: bool = False, keep_kv: bool = False, api_key: Optional[str] = None):
+                 driver: int = 0, colocate: bool = False, keep_kv: bool = False, api_key: Optional[str] = None,
+                 weights: str = "bf16"):
         if isinstance(hf_config, str):
             hf_config = load_hf_config(hf_config)
         self.cfg, self.hf, self.model_path, self.driver = cfg, hf_config, model_path, driver
+        self.weights = weights  # rollout.weights: fp8 servers hold block-FP8 weights (moe/bridge/fp8.py)
         self.colocate = colocate  # the servers on the learner's GPUs (rollout.colocate): weights by CUDA IPC there
         # rollout.partial_rollout_kv=keep: weight updates land under held requests (pause); _held while they are
         self.keep_kv, self._held = keep_kv, False
@@ -184,7 +187,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
             self.servers = [_Server(u) for u in mine]
             log.info("SGLang driver %d of %d drives %s", driver, cfg.drivers, ", ".join(mine))
         elif cfg.launch:  # this process alone (a trainer launches per node: rollout/engines.EngineSlot)
-            self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path, api_key=key)]
+            self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(
+                cfg, model_path, api_key=key, extra_args=fp8_server_args(hf_config) if weights == "fp8" else None)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
         # each server's place in the run's URL list (node order): colocated payloads are gathered per place
@@ -306,11 +310,32 @@ class SGLangEngine(InServerReports, RolloutEngine):
                                   "=keep updates its weights under running requests without a flush: a prefix cached "
                                   "under older weights would serve later requests; start it with "
                                   "--disable-radix-cache (server_args: disable_radix_cache: true)")
+            self._check_weights(s, info)
             for knob in ("pp_size", "dp_size"):
                 if int(info.get(knob) or 1) != 1:
                     raise EngineError(f"SGLang server {s.url} runs with {knob}={info[knob]}: the weight sync knows "
                                       f"TP ranks only; start one server per replica (--{knob.replace('_', '-')} 1)")
         self._layout_checked = True
+
+    def _check_weights(self, server: "_Server", info: dict) -> None:
+        """The server holds what rollout.weights sends: block FP8 needs SGLang's fp8 quantization with 128 x 128
+        blocks (what fp8_server_args gives a launched server); bf16 weights need a server without quantization
+        (a quantised server would cast them into its FP8 parameters without scales)."""
+        quant = info.get("quantization")
+        override = info.get("json_model_override_args") or "{}"
+        try:
+            qc = json.loads(override).get("quantization_config") if isinstance(override, str) else None
+        except ValueError:
+            qc = None
+        if self.weights == "fp8":
+            if quant != "fp8" or not isinstance(qc, dict) or list(qc.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+                raise EngineError(
+                    f"rollout.weights=fp8 but SGLang server {server.url} runs with quantization={quant} and "
+                    f"quantization_config={qc}: start it with {' '.join(server_args_cli(fp8_server_args(self.hf)))} "
+                    "(rollout.sglang.launch=true does; launch/README.md, FP8)")
+        elif quant:
+            raise EngineError(f"SGLang server {server.url} runs with quantization={quant} but rollout.weights="
+                              f"{self.weights}: set rollout.weights=fp8 (block FP8) or start it without --quantization")
 
     # ---------------------------------------------------------------- HTTP
     def _http(self, server: _Server, path: str, payload=None, timeout: Optional[float] = None,

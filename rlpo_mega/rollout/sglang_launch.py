@@ -2,12 +2,15 @@
 learner's (or, colocated, on the learner's own), through launch/sglang_server.py's SGLangServer."""
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import socket
 from typing import Optional
 
 import torch
 
+from moe.bridge.fp8 import sglang_quantization_config
 from rlpo_mega.engine_errors import EngineError
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +33,22 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def fp8_server_args(hf) -> dict:
+    """The server arguments that make SGLang hold block-FP8 weights while it starts from the bf16 checkpoint
+    (rollout.weights=fp8), serving in bf16 (the sync sends the unquantised tensors in bf16: training/sync.py): the
+    checkpoint's tensors are cast into its FP8 parameters at load, meaningless until the trainer's first sync fills
+    codes and scales, which every run does before its first rollout."""
+    return {"quantization": "fp8", "dtype": "bfloat16",  # SGLang's fp8 serves bf16 or fp16 (model_loader/loader.py:268)
+            "json_model_override_args": json.dumps({"quantization_config": sglang_quantization_config(hf)})}
+
+
+def server_args_cli(args: dict) -> list[str]:
+    """The flags a server started by hand needs for `args` (quoted for a shell)."""
+    return [shlex.quote(a) for a in _load_launcher().server_args_to_cli(args)]
+
+
 def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: int = 1, colocate: bool = False,
-                        api_key: Optional[str] = None) -> list:
+                        api_key: Optional[str] = None, extra_args: Optional[dict] = None) -> list:
     """Start this node's servers (rollout.sglang.launch=true: num_servers per node), healthy on return, as
     launch/sglang_server.SGLangServer handles. Each goes on its own GPUs, after those of this node's learner
     ranks (torchrun's LOCAL_WORLD_SIZE) and of the servers before it (`server_gpus`); colocated (rollout.colocate)
@@ -67,7 +84,8 @@ def launch_node_servers(cfg, model_path: Optional[str], node: int = 0, nodes: in
     try:
         for i in range(cfg.num_servers):
             srv = launcher.SGLangServer(model_path, cfg.host, cfg.base_port + node * cfg.num_servers + i, cfg.tp_size,
-                                        server_args={**cfg.server_args, **placed[i]}, python=cfg.python or None,
+                                        server_args={**cfg.server_args, **(extra_args or {}), **placed[i]},
+                                        python=cfg.python or None,
                                         log_dir=cfg.log_dir or None, env=cfg.env, advertise=advertise, api_key=key)
             servers.append(srv)
             srv.start(cfg.startup_timeout)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
+from moe.bridge.fp8 import Fp8Selection, QuantizedStream
 from moe.bridge.megatron_io import ExportStream
 from rlpo_mega.model_setup import PARAMS_DTYPES
 from rlpo_mega.rollout import ENGINES, EngineError
@@ -30,9 +32,14 @@ def sync_weights(chunks, cfg, slot) -> dict:
     # few (SGLang drivers): sent to each of them
     dst = None if relay is not None or len(ranks) == dist.get_world_size() else ranks
     # every tensor in the engine's dtype (= model.params_dtype): megatron's local spec keeps some
-    # parameters (torch norms) in fp32 under bf16, and the engine holds the checkpoint dtype
+    # parameters (torch norms) in fp32 under bf16, and the engine holds the checkpoint dtype. FP8 servers serve in
+    # bf16 (SGLang's fp8 takes bf16 or fp16 only: model_loader/loader.py:268): the tensors kept unquantised go in
+    # bf16, and the quantised ones are quantised from bf16, as on a bf16 learner
+    dtype = torch.bfloat16 if cfg.rollout.weights == "fp8" else PARAMS_DTYPES[cfg.model.params_dtype]
     stream = ExportStream(chunks, bucket_bytes=cfg.rollout.sync_bucket_mb << 20, dst=dst,
-                          vocab_divisible_by=cfg.model.vocab_divisible_by, dtype=PARAMS_DTYPES[cfg.model.params_dtype])
+                          vocab_divisible_by=cfg.model.vocab_divisible_by, dtype=dtype)
+    if cfg.rollout.weights == "fp8":  # quantised on the receiving ranks, after the bridge made the HF tensors
+        stream = QuantizedStream(stream, Fp8Selection(slot.hf))
     if not stream.receives:  # ranks without an engine take part in the collective export only
         for _ in stream:
             pass

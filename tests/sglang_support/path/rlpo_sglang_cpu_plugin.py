@@ -41,6 +41,40 @@ def _fork_instead_of_spawn():
     multiprocessing.set_start_method = fork_instead_of_spawn
 
 
+def _fp8_without_amx():
+    """4. What it stands in for (rollout.weights=fp8 on a CPU without AMX): sglang's block-FP8 layers on CPU
+    (layers/quantization/fp8.py) assert AMX at load (:827, :2185), pack their FP8 weights into the AMX kernels'
+    layout (amx_utils._amx_process_weight_after_loading) and compute with sgl-kernel's AMX kernels. Here the
+    assert's flag is set, the packing leaves the weights as loaded and marks the layer for the CPU kernels
+    (use_intel_amx_backend), which the sgl_kernel stand-in supplies in torch (dequantise by block, multiply).
+    Everything else is sglang's own: the FP8 parameters it creates, its loaders, the quantisation config and the
+    rest of its post-load processing. One mend with it: that CPU branch re-wraps weight_scale_inv as a plain
+    Parameter (fp8.py:831), which drops its weight loader, so a second load (every sync after the first) raised
+    AttributeError -- the loader-loss bug class of sglang #5424/#7421/#9855; the scale's own parameter is put back,
+    as sglang's CUDA branch (Hopper) keeps every parameter as loaded."""
+    from sglang.srt.layers import amx_utils
+    from sglang.srt.layers.quantization import fp8
+
+    if getattr(fp8, "rlpo_standin", False) or amx_utils.cpu_has_amx_support():
+        return
+
+    def as_loaded(module, weight_names, *args, **kwargs):
+        module.use_intel_amx_backend = True  # the stand-in kernels read the weights in their loaded layout
+
+    process = fp8.Fp8LinearMethod.process_weights_after_loading
+
+    def process_keeping_scale(self, layer):
+        scale = getattr(layer, "weight_scale_inv", None)
+        process(self, layer)
+        if scale is not None and getattr(layer, "weight_scale_inv", None) is not scale:
+            layer.weight_scale_inv = scale  # the same data; its loader kept
+
+    fp8._is_cpu_amx_available = True
+    fp8._amx_process_weight_after_loading = as_loaded
+    fp8.Fp8LinearMethod.process_weights_after_loading = process_keeping_scale
+    fp8.rlpo_standin = True
+
+
 def register():
     from sglang.srt.arg_groups.choices import (
         DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
@@ -54,5 +88,6 @@ def register():
 
         batch_invariant.enable_batch_invariant_mode = lambda: None  # its kernels are triton's (CUDA/XPU)
         _fork_instead_of_spawn()
+        _fp8_without_amx()
     if "torch_native" not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:  # plugins load more than once per process
         add_deterministic_attention_backend_choices(["torch_native"])

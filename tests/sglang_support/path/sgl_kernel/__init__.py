@@ -72,3 +72,46 @@ def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: 
 @murmur_hash32_cpu.register_fake
 def _(seed, positions, col_indices):
     return seed.new_empty((seed.shape[0], col_indices.shape[0]), dtype=torch.uint32)
+
+
+# --- block-FP8 kernels (rollout.weights=fp8 on a CPU server): sglang 0.5.23's FP8 layers on CPU call these AMX
+# kernels (layers/quantization/fp8.py:1400-1410 and :3109-3137), which this CPU lacks. Their arithmetic in torch:
+# dequantise by 128-block with sglang's own block_quant_dequant (quantization/fp8_utils.py:2044-2066), then the
+# product -- the linear as x @ W^T (+ bias), the experts as sglang's own reference MoE (test/cpu_test_utils.py
+# native_fp8_fused_moe, the reference sgl-kernel's tests hold fused_experts_cpu to). The weights are read in the
+# layout they were loaded in: the plugin's FP8 stand-in (rlpo_sglang_cpu_plugin.py) leaves them unpacked.
+from typing import Optional  # noqa: E402
+
+_FP8_W8A16 = 2  # sglang.srt.layers.amx_utils.CPUQuantMethod.FP8_W8A16
+
+
+def _dequant(w, s, block_size, dtype=torch.float32):
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+
+    return block_quant_dequant(w, s, list(block_size), dtype)
+
+
+@torch.library.custom_op("sgl_kernel::fp8_scaled_mm_cpu", mutates_args=())
+def fp8_scaled_mm_cpu(mat1: torch.Tensor, mat2: torch.Tensor, scales2: torch.Tensor, block_size: list[int],
+                      bias: Optional[torch.Tensor], out_dtype: torch.dtype, is_vnni: bool) -> torch.Tensor:
+    out = mat1.float() @ _dequant(mat2, scales2, block_size).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+@torch.library.custom_op("sgl_kernel::fused_experts_cpu", mutates_args=())
+def fused_experts_cpu(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, inplace: bool, moe_comp_method: int, w1_scale: Optional[torch.Tensor],
+                      w2_scale: Optional[torch.Tensor], w1_zp: Optional[torch.Tensor], w2_zp: Optional[torch.Tensor],
+                      block_size: Optional[list[int]], w1_bias: Optional[torch.Tensor], w3_bias: Optional[torch.Tensor],
+                      alpha: Optional[float], limit: Optional[float], is_vnni: bool, activation: str) -> torch.Tensor:
+    if moe_comp_method != _FP8_W8A16 or w1_bias is not None or w3_bias is not None or alpha is not None:
+        raise NotImplementedError(f"sgl_kernel.fused_experts_cpu stand-in (tests/sglang_support/path/sgl_kernel): "
+                                  f"only block FP8 (method {_FP8_W8A16}) without biases; got method {moe_comp_method}")
+    from sglang.test.cpu_test_utils import native_fp8_fused_moe
+
+    out = native_fp8_fused_moe(hidden_states.float(), _dequant(w1, w1_scale, block_size),
+                               _dequant(w2, w2_scale, block_size), topk_weights.float(), topk_ids,
+                               topk_ids.shape[-1], activation)
+    return out.to(hidden_states.dtype)
