@@ -123,7 +123,11 @@ def _unshard(module, name: str, shards: list, tp: int, config) -> torch.Tensor:
 
 
 def _gathered(group, t: torch.Tensor):
-    """[tp, *t.shape] on TP rank 0 (None elsewhere): SGLang's gather over its TP group."""
+    """[tp, *t.shape] on TP rank 0 (None elsewhere): SGLang's gather over its TP group. Block-FP8 codes
+    (rollout.weights=fp8) travel as their bytes: gloo refuses float8 ("Invalid scalar type")."""
+    if t.dtype == torch.float8_e4m3fn:
+        out = group.gather(t.view(torch.uint8).unsqueeze(0).contiguous(), dst=0, dim=0)
+        return None if out is None else out.view(torch.float8_e4m3fn)
     return group.gather(t.unsqueeze(0).contiguous(), dst=0, dim=0)
 
 

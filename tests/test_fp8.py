@@ -124,7 +124,7 @@ def test_server_layouts_that_hold_fp8():
         assert "experts' intermediate size (768)" in problem and "ep_size" in problem, problem
         assert server_alignment_problem(hf, tp, ep=tp) is None
     tiny = load_hf_config(os.path.join(ROOT, "configs/models/tiny_qwen3_moe.json"))
-    assert "query heads (64)" in server_alignment_problem(tiny, 1)
+    assert "query heads (64) is not a multiple" in server_alignment_problem(tiny, 1)
 
 
 def _fp8_overrides(*extra):
@@ -153,15 +153,18 @@ def test_config_with_fp8():
 # ------------------------------------------------------------------ a real FP8 server
 
 
-def _engine(sglang_python, tmp_path_factory, ckpt, weights):
+def _engine(sglang_python, tmp_path_factory, ckpt, weights, tp=1):
     from rlpo_mega.config import SGLangEngineConfig
     from rlpo_mega.rollout.sglang_engine import SGLangEngine
 
     hf = load_hf_config(ckpt)
-    cfg = SGLangEngineConfig(launch=True, base_port=free_port(), server_args={**SERVER_ARGS, "dtype": "bfloat16"},
+    cfg = SGLangEngineConfig(launch=True, base_port=free_port(), tp_size=tp,
+                             server_args={**SERVER_ARGS, "dtype": "bfloat16"},
                              python=sglang_python, log_dir=str(tmp_path_factory.mktemp("sglang_logs")),
                              startup_timeout=240, request_timeout=120, max_restarts=0,
-                             env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")})
+                             env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path"),
+                                  # shared/notes/sglang.md: TP=2 on this CPU, a core per rank
+                                  **({"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {})})
     return SGLangEngine(cfg, hf, model_path=ckpt, weights=weights)
 
 
@@ -175,8 +178,10 @@ def servers(sglang_python, tmp_path_factory):
     weights = load_file(os.path.join(ckpt, "model.safetensors"))
     engines = {}
     try:
-        for kind in ("fp8", "bf16"):
-            engines[kind] = _engine(sglang_python, tmp_path_factory, ckpt, kind)
+        # the FP8 server at TP2, the 2-node recipe's servers' layout: every quantised weight split over its ranks in
+        # whole 128-blocks (experts by MoE-TP), scales with them; the digest read-back gathers both
+        for kind, tp in (("fp8", 2), ("bf16", 1)):
+            engines[kind] = _engine(sglang_python, tmp_path_factory, ckpt, kind, tp)
         yield engines, hf, ckpt, weights
     finally:
         for e in engines.values():
@@ -200,8 +205,8 @@ def _learner(ckpt, seqs, tmp_path, tag):
 
 
 def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
-    """Both servers take the sync (digest-verified: the FP8 one holds the codes and scales that were sent, read
-    back from inside it and unfused into HF names), twice (the second sync reloads into the parameters SGLang's
+    """Both servers take the sync (digest-verified: the FP8 one, at TP2, holds the codes and scales that were sent,
+    gathered from its ranks inside it and unfused into HF names), twice (the second sync reloads into the parameters SGLang's
     post-load processing left), then generate with log-probs and routes. Against the learner (Megatron, fp32):
     the FP8 server's log-probs equal the learner's on the *dequantised* weights as closely as the bf16 server's
     equal the learner's own (what is left is bf16 activations), and differ from the learner's own weights by
@@ -252,7 +257,8 @@ def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
 
 def test_trainer_fp8_rollout_beside_bf16(sglang_python, tmp_path):
     """The trainer (2 ranks, EP2, a bf16 learner) with a launched SGLang server: rollout.weights=fp8 and, on the
-    same model, seed and prompts, bf16. Both train 3 steps on synced, digest-verified weights. FP8 costs what the
+    same model, seed and prompts, bf16. Both train 3 steps on weights synced by sglang_distributed (the recipes'
+    transport; FP8's buckets go flattened, one uint8 broadcast each) and digest-verified inside the server. FP8 costs what the
     mismatch shows: a larger learner-vs-server KL than bf16's and TIS on by default, weighing it; the per-layer
     routing agreement (the learner's live router vs each server's routes) is logged by both and printed."""
     from tests.test_sglang_trainer import _trainer_env

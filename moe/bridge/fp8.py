@@ -147,6 +147,9 @@ def server_alignment_problem(hf, tp: int, ep: int = 1) -> str | None:
         checks.append(("the dense layers' intermediate size", int(hf.intermediate_size), tp))
     for what, size, parts in checks:
         if size % parts or (size // parts) % BLOCK:
+            if parts == 1:
+                return (f"rollout.weights=fp8: {what} ({size}) is not a multiple of the {BLOCK}-wide FP8 block SGLang "
+                        "needs, at any server layout: this model cannot be served in block FP8; use rollout.weights=bf16")
             fix = ("use expert parallelism on the servers (rollout.sglang.server_args.ep_size = tp_size: whole "
                    "experts per rank)" if "experts" in what and ep < tp else "use a smaller rollout.sglang.tp_size")
             return (f"rollout.weights=fp8: {what} ({size}) over {parts} server rank(s) is {size / parts:g} per rank, "
@@ -193,6 +196,20 @@ class QuantizedStream:
             yield out
 
 
+def served_bytes(hf) -> tuple[int, int]:
+    """(bytes of the model as FP8 servers hold it -- the selected weights' codes and scales, the rest in bf16 --, the
+    same in bf16): the export's tensors (moe/bridge/hf_checkpoint.expected_hf_shapes), for `rlpo-mega plan`."""
+    from moe.bridge.hf_checkpoint import expected_hf_shapes
+
+    selected = Fp8Selection(hf)
+    fp8 = bf16 = 0
+    for name, shape in expected_hf_shapes(hf).items():
+        numel = math.prod(shape)
+        bf16 += 2 * numel
+        fp8 += fp8_nbytes(shape) if selected(name) else 2 * numel
+    return fp8, bf16
+
+
 def fp8_nbytes(shape) -> int:
     """Bytes of one quantised weight of `shape` [N, K]: the codes and the fp32 scales."""
     n, k = shape
@@ -200,5 +217,5 @@ def fp8_nbytes(shape) -> int:
 
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8Selection", "ScaleFormat", "ceil_to_ue8m0", "dequantize_block",
-           "fp8_nbytes", "QuantizedStream", "quantize_block", "quantize_named", "scale_name", "server_alignment_problem",
+           "fp8_nbytes", "QuantizedStream", "quantize_block", "quantize_named", "scale_name", "served_bytes", "server_alignment_problem",
            "sglang_quantization_config"]

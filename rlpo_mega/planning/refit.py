@@ -29,11 +29,13 @@ from typing import Optional
 
 import torch
 
+from moe.bridge.fp8 import served_bytes
 from moe.bridge.reshard import (CannotPlan, LearnerLayout, ModelSpec, ServerLayout, box_numel, learner_shards,
                                 reshard_plan, server_shard_bytes)
 from rlpo_mega.planning.rows import GB
 from rlpo_mega.shares import share_of
 from rlpo_mega.weight_sync.sglang_payloads import placements
+from rlpo_mega.weight_sync.transports import FP8_TRANSPORTS
 from rlpo_mega.rollout.sglang_plan import planned_servers
 
 TRANSPORTS = ("in_process", "sglang_distributed", "disk", "reshard")
@@ -162,9 +164,10 @@ class Refit:
     rows: list  # RefitRow per transport
     model_bytes: int  # the policy's export in bf16: what one sync moves
     speeds: dict  # link -> GB/s each direction (cluster.*_gb_per_s)
+    fp8_bytes: Optional[int] = None  # rollout.weights=fp8: the model as the servers receive it (codes and scales)
 
     def to_json(self) -> dict:
-        return {"model_bytes": self.model_bytes, "speeds_gb_per_s": self.speeds,
+        return {"model_bytes": self.model_bytes, "fp8_bytes": self.fp8_bytes, "speeds_gb_per_s": self.speeds,
                 "transports": [r.__dict__ for r in self.rows]}
 
 
@@ -177,12 +180,18 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
     place = placement(cfg, world_size, drivers)
     server = ServerLayout(sg.tp_size, int(sg.server_args.get("ep_size", 1) or 1))
     shard = max(server_shard_bytes(model, server))
+    fp8 = cfg.rollout.weights == "fp8"
+    served = served_bytes(hf)[0] if fp8 else model.nbytes  # what the drivers hand their servers
+    if fp8:  # a server rank's shard: its bf16 shard at the FP8 model's share of the bytes
+        shard = shard * served // model.nbytes
     funnel = None  # the export's traffic, shared by the transports that funnel through the drivers
     rows = []
     for name in TRANSPORTS:
         row = RefitRow(name, configured=name == cfg.rollout.sync_transport)
         links = Links()
-        if name == "in_process" and not place.same_host:
+        if fp8 and name not in FP8_TRANSPORTS:
+            row.unavailable = f"rollout.weights=fp8: quantised buckets are built for {' and '.join(FP8_TRANSPORTS)}"
+        elif name == "in_process" and not place.same_host:
             row.unavailable = "servers on another node than their driver (host shared memory does not reach them)"
         elif name == "sglang_distributed" and place.colocated:
             row.unavailable = "servers on the learner's GPUs (NCCL takes one rank per GPU)"
@@ -199,7 +208,8 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
         else:
             if funnel is None:
                 funnel = _funnel(model, lay, place)
-            links, whole = copy.deepcopy(funnel), model.nbytes  # every driver then holds the whole model
+            # every driver then holds the whole model (FP8: quantised there, moe/bridge/fp8.QuantizedStream)
+            links, whole = copy.deepcopy(funnel), served
             for d in sorted(set(place.driver_of)):
                 dgpu = place.learner[d]
                 ranks = [g for s, gpus in enumerate(place.servers) if place.driver_of[s] == d for g in gpus]
@@ -230,12 +240,14 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
             row.seconds = links.seconds(c)
         rows.append(row)
     return Refit(rows, model.nbytes, {"nvlink": c.nvlink_gb_per_s, "nic": c.nic_gb_per_s,
-                                      "pcie": c.host_device_gb_per_s, "storage": c.storage_gb_per_s})
+                                      "pcie": c.host_device_gb_per_s, "storage": c.storage_gb_per_s},
+                 served if fp8 else None)
 
 
 def render_refit(refit: Refit) -> list[str]:
     v = refit.speeds
-    out = ["", f"refit (one weight sync, {refit.model_bytes / GB:.1f} GB in bf16; link-bound at NVLink "
+    fp8 = f", {refit.fp8_bytes / GB:.1f} GB to FP8 servers" if refit.fp8_bytes else ""
+    out = ["", f"refit (one weight sync, {refit.model_bytes / GB:.1f} GB in bf16{fp8}; link-bound at NVLink "
                f"{v['nvlink']:g}, NIC {v['nic']:g}, PCIe {v['pcie']:g} GB/s per GPU and storage {v['storage']:g} GB/s per node, each "
                f"direction (cluster.*_gb_per_s); no latency, no receiver's per-tensor cost)"]
     rows = refit.rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from moe.bridge.fp8 import served_bytes
 from rlpo_mega.config import response_budget
 from rlpo_mega.planning import memory
 from rlpo_mega.planning.rows import GB, EnginePlan, PlanError, Row
@@ -42,6 +43,9 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
     fraction = float(sg.server_args.get("mem_fraction_static", DEFAULT_MEM_FRACTION))
     shape = memory.Shape.of(hf, 1, 1)
     weights = 2 * n_params // tp  # bf16, every tensor split over the server's TP (vocabulary included)
+    if cfg.rollout.weights == "fp8":  # block FP8 (moe/bridge/fp8.py): the selected weights' codes and scales
+        fp8_total, bf16_total = served_bytes(hf)
+        weights = fp8_total // tp
     kv_per_token = hf.num_hidden_layers * 2 * max(1, shape.kv_heads // tp) * shape.head_dim * 2
     # SGLang sizes the pool from the memory free when it starts: pre_model_load_memory (the MIN over its TP ranks,
     # sglang/srt/distributed/bootstrap.py:193-223) less what is resident after the weights load and the slack
@@ -55,7 +59,7 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
     in_flight = min(sg.max_in_flight_per_server, max(
         math.ceil(len(share_of(range(p.prompts_per_step), d, sg.drivers)) * p.n_samples
                   / len(share_of(range(servers), d, sg.drivers))) for d in range(sg.drivers)))
-    row = Row("server GPU", f"{servers} x TP{tp}", budget)
+    row = Row("server GPU", f"{servers} x TP{tp}" + (" FP8" if cfg.rollout.weights == "fp8" else ""), budget)
     row.parts.update({
         "weights": weights, "KV pool": pool,
         # the sync receives one bucket of full HF tensors on every server rank; the digest hook
@@ -64,6 +68,10 @@ def server_rows(cfg, hf, n_params: int, budget: int, largest_tensor: int, prompt
         "runtime": int(SGLANG_RUNTIME_GB * GB)})
     longest = prompt_tokens + response_budget(cfg)[0]  # a request at its longest (an episode's last turn)
     need = in_flight * longest
+    if cfg.rollout.weights == "fp8":  # what FP8 frees for the KV pool, against the same server in bf16
+        bf16_pool = max(0, int(fraction * free) - 2 * n_params // tp)
+        row.info.update({"weights in bf16 (GB)": f"{2 * n_params // tp / GB:.1f}",
+                         "KV tokens in bf16": bf16_pool // kv_per_token})
     row.info.update({"free at launch (GB)": f"{free / GB:.1f}", "KV tokens": pool // kv_per_token,
                      "tokens in flight (worst)": need,
                      "requests in flight": in_flight})

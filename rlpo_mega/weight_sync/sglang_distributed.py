@@ -181,10 +181,23 @@ class SGLangDistributedTransport:
         for bucket in stream:
             if not stream.receives or not bucket:
                 continue
+            flat = any(t.dtype == torch.float8_e4m3fn for _, t in bucket)
+            if flat:  # widest first: each tensor at a byte offset its element size divides (below)
+                bucket = sorted(bucket, key=lambda nt: -nt[1].element_size())
             meta = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                    "flush_cache": False}
+                    "flush_cache": False, **({"load_format": "flattened_bucket"} if flat else {})}
             calls = [lambda s=s: e._post_ok(s, "/update_weights_from_distributed", meta) for s in e.live]
+            if flat:
+                # block FP8 (rollout.weights=fp8): the bucket as one uint8 tensor, which SGLang receives whole and
+                # views back by the names' dtypes and shapes (model_runner_components/weight_updater.py:300-310,
+                # weight_sync/tensor_bucket.py:86-140): gloo cannot broadcast float8 ("Invalid scalar type"), and
+                # SGLang's receive of a float8 tensor would need it to. Its views need each tensor at an offset
+                # its element size divides (tensor_bucket.py:98): fp32 scales, then bf16, then fp8 codes
+                packed = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in bucket]).to(dev)
+                self._bucket(calls, lambda: torch.distributed.broadcast(packed, src=0, group=self.pg))
+                del packed
+                continue
             self._bucket(calls, lambda: [torch.distributed.broadcast(t.contiguous().to(dev), src=0, group=self.pg)
                                          for _, t in bucket])
         if not stream.receives:

@@ -639,13 +639,12 @@ def sglang_async_keep(out):
 
 def sglang_fp8(out):
     """rollout.weights=fp8 beside bf16, the same model, seed and prompts (a launched server each, in turn; the
-    learner in bf16, both servers serving in bf16): GSPO + R3, 3 steps, every sync digest-verified inside the
-    server. The FP8 run's correction is TIS by default (mismatch/tis_truncated_frac logged); each run logs its
+    learner in bf16, both servers serving in bf16): GSPO + R3, 3 steps, the recipes' sglang_distributed sync (FP8's
+    buckets as flattened uint8 tensors), every sync digest-verified inside the server. The FP8 run's correction is TIS by default (mismatch/tis_truncated_frac logged); each run logs its
     mismatch and its per-layer routing agreement (live router vs the server's routes), which the test compares."""
     runs = {}
     for weights in ("bf16", "fp8"):
-        rc = train(_sglang_cfg(out, weights, "train_iters=3", "rollout.sync_transport=in_process",
-                               f"model.hf_config={os.environ['RLPO_SGLANG_HF']}/config.json",
+        rc = train(_sglang_cfg(out, weights, "train_iters=3", f"model.hf_config={os.environ['RLPO_SGLANG_HF']}/config.json",
                                "model.params_dtype=bfloat16", "rollout.sglang.server_args.dtype=bfloat16",
                                f"rollout.weights={weights}"))
         runs[weights] = {"rc": rc, "history": history(out, weights)}
