@@ -2,7 +2,8 @@
 this 2-core CPU, keeping every knob that decides *how* it trains.
 
 What a shrink may change, and nothing else (`CHANGEABLE`; tests/test_recipes.py checks it):
-  model size   model.hf_config -> the tiny config of the same family (configs/models/tiny_<family>.json),
+  model size   model.hf_config -> the tiny config of the same family (configs/models/tiny_<family>.json; with
+               rollout.weights=fp8, one whose projections are whole 128-blocks, tiny_<family>_fp8.json),
                model.init_from_hf -> a tiny HF checkpoint of it (made by the test, tokenizer inside)
   world size   parallel.tensor / pipeline / expert / context: every dimension > 1 becomes 2 (the tiny models have 4
                heads, 2 layers, 4 experts); data parallel 2 where the world allows (4 processes at most)
@@ -54,15 +55,30 @@ def changeable(key: str) -> bool:
 MAX_WORLD = 4
 
 
-def tiny_config_for(hf_config: str) -> str:
-    """The repository's tiny config of the same model family (model_type) as `hf_config`."""
+def tiny_config_for(hf_config: str, fp8_tp: int | None = None) -> str:
+    """The repository's tiny config of the same model family (model_type) as `hf_config`; fp8_tp: one that SGLang
+    servers at that TP size can hold in block FP8 (rollout.weights=fp8: every projection whole 128-blocks per rank,
+    configs/models/tiny_qwen3_moe_fp8.json)."""
+    from moe.bridge.fp8 import server_alignment_problem
+    from moe.model import load_hf_config
+
     with open(os.path.join(ROOT, hf_config)) as f:
         model_type = json.load(f)["model_type"]
     for path in sorted(glob.glob(os.path.join(ROOT, "configs", "models", "tiny_*.json"))):
         with open(path) as f:
-            if json.load(f)["model_type"] == model_type:
-                return os.path.relpath(path, ROOT)
-    raise LookupError(f"no configs/models/tiny_*.json of model_type {model_type!r} to shrink {hf_config} to")
+            if json.load(f)["model_type"] != model_type:
+                continue
+        if fp8_tp is None or server_alignment_problem(load_hf_config(path), fp8_tp) is None:
+            return os.path.relpath(path, ROOT)
+    raise LookupError(f"no configs/models/tiny_*.json of model_type {model_type!r} to shrink {hf_config} to"
+                      + (f" that FP8 servers at TP{fp8_tp} can hold" if fp8_tp else ""))
+
+
+def tiny_for_recipe(cfg: dict) -> str:
+    """tiny_config_for the recipe's model and, with FP8 rollout, its shrunk servers' TP size (2 at most)."""
+    fp8 = _get(cfg, "rollout.weights", "bf16") == "fp8"
+    server_tp = min(_get(cfg, "rollout.sglang.tp_size", 1), 2)
+    return tiny_config_for(_get(cfg, "model.hf_config"), server_tp if fp8 else None)
 
 
 @dataclass
@@ -123,7 +139,7 @@ def shrink(recipe: str, *, work: str, hf_dirs: dict, prompts: str, sglang_urls: 
         if old != new:
             s.set(key, new, "world size")
 
-    tiny = tiny_config_for(_get(cfg, "model.hf_config"))
+    tiny = tiny_for_recipe(cfg)
     if _get(cfg, "model.hf_config") != tiny:
         s.set("model.hf_config", tiny, "model size")
     if _get(cfg, "model.init_from_hf"):

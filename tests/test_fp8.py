@@ -254,34 +254,3 @@ def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
     assert fp8_deq[0] < 2 * bf16_own[0] + 1e-3, (fp8_deq, bf16_own)  # the FP8 weights landed as sent
     assert fp8_own[0] > 2 * fp8_deq[0], (fp8_own, fp8_deq)  # FP8's own cost, seen
 
-
-def test_trainer_fp8_rollout_beside_bf16(sglang_python, tmp_path):
-    """The trainer (2 ranks, EP2, a bf16 learner) with a launched SGLang server: rollout.weights=fp8 and, on the
-    same model, seed and prompts, bf16. Both train 3 steps on weights synced by sglang_distributed (the recipes'
-    transport; FP8's buckets go flattened, one uint8 broadcast each) and digest-verified inside the server. FP8 costs what the
-    mismatch shows: a larger learner-vs-server KL than bf16's and TIS on by default, weighing it; the per-layer
-    routing agreement (the learner's live router vs each server's routes) is logged by both and printed."""
-    from tests.test_sglang_trainer import _trainer_env
-
-    hf = load_hf_config(TINY)
-    ckpt = str(tmp_path / "hf")
-    make_hf_checkpoint(hf, ckpt)
-    env = _trainer_env(sglang_python, ckpt)
-    env["RLPO_SGLANG_SERVER_ARGS"] = json.dumps({**SERVER_ARGS, "dtype": "bfloat16"})
-    r = torchrun("train_scenarios.py", 2, "sglang_fp8", str(tmp_path / "run"), timeout=900, env=env)
-    bf16, fp8_run = r["bf16"], r["fp8"]
-    assert bf16["rc"] == 0 and fp8_run["rc"] == 0, r
-    for run in (bf16, fp8_run):
-        assert [h["step"] for h in run["history"]] == [1, 2, 3]
-    layers = sorted(k for k in fp8_run["history"][0] if k.startswith("routing/agreement/layer_"))
-    assert len(layers) == 2, fp8_run["history"][0]
-    rows = []
-    for b, f in zip(bf16["history"], fp8_run["history"]):
-        assert "mismatch/tis_truncated_frac" in f and "mismatch/tis_truncated_frac" not in b  # TIS only with FP8
-        rows.append((f["step"], b["mismatch/k3_kl"], f["mismatch/k3_kl"], [b[k] for k in layers],
-                     [f[k] for k in layers]))
-        print(f"step {f['step']}: k3 KL bf16 {b['mismatch/k3_kl']:.2e} fp8 {f['mismatch/k3_kl']:.2e}; routing "
-              f"agreement per layer bf16 {[round(b[k], 3) for k in layers]} fp8 {[round(f[k], 3) for k in layers]}")
-    # FP8 moves the sampled distribution more than bf16's rounding does, on every step (measured: 10-40x); the
-    # routing agreement is printed, not asserted (each run samples its own tokens: per step it is noisy)
-    assert all(f_kl > 3 * b_kl for _, b_kl, f_kl, _, _ in rows), rows

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf
 from moe.model import load_hf_config
 from rlpo_mega.config import load_config, to_dict
 from tests.dist import ROOT
-from tests.recipe_shrink import changeable, distinct_runs, recipes, shrink, shrunk_config, tiny_config_for
+from rlpo_mega.rollout.sglang_launch import fp8_server_args
+from tests.recipe_shrink import changeable, distinct_runs, recipes, shrink, shrunk_config, tiny_for_recipe
 from tests.test_sglang import SERVER_ARGS, SUPPORT, free_port, sglang_python  # noqa: F401  (fixture)
 
 RECIPES = recipes()
@@ -47,7 +48,7 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("recipe_assets")
     hf_dirs = {}
     for tiny in ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json",
-                 "configs/models/tiny_glm4_moe.json"):
+                 "configs/models/tiny_glm4_moe.json", "configs/models/tiny_qwen3_moe_fp8.json"):
         out = root / os.path.basename(tiny)[:-5]
         make_hf_checkpoint(load_hf_config(os.path.join(ROOT, tiny)), str(out))
         for f in os.listdir(os.path.join(ROOT, "configs", "tokenizers", "tiny_char")):
@@ -64,8 +65,9 @@ class _Servers:
     def __init__(self, python, log_dir):
         self.python, self.log_dir, self.running = python, log_dir, {}
 
-    def url(self, hf_dir: str, dtype: str, tp: int) -> str:
-        key = (hf_dir, dtype, tp)
+    def url(self, hf_dir: str, dtype: str, tp: int, fp8: bool = False) -> str:
+        """fp8: started as rollout.weights=fp8 needs (SGLang's fp8 quantization, serving in bf16)."""
+        key = (hf_dir, dtype, tp, fp8)
         for other in [k for k in self.running if k != key]:  # one at a time: an idle SGLang server on this
             self.running.pop(other).stop()                    # CPU still spins its scheduler processes
         if key not in self.running:
@@ -75,8 +77,9 @@ class _Servers:
             env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")}
             if tp == 2:
                 env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"  # shared/notes/sglang.md: TP=2 on this CPU
+            extra = fp8_server_args(load_hf_config(hf_dir)) if fp8 else {}
             server = SGLangServer(hf_dir, port=free_port(), tp_size=tp, python=self.python, log_dir=self.log_dir,
-                                  server_args={**SERVER_ARGS, "dtype": dtype}, env=env)
+                                  server_args={**SERVER_ARGS, "dtype": dtype, **extra}, env=env)
             self.running[key] = server.start(timeout=300)
         return self.running[key].url
 
@@ -107,8 +110,9 @@ def _shrunk(recipe, work, assets, servers):
     if raw.get("rollout", {}).get("engine") == "sglang":
         s = raw["rollout"].get("sglang", {})
         dtype = raw.get("model", {}).get("params_dtype", "float32")
-        tiny = tiny_config_for(raw["model"]["hf_config"])  # the server of the recipe's family only
+        tiny = tiny_for_recipe(raw)  # the server of the recipe's family only
         tp = min(s.get("tp_size", 1), 2)
+        fp8 = raw["rollout"].get("weights") == "fp8"
         if s.get("launch"):  # the trainer starts its own (the colocated recipe): the shared ones stop first
             servers().stop()
             launch = {"rollout.sglang.python": servers().python, "rollout.sglang.base_port": free_port(),
@@ -118,7 +122,7 @@ def _shrunk(recipe, work, assets, servers):
                       **({"rollout.sglang.env.SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}),
                       **{f"rollout.sglang.server_args.{k}": v for k, v in {**SERVER_ARGS, "dtype": dtype}.items()}}
         else:
-            urls = {tiny: [servers().url(hf_dirs[tiny], dtype, tp)]}
+            urls = {tiny: [servers().url(hf_dirs[tiny], dtype, tp, fp8)]}
     return shrink(recipe, work=str(work), hf_dirs=hf_dirs, prompts=prompts, sglang_urls=urls, sglang_launch=launch)
 
 
@@ -216,6 +220,10 @@ RESUME_SHOWN_ELSEWHERE = {
         "gave them the checkpoint's weights) by test_sglang_trainer's launched-servers stop and resume, exact "
         "resumes at TP/EP/PP layouts with the distributed optimizer by test_checkpoint; this run (EP, bf16, SGLang "
         "apart, 2 drivers) trains and saves at its shrunk layout; the 1-node recipe's run resumes with SGLang (CI time)",
+    "configs/recipes/qwen3_30b_a3b_gspo_r3_fp8_2nodes.yaml":
+        "the 2-node recipe's (the same run in bf16 rollout; a resume restores the learner, whose weights the first "
+        "sync after it quantises like any other: tests/test_fp8.py's syncs); this run trains and saves with FP8 "
+        "servers at TP2 through sglang_distributed, every sync digest-verified inside the server (CI time)",
     "configs/recipes/glm45_air_gspo_r3_8nodes.yaml":
         "the trainer's resume with SGLang, GSPO and R3 by the qwen3 GSPO recipe's run; this recipe's checkpoint "
         "(glm4_moe on two pipeline stages, one of them dense only, EP2, bf16, the distributed optimizer) saved, "

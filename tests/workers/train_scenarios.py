@@ -637,20 +637,6 @@ def sglang_async_keep(out):
     return sglang_async(out, "rollout.partial_rollout_kv=keep", "rollout.sglang.server_args.disable_radix_cache=true")
 
 
-def sglang_fp8(out):
-    """rollout.weights=fp8 beside bf16, the same model, seed and prompts (a launched server each, in turn; the
-    learner in bf16, both servers serving in bf16): GSPO + R3, 3 steps, the recipes' sglang_distributed sync (FP8's
-    buckets as flattened uint8 tensors), every sync digest-verified inside the server. The FP8 run's correction is TIS by default (mismatch/tis_truncated_frac logged); each run logs its
-    mismatch and its per-layer routing agreement (live router vs the server's routes), which the test compares."""
-    runs = {}
-    for weights in ("bf16", "fp8"):
-        rc = train(_sglang_cfg(out, weights, "train_iters=3", f"model.hf_config={os.environ['RLPO_SGLANG_HF']}/config.json",
-                               "model.params_dtype=bfloat16", "rollout.sglang.server_args.dtype=bfloat16",
-                               f"rollout.weights={weights}"))
-        runs[weights] = {"rc": rc, "history": history(out, weights)}
-    return runs
-
-
 if __name__ == "__main__":
     scenario, out = sys.argv[1:3]
     result = globals()[scenario](out)
