@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moe.bridge import fp8
+from moe.bridge.digest import DigestMismatchError
 from moe.bridge.fp8 import (BLOCK, Fp8Selection, QuantizedStream, dequantize_block, quantize_block,
                             server_alignment_problem, sglang_quantization_config)
 from moe.families import UnsupportedModelError
@@ -188,12 +189,34 @@ def servers(sglang_python, tmp_path_factory):
             e.shutdown()
 
 
-def _sync(engine, weights, hf, kind):
+class _InTransit:
+    """A stream whose `victim` tensor is altered after the sender digested it (a byte of codes, or a scale)."""
+
+    def __init__(self, stream, victim):
+        self.stream, self.victim = stream, victim
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    def __iter__(self):
+        for bucket in self.stream:
+            yield [(n, _altered(t) if n == self.victim else t) for n, t in bucket]
+
+
+def _altered(t):
+    out = t.clone()
+    out.view(torch.uint8).view(-1)[0] ^= 1  # one bit of the first element
+    return out
+
+
+def _sync(engine, weights, hf, kind, victim=None):
     from rlpo_mega.weight_sync.transports import TRANSPORTS
 
     stream = ListStream([(n, t.bfloat16()) for n, t in weights.items()], bucket=16)
     if kind == "fp8":
         stream = QuantizedStream(stream, Fp8Selection(hf))
+    if victim:
+        stream = _InTransit(stream, victim)
     return TRANSPORTS.get("in_process")(engine).sync(stream), stream
 
 
@@ -222,6 +245,11 @@ def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
             assert stats["tensors"] == len(stream.digests)
         if kind == "fp8":
             assert stats["tensors"] == len(weights) + 2 * (4 + 4 * 3)  # + a scale per quantised weight (2 layers)
+    # an FP8 code or scale altered after the sender's digest (in transit) is caught, by name
+    for victim in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"):
+        with pytest.raises(DigestMismatchError, match="1 tensors") as e:
+            _sync(engines["fp8"], weights, hf, "fp8", victim)
+        assert victim in str(e.value)
     sent = {k: _sync(e, weights, hf, k)[1].bytes_sent for k, e in engines.items()}
     assert sent["fp8"] < 0.6 * sent["bf16"], sent  # about half the bytes on the wire
     # the dequantised checkpoint: what the FP8 server computes with, in fp32 (bf16 where it keeps bf16)

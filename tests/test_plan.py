@@ -220,3 +220,30 @@ def test_colocated_servers_kv_pool_is_what_sglang_sizes_at_launch():
     free = int(cfg.cluster.gpu_memory_gb * GB) - int(cfg.cluster.gpu_reserved_gb * GB)
     fraction = float(cfg.rollout.sglang.server_args["mem_fraction_static"])
     assert server["KV pool"] == int(fraction * free) - server["weights"], server
+
+
+def test_fp8_servers_hold_half_the_weights_and_the_pool_grows_by_it():
+    """rollout.weights=fp8 (the FP8 recipe against the same recipe in bf16): the servers' weights are the FP8
+    model's bytes (codes of every projection, fp32 scales per 128-tile, the rest bf16) over their TP, the KV pool
+    grows by exactly what that frees, and one sync sends the servers the FP8 model (about half the bytes)."""
+    from moe.bridge.fp8 import served_bytes
+    from moe.model import load_hf_config
+
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_fp8_2nodes.yaml"
+    fp8 = planning.make_plan(load_config(os.path.join(ROOT, recipe)), recipe, refit=True).to_json()
+    bf16 = planning.make_plan(load_config(os.path.join(ROOT, recipe), ("rollout.weights=bf16",)), recipe,
+                              refit=True).to_json()
+    hf = load_hf_config(os.path.join(ROOT, "configs/models/qwen3_30b_a3b.json"))
+    fp8_bytes, bf16_bytes = served_bytes(hf)
+    assert 0.50 < fp8_bytes / bf16_bytes < 0.52  # 31.2 of 61.1 GB
+    (s8,), (s16,) = fp8["servers"], bf16["servers"]
+    assert s8["weights"] == fp8_bytes // 2 and s16["weights"] == pytest.approx(bf16_bytes / 2, rel=1e-3)  # TP2
+    assert s8["KV pool"] - s16["KV pool"] == s16["weights"] - s8["weights"]
+    assert s8["KV_tokens"] > 1.3 * s16["KV_tokens"] and s8["KV_tokens_in_bf16"] == s16["KV_tokens"]
+    assert fp8["refit"]["fp8_bytes"] == fp8_bytes and bf16["refit"]["fp8_bytes"] is None
+    rows8 = {r["transport"]: r for r in fp8["refit"]["transports"]}
+    rows16 = {r["transport"]: r for r in bf16["refit"]["transports"]}
+    assert rows8["sglang_distributed"]["server_received"] == fp8_bytes  # every TP rank of a server gets it whole
+    assert rows16["sglang_distributed"]["server_received"] == bf16["refit"]["model_bytes"]
+    assert rows8["sglang_distributed"]["seconds"] < rows16["sglang_distributed"]["seconds"]
+    assert "fp8" in rows8["reshard"]["unavailable"] and rows16["reshard"]["unavailable"] is None
