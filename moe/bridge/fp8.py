@@ -46,7 +46,8 @@ def ceil_to_ue8m0(x: torch.Tensor) -> torch.Tensor:
     return (exp.clamp(1, 254) << 23).view(torch.float32)
 
 
-def quantize_block(x: torch.Tensor, scale: ScaleFormat = "fp32", block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block(x: torch.Tensor, scale: ScaleFormat = "fp32",
+                   block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """A 2-D weight [N, K] -> (e4m3fn codes [N, K], fp32 scales [ceil(N/block), ceil(K/block)]), per the module's
     arithmetic. On the tensor's own device; the codes and scales are new tensors."""
     if x.dim() != 2:
@@ -149,7 +150,8 @@ def server_alignment_problem(hf, tp: int, ep: int = 1) -> str | None:
         if size % parts or (size // parts) % BLOCK:
             if parts == 1:
                 return (f"rollout.weights=fp8: {what} ({size}) is not a multiple of the {BLOCK}-wide FP8 block SGLang "
-                        "needs, at any server layout: this model cannot be served in block FP8; use rollout.weights=bf16")
+                        "needs, at any server layout: this model cannot be served in block FP8; use "
+                        "rollout.weights=bf16")
             fix = ("use expert parallelism on the servers (rollout.sglang.server_args.ep_size = tp_size: whole "
                    "experts per rank)" if "experts" in what and ep < tp else "use a smaller rollout.sglang.tp_size")
             return (f"rollout.weights=fp8: {what} ({size}) over {parts} server rank(s) is {size / parts:g} per rank, "
@@ -216,6 +218,6 @@ def fp8_nbytes(shape) -> int:
     return n * k + 4 * math.ceil(n / BLOCK) * math.ceil(k / BLOCK)
 
 
-__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8Selection", "ScaleFormat", "ceil_to_ue8m0", "dequantize_block",
-           "fp8_nbytes", "QuantizedStream", "quantize_block", "quantize_named", "scale_name", "served_bytes", "server_alignment_problem",
-           "sglang_quantization_config"]
+__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "Fp8Selection", "QuantizedStream", "ScaleFormat", "ceil_to_ue8m0",
+           "SCALE_SUFFIX", "dequantize_block", "fp8_nbytes", "quantize_block", "quantize_named", "scale_name", "served_bytes",
+           "server_alignment_problem", "sglang_quantization_config"]

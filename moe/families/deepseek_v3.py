@@ -121,7 +121,8 @@ class DeepseekV3Family(SigmoidRouterFamily):
         # SGLang derives MLA's absorbed w_kc/w_vc from kv_b_proj after every load, dequantising an FP8 one
         # (sglang/srt/models/deepseek_common/deepseek_weight_loader.py): not yet followed through by the digest
         # read-back (launch/rlpo_sglang_hooks.py) nor tested here
-        raise UnsupportedModelError("rollout.weights=fp8 is not built for deepseek_v3 (MLA) yet: use rollout.weights=bf16")
+        raise UnsupportedModelError("rollout.weights=fp8 is not built for deepseek_v3 (MLA) yet: use "
+                                    "rollout.weights=bf16")
 
     def identity(self, hf):
         ident = super().identity(hf)

@@ -156,4 +156,5 @@ class HFModelReceiver:
         return {n: tensor_digest(self.weights.read(n), algorithm) for n in names}
 
 
-__all__ = ["FP8_TRANSPORTS", "TRANSPORTS", "DigestMismatchError", "DiskTransport", "HFModelReceiver", "InProcessTransport"]
+__all__ = ["FP8_TRANSPORTS", "TRANSPORTS", "DigestMismatchError", "DiskTransport", "HFModelReceiver",
+           "InProcessTransport"]
