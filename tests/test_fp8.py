@@ -142,7 +142,7 @@ def test_config_with_fp8():
     assert any("mismatch.mode=none" in w for w in check_run_config(chosen, files=False, log_warnings=False))
     assert load_config(os.path.join(ROOT, "configs/demo_cpu.yaml")).algorithm.mismatch.mode == "none"
     for extra, match in ((("rollout.engine=embedded",), "rollout.engine=embedded"),
-                         (("rollout.sync_transport=disk",), "sync_transport=disk"),
+                         (("rollout.sync_transport=reshard",), "sync_transport=reshard"),
                          (("rollout.sglang.server_args.dtype=float32",), "dtype=float32"),
                          (("model.hf_config=configs/models/tiny_qwen3_moe.json",), "query heads"),
                          (("model.hf_config=configs/models/tiny_deepseek_v3.json",), "deepseek_v3")):
@@ -229,7 +229,7 @@ def _learner(ckpt, seqs, tmp_path, tag):
 
 def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
     """Both servers take the sync (digest-verified: the FP8 one, at TP2, holds the codes and scales that were sent,
-    gathered from its ranks inside it and unfused into HF names), twice (the second sync reloads into the parameters SGLang's
+    gathered from its ranks inside it and unfused into HF names), twice, the FP8 one also from disk (the second sync reloads into the parameters SGLang's
     post-load processing left), then generate with log-probs and routes. Against the learner (Megatron, fp32):
     the FP8 server's log-probs equal the learner's on the *dequantised* weights as closely as the bf16 server's
     equal the learner's own (what is left is bf16 activations), and differ from the learner's own weights by
@@ -245,6 +245,16 @@ def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
             assert stats["tensors"] == len(stream.digests)
         if kind == "fp8":
             assert stats["tensors"] == len(weights) + 2 * (4 + 4 * 3)  # + a scale per quantised weight (2 layers)
+    # the disk transport: an FP8 HF checkpoint (codes, scales, config.json with its quantization_config), which
+    # the server reloads in place (SGLang's own update_weights_from_disk: restore, load, post-load processing)
+    from rlpo_mega.weight_sync.transports import DiskTransport
+
+    disk = DiskTransport(engines["fp8"], str(tmp_path / "sync_dir"), hf)
+    stream = QuantizedStream(ListStream([(n, t.bfloat16()) for n, t in weights.items()], bucket=16), Fp8Selection(hf),
+                             quantization_config=sglang_quantization_config(hf))
+    assert disk.sync(stream)["tensors"] == len(weights) + 2 * (4 + 4 * 3)  # digest-verified
+    with open(tmp_path / "sync_dir" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["weight_block_size"] == [128, 128]
     # an FP8 code or scale altered after the sender's digest (in transit) is caught, by name
     for victim in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"):
         with pytest.raises(DigestMismatchError, match="1 tensors") as e:

@@ -167,7 +167,7 @@ class QuantizedStream:
     quantization/fp8.py's CUDA branch, UE8M0 requantisation being off on Hopper); `bytes_sent` counts them too.
     The inner stream's own (bf16) digests are not computed."""
 
-    def __init__(self, stream, selected, scale: ScaleFormat = "fp32"):
+    def __init__(self, stream, selected, scale: ScaleFormat = "fp32", quantization_config: dict | None = None):
         stream.compute_digests = False
         object.__setattr__(self, "_stream", stream)
         object.__setattr__(self, "_selected", selected)
@@ -175,6 +175,8 @@ class QuantizedStream:
         object.__setattr__(self, "compute_digests", True)  # a transport that digests while loading turns it off
         object.__setattr__(self, "digests", {})
         object.__setattr__(self, "bytes_sent", 0)
+        # what a checkpoint of these tensors declares (sglang_quantization_config): the disk transport writes it
+        object.__setattr__(self, "quantization_config", quantization_config)
 
     def __getattr__(self, name):  # receives, digest_algorithm, ...: the inner stream's
         return getattr(self._stream, name)

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from moe.bridge.fp8 import Fp8Selection, QuantizedStream
+from moe.bridge.fp8 import Fp8Selection, QuantizedStream, sglang_quantization_config
 from moe.bridge.megatron_io import ExportStream
 from rlpo_mega.model_setup import PARAMS_DTYPES
 from rlpo_mega.rollout import ENGINES, EngineError
@@ -39,7 +39,8 @@ def sync_weights(chunks, cfg, slot) -> dict:
     stream = ExportStream(chunks, bucket_bytes=cfg.rollout.sync_bucket_mb << 20, dst=dst,
                           vocab_divisible_by=cfg.model.vocab_divisible_by, dtype=dtype)
     if cfg.rollout.weights == "fp8":  # quantised on the receiving ranks, after the bridge made the HF tensors
-        stream = QuantizedStream(stream, Fp8Selection(slot.hf))
+        stream = QuantizedStream(stream, Fp8Selection(slot.hf),
+                                 quantization_config=sglang_quantization_config(slot.hf))
     if not stream.receives:  # ranks without an engine take part in the collective export only
         for _ in stream:
             pass

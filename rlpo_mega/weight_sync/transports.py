@@ -20,6 +20,7 @@ receiving rank talks to the engine.
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from rlpo_mega.algorithms.registry import Registry
 
 TRANSPORTS = Registry("weight-sync transport")
 # the transports that carry block-FP8 buckets (rollout.weights=fp8: moe/bridge/fp8.QuantizedStream's codes and scales)
-FP8_TRANSPORTS = ("in_process", "sglang_distributed")
+FP8_TRANSPORTS = ("in_process", "sglang_distributed", "disk")
 
 
 @TRANSPORTS.register("in_process")
@@ -103,8 +104,14 @@ class DiskTransport:
 
     def sync(self, stream) -> dict:
         # overwrite: each sync replaces the previous sync's export (and nothing else: a directory of other
-        # files is refused)
-        write_stream(stream, HFCheckpointWriter(self.directory, self.hf_config, source_dir=self.source_dir,
+        # files is refused). Block FP8 (rollout.weights=fp8): the export is an FP8 checkpoint, its config.json
+        # naming its quantization_config as an FP8 HF checkpoint does (the servers load it with their own)
+        hf_config = self.hf_config
+        quantization = getattr(stream, "quantization_config", None)
+        if quantization is not None:
+            hf_config = copy.deepcopy(hf_config)
+            hf_config.quantization_config = quantization
+        write_stream(stream, HFCheckpointWriter(self.directory, hf_config, source_dir=self.source_dir,
                                                 overwrite=True)
                      if stream.receives else None)
         if not stream.receives:
