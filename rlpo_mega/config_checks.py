@@ -484,11 +484,10 @@ def _check_fp8(cfg, hf, warns: list[str]):
     if ro.engine != "sglang":
         raise ConfigError(f"rollout.weights=fp8 serves block-FP8 weights from SGLang servers; rollout.engine="
                           f"{ro.engine} serves the learner's own: set rollout.engine=sglang or rollout.weights=bf16")
-    if ro.sync_transport not in FP8_TRANSPORTS or ro.colocate:
-        raise ConfigError(f"rollout.weights=fp8 is built for servers apart with rollout.sync_transport="
-                          f"{' or '.join(FP8_TRANSPORTS)} (got sync_transport={ro.sync_transport}"
-                          f"{', colocate=true' if ro.colocate else ''}): quantised buckets through the other transports "
-                          "are not built yet; use one of those, or rollout.weights=bf16")
+    if ro.sync_transport not in FP8_TRANSPORTS:
+        raise ConfigError(f"rollout.weights=fp8 is built for rollout.sync_transport={', '.join(FP8_TRANSPORTS)} (got "
+                          f"{ro.sync_transport}): quantised buckets through it are not built yet; use one of those, "
+                          "or rollout.weights=bf16")
     dtype = ro.sglang.server_args.get("dtype", "bfloat16")
     if dtype not in ("bfloat16", "auto"):
         raise ConfigError(f"rollout.weights=fp8 with rollout.sglang.server_args.dtype={dtype}: FP8 servers serve in "

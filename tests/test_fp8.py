@@ -142,7 +142,7 @@ def test_config_with_fp8():
     assert any("mismatch.mode=none" in w for w in check_run_config(chosen, files=False, log_warnings=False))
     assert load_config(os.path.join(ROOT, "configs/demo_cpu.yaml")).algorithm.mismatch.mode == "none"
     for extra, match in ((("rollout.engine=embedded",), "rollout.engine=embedded"),
-                         (("rollout.sync_transport=reshard",), "sync_transport=reshard"),
+                         (("rollout.sync_transport=reshard",), "got reshard"),
                          (("rollout.sglang.server_args.dtype=float32",), "dtype=float32"),
                          (("model.hf_config=configs/models/tiny_qwen3_moe.json",), "query heads"),
                          (("model.hf_config=configs/models/tiny_deepseek_v3.json",), "deepseek_v3")):
@@ -229,7 +229,8 @@ def _learner(ckpt, seqs, tmp_path, tag):
 
 def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
     """Both servers take the sync (digest-verified: the FP8 one, at TP2, holds the codes and scales that were sent,
-    gathered from its ranks inside it and unfused into HF names), twice, the FP8 one also from disk (the second sync reloads into the parameters SGLang's
+    gathered from its ranks inside it and unfused into HF names), twice, the FP8 one also as colocated servers'
+    flattened payloads and from disk (the second sync reloads into the parameters SGLang's
     post-load processing left), then generate with log-probs and routes. Against the learner (Megatron, fp32):
     the FP8 server's log-probs equal the learner's on the *dequantised* weights as closely as the bf16 server's
     equal the learner's own (what is left is bf16 activations), and differ from the learner's own weights by
@@ -245,6 +246,13 @@ def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
             assert stats["tensors"] == len(stream.digests)
         if kind == "fp8":
             assert stats["tensors"] == len(weights) + 2 * (4 + 4 * 3)  # + a scale per quantised weight (2 layers)
+    # colocated servers' payloads (rollout.colocate: each bucket flattened into one uint8 tensor at 16-byte aligned
+    # offsets, sglang_payloads.flatten, loaded as SGLang's flattened_bucket): codes, scales and bf16 tensors together
+    engines["fp8"].colocate = True
+    try:
+        assert _sync(engines["fp8"], weights, hf, "fp8")[0]["tensors"] == len(weights) + 2 * (4 + 4 * 3)
+    finally:
+        engines["fp8"].colocate = False
     # the disk transport: an FP8 HF checkpoint (codes, scales, config.json with its quantization_config), which
     # the server reloads in place (SGLang's own update_weights_from_disk: restore, load, post-load processing)
     from rlpo_mega.weight_sync.transports import DiskTransport
@@ -273,7 +281,7 @@ def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
         if os.path.exists(os.path.join(ckpt, f)):
             with open(os.path.join(ckpt, f)) as src, open(deq_dir / f, "w") as dst:
                 dst.write(src.read())
-    samples = {k: e.generate(PROMPTS, SamplingParams(max_new_tokens=8), n=2) for k, e in engines.items()}
+    samples = {k: e.generate(PROMPTS, SamplingParams(max_new_tokens=16), n=4) for k, e in engines.items()}
     seqs = {k: [s.prompt_ids + s.response_ids for s in out] for k, out in samples.items()}
     own = _learner(ckpt, seqs["fp8"] + seqs["bf16"], tmp_path, "own")
     on_deq = _learner(str(deq_dir), seqs["fp8"], tmp_path, "deq")
