@@ -246,6 +246,20 @@ def test_fp8_server_generates_from_synced_weights(servers, tmp_path):
             assert stats["tensors"] == len(stream.digests)
         if kind == "fp8":
             assert stats["tensors"] == len(weights) + 2 * (4 + 4 * 3)  # + a scale per quantised weight (2 layers)
+    # a server that does not hold what is sent is refused before any weight goes, in one line: bf16 weights into the
+    # FP8 server (cast into its FP8 parameters without scales) or FP8 weights into a server started without the flags
+    from rlpo_mega.config import SGLangEngineConfig
+    from rlpo_mega.engine_errors import EngineError
+    from rlpo_mega.rollout.sglang_engine import SGLangEngine
+
+    for kind, other in (("fp8", "bf16"), ("bf16", "fp8")):
+        tp = engines[kind].cfg.tp_size
+        wrong = SGLangEngine(SGLangEngineConfig(urls=[engines[kind].servers[0].url], tp_size=tp), hf, weights=other,
+                             api_key=engines[kind]._api_key)
+        with pytest.raises(EngineError, match="--quantization fp8" if other == "fp8" else "quantization=fp8") as e:
+            wrong.begin_weight_update()
+        assert len(str(e.value).splitlines()) == 1
+        wrong.shutdown()
     # colocated servers' payloads (rollout.colocate: each bucket flattened into one uint8 tensor at 16-byte aligned
     # offsets, sglang_payloads.flatten, loaded as SGLang's flattened_bucket): codes, scales and bf16 tensors together
     engines["fp8"].colocate = True
