@@ -6,7 +6,8 @@ step 1 that runs step 2. With the embedded engine the resumed step 2 equals the 
 most here) every
 sync of both runs is digest-verified inside the servers, the resumed run's first sync included.
 A new YAML in configs/recipes/ is covered with no new test code. Recipes whose shrinks are the same run (the
-2- and 4-node variants differ only in batch size, which the shrink sets) share one run.
+2- and 4-node variants differ only in batch size, which the shrink sets) share one run; a run that other runs make
+between them, each differing from it in one part (RUN_SHOWN_BY, checked key by key), is not run again (CI time).
 """
 from __future__ import annotations
 
@@ -213,17 +214,47 @@ def test_every_recipe_is_run():
         assert all(shrunk_config(r) == shrunk_config(run[0]) for r in run), run
 
 
+# A run whose every part other runs make (CI time): recipe -> {the recipe of a run: the keys of the shrunk config
+# that differ from it}. test_run_shown_by_others checks that each differs in exactly those keys, so that each of this
+# run's values is run by one of them.
+RUN_SHOWN_BY = {
+    "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml": {
+        # the same run with SAPO's loss: its bf16 rollout at this shape (EP, bf16, SGLang apart at TP2, 2 drivers)
+        "configs/recipes/qwen3_30b_a3b_sapo_r3_2nodes.yaml": {"algorithm.loss.name", "algorithm.loss.eps_low",
+                                                              "algorithm.loss.eps_high"},
+        # the same run with FP8 servers (on the tiny model FP8 needs): its GSPO loss and clip range
+        "configs/recipes/qwen3_30b_a3b_gspo_r3_fp8_2nodes.yaml": {"rollout.weights", "model.hf_config",
+                                                                  "model.init_from_hf"}},
+}
+
+
+def test_run_shown_by_others():
+    for recipe, others in RUN_SHOWN_BY.items():
+        mine = shrunk_config(recipe)
+        for other, keys in others.items():
+            theirs = shrunk_config(other)
+            assert {k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)} == keys, (recipe, other)
+            assert other not in RUN_SHOWN_BY  # shown by runs that are run
+        # every key that differs from one of them is the same in another
+        for key in set().union(*others.values()):
+            assert any(key not in keys for keys in others.values()), key
+
+
 # Recipes whose resume is shown by other tests (CI time): recipe -> where.
 RESUME_SHOWN_ELSEWHERE = {
     "configs/recipes/qwen3_30b_a3b_gspo_r3_2nodes.yaml":
         "the resume with SGLang servers apart: the learner's log-probs equal to the resumed servers' (the first sync "
         "gave them the checkpoint's weights) by test_sglang_trainer's launched-servers stop and resume, exact "
-        "resumes at TP/EP/PP layouts with the distributed optimizer by test_checkpoint; this run (EP, bf16, SGLang "
-        "apart, 2 drivers) trains and saves at its shrunk layout; the 1-node recipe's run resumes with SGLang (CI time)",
+        "resumes at TP/EP/PP layouts with the distributed optimizer by test_checkpoint; the runs at this shape (EP, "
+        "bf16, SGLang apart, 2 drivers: the SAPO and FP8 recipes', RUN_SHOWN_BY) train and save at its shrunk "
+        "layout; the 1-node recipe's run resumes with SGLang (CI time)",
     "configs/recipes/qwen3_30b_a3b_gspo_r3_fp8_2nodes.yaml":
-        "the 2-node recipe's (the same run in bf16 rollout; a resume restores the learner, whose weights the first "
-        "sync after it quantises like any other: tests/test_fp8.py's syncs); this run trains and saves with FP8 "
-        "servers at TP2 through sglang_distributed, every sync digest-verified inside the server (CI time)",
+        "the resume with SGLang servers apart: the learner's log-probs equal to the resumed servers' (the first sync "
+        "gave them the checkpoint's weights) by test_sglang_trainer's launched-servers stop and resume, exact "
+        "resumes at TP/EP/PP layouts with the distributed optimizer by test_checkpoint (a resume restores the "
+        "learner, whose weights the first sync after it quantises like any other: tests/test_fp8.py's syncs); this "
+        "run (EP, a bf16 learner, FP8 servers apart at TP2, sglang_distributed) trains and saves at its shrunk "
+        "layout; the 1-node recipe's run resumes with SGLang (CI time)",
     "configs/recipes/glm45_air_gspo_r3_8nodes.yaml":
         "the trainer's resume with SGLang, GSPO and R3 by the qwen3 GSPO recipe's run; this recipe's checkpoint "
         "(glm4_moe on two pipeline stages, one of them dense only, EP2, bf16, the distributed optimizer) saved, "
@@ -286,6 +317,9 @@ def test_tp2_server_digests_catch_corruption(assets, servers):
 @pytest.mark.parametrize("run", RUNS, ids=["+".join(os.path.basename(r)[:-5] for r in run) for run in RUNS])
 def test_recipe_runs_checkpoints_and_resumes(run, assets, servers, tmp_path):
     recipe = run[0]  # the others of `run` shrink to this very config (test_every_recipe_is_run)
+    if recipe in RUN_SHOWN_BY:
+        print(f"run by: {', '.join(RUN_SHOWN_BY[recipe])} (test_run_shown_by_others)")
+        return
     shrunk = _shrunk(recipe, tmp_path / "full", assets, servers)
     print(shrunk.describe())
     _train(recipe, shrunk)
