@@ -387,8 +387,8 @@ class RolloutConfig:
     partial_rollout_mask: bool = False
     # the weights the engine serves. bf16: the learner's own, in model.params_dtype. fp8: block FP8 (moe/bridge/fp8.py):
     # each attention and expert projection quantised at every sync in 128 x 128 tiles of e4m3 with an fp32
-    # weight_scale_inv per tile; embeddings, the output layer, norms and the router stay in model.params_dtype (the
-    # family's fp8_weights). Needs rollout.engine=sglang (launched servers get the quantization config; servers
+    # weight_scale_inv per tile (the family's fp8_weights); embeddings, the output layer, norms and the router stay
+    # unquantised, in bf16, which FP8 servers serve in. Needs rollout.engine=sglang (launched servers get the quantization config; servers
     # started by hand need --quantization fp8 and its --json-model-override-args: launch/README.md, FP8) and turns
     # the mismatch correction on (algorithm.mismatch.mode=tis unless set)
     weights: Literal["bf16", "fp8"] = "bf16"
