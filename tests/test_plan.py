@@ -247,3 +247,7 @@ def test_fp8_servers_hold_half_the_weights_and_the_pool_grows_by_it():
     assert rows16["sglang_distributed"]["server_received"] == bf16["refit"]["model_bytes"]
     assert rows8["sglang_distributed"]["seconds"] < rows16["sglang_distributed"]["seconds"]
     assert "fp8" in rows8["reshard"]["unavailable"] and rows16["reshard"]["unavailable"] is None
+    # a driver holds a bucket's codes and scales too, and sglang_distributed's packed copy of them
+    bucket = 512 << 20
+    assert fp8["learner_gpus"][0]["sync bucket"] == bucket + bucket // 2 + bucket
+    assert bf16["learner_gpus"][0]["sync bucket"] == bucket

@@ -208,10 +208,16 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         send = steps.driver_tokens * (8 + sum(shape.moe_layers) * topk * route_item) \
             if engine.driver_sends_all_layers and stage in driver_stages else recv
         row.parts["exchange"] = min(recv + send, 2 * (cfg.trainer.exchange_round_mb << 20))
+        bucket = cfg.rollout.sync_bucket_mb << 20
+        # rollout.weights=fp8 (moe/bridge/fp8.QuantizedStream): a receiving rank also holds the bucket's codes and
+        # scales (at most half its bf16 bytes), and sglang_distributed packs the quantised bucket into one uint8
+        # tensor (at most the bucket)
+        fp8 = (bucket // 2 + (bucket if cfg.rollout.sync_transport == "sglang_distributed" else 0)
+               if cfg.rollout.weights == "fp8" else 0)
         if engine.gpu_sync:  # colocated servers: every GPU receives each bucket and makes its server rank's copy
-            row.parts["sync bucket"] = engine.gpu_sync
+            row.parts["sync bucket"] = engine.gpu_sync + fp8
         elif stage in driver_stages:  # an engine rank receives the full weights at each sync, a bucket at a time
-            row.parts["sync bucket"] = cfg.rollout.sync_bucket_mb << 20
+            row.parts["sync bucket"] = bucket + fp8
         row.parts["reserved"] = reserved
         row.info["micro-batch tokens"] = steps.largest_micro_tokens
         if layout.context > 1:
