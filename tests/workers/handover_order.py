@@ -50,7 +50,7 @@ class Recorder:
         note(f"resume {what}")
 
 
-def launched(sg, model, node, nodes, colocate):
+def launched(sg, model, node, nodes, colocate, extra_args=None):  # extra_args: rollout.weights=fp8 only
     note("launch")
     return []
 

@@ -19,7 +19,7 @@ group = distributed.control_group(120.0)
 seen = []
 
 
-def launched(sg, model, node, nodes, colocate):  # this node's launcher (local rank 0)
+def launched(sg, model, node, nodes, colocate, extra_args=None):  # this node's launcher (local rank 0)
     seen.append(("launch", os.environ.get(sg.api_key_env)))
     return []
 
