@@ -304,10 +304,11 @@ def _reshard_plan(config, req, device: str):
     from moe.bridge import reshard as rs
     from moe.bridge.mapping import param_maps
 
+    fp8 = bool(req.get("fp8"))  # rollout.weights=fp8: the FP8 weights' codes and scales (moe/bridge/reshard.py)
     key = (id(config),  # (a server has one; a test may ask with another)
-           json.dumps([req["learner"], req["servers"], req["dtype"], req["bucket_bytes"]], sort_keys=True))
+           json.dumps([req["learner"], req["servers"], req["dtype"], fp8, req["bucket_bytes"]], sort_keys=True))
     if key not in _PLANS:
-        model = rs.ModelSpec.of(config, getattr(torch, req["dtype"]))
+        model = rs.ModelSpec.of(config, getattr(torch, req["dtype"]), fp8=fp8)
         learner = rs.LearnerLayout(**{k: (frozenset(v) if k == "whole_on_tp" else v) for k, v in req["learner"].items()})
         plan = rs.reshard_plan(model, learner, [rs.ServerLayout(*s) for s in req["servers"]])
         joined = frozenset(n for pm in param_maps(config) if pm.with_previous for n in pm.hf)
@@ -339,8 +340,10 @@ def _reshard_sync(model, req, group) -> dict:
     index, tp_rank = int(req["index"]), group.rank_in_group
 
     def receive(into):
-        # irecvs in plan order: each sender's isends are in the same order (no cycle between ranks)
-        for w in [torch.distributed.irecv(target, src=t.src, group=pg) for t, target in into]:
+        # irecvs in plan order: each sender's isends are in the same order (no cycle between ranks); block-FP8
+        # codes arrive as their bytes (the sender's _wire: gloo refuses float8)
+        for w in [torch.distributed.irecv(target.view(torch.uint8) if target.dtype == torch.float8_e4m3fn else target,
+                                          src=t.src, group=pg) for t, target in into]:
             w.wait()
 
     result = {"digests": {}, "as_received": 0, "bytes": 0, "receiver": {}}

@@ -36,7 +36,7 @@ from rlpo_mega.model_setup import LR_DECAY_STYLES, optimizer_steps
 from rlpo_mega.rewards import REWARDS
 from rlpo_mega.rollout import ENGINES  # the package registers the engines
 from rlpo_mega.rollout.producers import PRODUCERS
-from rlpo_mega.weight_sync.transports import FP8_TRANSPORTS, TRANSPORTS
+from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
 
@@ -484,10 +484,6 @@ def _check_fp8(cfg, hf, warns: list[str]):
     if ro.engine != "sglang":
         raise ConfigError(f"rollout.weights=fp8 serves block-FP8 weights from SGLang servers; rollout.engine="
                           f"{ro.engine} serves the learner's own: set rollout.engine=sglang or rollout.weights=bf16")
-    if ro.sync_transport not in FP8_TRANSPORTS:
-        raise ConfigError(f"rollout.weights=fp8 is built for rollout.sync_transport={', '.join(FP8_TRANSPORTS)} (got "
-                          f"{ro.sync_transport}): quantised buckets through it are not built yet; use one of those, "
-                          "or rollout.weights=bf16")
     dtype = ro.sglang.server_args.get("dtype", "bfloat16")
     if dtype not in ("bfloat16", "auto"):
         raise ConfigError(f"rollout.weights=fp8 with rollout.sglang.server_args.dtype={dtype}: FP8 servers serve in "

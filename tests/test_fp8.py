@@ -1,6 +1,7 @@
 """FP8 rollout (rollout.weights=fp8, moe/bridge/fp8.py): the block quantiser against SGLang 0.5.23's own functions
 (bit for bit), its edge cases, shard-then-quantise, the family's selection, the server layouts that can hold it,
-the config it implies, and a real CPU SGLang server generating from FP8 weights synced and digest-verified, its
+the config it implies, the shard-to-shard refit plan's FP8 pieces, and a real CPU SGLang server generating from FP8
+weights synced and digest-verified (through every transport: reshard from megatron learner ranks' own shards), its
 log-probs against the learner's (the mismatch FP8 costs, beside a bf16 server's on the same model).
 
 On this CPU (no AMX) the FP8 server's two kernels are stood in for in torch (tests/sglang_support/path: sgl_kernel's
@@ -128,6 +129,61 @@ def test_server_layouts_that_hold_fp8():
     assert "query heads (64) is not a multiple" in server_alignment_problem(tiny, 1)
 
 
+def test_reshard_plan_sends_fp8_pieces_that_rebuild_the_whole_tensors_quantisation():
+    """rollout.sync_transport=reshard with FP8 (moe/bridge/reshard.py): each FP8 weight is planned as codes, each
+    codes piece followed by its scales' piece from the same sender; a sender quantising only its piece (as
+    weight_sync/reshard.py does) gives every server rank exactly its region of the whole tensor's codes and scales,
+    bit for bit, at learner and server layouts that split the weights in whole blocks; the buckets never separate
+    scales from their codes; a learner layout whose shards are not whole blocks is refused in one line."""
+    from moe.bridge.reshard import (CannotPlan, LearnerLayout, ModelSpec, ServerLayout, plan_buckets, reshard_plan,
+                                    server_region)
+
+    hf = load_hf_config(TINY)
+    model = ModelSpec.of(hf, torch.bfloat16, fp8=True)
+    specs = {t.name: t for t in model.tensors}
+    sel = Fp8Selection(hf)
+    assert sum(t.block_of is not None for t in model.tensors) == sum(map(sel, specs)) == 2 * (4 + 4 * 3)
+    g = torch.Generator().manual_seed(0)
+    whole = {t.name: torch.randn(t.shape, generator=g).bfloat16() for t in model.tensors if t.block_of is None}
+    quantised = {}
+    for n, w in whole.items():
+        if sel(n):
+            quantised[n], quantised[fp8.scale_name(n)] = quantize_block(w)
+        else:
+            quantised[n] = w
+    servers = (ServerLayout(2, 1), ServerLayout(2, 2), ServerLayout(1))
+    for learner in (LearnerLayout(2, tensor=2, expert=2), LearnerLayout(4, pipeline=2, expert=2)):
+        plan = reshard_plan(model, learner, servers)
+        assert plan.received_bytes() == plan.shard_bytes()
+        held, scales = {}, {}
+        for i, t in enumerate(plan.transfers):
+            spec = specs[t.name]
+            if spec.block_of is not None:  # made by the sender of its codes
+                piece = scales.pop((t.src, t.server, t.rank, t.name, t.region))
+            elif spec.dtype == fp8.FP8_DTYPE:
+                piece, s = quantize_block(whole[t.name][tuple(slice(a, b) for a, b in t.region)])
+                blocks = tuple((a // BLOCK, -(-b // BLOCK)) for a, b in t.region)
+                scales[(t.src, t.server, t.rank, fp8.scale_name(t.name), blocks)] = s
+            else:
+                piece = whole[t.name][tuple(slice(a, b) for a, b in t.region)]
+            key = (t.server, t.rank, t.name)
+            if key not in held:
+                box = server_region(spec, model, plan.servers[t.server], t.rank)
+                held[key] = torch.zeros([b - a for a, b in box], dtype=spec.dtype)
+            held[key][tuple(slice(a, b) for a, b in t.dst_box)] = piece
+        assert not scales
+        for (s, rank, name), got in held.items():
+            box = server_region(specs[name], model, plan.servers[s], rank)
+            want = quantised[name][tuple(slice(a, b) for a, b in box)]
+            assert torch.equal(got.view(torch.uint8) if got.dtype == fp8.FP8_DTYPE else got,
+                               want.view(torch.uint8) if want.dtype == fp8.FP8_DTYPE else want), (s, rank, name)
+        for start, _ in plan_buckets(plan, 1 << 16):
+            assert specs[plan.transfers[start].name].block_of is None
+    with pytest.raises(CannotPlan, match="not whole 128-blocks") as e:  # experts' 256 rows over 4 learner ranks
+        reshard_plan(model, LearnerLayout(4, expert_tensor=4), (ServerLayout(1),))
+    assert "sglang_distributed" in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
 def _fp8_overrides(*extra):
     return ("rollout.engine=sglang", "rollout.weights=fp8", "rollout.sglang.urls=[http://127.0.0.1:1]",
             "model.hf_config=" + TINY, *extra)
@@ -142,7 +198,6 @@ def test_config_with_fp8():
     assert any("mismatch.mode=none" in w for w in check_run_config(chosen, files=False, log_warnings=False))
     assert load_config(os.path.join(ROOT, "configs/demo_cpu.yaml")).algorithm.mismatch.mode == "none"
     for extra, match in ((("rollout.engine=embedded",), "rollout.engine=embedded"),
-                         (("rollout.sync_transport=reshard",), "got reshard"),
                          (("rollout.sglang.server_args.dtype=float32",), "dtype=float32"),
                          (("model.hf_config=configs/models/tiny_qwen3_moe.json",), "query heads"),
                          (("model.hf_config=configs/models/tiny_deepseek_v3.json",), "deepseek_v3")):
@@ -225,6 +280,25 @@ def _learner(ckpt, seqs, tmp_path, tag):
     inp.write_text(json.dumps({"seqs": seqs}))
     torchrun(os.path.join(SUPPORT, "learner_routes.py"), 1, ckpt, str(inp), str(res), timeout=600)
     return torch.load(res)
+
+
+def test_fp8_reshard_sync_from_the_learners_own_shards(servers, tmp_path):
+    """rollout.sync_transport=reshard into the FP8 server at TP2 (weight_sync/reshard.py): megatron learner ranks at
+    TP2 x EP2 quantise their own pieces and send each its server rank's codes and scales; twice, bit-exact against
+    the learner's export quantised whole (digested inside the server, gathered over its ranks), per-piece digests
+    passed, each learner rank's bytes the plan's FP8 share, each server rank its own FP8 shard, the second sync
+    replayed by the in-server receiver (tests/test_refit_transport.py's checks)."""
+    from tests.test_refit_transport import _check
+
+    engines, hf, ckpt, _ = servers
+    engine = engines["fp8"]
+    r = torchrun("reshard_sync.py", 2, str(tmp_path / "run"), ckpt, engine.servers[0].url, "2", "1",
+                 "parallel.tensor=2", "parallel.expert=2", "parallel.expert_tensor=1", "rollout.weights=fp8",
+                 "rollout.sglang.server_args.dtype=bfloat16", timeout=600,
+                 env={engine.cfg.api_key_env: engine._api_key})
+    _check(r, 2, 1)
+    bf16 = sum(t.numel() for t in servers[3].values()) * 2
+    assert r["plan"]["model"] < 0.6 * bf16, (r["plan"]["model"], bf16)  # codes and scales: about half the bytes
 
 
 def test_fp8_server_generates_from_synced_weights(servers, tmp_path):

@@ -7,7 +7,9 @@ is replayed by the in-server receiver (no SGLang loader call).
 
 The models' expert intermediate sizes are 64 here: SGLang's CPU path pads an intermediate size that is not a
 multiple of TP x 32 and splits the padded rows, which a GPU server does not do and the plan does not model
-(moe/bridge/reshard.server_region)."""
+(moe/bridge/reshard.server_region). The colocated cell serves block FP8 (rollout.weights=fp8, the FP8 tiny model:
+every projection whole 128-blocks): codes, scales and bf16 tensors exchanged between the learner ranks and packed
+together; the FP8 server apart is tests/test_fp8.py's."""
 import json
 import os
 import sys
@@ -24,13 +26,13 @@ CONFIGS = {"qwen3_moe": ("configs/models/tiny_qwen3_moe.json", "moe_intermediate
            "mixtral": ("configs/models/tiny_mixtral.json", "intermediate_size")}
 
 
-def _checkpoint(family, path):
+def _checkpoint(family, path, fp8=False):
     from moe.model import load_hf_config
 
     src, key = CONFIGS[family]
-    with open(os.path.join(ROOT, src)) as f:
+    with open(os.path.join(ROOT, "configs/models/tiny_qwen3_moe_fp8.json" if fp8 else src)) as f:
         raw = json.load(f)
-    raw[key] = 64
+    raw[key] = 256 if fp8 else 64
     raw["tie_word_embeddings"] = False  # SGLang 0.5.23's Mixtral ignores a tied head (the engine's tied_aliases)
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "model.json"), "w") as f:
@@ -81,19 +83,20 @@ def _check(r, learners, servers):
     ("mixtral", 1, ["parallel.tensor=2"], False, False),
     # colocated, pipeline-parallel learners (each rank its own layers): the server's TP ranks on the learner ranks'
     # "GPUs", each rank's pieces exchanged between the learner ranks and packed by the rank on its GPU (CUDA IPC
-    # there, shared memory here); then SIGKILLed
+    # there, shared memory here), in block FP8; then SIGKILLed
     ("qwen3_moe", 2, ["parallel.pipeline=2"], True, True),
-], ids=["qwen3_moe-ep2-tp2server-kill", "mixtral-tp2-tp1server", "qwen3_moe-pp2-colocated-tp2-kill"])
+], ids=["qwen3_moe-ep2-tp2server-kill", "mixtral-tp2-tp1server", "qwen3_moe-pp2-colocated-tp2-fp8-kill"])
 def test_reshard_sync_is_bit_exact_and_sends_only_shards(family, server_tp, layout, kill, colocate, sglang_python,
                                                          tmp_path):
     """Two syncs, bit-exact (module docstring). kill: a third sync with the server SIGKILLed as the learner ranks
     start sending: every rank raises the failure (EngineError, agreed) within seconds, none waits out a timeout."""
-    ckpt = _checkpoint(family, str(tmp_path / "hf"))
-    if colocate:  # rank 0 launches it (rollout.sglang.launch)
+    ckpt = _checkpoint(family, str(tmp_path / "hf"), fp8=colocate)
+    if colocate:  # rank 0 launches it (rollout.sglang.launch), in block FP8 (SGLang's fp8 serves in bf16)
         env = {"RLPO_SGLANG_PYTHON": sglang_python, "RLPO_SGLANG_PATH": os.path.join(SUPPORT, "path"),
-               "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS), "RLPO_KILL_SERVER_PGID": "launched"}
+               "RLPO_SGLANG_SERVER_ARGS": json.dumps({**SERVER_ARGS, "dtype": "bfloat16"}),
+               "RLPO_KILL_SERVER_PGID": "launched"}
         r = torchrun("reshard_sync.py", 2, str(tmp_path / "run"), ckpt, "colocate", str(server_tp), "1", *layout,
-                     f"rollout.sglang.base_port={free_port()}", timeout=600, env=env)
+                     "rollout.weights=fp8", f"rollout.sglang.base_port={free_port()}", timeout=600, env=env)
     else:
         server = _server(sglang_python, ckpt, server_tp, str(tmp_path / "logs"))
         env = {"RLPO_KILL_SERVER_PGID": str(server.proc.pid)} if kill else None

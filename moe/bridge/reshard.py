@@ -17,6 +17,12 @@ data-parallel ranks holding it -- a tensor every server rank needs whole comes f
 receiving rank -- and keeps the busiest learner rank near total bytes / learner ranks wherever the layouts allow (a
 pipeline stage holding more than its share, or a shard only one rank holds, can force more).
 
+Block FP8 (rollout.weights=fp8, moe/bridge/fp8.py): a quantised weight is planned as its e4m3 codes (one byte an
+element, the weight's own boxes), followed in the model by its fp32 `weight_scale_inv` -- the same boxes in 128-blocks
+(TensorSpec.block_of). Each piece of codes is followed by its scales' piece, from the same sender to the same server
+rank: the sender quantises the piece it cuts (bit-equal to quantising the whole tensor and slicing, where the piece's
+edges are whole blocks: tests/test_fp8.py), so a piece whose edges are not whole 128-blocks is not planned.
+
 Pure arithmetic over names and shapes: no tensors, no process groups; a sender and a receiver read their parts of
 one plan. A server layout this plan does not express raises CannotPlan, one line naming what is not planned and a
 transport that syncs it.
@@ -24,12 +30,14 @@ transport that syncs it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 from moe.families import get_family
+
+from .fp8 import BLOCK, FP8_DTYPE, SCALE_SUFFIX, Fp8Selection, scale_name
 from moe.model import padded_vocab_size
 
 from .hf_checkpoint import expected_hf_shapes
@@ -66,6 +74,9 @@ class TensorSpec:
     layer: Optional[int]  # global decoder layer; None: embedding, final norm, output layer
     expert: Optional[int]  # global routed expert; None: not a routed expert's
     sglang_whole: bool = False  # SGLang holds it whole on every TP rank although megatron splits it
+    # a block-FP8 weight's scales (rollout.weights=fp8): the weight's shape; every box of this tensor is the weight's
+    # box in 128-blocks (the rest of the fields are the weight's)
+    block_of: Optional[tuple[int, ...]] = None
 
     @property
     def nbytes(self) -> int:
@@ -85,17 +96,26 @@ class ModelSpec:
     vocab: int
 
     @classmethod
-    def of(cls, hf, dtype: torch.dtype) -> "ModelSpec":
+    def of(cls, hf, dtype: torch.dtype, fp8: bool = False) -> "ModelSpec":
         """The policy's export (megatron_io.ExportStream, `dtype` its dtype) of the model `hf` configures; fp32
-        where every side keeps a tensor in fp32 (ParamMap.fp32)."""
+        where every side keeps a tensor in fp32 (ParamMap.fp32). fp8: the family's FP8 weights (moe/bridge/fp8.
+        Fp8Selection) as e4m3 codes, each followed by its fp32 scales (module docstring)."""
         family = get_family(hf.model_type)
         shapes = expected_hf_shapes(hf)
         names = family.hf_names(hf)
         whole = {names[k].format(i=i) for k in family.sglang_whole(hf) for i in range(hf.num_hidden_layers)}
-        tensors = tuple(
-            TensorSpec(n, tuple(shapes[n]), torch.float32 if pm.fp32 else dtype, pm.megatron, pm.kind, j, pm.layer,
-                       pm.expert, n in whole)
-            for pm in param_maps(hf) for j, n in enumerate(pm.hf))
+        selected = Fp8Selection(hf) if fp8 else (lambda name: False)
+        tensors = []
+        for pm in param_maps(hf):
+            for j, n in enumerate(pm.hf):
+                shape, rest = tuple(shapes[n]), (pm.megatron, pm.kind, j, pm.layer, pm.expert, n in whole)
+                if selected(n):  # (positional: a model has ten thousand of them)
+                    tensors += [TensorSpec(n, shape, FP8_DTYPE, *rest),
+                                TensorSpec(scale_name(n), tuple(-(-d // BLOCK) for d in shape), torch.float32, *rest,
+                                           shape)]
+                else:
+                    tensors.append(TensorSpec(n, shape, torch.float32 if pm.fp32 else dtype, *rest))
+        tensors = tuple(tensors)
         return cls(tensors, hf.num_hidden_layers, family.num_experts(hf), hf.num_attention_heads,
                    hf.num_key_value_heads, family.head_dim(hf), hf.vocab_size)
 
@@ -219,6 +239,22 @@ def _within(box: Box, origin: Box) -> Box:
     return tuple((s - o, e - o) for (s, e), (o, _) in zip(box, origin))
 
 
+def _blocks(box: Box, shape, name: str) -> Box:
+    """A box of a block-FP8 weight of `shape` in 128-blocks (its scales' box): refused where an edge inside the
+    tensor is not a whole block (SGLang's loaders and the quantiser both cut blocks at multiples of 128)."""
+    for (a, b), n in zip(box, shape):
+        if a % BLOCK or (b % BLOCK and b != n):
+            raise CannotPlan(f"{name}: rows/columns [{a}, {b}) of {n} are not whole {BLOCK}-blocks, which a block-FP8 "
+                             "piece must be (rollout.weights=fp8)")
+    return tuple((a // BLOCK, -(-b // BLOCK)) for a, b in box)
+
+
+def _weight(spec: "TensorSpec") -> "TensorSpec":
+    """The block-FP8 weight whose scales `spec` is (its fields but the shape, dtype and name)."""
+    return replace(spec, name=spec.name.removesuffix(SCALE_SUFFIX), shape=spec.block_of, dtype=FP8_DTYPE,
+                   block_of=None)
+
+
 def box_numel(box: Box) -> int:
     return math.prod(e - s for s, e in box)
 
@@ -235,7 +271,7 @@ def _stage(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout) -> int:
 
 def _learner_key(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout) -> tuple:
     """What learner_shards reads of a tensor: tensors alike in it (a layer's experts of one EP rank) share shards."""
-    return (spec.kind, spec.shape, spec.megatron in learner.whole_on_tp, _stage(spec, model, learner),
+    return (spec.kind, spec.shape, spec.block_of, spec.megatron in learner.whole_on_tp, _stage(spec, model, learner),
             None if spec.expert is None else spec.expert // (model.experts // learner.expert))
 
 
@@ -249,6 +285,9 @@ def learner_shards(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout,
         if key not in memo:
             memo[key] = learner_shards(spec, model, learner)
         return memo[key]
+    if spec.block_of is not None:  # a block-FP8 weight's scales: its shards in blocks
+        return [(_blocks(box, spec.block_of, spec.name), ranks)
+                for box, ranks in learner_shards(_weight(spec), model, learner)]
     stage = _stage(spec, model, learner)
     if spec.expert is None:
         split = learner.tensor
@@ -311,7 +350,11 @@ def server_region(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank
     tensor (None: it holds none of it). A CUDA server's layout: on a CPU server SGLang pads an intermediate size that
     is not a multiple of tp x 32 and splits the padded rows (configs/update_config.py,
     adjust_config_with_unaligned_cpu_tp), which this does not model (shared/notes/refit-receiver.md); a transport
-    using the plan checks it against the slices the server reports before the first sync."""
+    using the plan checks it against the slices the server reports before the first sync. A block-FP8 weight's
+    scales: its region in blocks (BlockQuantScaleParameter's loaders narrow by the weight's offsets / 128)."""
+    if spec.block_of is not None:
+        box = server_region(_weight(spec), model, server, rank)
+        return None if box is None else _blocks(box, spec.block_of, spec.name)
     if spec.kind == "replicated" or spec.sglang_whole:  # RMSNorm, ReplicatedLinear (router, MLA down-projections)
         return _whole(spec.shape)
     if spec.expert is not None:
@@ -337,7 +380,7 @@ def server_region(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank
 
 def _server_key(spec: TensorSpec, model: ModelSpec, server: ServerLayout) -> tuple:
     """What server_region reads of a tensor beyond the layouts: tensors alike in it share regions."""
-    return (spec.kind, spec.shape, spec.part, spec.sglang_whole, spec.dtype,
+    return (spec.kind, spec.shape, spec.block_of, spec.part, spec.sglang_whole, spec.dtype,
             None if spec.expert is None else spec.expert // (model.experts // server.expert))
 
 
@@ -366,7 +409,9 @@ class Transfer(NamedTuple):
     rank: int  # that server's TP rank
     name: str  # HF name
     region: Box  # the slice, in the HF tensor's coordinates
-    src_box: Box  # the same slice within the sender's shard of the tensor (its box, learner_shards)
+    # the same slice within the sender's shard of the tensor (its box, learner_shards); a block-FP8 weight's scales:
+    # the whole of the scales its sender makes by quantising the codes' piece
+    src_box: Box
     dst_box: Box  # and within the receiver's shard (server_region)
     nbytes: int
 
@@ -411,15 +456,24 @@ def _check(model: ModelSpec, learner: LearnerLayout, servers: tuple[ServerLayout
             raise CannotPlan(f"{model.experts} experts do not split over SGLang ep_size={server.expert}")
 
 
-def _balance(pieces: list[tuple], world: int) -> list[int]:
+def _balance(pieces: list[tuple], world: int, lead: Sequence[Optional[int]] = ()) -> list[int]:
     """A sending rank per piece (..., nbytes, holders): largest first, each to the least-loaded rank holding it (ties:
-    the lowest)."""
+    the lowest). lead[i]: the piece that piece i goes with (a block-FP8 piece's scales: the same sender, which
+    quantised both), weighed with it; None where it goes alone."""
+    lead = list(lead) or [None] * len(pieces)
+    size = [p[-2] for p in pieces]
+    for i, j in enumerate(lead):
+        if j is not None:
+            size[j] += size[i]
     load = [0] * world
     src = [0] * len(pieces)
-    for i in sorted(range(len(pieces)), key=lambda i: pieces[i][-2], reverse=True):
+    for i in sorted((i for i in range(len(pieces)) if lead[i] is None), key=size.__getitem__, reverse=True):
         best = min(pieces[i][-1], key=load.__getitem__)
         src[i] = best
-        load[best] += pieces[i][-2]
+        load[best] += size[i]
+    for i, j in enumerate(lead):
+        if j is not None:
+            src[i] = src[j]
     return src
 
 
@@ -438,24 +492,47 @@ def _server_pieces(spec: TensorSpec, model: ModelSpec, server: ServerLayout, sha
     return out
 
 
+def _scale_pieces(spec: TensorSpec, model: ModelSpec, server: ServerLayout, codes: list) -> list[tuple]:
+    """_server_pieces of a block-FP8 weight's scales, one per piece of its codes (`codes`): the piece's box in
+    blocks, which its sender makes whole (src_box: the whole of them)."""
+    out, held = [], {}
+    for rank, region, _, _, _, holders in codes:
+        if rank not in held:
+            held[rank] = server_region(spec, model, server, rank)
+        box = _blocks(region, spec.block_of, spec.name)
+        out.append((rank, box, _whole([b - a for a, b in box]), _within(box, held[rank]),
+                    box_numel(box) * spec.dtype.itemsize, holders))
+    return out
+
+
 def reshard_plan(model: ModelSpec, learner: LearnerLayout, servers: Sequence[ServerLayout]) -> Plan:
     """Every transfer of one refit from `learner` into `servers` (in the model's export order, then server, TP rank):
     each byte each server rank holds arrives exactly once, from a learner rank holding it, and nothing else does."""
     servers = tuple(servers)
     _check(model, learner, servers)
-    pieces = []  # (name, server, rank, region, src_box, dst_box, nbytes, holders)
-    shard_memo, piece_memo = {}, {}
+    pieces, lead = [], []  # (name, server, rank, region, src_box, dst_box, nbytes, holders); the piece each goes with
+    shard_memo, piece_memo, weight = {}, {}, []
     for spec in model.tensors:
+        if spec.block_of is not None:  # a block-FP8 weight's scales: a piece per piece of its codes, from its sender
+            for s, key, first in weight:
+                scale_key = (key, "scales", spec.shape)
+                if scale_key not in piece_memo:
+                    piece_memo[scale_key] = _scale_pieces(spec, model, servers[s], piece_memo[key])
+                pieces += [(spec.name, s, *piece) for piece in piece_memo[scale_key]]
+                lead += range(first, first + len(piece_memo[key]))
+            continue
         shards = learner_shards(spec, model, learner, shard_memo)
         # what server_region reads: tensors alike in it and in their shards get the same pieces (servers of one
         # layout too, from sources chosen apart)
-        learner_key = _learner_key(spec, model, learner)
+        learner_key, weight = _learner_key(spec, model, learner), []
         for s, server in enumerate(servers):
             key = (learner_key, _server_key(spec, model, server), server)
             if key not in piece_memo:
                 piece_memo[key] = _server_pieces(spec, model, server, shards)
+            weight.append((s, key, len(pieces)))
             pieces += [(spec.name, s, *piece) for piece in piece_memo[key]]
-    sources = _balance(pieces, learner.world_size)
+        lead += [None] * sum(len(piece_memo[key]) for _, key, _ in weight)
+    sources = _balance(pieces, learner.world_size, lead)
     transfers = tuple(Transfer(src, s, rank, name, region, src_box, dst_box, n)
                       for (name, s, rank, region, src_box, dst_box, n, _), src in zip(pieces, sources))
     return Plan(model, learner, servers, transfers)
@@ -464,10 +541,12 @@ def reshard_plan(model: ModelSpec, learner: LearnerLayout, servers: Sequence[Ser
 def plan_buckets(plan: Plan, bucket_bytes: int, joined: frozenset = frozenset()) -> list[tuple[int, int]]:
     """The plan's transfers cut into buckets [start, stop) of about `bucket_bytes` in all (a larger tensor alone),
     in plan order, cut only between tensors and never before a name in `joined` (one an engine loads together with
-    the tensor before it: mapping.ParamMap.with_previous). Sender and receiver cut one plan alike: each bucket is
-    sent, received and loaded before the next, so a server rank holds at most one bucket's pieces at once."""
+    the tensor before it: mapping.ParamMap.with_previous) nor before a block-FP8 weight's scales (their sender
+    quantises them with the codes). Sender and receiver cut one plan alike: each bucket is sent, received and loaded
+    before the next, so a server rank holds at most one bucket's pieces at once."""
     out, start, size = [], 0, 0
     transfers = plan.transfers
+    joined = joined | {t.name for t in plan.model.tensors if t.block_of is not None}
     for i, t in enumerate(transfers):
         if i > start and t.name != transfers[i - 1].name and t.name not in joined and size + t.nbytes > bucket_bytes:
             out.append((start, i))

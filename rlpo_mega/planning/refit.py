@@ -29,13 +29,11 @@ from typing import Optional
 
 import torch
 
-from moe.bridge.fp8 import served_bytes
 from moe.bridge.reshard import (CannotPlan, LearnerLayout, ModelSpec, ServerLayout, box_numel, learner_shards,
                                 reshard_plan, server_shard_bytes)
 from rlpo_mega.planning.rows import GB
 from rlpo_mega.shares import share_of
 from rlpo_mega.weight_sync.sglang_payloads import placements
-from rlpo_mega.weight_sync.transports import FP8_TRANSPORTS
 from rlpo_mega.rollout.sglang_plan import planned_servers
 
 TRANSPORTS = ("in_process", "sglang_distributed", "disk", "reshard")
@@ -175,29 +173,27 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
     """One row per transport for this recipe's learner and servers (rollout.engine=sglang)."""
     c, sg = cfg.cluster, cfg.rollout.sglang
     model = ModelSpec.of(hf, torch.bfloat16)
+    fp8 = cfg.rollout.weights == "fp8"
+    # what reshard plans: rollout.weights=fp8, the FP8 weights' codes and scales (moe/bridge/reshard.py)
+    served_model = ModelSpec.of(hf, torch.bfloat16, fp8=True) if fp8 else model
     lay = LearnerLayout(world_size, layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor,
                         cfg.model.vocab_divisible_by)
     place = placement(cfg, world_size, drivers)
     server = ServerLayout(sg.tp_size, int(sg.server_args.get("ep_size", 1) or 1))
-    shard = max(server_shard_bytes(model, server))
-    fp8 = cfg.rollout.weights == "fp8"
-    served = served_bytes(hf)[0] if fp8 else model.nbytes  # what the drivers hand their servers
-    if fp8:  # a server rank's shard: its bf16 shard at the FP8 model's share of the bytes
-        shard = shard * served // model.nbytes
+    shard = max(server_shard_bytes(served_model, server))
+    served = served_model.nbytes  # what the drivers hand their servers
     funnel = None  # the export's traffic, shared by the transports that funnel through the drivers
     rows = []
     for name in TRANSPORTS:
         row = RefitRow(name, configured=name == cfg.rollout.sync_transport)
         links = Links()
-        if fp8 and name not in FP8_TRANSPORTS:
-            row.unavailable = f"rollout.weights=fp8: quantised buckets are built for {' and '.join(FP8_TRANSPORTS)}"
-        elif name == "in_process" and not place.same_host:
+        if name == "in_process" and not place.same_host:
             row.unavailable = "servers on another node than their driver (host shared memory does not reach them)"
         elif name == "sglang_distributed" and place.colocated:
             row.unavailable = "servers on the learner's GPUs (NCCL takes one rank per GPU)"
         elif name == "reshard":
             try:
-                plan = _reshard_plan(model, lay, (server,) * len(place.servers))
+                plan = _reshard_plan(served_model, lay, (server,) * len(place.servers))
             except CannotPlan as e:
                 row.unavailable = str(e)
             else:

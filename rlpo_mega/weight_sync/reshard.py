@@ -25,6 +25,11 @@ server one `reshard_local` hook request carrying each TP rank's own handle. The 
 through the same receiver. No rank gathers the model here either: a GPU holds at most one bucket of its server
 rank's pieces beside the learner's shards.
 
+Block FP8 (rollout.weights=fp8): the plan's FP8 weights are pieces of e4m3 codes, each followed by its scales' piece
+(moe/bridge/reshard.py); the sender cuts each such piece from its shard in bf16 and quantises it (moe/bridge/fp8.
+quantize_block: whole 128-blocks, so the codes and scales are those of the whole tensor), codes travelling as their
+bytes (gloo refuses float8); the servers load codes and scales into their FP8 parameters region by region.
+
 Each piece is digested on both sides (moe.bridge.reshard.piece_key); a name SGLang loads itself (a family's
 post-processed tensors, MoEFamily.sglang_loader_keys) is digested as received, counted in the result. A failure
 on any rank (a server dead mid-refit, a send refused) drops this rank's side of the group at once, so every peer's
@@ -46,6 +51,7 @@ import torch.distributed as dist
 
 from moe.bridge import reshard as rs
 from moe.bridge.digest import DigestMismatchError, algorithm_for, tensor_digests, verify
+from moe.bridge.fp8 import BLOCK, FP8_DTYPE, quantize_block
 from moe.bridge.mapping import Dims, param_maps, shard_to_hf
 from moe.bridge.megatron_io import _export_plan, _inner
 from rlpo_mega.config import ConfigError
@@ -82,6 +88,12 @@ def _tied_refusal(hf):
     return None
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What a piece travels as: block-FP8 codes as their bytes (gloo refuses float8; NCCL moves bytes alike), a view
+    of the same memory, so a receive fills the codes."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
 def _layout_request(layout: rs.LearnerLayout) -> dict:
     return {"world_size": layout.world_size, "tensor": layout.tensor, "pipeline": layout.pipeline,
             "expert": layout.expert, "expert_tensor": layout.expert_tensor,
@@ -98,6 +110,7 @@ class ReshardTransport:
 
     def __init__(self, cfg, engine, hf, dtype: torch.dtype):
         self.cfg, self.engine, self.hf, self.dtype = cfg, engine, hf, dtype
+        self.fp8 = cfg.rollout.weights == "fp8"  # the plan's FP8 weights quantised per piece by their senders
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.timeout_s = cfg.rollout.sglang.control_timeout
         self.bucket_bytes = cfg.rollout.sync_bucket_mb << 20
@@ -127,7 +140,7 @@ class ReshardTransport:
             server = rs.ServerLayout.from_server_info({**sg.server_args, "tp_size": sg.tp_size})
             learner = rs.LearnerLayout(world_size, layout.tensor, layout.pipeline, layout.expert, layout.expert_tensor,
                                        cfg.model.vocab_divisible_by)
-            rs.reshard_plan(rs.ModelSpec.of(hf, torch.bfloat16), learner, [server])
+            rs.reshard_plan(rs.ModelSpec.of(hf, torch.bfloat16, fp8=cfg.rollout.weights == "fp8"), learner, [server])
         except (rs.CannotPlan, ValueError) as e:
             raise ConfigError(f"rollout.sync_transport=reshard: {e}") from None
 
@@ -140,7 +153,10 @@ class ReshardTransport:
         tied = _tied_refusal(hf)
         if tied:
             raise EngineError(tied)
-        return cls(cfg, engine, hf, PARAMS_DTYPES[cfg.model.params_dtype])
+        # FP8 servers serve in bf16: the tensors kept unquantised go in bf16 and the quantised ones are quantised
+        # from bf16, as by the other transports (training/sync.py)
+        fp8 = cfg.rollout.weights == "fp8"
+        return cls(cfg, engine, hf, torch.bfloat16 if fp8 else PARAMS_DTYPES[cfg.model.params_dtype])
 
     # ---- agreement over the control group ------------------------------------------------------------------
     def _control(self):
@@ -244,7 +260,7 @@ class ReshardTransport:
         layouts = tuple(rs.ServerLayout(*s[2]) for s in servers)
         if layouts not in self._plans:
             learner = learner_layout(chunks, self.cfg.model.vocab_divisible_by)
-            model = rs.ModelSpec.of(self.hf, self.dtype)
+            model = rs.ModelSpec.of(self.hf, self.dtype, fp8=self.fp8)
             plan = rs.reshard_plan(model, learner, layouts)
             joined = frozenset(n for pm in param_maps(self.hf) if pm.with_previous for n in pm.hf)
             self._plans = {layouts: (plan, rs.plan_buckets(plan, self.bucket_bytes, joined))}
@@ -261,7 +277,7 @@ class ReshardTransport:
         algorithm = algorithm_for(next(_inner(chunks[0]).parameters()).device)
         e, rank = self.engine, dist.get_rank()
         request = {"learner": _layout_request(plan.learner), "servers": [list(s[2]) for s in servers],
-                   "dtype": str(self.dtype).split(".")[-1], "bucket_bytes": self.bucket_bytes,
+                   "dtype": str(self.dtype).split(".")[-1], "fp8": self.fp8, "bucket_bytes": self.bucket_bytes,
                    "algorithm": algorithm, "check": [len(plan.transfers), sum(t.nbytes for t in plan.transfers)]}
         mine = [(i, s[1]) for i, s in enumerate(servers) if s[0] == rank]
         error = None
@@ -397,7 +413,7 @@ class ReshardTransport:
             transfers = plan.transfers[start:stop]
             pieces = self._pieces(chunks, plan, transfers, algorithm, digests)
             first = plan.learner.world_size  # the server ranks follow the learner's in the group
-            works = [dist.isend(pieces[n], dst=first + self._offset(plan, transfers[n]), group=self.pg)
+            works = [dist.isend(_wire(pieces[n]), dst=first + self._offset(plan, transfers[n]), group=self.pg)
                      for n in sorted(pieces)]
             for w in works:
                 w.wait()
@@ -419,14 +435,23 @@ class ReshardTransport:
                           Dims.of(self.hf, self.cfg.model.vocab_divisible_by, tp))
         maps, dims = self._maps
         specs = self._specs(plan)
-        slices, pieces = {}, {}
+        slices, pieces, scales = {}, {}, {}
         for n, t in todo:
+            spec = specs[t.name]
+            if spec.block_of is not None:  # made with its codes (the plan puts them first, from this rank)
+                pieces[n] = scales.pop((t.server, t.rank, t.region))
+                continue
             pm, j = maps[t.name]
             if pm.megatron not in slices:
                 lp = mine[pm.megatron]
                 slices[pm.megatron] = shard_to_hf(pm.kind, lp.param.detach(), dims, lp.tp_rank, lp.tp_size)
             part = slices[pm.megatron][j][tuple(slice(a, b) for a, b in t.src_box)]
-            pieces[n] = part.to(specs[t.name].dtype).contiguous()
+            if spec.dtype == FP8_DTYPE:
+                # whole 128-blocks (the plan refuses others): the whole tensor's codes and scales, sliced
+                pieces[n], s = quantize_block(part.to(self.dtype))
+                scales[(t.server, t.rank, tuple((a // BLOCK, -(-b // BLOCK)) for a, b in t.region))] = s
+            else:
+                pieces[n] = part.to(spec.dtype).contiguous()
         for (_, t), digest in zip(todo, tensor_digests(list(pieces.values()), algorithm)):
             digests.setdefault(t.server, {})[rs.piece_key(t)] = digest
         return pieces
@@ -457,10 +482,10 @@ class ReshardTransport:
             if t.src == rank and p == rank:
                 out[n] = pieces[n]
             elif t.src == rank:
-                ops.append(dist.P2POp(dist.isend, pieces[n], p))
+                ops.append(dist.P2POp(dist.isend, _wire(pieces[n]), p))
             elif p == rank:
                 out[n] = torch.empty([b - a for a, b in t.region], dtype=specs[t.name].dtype, device=device)
-                ops.append(dist.P2POp(dist.irecv, out[n], t.src))
+                ops.append(dist.P2POp(dist.irecv, _wire(out[n]), t.src))
         if ops:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()

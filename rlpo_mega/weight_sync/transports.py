@@ -32,8 +32,6 @@ from moe.bridge.outputs import check_target
 from rlpo_mega.algorithms.registry import Registry
 
 TRANSPORTS = Registry("weight-sync transport")
-# the transports that carry block-FP8 buckets (rollout.weights=fp8: moe/bridge/fp8.QuantizedStream's codes and scales)
-FP8_TRANSPORTS = ("in_process", "sglang_distributed", "disk")
 
 
 @TRANSPORTS.register("in_process")
@@ -163,5 +161,5 @@ class HFModelReceiver:
         return {n: tensor_digest(self.weights.read(n), algorithm) for n in names}
 
 
-__all__ = ["FP8_TRANSPORTS", "TRANSPORTS", "DigestMismatchError", "DiskTransport", "HFModelReceiver",
+__all__ = ["TRANSPORTS", "DigestMismatchError", "DiskTransport", "HFModelReceiver",
            "InProcessTransport"]

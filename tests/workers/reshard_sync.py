@@ -5,7 +5,9 @@ SERVER_ARGS} from the test), which takes its pieces packed per rank (the CUDA IP
 
 Two syncs, the weights moved between them (seeded noise on every parameter, alike on every replica): after each
 one every server's weights, digested inside it over its TP ranks (the report hook's full HF tensors, the
-independent check every transport shares), equal the learner's own export tensor for tensor, bit for bit; and the
+independent check every transport shares), equal the learner's own export tensor for tensor, bit for bit (with
+rollout.weights=fp8: the export in bf16 with each FP8 weight quantised whole, moe/bridge/fp8.quantize_named, against
+the codes and scales the senders made piece by piece); and the
 transport's own piece digests passed. Rank 0 reports the bytes each learner rank sent and each server rank
 received against the plan's shares, and the receivers' counts (learned at the first sync, replayed at the second).
 """
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from moe.bridge.digest import tensor_digests
+from moe.bridge.fp8 import Fp8Selection, quantize_named
 from moe.bridge.megatron_io import export_hf_state
 from moe.model import load_hf_config
 from rlpo_mega import distributed
@@ -63,7 +66,10 @@ def main():
     for step in range(2):
         nudge(chunks, step)
         result = transport.sync_model(chunks)
-        full = export_hf_state(chunks, dst=0)  # the learner's weights, whole, on rank 0 (the reference)
+        if cfg.rollout.weights == "fp8":  # the learner's weights, whole, on rank 0 (the reference)
+            full = dict(quantize_named(export_hf_state(chunks, dst=0, dtype=torch.bfloat16).items(), Fp8Selection(hf)))
+        else:
+            full = export_hf_state(chunks, dst=0)
         names = sorted(full) if dist.get_rank() == 0 else None
         box = [None if names is None else dict(zip(names, tensor_digests([full[n] for n in names], "xxh3")))]
         dist.broadcast_object_list(box, src=0)
