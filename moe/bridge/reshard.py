@@ -36,10 +36,9 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from moe.families import get_family
-
-from .fp8 import BLOCK, FP8_DTYPE, SCALE_SUFFIX, Fp8Selection, scale_name
 from moe.model import padded_vocab_size
 
+from .fp8 import BLOCK, FP8_DTYPE, SCALE_SUFFIX, Fp8Selection, scale_name
 from .hf_checkpoint import expected_hf_shapes
 from .mapping import Dims, hf_row_ranges, param_maps
 
