@@ -21,9 +21,10 @@ def _trainer_env(sglang_python, ckpt, **extra):
             "RLPO_SGLANG_SERVER_ARGS": json.dumps(SERVER_ARGS), **extra}
 
 
-def _scenario(sglang_python, tmp_path, worker, *args):
-    """A qwen3_moe checkpoint made for the test, then `worker` under torchrun (2 ranks) with `args`."""
-    hf = load_hf_config(os.path.join(ROOT, FAMILIES["qwen3_moe"]))
+def _scenario(sglang_python, tmp_path, worker, *args, model=FAMILIES["qwen3_moe"]):
+    """A checkpoint of `model` (the tiny qwen3_moe) made for the test, then `worker` under torchrun (2 ranks) with
+    `args`."""
+    hf = load_hf_config(os.path.join(ROOT, model))
     ckpt = str(tmp_path / "hf")
     make_hf_checkpoint(hf, ckpt)
     return torchrun(worker, 2, *args, timeout=900, env=_trainer_env(sglang_python, ckpt))
@@ -122,15 +123,21 @@ def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_
 
 
 def test_reshard_a_server_killed_mid_refit_then_a_stop_in_the_sync_saves(sglang_python, tmp_path):
-    """rollout.sync_transport=reshard under the fault harness's stop (tests/workers/faults.py, run a): two launched
+    """rollout.sync_transport=reshard under the fault harness's stop (tests/workers/faults.py, run a), with the
+    servers in block FP8 (rollout.weights=fp8: each learner rank quantises the pieces it sends): two launched
     servers on one driver; the second SIGKILLed as step 1's shards leave (the sync fails at once on both ranks and is
     retried under the guard); then SIGTERM to learners and servers together in step 2's sync (the servers dead when
-    it runs): the stop wins over the failure, step 2 is saved and the run exits 75."""
-    r = _scenario(sglang_python, tmp_path, "faults.py", str(tmp_path / "run"), "sglang", "reshard")
+    it runs): the stop wins over the failure, step 2 is saved and the run exits 75. (bf16 reshard: the kill in the
+    refit is test_trainer_reshard_with_restart_and_a_server_killed_mid_refit's and test_refit_transport's.)"""
+    r = _scenario(sglang_python, tmp_path, "faults.py", str(tmp_path / "run"), "sglang", "reshard", "fp8",
+                  model="configs/models/tiny_qwen3_moe_fp8.json")
     a = r["a"]
     assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
     assert len(a["killed"]) == 1 and len(a["failed_syncs"]) == 2 and a["failed_syncs"][0] < 60, a
-    assert a["restarts"] == [1, 1] and all(m < 1e-4 for m in a["mismatch"]), a
+    assert a["restarts"] == [1, 1], a
+    # what FP8 costs, not a server on other weights: k3 KL server vs learner 7e-4 / 2.3e-4 here (2026-11-30),
+    # 2e-5 to 3e-3 in tools/bench_fp8.py's runs; the bf16 cells' exactness check (< 1e-4 ratio) cannot hold in FP8
+    assert all(0 < k < 1e-2 for k in a["k3"]), a
 
 
 def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):

@@ -263,7 +263,7 @@ class StopsWithServers(Faults):
                 server.proc.wait(30)
 
 
-def sglang_launched_stops(out, transport=None):
+def sglang_launched_stops(out, transport=None, weights=None):
     """Real SGLang, two servers the trainer launched on its one driver (rollout.sglang.num_servers=2, drivers=1;
     the first sync with several servers per driver), the recipes' sglang_distributed sync; 3 steps, each saved:
     a: the second server SIGKILLed in step 1's sync, as its bucket is sent (the driver's broadcast meets a dead
@@ -273,7 +273,8 @@ def sglang_launched_stops(out, transport=None):
        driver at its first answer): nothing newer to save, 75.
     c: resumed again with one server: step 3 trained, on the prompts b's rollout was sent.
     transport="reshard": run a only, with rollout.sync_transport=reshard (the second server killed as the learner
-    ranks' shards leave in step 1's sync; SIGTERM to learners and servers in step 2's)."""
+    ranks' shards leave in step 1's sync; SIGTERM to learners and servers in step 2's). weights="fp8": the servers
+    in block FP8 (rollout.weights=fp8; the checkpoint the test made is of the FP8 tiny model)."""
     ck, rep = os.path.join(out, "ckpt"), {}
     runs = (("a", 2, {"phase": "sync", "at": 2, "kill_in_sync": 1}),
             ("b", 1, {"phase": "rollout", "at": 3, "first_answer": True}),
@@ -281,6 +282,9 @@ def sglang_launched_stops(out, transport=None):
     extra = ()
     if transport is not None:
         runs, extra = runs[:1], (f"rollout.sync_transport={transport}",)
+    if weights == "fp8":  # (SGLang's fp8 serves in bf16)
+        extra += ("rollout.weights=fp8", "rollout.sglang.server_args.dtype=bfloat16",
+                  "model.hf_config=configs/models/tiny_qwen3_moe_fp8.json")
     for run, servers, faults in runs:
         resume = ("checkpoint.resume=true", "checkpoint.overwrite=false") if run != "a" else ()
         with StopsWithServers(**faults) as f:
@@ -295,13 +299,14 @@ def sglang_launched_stops(out, transport=None):
                     "restarts": [h.get("engine/restarts") for h in hist], "saved": state.complete_steps(ck),
                     "saves": f.saves, "sent": f.sent, "killed": f.killed, "failed_syncs": f.failed_syncs,
                     "lost": [h.get("engine/servers_lost") for h in hist],
-                    "mismatch": [h.get("mismatch/ratio_dev_max") for h in hist]}
+                    "mismatch": [h.get("mismatch/ratio_dev_max") for h in hist],
+                    "k3": [h.get("mismatch/k3_kl") for h in hist], "tis": [h.get("mismatch/tis_truncated_frac") for h in hist]}
     return rep
 
 
 if __name__ == "__main__":
     if sys.argv[2:3] == ["sglang"]:
-        result = sglang_launched_stops(sys.argv[1], *sys.argv[3:4])
+        result = sglang_launched_stops(sys.argv[1], *sys.argv[3:5])
     else:
         result = stops(sys.argv[1])
     if dist.get_rank() == 0:
