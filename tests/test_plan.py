@@ -248,7 +248,8 @@ def test_fp8_servers_hold_half_the_weights_and_the_pool_grows_by_it():
     assert rows8["sglang_distributed"]["seconds"] < rows16["sglang_distributed"]["seconds"]
     # reshard: each server rank receives its own shard of the FP8 model (codes and scales) and no more
     assert rows8["reshard"]["unavailable"] is None and rows16["reshard"]["unavailable"] is None
-    assert rows8["reshard"]["server_received"] == rows8["reshard"]["server_shard"] == s8["weights"]
+    assert rows8["reshard"]["server_received"] == rows8["reshard"]["server_shard"]
+    assert rows8["reshard"]["server_shard"] == pytest.approx(s8["weights"], rel=1e-3)  # (+ what each rank holds whole)
     assert rows8["reshard"]["learner_sent"] < 0.52 * rows16["reshard"]["learner_sent"]
     # a driver holds a bucket's codes and scales too, and sglang_distributed's packed copy of them
     bucket = 512 << 20
