@@ -238,7 +238,7 @@ def _within(box: Box, origin: Box) -> Box:
     return tuple((s - o, e - o) for (s, e), (o, _) in zip(box, origin))
 
 
-def _blocks(box: Box, shape, name: str) -> Box:
+def block_box(box: Box, shape, name: str) -> Box:
     """A box of a block-FP8 weight of `shape` in 128-blocks (its scales' box): refused where an edge inside the
     tensor is not a whole block (SGLang's loaders and the quantiser both cut blocks at multiples of 128)."""
     for (a, b), n in zip(box, shape):
@@ -285,7 +285,7 @@ def learner_shards(spec: TensorSpec, model: ModelSpec, learner: LearnerLayout,
             memo[key] = learner_shards(spec, model, learner)
         return memo[key]
     if spec.block_of is not None:  # a block-FP8 weight's scales: its shards in blocks
-        return [(_blocks(box, spec.block_of, spec.name), ranks)
+        return [(block_box(box, spec.block_of, spec.name), ranks)
                 for box, ranks in learner_shards(_weight(spec), model, learner)]
     stage = _stage(spec, model, learner)
     if spec.expert is None:
@@ -353,7 +353,7 @@ def server_region(spec: TensorSpec, model: ModelSpec, server: ServerLayout, rank
     scales: its region in blocks (BlockQuantScaleParameter's loaders narrow by the weight's offsets / 128)."""
     if spec.block_of is not None:
         box = server_region(_weight(spec), model, server, rank)
-        return None if box is None else _blocks(box, spec.block_of, spec.name)
+        return None if box is None else block_box(box, spec.block_of, spec.name)
     if spec.kind == "replicated" or spec.sglang_whole:  # RMSNorm, ReplicatedLinear (router, MLA down-projections)
         return _whole(spec.shape)
     if spec.expert is not None:
@@ -498,7 +498,7 @@ def _scale_pieces(spec: TensorSpec, model: ModelSpec, server: ServerLayout, code
     for rank, region, _, _, _, holders in codes:
         if rank not in held:
             held[rank] = server_region(spec, model, server, rank)
-        box = _blocks(region, spec.block_of, spec.name)
+        box = block_box(region, spec.block_of, spec.name)
         out.append((rank, box, _whole([b - a for a, b in box]), _within(box, held[rank]),
                     box_numel(box) * spec.dtype.itemsize, holders))
     return out
@@ -595,7 +595,7 @@ def piece_key(t: Transfer) -> str:
 
 
 __all__ = ["BROADCAST_TRANSPORT", "Box", "CannotPlan", "LearnerLayout", "ModelSpec", "Plan", "ServerLayout",
-           "TensorSpec", "Transfer", "box_numel", "learner_shards", "pack", "packed_offsets", "piece_key",
+           "TensorSpec", "Transfer", "block_box", "box_numel", "learner_shards", "pack", "packed_offsets", "piece_key",
            "plan_buckets", "reshard_plan", "unpack",
            "server_region",
            "server_shard_bytes"]

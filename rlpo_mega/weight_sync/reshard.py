@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from moe.bridge import reshard as rs
 from moe.bridge.digest import DigestMismatchError, algorithm_for, tensor_digests, verify
-from moe.bridge.fp8 import BLOCK, FP8_DTYPE, quantize_block
+from moe.bridge.fp8 import FP8_DTYPE, quantize_block
 from moe.bridge.mapping import Dims, param_maps, shard_to_hf
 from moe.bridge.megatron_io import _export_plan, _inner
 from rlpo_mega.config import ConfigError
@@ -449,7 +449,7 @@ class ReshardTransport:
             if spec.dtype == FP8_DTYPE:
                 # whole 128-blocks (the plan refuses others): the whole tensor's codes and scales, sliced
                 pieces[n], s = quantize_block(part.to(self.dtype))
-                scales[(t.server, t.rank, tuple((a // BLOCK, -(-b // BLOCK)) for a, b in t.region))] = s
+                scales[(t.server, t.rank, rs.block_box(t.region, spec.shape, t.name))] = s  # its scales' region
             else:
                 pieces[n] = part.to(spec.dtype).contiguous()
         for (_, t), digest in zip(todo, tensor_digests(list(pieces.values()), algorithm)):
