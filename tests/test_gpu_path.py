@@ -468,3 +468,36 @@ def test_the_gpu_checklist_sizes_its_model_to_most_of_the_gpu_and_the_plan_holds
                           text=True, timeout=120)
     assert proc.returncode == 2 and "no CUDA device visible" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_gpu_checklists_fp8_gemm_takes_what_rollout_weights_fp8_sends():
+    """The checklist's fp8 rows feed rollout.weights=fp8's codes and weight_scale_inv (moe/bridge/fp8.quantize_block)
+    to Hopper's block-FP8 GEMM (torch's scaled_mm, 1x128 x 128x128). Here, on the CPU: torch's own check of that
+    GEMM's operands (its meta function: shapes and strides, the same rules as the CUDA kernel's,
+    torch/_meta_registrations.py _check_scaled_mm_sizes_v2) accepts them at every checked shape and refuses the
+    weight's scales untransposed; and the activations' 1x128 quantisation dequantises to within e4m3's rounding."""
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import gpu_checklist
+    finally:
+        sys.path.pop(0)
+    from moe.bridge.fp8 import quantize_block
+
+    def meta(t):
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    for n, k in gpu_checklist.FP8_GEMM_SHAPES.values():
+        x = torch.randn(256, k).to(torch.bfloat16)
+        xq, xs = gpu_checklist.quantize_activations(x)
+        wq, ws = quantize_block((torch.randn(n, k) * 0.02).to(torch.bfloat16))
+        assert xs.shape == (256, k // 128) and ws.shape == (n // 128, k // 128)
+        out = gpu_checklist.block_fp8_mm(meta(xq), meta(xs), meta(wq), meta(ws))
+        assert out.shape == (256, n) and out.dtype == torch.bfloat16
+        scale = xs.repeat_interleave(128, 1)
+        # e4m3: 3 mantissa bits (half a step: 2^-4 relative), subnormal steps of 2^-9 times the group's scale
+        assert ((xq.float() * scale - x.float()).abs() <= x.float().abs() * 2 ** -4 + scale * 2 ** -10).all()
+        with pytest.raises(Exception, match="blockwise"):  # the weight's scales as stored, not transposed
+            F.scaled_mm(meta(xq), meta(wq).t(), meta(xs).t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                        meta(ws), F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)

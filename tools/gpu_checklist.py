@@ -13,6 +13,11 @@ Rows (each run in its own process, so one failing check cannot hide the others):
                  the trainer) against `rlpo-mega plan`'s learner GPU row of the same config at all-max lengths
   MFU            that run's update phase: 6 x active parameters x tokens (8 x under recompute) per second over
                  the GPU's dense bf16 peak (--peak-tflops; 989 for an H100/H200 SXM)
+  fp8            rollout.weights=fp8's quantiser (moe/bridge/fp8.py) on the GPU bit-equal to the CPU's (the
+                 reshard sender quantises each learner GPU's piece there), and its codes and weight_scale_inv fed
+                 to Hopper's block-FP8 GEMM (torch's scaled_mm, 1x128 activations x 128x128 weights: the scheme
+                 SGLang serves with) against the dequantised product; the GEMM's speed against bf16 at
+                 Qwen3-30B-A3B's projection shapes
 Exit 0 only when every row passes. Writes under runs/gpu_checklist/<UTC time>/ only.
 """
 from __future__ import annotations
@@ -85,11 +90,12 @@ def _pythonpath() -> str:
 
 
 def check_smoke(out: str) -> dict:
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_smoke.py"), "--out", f"{out}/smoke"],
-                       cwd=ROOT, capture_output=True, text=True)
+    # the log is written as the runs go: a lease that ends mid-run still brings back what they printed
     with open(f"{out}/smoke.log", "w") as f:
-        f.write(p.stdout + p.stderr)
-    tail = [line for line in p.stdout.splitlines() if line.startswith(("steps A", "checkpoint before", "our host"))]
+        p = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_smoke.py"), "--out", f"{out}/smoke"],
+                           cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+    with open(f"{out}/smoke.log") as f:
+        tail = [line for line in f.read().splitlines() if line.startswith(("steps A", "checkpoint before", "our host"))]
     return _row("smoke (runs A-E)", p.returncode == 0, f"exit {p.returncode}", "exit 0", "; ".join(tail)[:160])
 
 
@@ -166,12 +172,14 @@ def check_plan_and_mfu(out: str, peak_tflops: float, layers_max: int = 48, max_n
                            "--world-size", "1", "--lengths", "all-max", "--prompt-tokens", "16", "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True)
     t0 = time.monotonic()
-    run = subprocess.run([*cli, "train", "configs/gpu_smoke.yaml", *over], cwd=ROOT, env=env, capture_output=True,
-                         text=True)
     with open(f"{out}/plan_run.log", "w") as f:
-        f.write(plan.stdout + plan.stderr + run.stdout + run.stderr)
+        f.write(plan.stdout + plan.stderr)
+        f.flush()
+        run = subprocess.run([*cli, "train", "configs/gpu_smoke.yaml", *over], cwd=ROOT, env=env, stdout=f,
+                             stderr=subprocess.STDOUT, text=True)
     if plan.returncode or run.returncode:
-        why = (plan.stderr or run.stderr).strip().splitlines()
+        with open(f"{out}/plan_run.log") as f:
+            why = (plan.stderr or f.read()).strip().splitlines()
         return [_row("plan vs peak", False, f"plan exit {plan.returncode}, train exit {run.returncode}", "0, 0",
                      why[-1][:160] if why else "")]
     planned = {r["name"].rsplit(", ", 1)[-1]: r for r in json.loads(plan.stdout)["learner_gpus"]}
@@ -207,6 +215,103 @@ def check_plan_and_mfu(out: str, peak_tflops: float, layers_max: int = 48, max_n
     return rows
 
 
+# Qwen3-30B-A3B's projections as [N, K] weights (hidden 2048): an expert's gate and up together, the attention's
+# q, k and v together; K/128 a multiple of 4, so b's 128x128 scales need no padding (torch's blockwise GEMM takes
+# them as [L4, N/128] with L4 = K/128 rounded up to 4: pytorch test/test_scaled_matmul_cuda.py). The quantiser alone
+# also sees an expert's down projection (K 768) and a shape whose edges are not whole blocks.
+FP8_GEMM_SHAPES = {"experts gate_up": (1536, 2048), "attention qkv": (5120, 2048)}
+FP8_QUANT_SHAPES = {**FP8_GEMM_SHAPES, "experts down": (2048, 768), "ragged": (1000, 2000)}
+FP8_TOKENS = 8192  # rows of activations: a prefill's batch of tokens
+
+
+def quantize_activations(x):
+    """[M, K] -> (e4m3 codes [M, K], fp32 scales [M, K/128]): one scale per token per 128 columns, the 1x128
+    scheme SGLang's block-FP8 linear quantises activations with (per_token_group_quant_fp8); K a multiple of 128."""
+    import torch
+
+    from moe.bridge.fp8 import AMAX_FLOOR, BLOCK, FP8_DTYPE, FP8_MAX
+
+    m, k = x.shape
+    groups = x.float().view(m, k // BLOCK, BLOCK)
+    scales = groups.abs().amax(-1).clamp(min=AMAX_FLOOR) / FP8_MAX
+    return (groups / scales[..., None]).to(FP8_DTYPE).view(m, k), scales
+
+
+def block_fp8_mm(xq, xs, wq, ws):
+    """x @ w.T by torch's block-FP8 GEMM from x's 1x128 codes and scales and w's 128x128 codes and
+    weight_scale_inv (the dequantising multipliers, as rollout.weights=fp8 sends them), in bf16. a is row-major,
+    b = w.T column-major; a's scales outer-dim major ([M, K/128], stride (1, M)); b's the weight's [N/128, K/128]
+    transposed, K/128 a multiple of 4 (FP8_GEMM_SHAPES)."""
+    import torch
+    import torch.nn.functional as F
+
+    if ws.shape[1] % 4:
+        raise ValueError(f"K/128 = {ws.shape[1]} is not a multiple of 4 (FP8_GEMM_SHAPES)")
+    a_scale, b_scale = xs.t().contiguous().t(), ws.t()
+    if hasattr(F, "scaled_mm"):  # torch >= 2.10
+        return F.scaled_mm(xq, wq.t(), a_scale, F.ScalingType.BlockWise1x128, b_scale, F.ScalingType.BlockWise128x128,
+                           output_dtype=torch.bfloat16)
+    return torch._scaled_mm(xq, wq.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+
+
+def _gemm_tflops(fn, flops: float, reps: int = 20) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return flops * reps / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def check_fp8() -> list[dict]:
+    import torch
+
+    from moe.bridge.fp8 import dequantize_block, quantize_block
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, unequal = [], []
+    for name, shape in FP8_QUANT_SHAPES.items():
+        w = (torch.randn(shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        w[:128, :128] = 0  # an all-zero tile: a finite scale, zero codes
+        q, s = quantize_block(w)
+        qc, sc = quantize_block(w.cpu())
+        if not (torch.equal(q.cpu().view(torch.uint8), qc.view(torch.uint8)) and torch.equal(s.cpu(), sc)):
+            unequal.append(name)
+    rows.append(_row("fp8 quantiser: GPU = CPU", not unequal, f"{len(FP8_QUANT_SHAPES) - len(unequal)} of "
+                     f"{len(FP8_QUANT_SHAPES)} shapes bit-equal", "codes and scales bit-equal",
+                     f"unequal: {', '.join(unequal)}" if unequal else ", ".join(
+                         f"{k} {v[0]}x{v[1]}" for k, v in FP8_QUANT_SHAPES.items())))
+    errors, speed = [], []
+    for name, (n, k) in FP8_GEMM_SHAPES.items():
+        x = torch.randn(FP8_TOKENS, k, device="cuda", generator=gen).to(torch.bfloat16)
+        w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+        xq, xs = quantize_activations(x)
+        wq, ws = quantize_block(w)
+        out = block_fp8_mm(xq, xs, wq, ws).float()
+        # the same codes and scales dequantised, multiplied in fp32: what the kernel must compute
+        ref = (xq.float() * xs.repeat_interleave(128, 1)) @ dequantize_block(wq, ws).t()
+        exact = x.float() @ w.float().t()
+        rel = ((out - ref).norm() / ref.norm()).item()
+        fp8_cost = ((ref - exact).norm() / exact.norm()).item()
+        errors.append((name, rel, fp8_cost))
+        flops = 2 * FP8_TOKENS * n * k
+        bf16 = _gemm_tflops(lambda: x @ w.t(), flops)
+        fp8 = _gemm_tflops(lambda: block_fp8_mm(xq, xs, wq, ws), flops)
+        speed.append((name, bf16, fp8))
+    worst = max(e[1] for e in errors)
+    rows.append(_row("fp8 block GEMM = dequantised", worst < 1e-2, f"rel error {worst:.1e} (worst shape)",
+                     "< 1e-2 (bf16 output)", "; ".join(f"{k}: {r:.1e}, FP8 vs exact {c:.1e}" for k, r, c in errors)))
+    rows.append(_row("fp8 GEMM speed", True, ", ".join(f"{f / b:.2f}x" for _, b, f in speed), "FP8 / bf16 TFLOP/s, the GEMM alone",
+                     "; ".join(f"{k} {FP8_TOKENS}x{n}x{k2}: bf16 {b:.0f}, fp8 {f:.0f} TFLOP/s"
+                               for (k, b, f), (n, k2) in zip(speed, FP8_GEMM_SHAPES.values()))))
+    return rows
+
+
 def metrics_path(out: str) -> str:
     """Where the plan row's run writes its metrics: logging.dir (train_overrides) holds metrics.jsonl itself
     (rlpo_mega/logging/metrics.py: the run directory is logging.dir where set; on the first GPU run this read
@@ -232,7 +337,7 @@ def main(argv=None) -> int:
     # the same config, so the row still tests the planner, at a model filling less of the GPU)
     p.add_argument("--layers-max", type=int, default=48, help="the plan row's model: at most this many layers")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="the plan row's answers: at most this long")
-    p.add_argument("--skip", nargs="*", default=[], choices=["smoke", "set_device", "offload", "plan"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["smoke", "set_device", "offload", "plan", "fp8"])
     a = p.parse_args(argv)
     import torch
 
@@ -250,7 +355,8 @@ def main(argv=None) -> int:
     rows = []
     checks = [("smoke", lambda: [check_smoke(out)]), ("set_device", lambda: [check_set_device(out)]),
               ("offload", lambda: [check_first_offload(a.offload_gib)]),
-              ("plan", lambda: check_plan_and_mfu(out, a.peak_tflops, a.layers_max, a.max_new_tokens))]
+              ("plan", lambda: check_plan_and_mfu(out, a.peak_tflops, a.layers_max, a.max_new_tokens)),
+              ("fp8", check_fp8)]
     for name, fn in checks:
         if name in a.skip:
             continue
