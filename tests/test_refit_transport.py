@@ -111,4 +111,5 @@ def test_reshard_sync_is_bit_exact_and_sends_only_shards(family, server_tp, layo
     assert all((d["group"] is None) == colocate for d in drivers), drivers
     if kill:
         assert all(k["failed"] and "refit" in k["failed"] for k in r["killed"]), r["killed"]
-        assert max(k["seconds"] for k in r["killed"]) < 60, r["killed"]
+        # failed at once, not held for control_timeout (300 s): 20-79 s here, the sync's own work included, by load
+        assert max(k["seconds"] for k in r["killed"]) < 150, r["killed"]

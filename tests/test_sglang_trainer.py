@@ -105,8 +105,8 @@ def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_
     assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
     # step 1's sync: the second server died as its bucket was sent; the bucket failed at once on the driver's side
     # (it dropped the group: the live server's receive failed instead of holding the call for control_timeout,
-    # 300 s) and the sync was retried under the guard
-    assert len(a["killed"]) == 1 and len(a["failed_syncs"]) == 2 and a["failed_syncs"][0] < 60, a
+    # 300 s: under half of that, whatever the machine's load) and the sync was retried under the guard
+    assert len(a["killed"]) == 1 and len(a["failed_syncs"]) == 2 and a["failed_syncs"][0] < 150, a
     assert a["restarts"] == [1, 1], a
     assert b["rc"] == EXIT_STOPPED and b["stopped"] and b["steps"] == [] and b["saved"] == [1, 2], b
     assert b["saves"] == [], b  # the last completed step was on disk already
@@ -133,7 +133,7 @@ def test_reshard_a_server_killed_mid_refit_then_a_stop_in_the_sync_saves(sglang_
                   model="configs/models/tiny_qwen3_moe_fp8.json")
     a = r["a"]
     assert a["rc"] == EXIT_STOPPED and a["stopped"] and a["steps"] == [1, 2] and a["saved"] == [1, 2], a
-    assert len(a["killed"]) == 1 and len(a["failed_syncs"]) == 2 and a["failed_syncs"][0] < 60, a
+    assert len(a["killed"]) == 1 and len(a["failed_syncs"]) == 2 and a["failed_syncs"][0] < 150, a
     assert a["restarts"] == [1, 1], a
     # what FP8 costs, not a server on other weights: k3 KL server vs learner 7e-4 / 2.3e-4 here (2026-11-30),
     # 2e-5 to 3e-3 in tools/bench_fp8.py's runs; the bf16 cells' exactness check (< 1e-4 ratio) cannot hold in FP8
@@ -147,8 +147,8 @@ def test_trainer_sigterm_while_server_hangs(sglang_python, tmp_path):
     assert r["rc"] == 0 and r["stopped"] and [h["step"] for h in r["history"]] == [1], r
     assert r["saved"] == ["step_00000001"] and r["save_on_signal"], r  # the SIGTERM save: no checksum re-read
     # the wait ends at once (aborts bounded by health_timeout, 5 s), not at request_timeout or hang_timeout
-    # (600 s here); the save and the server's shutdown follow
-    assert r["sigterm_to_save_s"] < 20 and r["sigterm_to_exit_s"] < 120, r
+    # (600 s here); the save and the server's shutdown follow (the bounds leave room for a loaded machine)
+    assert r["sigterm_to_save_s"] < 60 and r["sigterm_to_exit_s"] < 180, r
     print(f"SIGTERM -> save {r['sigterm_to_save_s']:.1f} s, -> exit {r['sigterm_to_exit_s']:.1f} s")
 
 
