@@ -38,6 +38,20 @@ class ParallelConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """model.lora: train low-rank adapters on a frozen base (moe/lora.py); rank 0 trains the whole model."""
+    rank: int = 0
+    alpha: float = 16.0  # the side path is scaled by alpha / rank
+    dropout: float = 0.0  # only 0: a dropped adapter input would make the learner's log-probs differ from the sampler's
+    # where: attention (qkv, output projection), experts (the routed experts' fc1/fc2), shared_experts, dense_mlp
+    # (dense layers' fc1/fc2); never the router (R3 replays the learner's own routes), the embedding or the output
+    targets: list[str] = field(default_factory=lambda: ["attention", "experts", "shared_experts", "dense_mlp"])
+    # the routed experts' factors: each expert's own A and B, one pair shared by the layer's experts, or
+    # shared_outer (fc1's A and fc2's B shared, the rest each expert's own: what SGLang serves natively)
+    expert_layout: Literal["per_expert", "shared", "shared_outer"] = "shared_outer"
+
+
+@dataclass
 class ModelConfig:
     hf_config: str = "configs/models/tiny_qwen3_moe.json"  # config.json (or a directory holding it)
     init_from_hf: Optional[str] = None  # HF checkpoint directory to load weights from (weight bridge)
@@ -49,6 +63,7 @@ class ModelConfig:
     # bias += rate * sign(mean load - expert load) per step. 0 (as slime's GLM script runs RL) keeps the
     # checkpoint's bias, so replayed batches never move it and the engine routes with the bias the learner has.
     expert_bias_update_rate: float = 0.0
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

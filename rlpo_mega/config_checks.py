@@ -23,7 +23,8 @@ from typing import Any, Iterable, Optional
 
 from moe.bridge.fp8 import server_alignment_problem
 from moe.context_parallel import padded_length
-from moe.families import FAMILIES, UnsupportedModelError
+from moe.families import FAMILIES, UnsupportedModelError, get_family
+from moe.lora import TARGETS as LORA_TARGETS
 from moe.model import have_transformer_engine, load_hf_config
 from rlpo_mega.algorithms import objective
 from rlpo_mega.algorithms.advantages import ADVANTAGES, CRITIC_ESTIMATORS
@@ -500,6 +501,35 @@ def _check_fp8(cfg, hf, warns: list[str]):
                      "algorithm.mismatch.mode=tis (the default with FP8) corrects for it")
 
 
+def _check_lora(cfg, hf):
+    """model.lora: what moe/lora.py builds, refused before any launch where it would not."""
+    lo = cfg.model.lora
+    if not lo.rank:
+        return
+    at_least("model.lora.rank", lo.rank, 1, "0 trains the whole model")
+    if lo.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha={lo.alpha} must be > 0 (the side path is scaled by alpha / rank)")
+    if lo.dropout != 0:
+        raise ConfigError(f"model.lora.dropout={lo.dropout}: only 0 is built (a dropped adapter input would make the "
+                          "learner's log-probs differ from the ones the engine sampled with); set it to 0")
+    for t in lo.targets:
+        if t not in LORA_TARGETS:
+            raise ConfigError(unknown_choice("model.lora.targets", t, LORA_TARGETS))
+    if not lo.targets:
+        raise ConfigError(f"model.lora.targets is empty: name at least one of {', '.join(LORA_TARGETS)}")
+    if have_transformer_engine():
+        raise ConfigError("model.lora with Transformer Engine installed: the adapters sit on megatron-core's local "
+                          "linears (moe/lora.py), not TE's fused ones yet; run in an environment without TE")
+    if "attention" in lo.targets and get_family(hf.model_type).transformer_fields(hf).get("multi_latent_attention"):
+        raise ConfigError(f"model.lora.targets has attention, and {hf.model_type}'s multi-latent attention has no "
+                          "fused qkv projection for the adapters (not built); drop attention from the targets")
+    etp = cfg.parallel.expert_tensor if cfg.parallel.expert_tensor is not None else cfg.parallel.tensor
+    if "experts" in lo.targets and lo.expert_layout == "shared" and etp > 1:
+        raise ConfigError(f"model.lora.expert_layout=shared at expert-tensor-parallel size {etp} is not built (its "
+                          "fc1 B and fc2 A would be split over expert-TP and shared by the experts); use shared_outer "
+                          "or per_expert, or parallel.expert_tensor=1")
+
+
 def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warnings: bool = True,
                      files: bool = True, nodes: Optional[int] = None) -> list[str]:
     """Check a RunConfig against the HF model config `hf` (None: read cfg.model.hf_config) and, when given, the
@@ -523,6 +553,7 @@ def check_run_config(cfg, hf=None, world_size: Optional[int] = None, log_warning
     if hasattr(transport, "check_config"):  # what the transport needs of the engine
         transport.check_config(cfg, engine)
     _check_fp8(cfg, hf, warns)
+    _check_lora(cfg, hf)
     _check_counts(cfg, warns)
     _check_critic(cfg, warns)
     if cfg.model.expert_bias_update_rate > 0 and cfg.routing.mode != "off":

@@ -5,6 +5,8 @@ import torch
 
 from moe.bridge.megatron_io import load_hf_weights
 from moe.families import get_family
+from moe.lora import LoRASpec
+from moe.lora import attach as attach_lora
 from moe.model import build_gpt_model, transformer_config
 from rlpo_mega import platform
 
@@ -13,11 +15,11 @@ MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, routing_replay: bool = False,
-                 value_head: bool = False, init_from_hf: str | None = None, head_seed: int = 0):
+                 value_head: bool = False, init_from_hf: str | None = None, head_seed: int = 0, seed: int = 0):
     """Returns (model_chunks, optimizer or None). model_chunks is a one-element list (no virtual PP).
     routing_replay: give the routers megatron's RouterReplay (moe.routing.replay drives it).
     value_head: the critic (moe.value_head, head drawn from head_seed); init_from_hf: its HF checkpoint
-    (None: model_cfg.init_from_hf, the policy's)."""
+    (None: model_cfg.init_from_hf, the policy's). seed: the LoRA adapters' draws (model.lora; moe/lora.py)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -43,6 +45,9 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     if source:
         # Before DDP and the optimizer: mixed-precision optimizers copy the weights at construction.
         model.loaded_whole = load_hf_weights([model], source, model_cfg.vocab_divisible_by)
+    if model_cfg.lora.rank and not value_head:  # the critic trains whole (its own adapters: not built)
+        # after the base weights, before DDP: DDP and the optimizer then hold the adapters' parameters only
+        model.lora_counts = attach_lora(model, lora_spec(model_cfg.lora, seed))
     if not with_ddp:
         return [model], None
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(use_dist_opt), module=model)
@@ -76,6 +81,11 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     config.grad_scale_func = optimizer.scale_loss
     return [ddp], optimizer
+
+
+def lora_spec(lora_cfg, seed: int = 0) -> LoRASpec:
+    return LoRASpec(rank=lora_cfg.rank, alpha=lora_cfg.alpha, targets=tuple(lora_cfg.targets),
+                    expert_layout=lora_cfg.expert_layout, seed=seed)
 
 
 def ddp_config(use_distributed_optimizer: bool):

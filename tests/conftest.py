@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 # Files whose tests share launches through a per-process cache or a session fixture: one xdist worker runs each
 # group, so each launch happens once per suite (each worker that got one of the files launched them again:
 # the reference and four layout launches, ~4 minutes, ran on both workers in a suite run of 2026-11-27).
-SHARED_LAUNCHES = (("test_critic", "test_parity", "test_plan", "test_bridge"),  # tests/layout_runs.py
+SHARED_LAUNCHES = (("test_critic", "test_parity", "test_plan", "test_bridge", "test_lora"),  # tests/layout_runs.py
                    ("test_checkpoint", "test_gpu_path"))  # distopt_launch above
 
 

@@ -26,6 +26,8 @@ LAYOUTS = {  # name: (processes, overrides, policy families, the critic too)
                         "parallel.num_micro_batches=2"], BASE, True),
 }
 CRITIC_LAYOUTS = [name for name, (_, _, _, critic) in LAYOUTS.items() if critic]
+# tests/test_lora.py: LoRA's parity (workers/lora_parity.py), at these
+LORA_LAYOUTS = ("tp2_sp", "ep2", "pp2_mb2")
 # tests/test_plan.py: the memory model against megatron-core's allocations (workers/plan_memory.py), at these
 PLAN_MEMORY_LAYOUTS = ("tp2_sp", "ep2", "pp2_mb2", "tp2_ep2_pp2")
 
@@ -37,20 +39,23 @@ def _models(families) -> str:
 
 
 def reference_run(tmp_path_factory) -> str:
-    """The single process (TP1): every family, then the critic. Its directory: reference_<family>/..., critic/."""
+    """The single process (TP1): every family, then the critic and LoRA. Its directory: reference_<family>/...,
+    critic/, lora/."""
     if "reference" not in _RUNS:
         root = str(tmp_path_factory.mktemp("parity_reference"))
-        critic = os.path.join(root, "critic")
+        critic, lora = os.path.join(root, "critic"), os.path.join(root, "lora")
         os.makedirs(critic)
+        os.makedirs(lora)
         torchrun("parity.py", 1, "reference", root, root, _models(ALL), json_report=False,
-                 env={"RLPO_CRITIC_DIRS": f"{critic},{critic}"})
+                 env={"RLPO_CRITIC_DIRS": f"{critic},{critic}", "RLPO_LORA_DIRS": f"{lora},{lora}"})
         _RUNS["reference"] = root
     return _RUNS["reference"]
 
 
 def layout_run(name: str, tmp_path_factory) -> str:
     """Layout `name` (LAYOUTS) from the reference's initial weights. Its directory: layout_<family>.json,
-    grads_<family>.pt, for CRITIC_LAYOUTS critic/ and for PLAN_MEMORY_LAYOUTS plan_memory/."""
+    grads_<family>.pt, for CRITIC_LAYOUTS critic/, for LORA_LAYOUTS lora/ and for PLAN_MEMORY_LAYOUTS
+    plan_memory/."""
     if name not in _RUNS:
         ref = reference_run(tmp_path_factory)
         nproc, overrides, families, critic = LAYOUTS[name]
@@ -59,6 +64,9 @@ def layout_run(name: str, tmp_path_factory) -> str:
         if critic:
             os.makedirs(os.path.join(out, "critic"))
             env["RLPO_CRITIC_DIRS"] = f"{os.path.join(ref, 'critic')},{os.path.join(out, 'critic')}"
+        if name in LORA_LAYOUTS:
+            os.makedirs(os.path.join(out, "lora"))
+            env["RLPO_LORA_DIRS"] = f"{os.path.join(ref, 'lora')},{os.path.join(out, 'lora')}"
         if name in PLAN_MEMORY_LAYOUTS:
             os.makedirs(os.path.join(out, "plan_memory"))
             env["RLPO_PLAN_MEMORY_DIR"] = os.path.join(out, "plan_memory")

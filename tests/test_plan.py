@@ -255,3 +255,29 @@ def test_fp8_servers_hold_half_the_weights_and_the_pool_grows_by_it():
     bucket = 512 << 20
     assert fp8["learner_gpus"][0]["sync bucket"] == bucket + bucket // 2 + bucket
     assert bf16["learner_gpus"][0]["sync bucket"] == bucket
+
+
+def test_plan_with_lora_holds_the_base_frozen_and_only_the_adapters_gradients_and_optimizer():
+    """model.lora on the one-node Qwen3-30B-A3B recipe (TP2, EP8, ETP1; rank 32, shared_outer), the optimizer on the
+    GPU: the model megatron builds with the adapters attached (moe/lora.py on the meta device) holds, per rank,
+    exactly the adapters' parameters as trainable -- per layer the attention's qkv (A 32 x 2048, B 2560 x 32: its TP
+    half of 4096 + 2 x 512 rows) and output projection (A 32 x 2048: its TP half of 4096 columns, B 2048 x 32), the
+    experts' shared fc1 A and fc2 B, and each of the 16 local experts' fc1 B (1536 x 32) and fc2 A (32 x 768) --
+    with their fp32 gradients and the distributed optimizer's state alone; the frozen base stays in the parameters,
+    and the engines serve (and the sync sends) the merged model at its base size. Trained whole, the same recipe
+    without optimizer offload does not fit an 80 GB GPU; with the adapters it takes under 80% of one."""
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_1node.yaml"
+    no_offload = ("optim.cpu_offload=false", "optim.overlap_cpu_optimizer_d2h_h2d=false", "optim.precision_aware=false")
+    rows = {}
+    for lora, gpu in (("0", "141"), ("32", "80")):  # the whole model's optimizer on the GPU needs an H200's memory
+        proc = _plan_cli(recipe, f"model.lora.rank={lora}", *no_offload, f"cluster.gpu_memory_gb={gpu}", "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows[lora] = json.loads(proc.stdout)
+    full, lora = (rows[k]["learner_gpus"][0] for k in ("0", "32"))
+    per_layer = (32 * 2048 + 2560 * 32) + (32 * 2048 + 2048 * 32) + 2 * 32 * 2048 + 16 * (1536 * 32 + 32 * 768)
+    assert lora["trainable"] == 48 * per_layer == 76_283_904, lora
+    assert lora["grads"] == pytest.approx(4 * lora["trainable"], rel=0.01) and full["grads"] > 50 * lora["grads"]
+    assert lora["optimizer"] < full["optimizer"] / 50
+    assert lora["params"] - full["params"] == pytest.approx(2 * lora["trainable"], rel=0.01)  # bf16 factors
+    assert lora["total"] <= 0.8 * lora["budget"] and full["total"] > lora["budget"], (lora, full)
+    assert rows["32"]["servers"][0]["weights"] == rows["0"]["servers"][0]["weights"]

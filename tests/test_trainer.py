@@ -156,6 +156,21 @@ def test_resume_equals_uninterrupted_run(resumed):
     assert resumed["ckpt_dirs"] == ["latest", "step_00000004"]  # keep_last=1 pruned step 2
 
 
+def test_lora_run_syncs_merged_weights_keeps_the_base_as_reference_and_resumes_exactly(resumed):
+    """model.lora (rank 4, EP2 learners, the embedded engine): every step the engine samples with the merged weights
+    (its log-probs are the learner's: the merged sync took effect), the KL reference is the base (adapters off: the
+    policy moves away from it), and 2 steps + resume gives the uninterrupted run's step 3 (the factors and their
+    optimizer state were saved and loaded)."""
+    full = {h["step"]: h for h in resumed["full_lora"]}
+    second = {h["step"]: h for h in resumed["second_lora"]}
+    assert sorted(full) == [1, 2, 3] and sorted(second) == [3]
+    for h in full.values():
+        assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+    assert full[3]["kl/ref"] > 0 and full[3]["kl/ref"] > full[1]["kl/ref"], full
+    for key in ("loss/policy", "reward/mean", "optim/grad_norm", "kl/ref", "kl/policy"):
+        assert second[3][key] == full[3][key], (key, second[3][key], full[3][key])
+
+
 def test_resume_keeps_the_groups_carried_to_the_next_step(resumed):
     """Dynamic sampling with surplus groups carried one step: each rank's carried groups (and prompts drawn but
     not sent) are saved with the checkpoint, so the resumed run trains at steps 2-4 exactly what the

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moe.families import VALUE_HEAD_HF, get_family
+from moe.lora import LoRAFactors, is_lora_param, merged_weight
 
 from .digest import algorithm_for, tensor_digests
 from .hf_checkpoint import CheckpointFormatError, HFCheckpoint, expected_hf_shapes
@@ -58,13 +59,19 @@ class LocalParam:
     tp_rank: int
     tp_size: int
     tp_group: object
+    adapted: object = None  # the linear whose LoRA adapter this weight carries (moe/lora.py), else None
+
+    def tensor(self) -> torch.Tensor:
+        """What the model computes with, as HF weights carry it: the weight with its adapter merged, in its dtype."""
+        return merged_weight(self.adapted) if self.adapted is not None else self.param.detach()
 
 
 def weight_tensors(module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight: the parameters, and the routers' expert_bias buffers -- no gradient,
-    updated outside the optimizer, but model state all the same (imported, exported, synced, copied)."""
+    updated outside the optimizer, but model state all the same (imported, exported, synced, copied). Not LoRA's
+    factors (moe/lora.py): no HF weight of the base is theirs; an export merges them into their linears'."""
     buffers = [(n, b) for n, b in module.named_buffers() if n.endswith("router.expert_bias")]
-    return list(module.named_parameters()) + buffers
+    return [(n, p) for n, p in module.named_parameters() if not is_lora_param(n)] + buffers
 
 
 def local_params(model) -> list[LocalParam]:
@@ -101,7 +108,9 @@ def local_params(model) -> list[LocalParam]:
             group = ps.get_tensor_model_parallel_group()
         if pm.kind == "column" and not getattr(p, "tensor_model_parallel", False):
             rank, size = 0, 1  # kept whole on every TP rank (TE's duplicated MLA down-projections)
-        out.append(LocalParam(name, p, pm, rank, size, group))
+        owner = inner.get_submodule(name.rsplit(".", 1)[0]) if name.endswith(".weight") else None
+        adapted = owner if isinstance(getattr(owner, "lora", None), LoRAFactors) else None
+        out.append(LocalParam(name, p, pm, rank, size, group, adapted))
     return out
 
 
@@ -330,7 +339,7 @@ class ExportStream:
         if pm.megatron in _inner(self.chunks[0])._rlpo_everywhere:
             if not self.receives:
                 return None
-            full = lp.param.detach()  # every rank holds it whole: a receiver takes its own replica, no communication
+            full = lp.tensor()  # every rank holds it whole: a receiver takes its own replica, no communication
             if (tuple(full.shape), full.dtype) != meta:
                 raise RuntimeError(f"export of {pm.megatron}: local tensor {tuple(full.shape)} {full.dtype} differs "
                                    f"from the export plan's {meta}")
@@ -340,7 +349,7 @@ class ExportStream:
         if lp is not None:
             group_ranks = dist.get_process_group_ranks(lp.tp_group) if lp.tp_size > 1 else [rank]
             if min(group_ranks) == leader:  # only the leader's TP group gathers; replicas stay idle
-                data = lp.param.detach()
+                data = lp.tensor()
                 if lp.tp_size > 1 and pm.kind != "replicated":
                     if pm.kind in ("qkv", "vocab"):  # shards concatenate along dim 0: gather in place
                         gathered = self._empty((data.shape[0] * lp.tp_size, *data.shape[1:]), data.dtype, data.device)

@@ -100,7 +100,8 @@ def model_bytes(rank: dict, distributed_optimizer: bool, dp_rank: int | None = N
     (with the distributed optimizer)."""
     buffers = rank["buffers"]
     if distributed_optimizer:
-        params = sum(b["numel"] * ITEMSIZE[b["param_dtype"]] for b in buffers)
+        # the trainable parameters live in DDP's buffers; a frozen base (LoRA) in its own tensors
+        params = sum(b["numel"] * ITEMSIZE[b["param_dtype"]] for b in buffers) + rank.get("frozen_param_bytes", 0)
     else:
         params = rank["param_bytes"]
     params += rank["module_buffer_bytes"]

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moe.lora import LoRASpec, is_lora_param
+from moe.lora import attach as attach_lora
 from moe.model import build_gpt_model, load_hf_config, transformer_config
 from rlpo_mega import platform
 from rlpo_mega.distributed import Layout
@@ -36,6 +38,7 @@ class Request:
     value_head: bool = False  # the critic: a scalar head in place of the output layer
     recompute: bool = False
     ranks: tuple = ()  # global ranks to build; () = the first rank of every pipeline stage
+    lora: tuple = ()  # model.lora: (rank, alpha, targets, expert_layout) of moe/lora.LoRASpec; () = none
 
 
 def _interval_lists(buffer) -> list:
@@ -56,8 +59,15 @@ def _describe(ddp, model) -> dict:
     return {
         "params": int(sum(p.numel() for p in params)),
         "param_bytes": int(sum(p.numel() * p.element_size() for p in params)),
+        # LoRA's frozen base: outside DDP's buffers (no gradient, no optimizer state), in its own tensors
+        "frozen_param_bytes": int(sum(p.numel() * p.element_size() for p in params if not p.requires_grad)),
+        "trainable_params": int(sum(p.numel() for p in params if p.requires_grad)),
         "param_dtypes": sorted({str(p.dtype).removeprefix("torch.") for p in params}),
         "expert_params": int(sum(p.numel() for p in params if not getattr(p, "allreduce", True))),
+        # the model the engines serve and the sync sends (LoRA's factors are merged into it, not sent)
+        "base_params": int(sum(p.numel() for n, p in model.named_parameters() if not is_lora_param(n))),
+        "base_expert_params": int(sum(p.numel() for n, p in model.named_parameters()
+                                      if not is_lora_param(n) and not getattr(p, "allreduce", True))),
         # buffers of the modules (the routers' fp32 score-correction bias) beside the parameters; one built on the
         # host (not the device) holds no GPU memory
         "module_buffer_bytes": int(sum(b.numel() * b.element_size() for b in model.buffers()
@@ -90,6 +100,9 @@ def _build_rank(req: Request, rank: int) -> dict:
         config.perform_initialization = False
         with torch.device("meta"):
             model = build_gpt_model(hf, config, vocab_divisible_by=req.vocab_divisible_by, value_head=req.value_head)
+            if req.lora and not req.value_head:  # as model_setup.build_policy: the adapters, then DDP
+                rank_, alpha, targets, expert_layout = req.lora
+                attach_lora(model, LoRASpec(rank_, alpha, tuple(targets), expert_layout))
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(req.use_distributed_optimizer),
                                       module=model)
         out = _describe(ddp, model)
@@ -149,6 +162,7 @@ def main() -> int:
     raw = json.loads(sys.stdin.read())
     raw["ranks"] = tuple(raw.get("ranks", ()))
     raw["layout"] = Layout(**raw["layout"])
+    raw["lora"] = tuple(raw.get("lora") or ())
     result = build(Request(**raw))
     sys.stdout.write("\n" + json.dumps(result) + "\n")
     return 0

@@ -154,8 +154,10 @@ def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_token
 # ---- roles
 def _request(cfg, layout, value_head: bool) -> Request:
     optim = cfg.critic.optim if value_head else cfg.optim
+    lora = cfg.model.lora
     return Request(cfg.model.hf_config, layout, cfg.model.params_dtype, cfg.model.vocab_divisible_by,
-                   optim.use_distributed_optimizer, value_head=value_head, recompute=cfg.model.recompute)
+                   optim.use_distributed_optimizer, value_head=value_head, recompute=cfg.model.recompute,
+                   lora=(lora.rank, lora.alpha, tuple(lora.targets), lora.expert_layout) if lora.rank else ())
 
 
 def _stage_layers(hf, pp: int, stage: int) -> range:
@@ -182,6 +184,8 @@ def learner_rows(cfg, hf, layout, steps: StepSummary, built: list, critic: Optio
         policy = memory.model_bytes(rank, cfg.optim.use_distributed_optimizer, offload=memory.Offload.of(cfg.optim))
         row = Row("learner GPU", f"stage {stage}" if pp > 1 else "every rank", budget)
         row.info["parameters"] = policy.params
+        if cfg.model.lora.rank:  # the adapters: what has gradients and optimizer state
+            row.info["trainable"] = rank["trainable_params"]
         row.parts.update(params=policy.param_bytes, grads=policy.grad_bytes, optimizer=policy.optimizer_bytes)
         if critic is not None:
             value = memory.model_bytes(critic[s], cfg.critic.optim.use_distributed_optimizer,
@@ -268,9 +272,10 @@ def handover(cfg, learner: list[Row], engine_copy: int) -> dict:
 
 
 def total_params(built: list, layout) -> int:
-    """Parameters of the whole model: each stage's dense part times TP, its experts times EP x ETP (the norms,
-    replicated over TP, are counted TP times: a few hundred thousand parameters)."""
-    return sum((r["params"] - r["expert_params"]) * layout.tensor + r["expert_params"] * layout.expert
+    """Parameters of the whole model, as the engines serve it (LoRA's factors merged, not counted): each stage's dense
+    part times TP, its experts times EP x ETP (the norms, replicated over TP, are counted TP times: a few hundred
+    thousand parameters)."""
+    return sum((r["base_params"] - r["base_expert_params"]) * layout.tensor + r["base_expert_params"] * layout.expert
                * layout.expert_tensor for r in built)
 
 

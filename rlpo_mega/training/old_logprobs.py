@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 
+from moe.lora import adapters_off
 from rlpo_mega.algorithms.mismatch import mismatch_metrics
 from rlpo_mega.algorithms.objective import validate
 from rlpo_mega.training.batches import MicroBatch
@@ -53,17 +54,21 @@ def compute_log_probs(model_chunks, micro_batches: list[MicroBatch], cfg, wrap_s
 
 
 def attach_old_logprobs(model_chunks, micro: list[MicroBatch], cfg, ref_chunks=None, routing=None,
-                        old_pass: bool = True) -> list[MicroBatch]:
+                        old_pass: bool = True, ref_is_base: bool = False) -> list[MicroBatch]:
     """This rank's micro-batches (on the device) with their routes attached and the old (and reference)
     log-probs of the forward-only passes added. old_pass=False: no old pass (the update takes its own
-    log-probs, `old_pass_needed`); the reference pass still runs."""
+    log-probs, `old_pass_needed`); the reference pass still runs. ref_is_base: the reference is the policy with
+    its LoRA adapters off (moe/lora.adapters_off)."""
     validate(cfg)
     if routing is not None:
         routing.attach(micro)
     if old_pass and micro[0].old_logp is None:
         _attach(micro, "old_logp", compute_log_probs(model_chunks, micro, cfg,
                                                      wrap_step=routing.wrap_old if routing else None))
-    if cfg.kl.coef > 0 and micro[0].ref_logp is None:
+    if cfg.kl.coef > 0 and micro[0].ref_logp is None and ref_is_base:
+        with adapters_off(model_chunks):
+            _attach(micro, "ref_logp", compute_log_probs(model_chunks, micro, cfg))
+    elif cfg.kl.coef > 0 and micro[0].ref_logp is None:
         if ref_chunks is None:
             raise ValueError(f"kl.coef={cfg.kl.coef} needs a reference model (ref_chunks) or ref_logp in the batch")
         _attach(micro, "ref_logp", compute_log_probs(ref_chunks, micro, cfg))
@@ -84,7 +89,7 @@ def old_logprobs(policy, minis: list[list[MicroBatch]], cfg) -> tuple[list[list[
     for mini in minis:
         micro = attach_old_logprobs(policy.chunks, [mb.to() for mb in mini], cfg.algorithm,
                                     ref_chunks=policy.ref_chunks, routing=policy.routing,
-                                    old_pass=not policy.old_from_update)
+                                    old_pass=not policy.old_from_update, ref_is_base=policy.ref_is_base)
         for m in micro:
             if m.old_logp is not None:  # last pipeline stage
                 reports.append(mismatch_metrics(m.old_logp, m.rollout_logp, m.loss_mask.bool()))

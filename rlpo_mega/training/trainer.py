@@ -113,14 +113,15 @@ class Trainer:
         self.run_id, self.stale_steps = run_id[0], tuple(self.plan.stale)
         self.rank, self.device = dist.get_rank(), platform.device()
         self.spec = TraceSpec.from_hf(self.hf)
-        chunks, optimizer = build_policy(self.hf, self.layout, cfg.model, cfg.optim, routing_replay=True)
+        chunks, optimizer = build_policy(self.hf, self.layout, cfg.model, cfg.optim, routing_replay=True, seed=cfg.seed)
         why = old_pass_needed(cfg, self.hf)
         # the KL reference is the policy as RL starts (after any warm-up); a resumed run loads the one its
-        # checkpoint saved, as the policy has moved since
+        # checkpoint saved, as the policy has moved since. With LoRA it is the frozen base: the adapters off.
+        lora = bool(cfg.model.lora.rank)
         self.policy = Policy(chunks, optimizer, build_lr_scheduler(optimizer, cfg.optim, optimizer_steps(cfg)),
                              RoutingReplay(chunks, self.spec, mode=cfg.routing.mode),
-                             ref_chunks=self._build_reference() if cfg.algorithm.kl.coef > 0 else None,
-                             old_from_update=why is None)
+                             ref_chunks=self._build_reference() if cfg.algorithm.kl.coef > 0 and not lora else None,
+                             old_from_update=why is None, ref_is_base=lora)
         # every rank's DP rank and MoE layers: where each sample's payload goes (training/exchange.py)
         self.recipients = gather_recipients(chunks, self.spec)
         self.critic = None

@@ -44,13 +44,15 @@ from rlpo_mega.training.batches import MicroBatch
 class Policy:
     """The policy as a step uses it: its model chunks, optimizer and LR schedule, its routing replay driver,
     the frozen KL reference (None without a KL term), and whether the update's own forward gives pi_old
-    (training/old_logprobs.old_pass_needed)."""
+    (training/old_logprobs.old_pass_needed). ref_is_base: the KL reference is the policy with its LoRA adapters
+    off (model.lora: the frozen base, no second model)."""
     chunks: list
     optimizer: object
     lr_schedule: object
     routing: object
     ref_chunks: Optional[list] = None
     old_from_update: bool = False
+    ref_is_base: bool = False
 
 
 def model_forward(model, batch: MicroBatch):

@@ -444,7 +444,7 @@ class ReshardTransport:
             pm, j = maps[t.name]
             if pm.megatron not in slices:
                 lp = mine[pm.megatron]
-                slices[pm.megatron] = shard_to_hf(pm.kind, lp.param.detach(), dims, lp.tp_rank, lp.tp_size)
+                slices[pm.megatron] = shard_to_hf(pm.kind, lp.tensor(), dims, lp.tp_rank, lp.tp_size)
             part = slices[pm.megatron][j][tuple(slice(a, b) for a, b in t.src_box)]
             if spec.dtype == FP8_DTYPE:
                 # whole 128-blocks (the plan refuses others): the whole tensor's codes and scales, sliced

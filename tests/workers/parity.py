@@ -89,6 +89,11 @@ def main():
 
         critic_ref, critic_out = os.environ["RLPO_CRITIC_DIRS"].split(",")
         critic_parity(phase, critic_ref, critic_out, tuple(sys.argv[5:]))
+    if os.environ.get("RLPO_LORA_DIRS"):  # LoRA's parity at this layout too (tests/layout_runs.py)
+        from tests.workers.lora_parity import run as lora_parity
+
+        lora_ref, lora_out = os.environ["RLPO_LORA_DIRS"].split(",")
+        lora_parity(phase, lora_ref, lora_out, tuple(sys.argv[5:]))
     if os.environ.get("RLPO_PLAN_MEMORY_DIR"):  # tests/test_plan.py's allocations at this layout (layout_runs.py)
         from tests.workers.plan_memory import run as plan_memory
 

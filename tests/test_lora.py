@@ -1,0 +1,92 @@
+"""LoRA on the MoE policy (model.lora, moe/lora.py): the adapted model at TP2+SP (expert-TP 2), EP2 and PP2 against
+the single process, its merged export against transformers, and the refusals of what is not built. The layouts run
+in the policy parity's launches (tests/layout_runs.py, workers/lora_parity.py); the trainer with LoRA (the merged
+sync, the KL reference with the adapters off, the resume) is tests/test_trainer.py's
+test_lora_run_syncs_merged_weights_keeps_the_base_as_reference_and_resumes_exactly."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from moe.lora import LoRAError, LoRASpec, is_lora_param
+from moe.model import load_hf_config
+from rlpo_mega.config import ConfigError, load_config
+from rlpo_mega.config_checks import check_run_config
+from tests.layout_runs import LORA_LAYOUTS, layout_run, reference_run
+from tests.workers.lora_parity import FAMILIES
+
+FROZEN_EMPTY = ("trainable_not_lora", "base_with_grad", "router_adapted", "optimizer_not_lora")
+
+
+def _read(root, phase, family):
+    with open(os.path.join(root, "lora", f"{phase}_{family}.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_run(tmp_path_factory)
+
+
+def test_the_reference_trains_only_its_adapters(reference):
+    """At TP1: every base parameter frozen and out of the optimizer, no router adapted; the adapted linears of the
+    tiny models: qwen3_moe's 2 layers (qkv, proj, 4 experts x (fc1, fc2)) with shared_outer's factors (per layer:
+    2 x 2 attention + 2 shared + 4 x 2 the experts' own), glm4_moe's dense layer (qkv, proj, fc1, fc2) and MoE layer
+    (qkv, proj, the shared experts' fc1/fc2, 8 experts x (fc1, fc2)) per_expert (A and B each); the loss falls over
+    the 3 steps."""
+    expected = {"qwen3_moe": (20, 28), "glm4_moe": (4 + 20, 2 * (4 + 20))}
+    for family in FAMILIES:
+        r = _read(reference, "reference", family)
+        assert all(r["frozen"][k] == [] for k in FROZEN_EMPTY), r["frozen"]
+        assert (r["frozen"]["adapted"], r["frozen"]["trainable"]) == expected[family], (family, r["frozen"])
+        assert r["losses"][2] < r["losses"][0], r["losses"]
+
+
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_layout_matches_single_process(layout, reference, tmp_path_factory):
+    """From the reference's checkpoint (its adapters' B drawn non-zero, so A's gradient is seen; the factors resharded
+    by their own checkpoint entries): the 3 steps' losses and every factor's first gradient equal the single
+    process's (rel <= 1e-5, reloaded whole at TP1 from the layout's sharded save), the base frozen at the layout too,
+    and the merged export (per shard, gathered by the weight sync's bridge) gives transformers' logits equal to the
+    adapted learner's, which the adapters do move. (Run in the policy parity's launch of this layout.)"""
+    out = layout_run(layout, tmp_path_factory)
+    for family in FAMILIES:
+        ref, got = _read(reference, "reference", family), _read(out, "layout", family)
+        for a, b in zip(ref["losses"], got["losses"]):
+            assert abs(a - b) <= 1e-5 * abs(a), (family, ref["losses"], got["losses"])
+        assert all(got["frozen"][k] == [] for k in FROZEN_EMPTY), got["frozen"]
+        assert got["merged_logits_rel_err"] < 1e-5 and got["adapters_move_logits"] > 0.1, got
+        want = torch.load(os.path.join(reference, "lora", f"grads_{family}.pt"))
+        have = torch.load(os.path.join(out, "lora", f"grads_{family}.pt"))
+        assert sorted(want) == sorted(have) and all(is_lora_param(n) for n in want), (sorted(want), sorted(have))
+        for name, g in want.items():
+            assert g.abs().max() > 0, name  # A's gradients too: B starts non-zero here
+            err = float((have[name] - g).abs().max() / g.abs().max())
+            assert err <= 1e-5, (family, layout, name, err)
+
+
+def _check(*overrides, model="configs/models/tiny_qwen3_moe.json"):
+    cfg = load_config("configs/demo_cpu.yaml", ("model.lora.rank=4", *overrides))
+    return check_run_config(cfg, load_hf_config(model), log_warnings=False)
+
+
+def test_lora_refusals_name_the_cause_and_the_fix():
+    _check()  # the demo with adapters
+    _check("model.lora.targets=[experts]", "model.lora.expert_layout=per_expert", "parallel.tensor=2")
+    for overrides, match in ((("model.lora.dropout=0.1",), "only 0 is built"),
+                             (("model.lora.alpha=0",), "must be > 0"),
+                             (("model.lora.targets=[attention,router]",), "'router' is not known"),
+                             (("model.lora.targets=[]",), "is empty"),
+                             (("model.lora.expert_layout=shared", "parallel.tensor=2"), "use shared_outer or per_expert")):
+        with pytest.raises(ConfigError, match=match):
+            _check(*overrides)
+    with pytest.raises(ConfigError, match="multi-latent attention"):
+        _check(model="configs/models/tiny_deepseek_v3.json")
+    _check("model.lora.targets=[experts,shared_experts,dense_mlp]", model="configs/models/tiny_deepseek_v3.json")
+    with pytest.raises(ConfigError, match="bad value for config key 'model.lora.expert_layout'"):
+        load_config(None, ("model.lora.expert_layout=outer",))
+    with pytest.raises(LoRAError, match="rank 0 must be >= 1"):
+        LoRASpec(rank=0, alpha=1.0)
