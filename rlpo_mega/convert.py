@@ -18,7 +18,7 @@ from moe.model import load_hf_config
 from rlpo_mega import distributed
 from rlpo_mega.checkpoint.dist import META, CheckpointError, load_checkpoint, read_meta, save_checkpoint
 from rlpo_mega.checkpoint.files import HF_FILES
-from rlpo_mega.config import ModelConfig, ParallelConfig
+from rlpo_mega.config import LoRAConfig, ModelConfig, ParallelConfig
 from rlpo_mega.model_setup import build_policy
 from rlpo_mega.checkpoint.run import latest_checkpoint
 
@@ -55,14 +55,16 @@ def export(ckpt_dir: str, hf_out: str, tp: int = 1, pp: int = 1, ep: int = 1, bu
     if os.path.isdir(ckpt_dir) and not os.path.isfile(os.path.join(ckpt_dir, META)):
         raise CheckpointError(f"--ckpt {ckpt_dir} is not a finished checkpoint ({META} missing): pass a step_<N> "
                               "directory, a trainer's save_dir or a `rlpo-mega convert` output")
-    read_meta(ckpt_dir)
+    lora = (read_meta(ckpt_dir).get("settings") or {}).get("model.lora")
     hf_files = os.path.join(ckpt_dir, HF_FILES)
     if not os.path.isfile(os.path.join(hf_files, "config.json")):
         raise FileNotFoundError(f"{ckpt_dir!r} has no {HF_FILES}/config.json; it was not written by "
                                 "`rlpo-mega convert` or a trainer with an HF model")
     hf = load_hf_config(os.path.join(hf_files, "config.json"))
     layout = distributed.init(ParallelConfig(tensor=tp, pipeline=pp, expert=ep, expert_tensor=1), hf)
-    chunks, _ = build_policy(hf, layout, ModelConfig(), None, with_ddp=False)
+    # a LoRA run's checkpoint: its adapters rebuilt and loaded, the export merges them (the base alone otherwise)
+    chunks, _ = build_policy(hf, layout, ModelConfig(lora=LoRAConfig(**lora) if lora else LoRAConfig()), None,
+                             with_ddp=False)
     load_checkpoint(ckpt_dir, chunks)
     stream = ExportStream(chunks, bucket_bytes=bucket_mb << 20, dst=0)
     write_stream(stream, HFCheckpointWriter(hf_out, hf, source_dir=hf_files, overwrite=overwrite)

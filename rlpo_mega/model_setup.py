@@ -83,6 +83,14 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     return [ddp], optimizer
 
 
+def lora_setting(lora_cfg) -> dict | None:
+    """model.lora as a checkpoint records it (None: no adapters): what a resume must match and an export rebuild."""
+    if not lora_cfg.rank:
+        return None
+    return {"rank": lora_cfg.rank, "alpha": lora_cfg.alpha, "targets": list(lora_cfg.targets),
+            "expert_layout": lora_cfg.expert_layout}
+
+
 def lora_spec(lora_cfg, seed: int = 0) -> LoRASpec:
     return LoRASpec(rank=lora_cfg.rank, alpha=lora_cfg.alpha, targets=tuple(lora_cfg.targets),
                     expert_layout=lora_cfg.expert_layout, seed=seed)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from rlpo_mega.config import load_config
 
@@ -169,6 +170,38 @@ def test_lora_run_syncs_merged_weights_keeps_the_base_as_reference_and_resumes_e
     assert full[3]["kl/ref"] > 0 and full[3]["kl/ref"] > full[1]["kl/ref"], full
     for key in ("loss/policy", "reward/mean", "optim/grad_norm", "kl/ref", "kl/policy"):
         assert second[3][key] == full[3][key], (key, second[3][key], full[3][key])
+
+
+def test_a_lora_checkpoint_exports_its_merged_weights_and_refuses_another_models_resume(resumed, tmp_path):
+    """`rlpo-mega export` of a LoRA run's checkpoint rebuilds its adapters (from the checkpoint's recorded model.lora)
+    and writes the merged weights: tensor for tensor the trainer's own HF export of that step (without them it would
+    write the base). A resume whose model.lora differs from the checkpoint's (none, another rank) is refused before
+    anything loads, naming both."""
+    from safetensors.torch import load_file
+
+    from rlpo_mega.checkpoint.dist import CheckpointError
+    from rlpo_mega.config import LoRAConfig
+    from rlpo_mega.training.trainer import check_lora_resume
+
+    step2 = os.path.join(resumed["ckpt_lora"], "step_00000002")
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "export", "--ckpt", step2, "--hf-out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    def tensors(d):
+        return {k: v for f in sorted(os.listdir(d)) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(d, f)).items()}
+
+    mine, trainers = tensors(out), tensors(os.path.join(step2, "hf_model"))
+    assert sorted(mine) == sorted(trainers) and all(torch.equal(mine[k], trainers[k]) for k in mine)
+    check_lora_resume(step2, LoRAConfig(rank=4, alpha=16.0))
+    for other, named in ((LoRAConfig(), "this run has off"), (LoRAConfig(rank=8, alpha=16.0), "'rank': 8")):
+        with pytest.raises(CheckpointError, match=named):
+            check_lora_resume(step2, other)
+    with pytest.raises(CheckpointError, match="saved with model.lora off"):
+        check_lora_resume(os.path.join(resumed["ckpt"], "step_00000004"), LoRAConfig(rank=4, alpha=16.0))
 
 
 def test_resume_keeps_the_groups_carried_to_the_next_step(resumed):

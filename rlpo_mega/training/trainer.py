@@ -45,6 +45,7 @@ from moe.routing.transport import gather_recipients
 from rlpo_mega import distributed, platform
 from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS, sequence_advantages
 from rlpo_mega.checkpoint import run as ckpt_state
+from rlpo_mega.checkpoint.dist import CheckpointError
 from rlpo_mega.checkpoint.files import HF_FILES
 from rlpo_mega.config import ConfigError, response_budget, to_dict, unknown_choice
 from rlpo_mega.config_checks import check_run_config
@@ -53,7 +54,7 @@ from rlpo_mega.environments import environment_tools
 from rlpo_mega.errors import EXIT_STOPPED
 from rlpo_mega.logging import MetricsLogger, PhaseTimer
 from rlpo_mega.logging.metrics import count_host_syncs
-from rlpo_mega.model_setup import build_lr_scheduler, build_policy, optimizer_steps, unwrap
+from rlpo_mega.model_setup import build_lr_scheduler, build_policy, lora_setting, optimizer_steps, unwrap
 from rlpo_mega.rewards.scorer import RewardScorer
 from rlpo_mega.rollout import ENGINES
 from rlpo_mega.training import report
@@ -269,6 +270,7 @@ class Trainer:
             return False
         critic = (self.critic.chunks, self.critic.optimizer if c.load_optimizer else None) if self.critic else None
         p = self.policy
+        check_lora_resume(path, self.cfg.model.lora)
         st = ckpt_state.load(path, p.chunks, p.optimizer, c.load_optimizer, reference=p.ref_chunks,
                              verify=c.verify, critic=critic)
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
@@ -320,7 +322,8 @@ class Trainer:
                 "routing.mode": c.routing.mode,
                 "algorithm.kl.coef": c.algorithm.kl.coef, "model.params_dtype": c.model.params_dtype,
                 "rollout.engine": c.rollout.engine, "world_size": dist.get_world_size(),
-                "engine_ranks": ENGINES.get(c.rollout.engine).ranks(c, dist.get_world_size())}
+                "engine_ranks": ENGINES.get(c.rollout.engine).ranks(c, dist.get_world_size()),
+                "model.lora": lora_setting(c.model.lora)}
 
     def _build_reference(self):
         """A frozen model of the policy's layout for the KL reference (filled by a checkpoint or a copy)."""
@@ -441,6 +444,17 @@ class Trainer:
         self.policy.routing.close()
         if self.critic is not None:
             self.critic.close()
+
+
+def check_lora_resume(path: str, lora_cfg):
+    """The adapters are part of the model: a checkpoint saved with other ones (or none) would load partly, silently.
+    Refused in one line before anything is loaded."""
+    saved = (ckpt_state.read_meta(path).get("settings") or {}).get("model.lora")
+    now = lora_setting(lora_cfg)
+    if saved != now:
+        raise CheckpointError(f"{path} was saved with model.lora {saved or 'off'}, this run has {now or 'off'}: resume "
+                              "with the same model.lora, or start from an HF model (model.init_from_hf; `rlpo-mega "
+                              "export` of a LoRA checkpoint merges its adapters)")
 
 
 def train(cfg, keep_world: bool = False) -> int:

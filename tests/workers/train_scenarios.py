@@ -83,12 +83,13 @@ def resume(out):
     # synced with merged weights; the resume loads the factors and their optimizer state from the checkpoint
     lora, ck_lora = ("model.lora.rank=4", "model.lora.alpha=16", "algorithm.kl.coef=0.04"), os.path.join(out, "ckpt_lora")
     train(cfg(out, "full_lora", "train_iters=3", *lora))
-    train(cfg(out, "first_lora", "train_iters=2", f"checkpoint.save_dir={ck_lora}", *lora))
+    train(cfg(out, "first_lora", "train_iters=2", f"checkpoint.save_dir={ck_lora}", "checkpoint.export_hf=true", *lora))
     train(cfg(out, "second_lora", "train_iters=3", f"checkpoint.save_dir={ck_lora}", "checkpoint.resume=true", *lora))
     runs = ("full", "first", "second", "tp2", "cp2", "full_ds", "first_ds", "second_ds", "full_ads", "second_ads",
             "full_lora", "second_lora")
     return {run: history(out, run) for run in runs} | {
-        "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck, "rank_state": saved}
+        "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck, "rank_state": saved,
+        "ckpt_lora": ck_lora}
 
 
 DYNAMIC = ("algorithm.loss.name=dapo", "algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0",
