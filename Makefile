@@ -19,8 +19,8 @@ $(STAMP): setup.py
 	@$(INSTALL_BWRAP)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q --no-compile "$(TORCH_SPEC)"
-	$(VENV)/bin/pip install -q --no-compile -e ".[test]"
+	$(VENV)/bin/pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/pip install -q -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -15,7 +15,7 @@ fresh_cpu_venv() {
   "$python" -m venv "$venv"
   touch "$venv/.rlpo_side_venv"  # at once: a build that fails later can still be replaced by the next one
   "$venv/bin/pip" install -q --upgrade pip
-  "$venv/bin/pip" install -q --no-compile "torch==2.13.0"
+  "$venv/bin/pip" install -q "torch==2.13.0"
 }
 
 # check_cpu_torch VENV: the venv's torch is still the CPU 2.13.0 build.

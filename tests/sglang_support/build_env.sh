@@ -16,8 +16,8 @@ flock 9
 if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HERE/requirements.txt" ]; then exit 0; fi
 start=$(date +%s)
 fresh_cpu_venv "$VENV" "$PYTHON" "$STAMP"
-"$VENV/bin/pip" install -q --no-compile --no-deps "sglang==0.5.23"
-"$VENV/bin/pip" install -q --no-compile -r "$HERE/requirements.txt" -c "$HERE/constraints.txt"
+"$VENV/bin/pip" install -q --no-deps "sglang==0.5.23"
+"$VENV/bin/pip" install -q -r "$HERE/requirements.txt" -c "$HERE/constraints.txt"
 check_cpu_torch "$VENV"
 touch "$STAMP"
 echo "sglang venv built in $(( $(date +%s) - start )) s: $VENV"
