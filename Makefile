@@ -53,8 +53,11 @@ venv-sglang:
 # was imports: tests/dist.py forks the ranks from a launcher that imported them once (tests/warm_launch.py;
 # pytest 2947 s, 787 passed). Files that share launches (tests/layout_runs.py, distopt_launch) run on one worker
 # (tests/conftest.py, SHARED_LAUNCHES; pytest 2424 s, 808 passed).
+# The repository's own modules are compiled once first: where PYTHONDONTWRITEBYTECODE is set (CI's machines set it),
+# every process the suite starts (CLI launches, their ranks, servers) would compile them from source again.
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(VENV)/bin/python -m compileall -q rlpo_mega moe launch tests tools > /dev/null
 	PYTHON=$(PYTHON) bash tests/sglang_support/build_env.sh > .venv-sglang.build.log 2>&1 & \
 	$(VENV)/bin/python -m pytest tests -q -p no:cacheprovider --durations=40 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder; rc=$$?; wait; \
 	tail -n 1 .venv-sglang.build.log; exit $$rc
