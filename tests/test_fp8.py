@@ -218,7 +218,7 @@ def _engine(sglang_python, tmp_path_factory, ckpt, weights, tp=1):
                              server_args={**SERVER_ARGS, "dtype": "bfloat16"},
                              python=sglang_python, log_dir=str(tmp_path_factory.mktemp("sglang_logs")),
                              startup_timeout=240, request_timeout=120, max_restarts=0,
-                             env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path"),
+                             env={"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path"),
                                   # shared/notes/sglang.md: TP=2 on this CPU, a core per rank
                                   **({"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {})})
     return SGLangEngine(cfg, hf, model_path=ckpt, weights=weights)

@@ -75,7 +75,7 @@ class _Servers:
             sys.path.insert(0, os.path.join(ROOT, "launch"))
             from sglang_server import SGLangServer
 
-            env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")}
+            env = {"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")}
             if tp == 2:
                 env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"  # shared/notes/sglang.md: TP=2 on this CPU
             extra = fp8_server_args(load_hf_config(hf_dir)) if fp8 else {}
@@ -118,7 +118,7 @@ def _shrunk(recipe, work, assets, servers):
             servers().stop()
             launch = {"rollout.sglang.python": servers().python, "rollout.sglang.base_port": free_port(),
                       "rollout.sglang.log_dir": str(work / "sglang_logs"),
-                      "rollout.sglang.env.SGLANG_USE_CPU_ENGINE": "1",
+                      "rollout.sglang.env.SGLANG_USE_CPU_ENGINE": "1", "rollout.sglang.env.TORCHDYNAMO_DISABLE": "1",
                       "rollout.sglang.env.PYTHONPATH": os.path.join(SUPPORT, "path"),
                       **({"rollout.sglang.env.SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp == 2 else {}),
                       **{f"rollout.sglang.server_args.{k}": v for k, v in {**SERVER_ARGS, "dtype": dtype}.items()}}

@@ -46,7 +46,7 @@ def _server(python, ckpt, tp, log_dir):
     sys.path.insert(0, os.path.join(ROOT, "launch"))
     from sglang_server import SGLangServer
 
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")}
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")}
     if tp == 2:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = "0|1"  # shared/notes/sglang.md: TP=2 on this CPU
     return SGLangServer(ckpt, port=free_port(), tp_size=tp, python=python, log_dir=log_dir,

@@ -34,6 +34,10 @@ SUPPORT = os.path.join(ROOT, "tests", "sglang_support")
 VENV = os.environ.get("RLPO_SGLANG_VENV", os.path.join(ROOT, ".venv-sglang"))
 FAMILIES = {"qwen3_moe": "configs/models/tiny_qwen3_moe.json", "mixtral": "configs/models/tiny_mixtral.json"}
 # the measured CPU recipe (shared/notes/sglang.md); float32 so log-probs compare with the learner's.
+# Every CPU server here also runs with TORCHDYNAMO_DISABLE=1: sglang torch.compiles a few helpers (the vocabulary
+# mask at TP > 1, seeded sampling) with inductor, which on this CPU compiles C++ in every server's scheduler
+# (measured: a TP-1 server's processes used 29.9 s of CPU with it, 24.4 s without; the suite starts ~45 servers);
+# the model's forward, its log-probs and routes, are not compiled either way.
 # sleep_on_idle: an idle server's scheduler otherwise polls without pause; measured on this 2-core machine, an
 # idle TP-2 server used 1.27 cores without it, 0.04 with it, and the learners launched beside it ran that
 # much slower.
@@ -68,7 +72,7 @@ def _launched(model_type, config, sglang_python, tmp_path_factory):
     cfg = SGLangEngineConfig(launch=True, base_port=free_port(), server_args=SERVER_ARGS, python=sglang_python,
                              log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout=240,
                              request_timeout=120, max_restarts=1 if model_type == "qwen3_moe" else 0,
-                             env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")})
+                             env={"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": os.path.join(SUPPORT, "path")})
     t0 = time.monotonic()
     assert ENGINES.get("sglang") is SGLangEngine
     engine = ENGINES.get("sglang")(cfg, hf, model_path=ckpt)

@@ -46,7 +46,7 @@ def main():
         servers = ["rollout.colocate=true", "rollout.sglang.launch=true", "rollout.sglang.num_servers=1",
                    f"rollout.sglang.python={env['RLPO_SGLANG_PYTHON']}", "rollout.sglang.startup_timeout=300",
                    f"rollout.sglang.log_dir={os.path.join(out, 'sglang_logs')}",
-                   "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1",
+                   "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1", "rollout.sglang.env.TORCHDYNAMO_DISABLE=1",
                    f"rollout.sglang.env.PYTHONPATH={env['RLPO_SGLANG_PATH']}",
                    *(["rollout.sglang.env.SGLANG_CPU_OMP_THREADS_BIND=0|1"] if server_tp == "2" else []),
                    *(f"rollout.sglang.server_args.{k}={str(v).lower() if isinstance(v, bool) else v}"

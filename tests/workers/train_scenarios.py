@@ -321,7 +321,7 @@ def _sglang_cfg(out, run, *extra):
                "rollout.sglang.launch=true", f"rollout.sglang.python={env['RLPO_SGLANG_PYTHON']}",
                f"rollout.sglang.base_port={env['RLPO_SGLANG_PORT']}", "rollout.sglang.startup_timeout=240",
                f"rollout.sglang.log_dir={os.path.join(out, 'sglang_logs')}", "rollout.sglang.max_restarts=0",
-               "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1", f"rollout.sglang.env.PYTHONPATH={env['RLPO_SGLANG_PATH']}",
+               "rollout.sglang.env.SGLANG_USE_CPU_ENGINE=1", "rollout.sglang.env.TORCHDYNAMO_DISABLE=1", f"rollout.sglang.env.PYTHONPATH={env['RLPO_SGLANG_PATH']}",
                *(f"rollout.sglang.server_args.{k}={str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in server_args.items()), *extra)
 
@@ -496,7 +496,7 @@ def sglang_external_failover(out):
             port = int(urls[1].rsplit(":", 1)[1])
             server = SGLangServer(env["RLPO_SGLANG_HF"], port=port, server_args=json.loads(env["RLPO_SGLANG_SERVER_ARGS"]),
                                   python=env["RLPO_SGLANG_PYTHON"], log_dir=os.path.join(out, "sglang_logs"),
-                                  env={"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": env["RLPO_SGLANG_PATH"]})
+                                  env={"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": env["RLPO_SGLANG_PATH"]})
             restarted.append(server.start(240))
 
     SGLangEngine._answer, SGLangEngine.load_weights = answer, load_weights
