@@ -17,6 +17,40 @@ def distopt_launch(tmp_path_factory):
     return torchrun("ckpt_distopt.py", 2, str(tmp_path_factory.mktemp("distopt")), "qwen3_moe")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def warm_meta_builds():
+    """The planner's meta builds (rlpo_mega.planning.meta_build.run: one child process per model to size) forked
+    from tests/warm_launch.py's launcher, which has megatron-core, torch and transformers imported, instead of a
+    fresh interpreter importing them for each build (~8 s of CPU a build; the suite's in-process plans build ~20).
+    The child is the same: meta_build.main() on the same request JSON, in a process of its own that applies the
+    CPU platform itself, its stdout read as `run` reads it. The CLI's plans (`rlpo-mega plan`, `check`, tested
+    as subprocesses) start their children as users' do."""
+    import json
+    import tempfile
+    from dataclasses import asdict
+
+    from rlpo_mega.planning import meta_build
+    from tests.dist import torchrun
+
+    fresh = meta_build.run
+
+    def run(req, timeout: float = 600.0):
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(asdict(req), f)
+            f.flush()
+            proc = torchrun("meta_build_child.py", 1, f.name, env={"CUDA_VISIBLE_DEVICES": ""},
+                            timeout=int(timeout), expect_fail=True)
+        if proc.returncode != 0:
+            tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
+            raise meta_build.MetaBuildError(f"building {req.hf_config} on the meta device at TP{req.layout.tensor}/"
+                                            f"PP{req.layout.pipeline}/EP{req.layout.expert} failed: {tail[0]}")
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    meta_build.run = run
+    yield
+    meta_build.run = fresh
+
+
 # `make test` runs two xdist workers, a file per worker at a time (--dist loadfile), in collection order
 # (--no-loadscope-reorder: xdist would otherwise order the files by their number of tests). The
 # longest files go first, so that the short ones fill the end of both workers instead of one long file running

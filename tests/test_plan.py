@@ -12,7 +12,8 @@ from rlpo_mega.config import load_config
 from rlpo_mega.distributed import resolve_layout
 from rlpo_mega.planning import plan as planning
 from rlpo_mega.planning.memory import Offload, model_bytes
-from rlpo_mega.planning.meta_build import Request, run as meta_run
+from rlpo_mega.planning import meta_build
+from rlpo_mega.planning.meta_build import Request
 from tests.dist import ROOT
 from tests.layout_runs import LAYOUTS, PLAN_MEMORY_LAYOUTS, layout_run
 from tests.recipe_shrink import recipes
@@ -125,7 +126,7 @@ def test_memory_model_equals_megatron_allocations(layout, tmp_path_factory):
     for kind in ("plain", "distopt", *offload):
         measured = [json.load(open(os.path.join(out, f"memory_{kind}_{r}.json"))) for r in range(nproc)]
         distopt = kind != "plain"
-        built = meta_run(Request("configs/models/tiny_glm4_moe.json", lay, "bfloat16", 128, distopt,
+        built = meta_build.run(Request("configs/models/tiny_glm4_moe.json", lay, "bfloat16", 128, distopt,
                                  ranks=tuple(range(nproc))))
         for m, b in zip(measured, built):
             predicted = model_bytes(b, distopt, m["dp_rank"], m["expert_dp_rank"], offload.get(kind))
