@@ -288,7 +288,9 @@ def sigterm_and_restart(out):
     prompts, exits with the thread stopped; the resumed run trains those prompts at step 1. Then an engine
     crash on rank 1 during a rollout overlapped with training: rebuilt, re-synced, the run goes on."""
     ck = os.path.join(out, "ckpt")
-    os.environ["RLPO_DECODE_DELAY"] = "0.4"  # step 1's rollout (about 3 s) outlasts step 0's training
+    # step 1's rollout (about 9 s) outlasts step 1's training: at 0.4 s a forward (about 3 s) a loaded machine's
+    # learner step outlasted it once (a fresh-clone suite run of 2026-11-30: the signal found the rollout done)
+    os.environ["RLPO_DECODE_DELAY"] = "1.2"
     step, original = Trainer.train_step, {}
 
     def signalled(self):
