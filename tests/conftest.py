@@ -40,11 +40,7 @@ def warm_meta_builds():
             f.flush()
             proc = torchrun("meta_build_child.py", 1, f.name, env={"CUDA_VISIBLE_DEVICES": ""},
                             timeout=int(timeout), expect_fail=True)
-        if proc.returncode != 0:
-            tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
-            raise meta_build.MetaBuildError(f"building {req.hf_config} on the meta device at TP{req.layout.tensor}/"
-                                            f"PP{req.layout.pipeline}/EP{req.layout.expert} failed: {tail[0]}")
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        return meta_build.child_result(req, proc)
 
     meta_build.run = run
     yield

@@ -127,7 +127,7 @@ def test_memory_model_equals_megatron_allocations(layout, tmp_path_factory):
         measured = [json.load(open(os.path.join(out, f"memory_{kind}_{r}.json"))) for r in range(nproc)]
         distopt = kind != "plain"
         built = meta_build.run(Request("configs/models/tiny_glm4_moe.json", lay, "bfloat16", 128, distopt,
-                                 ranks=tuple(range(nproc))))
+                                       ranks=tuple(range(nproc))))
         for m, b in zip(measured, built):
             predicted = model_bytes(b, distopt, m["dp_rank"], m["expert_dp_rank"], offload.get(kind))
             got = (m["params"], m["param_bytes"], m["grad_bytes"], m["optimizer_bytes"], m["host_optimizer_bytes"])

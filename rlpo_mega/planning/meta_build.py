@@ -142,6 +142,11 @@ def run(req: Request, timeout: float = 600.0) -> list[dict]:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "rlpo_mega.planning.meta_build"], input=json.dumps(asdict(req)),
                           capture_output=True, text=True, timeout=timeout, env=env)
+    return child_result(req, proc)
+
+
+def child_result(req: Request, proc) -> list[dict]:
+    """What a finished child (`main`) reported: its last stdout line, or a MetaBuildError naming its last error."""
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.strip().splitlines() if line.strip()][-1:] or ["(no output)"]
         raise MetaBuildError(f"building {req.hf_config} on the meta device at TP{req.layout.tensor}/PP"
