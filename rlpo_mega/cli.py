@@ -259,7 +259,13 @@ def _convert(args) -> int:
 def _export(args) -> int:
     from rlpo_mega import convert
 
-    convert.export(args.ckpt, args.hf_out, bucket_mb=args.bucket_mb, overwrite=args.overwrite)
+    if not (args.hf_out or args.peft_out):
+        raise ConfigError("export: give --hf-out (the HF model; a LoRA run's with its adapters merged) and/or "
+                         "--peft-out (a LoRA run's adapters as a PEFT adapter directory)")
+    if args.peft_out:  # first: small, and a checkpoint without adapters is refused before the merged export runs
+        convert.export_peft(args.ckpt, args.peft_out, overwrite=args.overwrite)
+    if args.hf_out:
+        convert.export(args.ckpt, args.hf_out, bucket_mb=args.bucket_mb, overwrite=args.overwrite, base=args.base)
     return 0
 
 
@@ -319,13 +325,20 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--ep", type=int, default=1)
     conv.add_argument("--overwrite", action="store_true",
                       help="replace --out if an earlier `convert` wrote it (never anything else)")
-    exp = sub.add_parser("export", help="megatron dist checkpoint -> HF checkpoint directory")
+    exp = sub.add_parser("export", help="megatron dist checkpoint -> HF checkpoint directory (a LoRA run's: merged) "
+                                        "and/or a LoRA run's PEFT adapter directory")
     exp.add_argument("--ckpt", required=True)
-    exp.add_argument("--hf-out", required=True)
+    exp.add_argument("--hf-out", default=None, help="the HF model (a LoRA run's with its adapters merged into it)")
+    exp.add_argument("--peft-out", default=None,
+                     help="a LoRA run's adapters: adapter_config.json + adapter_model.safetensors for peft's "
+                          "PeftModel.from_pretrained on the base model")
+    exp.add_argument("--base", default=None,
+                     help="a LoRA run's adapter-only checkpoint: the HF base to merge into (default: the one it "
+                          "records; refused if it holds other weights)")
     exp.add_argument("--bucket-mb", type=int, default=256)
     exp.add_argument("--overwrite", action="store_true",
-                     help="replace --hf-out if an earlier export wrote it (never a checkpoint, a save_dir or "
-                          "other files)")
+                     help="replace --hf-out / --peft-out if an earlier export wrote it (never a checkpoint, a "
+                          "save_dir or other files)")
     agent = sub.add_parser("torchrun", help="torch.distributed.run's own arguments, run by rlpo-mega's agent "
                                             "(launch/torchrun.sh): a stop (SIGTERM/SIGINT, the workers saved) exits 75 "
                                             "where plain torchrun exits 1, and a worker's user error is one line")

@@ -49,6 +49,11 @@ class LoRAConfig:
     # the routed experts' factors: each expert's own A and B, one pair shared by the layer's experts, or
     # shared_outer (fc1's A and fc2's B shared, the rest each expert's own: what SGLang serves natively)
     expert_layout: Literal["per_expert", "shared", "shared_outer"] = "shared_outer"
+    # what a checkpoint holds: "adapters" the factors and their optimizer state only (MBs, where the base is GBs),
+    # the base reloaded from model.init_from_hf at a resume or an export and refused there if it is not the one
+    # the run trained on (its fingerprint, recorded); "full" the base too; "auto" adapters where model.init_from_hf
+    # is set, else full (a base made by the run's own initialisation exists nowhere else)
+    save: Literal["auto", "adapters", "full"] = "auto"
 
 
 @dataclass
@@ -64,6 +69,12 @@ class ModelConfig:
     # checkpoint's bias, so replayed batches never move it and the engine routes with the bias the learner has.
     expert_bias_update_rate: float = 0.0
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def adapters_only(self) -> bool:
+        """Whether a LoRA run's checkpoints hold its adapters only (model.lora.save; "auto": where the base can be
+        reloaded from model.init_from_hf)."""
+        lo = self.lora
+        return bool(lo.rank) and (lo.save == "adapters" or (lo.save == "auto" and bool(self.init_from_hf)))
 
 
 @dataclass

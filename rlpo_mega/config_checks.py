@@ -523,6 +523,9 @@ def _check_lora(cfg, hf):
     if "attention" in lo.targets and get_family(hf.model_type).transformer_fields(hf).get("multi_latent_attention"):
         raise ConfigError(f"model.lora.targets has attention, and {hf.model_type}'s multi-latent attention has no "
                           "fused qkv projection for the adapters (not built); drop attention from the targets")
+    if lo.save == "adapters" and not cfg.model.init_from_hf:
+        raise ConfigError("model.lora.save=adapters without model.init_from_hf: an adapter-only checkpoint reloads "
+                          "its base from model.init_from_hf at a resume or an export; set it, or model.lora.save=full")
     etp = cfg.parallel.expert_tensor if cfg.parallel.expert_tensor is not None else cfg.parallel.tensor
     if "experts" in lo.targets and lo.expert_layout == "shared" and etp > 1:
         raise ConfigError(f"model.lora.expert_layout=shared at expert-tensor-parallel size {etp} is not built (its "

@@ -37,11 +37,12 @@ def test_allgather_kv_attention_equals_the_single_rank_attention():
 
 QWEN, MIXTRAL, GLM, DEEPSEEK = ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json",
                                 "configs/models/tiny_glm4_moe.json", "configs/models/tiny_deepseek_v3.json")
-# name: (processes, model=loss[+loss] pairs, overrides). "critic": PPO with GAE and the value model.
+# name: (processes, model=loss[+loss] pairs, overrides). "critic": PPO with GAE and the value model. "lora": GSPO
+# on adapters (model.lora: attention and experts, shared_outer) over the frozen base, every B drawn non-zero.
 CP_LAYOUTS = {
-    "cp2": (2, f"{QWEN}=grpo+gspo,{MIXTRAL}=critic,{GLM}=grpo,{DEEPSEEK}=gspo", ()),
-    "ep2_cp2": (2, f"{QWEN}=gspo,{MIXTRAL}=grpo", ("parallel.expert=2",)),
-    "tp2_sp_cp2": (4, f"{QWEN}=gspo+critic", ("parallel.tensor=2",)),
+    "cp2": (2, f"{QWEN}=grpo+gspo+lora,{MIXTRAL}=critic,{GLM}=grpo,{DEEPSEEK}=gspo", ()),
+    "ep2_cp2": (2, f"{QWEN}=gspo,{MIXTRAL}=grpo+lora", ("parallel.expert=2",)),
+    "tp2_sp_cp2": (4, f"{QWEN}=gspo+critic+lora", ("parallel.tensor=2",)),
     "pp2_cp2": (4, f"{QWEN}=gspo+critic", ("parallel.pipeline=2", "parallel.num_micro_batches=2")),
 }
 REL_TOL = 1e-5  # tests/test_parity.py's, for every layout against the single process
@@ -68,6 +69,8 @@ def test_context_parallel_equals_the_layout_without_it(layout):
             where = f"{layout} {model} {loss}"
             assert r["cp"] == [2, 1], where
             assert r["zero_grads"] == 0, f"{where}: a parameter without gradient proves nothing"
+            if loss == "lora":  # only the factors train: every base parameter and the router frozen in both runs
+                assert r["base_trainable"] == [0, 0] and r["trained"] > 0, f"{where}: {r['base_trainable']}"
             assert r["grad_rel_max"] <= REL_TOL, f"{where}: gradient rel error {r['grad_rel_max']:.2e}"
             assert r["logp_rel_max"] <= REL_TOL, f"{where}: old log-prob rel error {r['logp_rel_max']:.2e}"
             a, b = r["grad_norm"]

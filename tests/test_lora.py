@@ -90,3 +90,60 @@ def test_lora_refusals_name_the_cause_and_the_fix():
         load_config(None, ("model.lora.expert_layout=outer",))
     with pytest.raises(LoRAError, match="rank 0 must be >= 1"):
         LoRASpec(rank=0, alpha=1.0)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_peft_export_on_its_base_gives_the_learners_logits(family, reference, tmp_path):
+    """`rlpo-mega export --peft-out` (convert.export_peft) of the reference's LoRA checkpoint, read whole from it
+    without a model: peft 0.21 loads the adapter onto transformers' model of the HF base the learner was built from,
+    every tensor it made is one the export wrote (none dropped, none left at peft's init), and its logits equal the
+    adapted learner's (qwen3_moe: attention and the experts, shared_outer, whose shared factors go to every expert;
+    glm4_moe: its dense layer, shared experts and experts per_expert); merged by peft, the same. The base alone is
+    far from them (the adapters move the logits)."""
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from rlpo_mega.convert import export_peft
+    from tests.workers.bridge import rel_err
+
+    root = os.path.join(reference, "lora")
+    out = tmp_path / "adapter"
+    export_peft(os.path.join(root, f"init_{family}"), str(out))
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_parameters"][-2:] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
+    written = load_file(str(out / "adapter_model.safetensors"))
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, f"base_{family}"), dtype=torch.float32)
+    model = PeftModel.from_pretrained(model, str(out))
+    model.eval()
+    held = get_peft_model_state_dict(model)
+    assert sorted(held) == sorted(written), sorted(set(held) ^ set(written))[:6]
+    assert all(torch.equal(held[k], written[k]) for k in held)
+    want = torch.load(os.path.join(root, f"logits_{family}.pt"))
+    with torch.no_grad():
+        got = model(want["tokens"]).logits.double()
+        with model.disable_adapter():
+            base = model(want["tokens"]).logits.double()
+        merged = model.merge_and_unload()(want["tokens"]).logits.double()
+    assert rel_err(got, want["logits"]) < 1e-5 and rel_err(merged, want["logits"]) < 1e-5, \
+        (rel_err(got, want["logits"]), rel_err(merged, want["logits"]))
+    assert rel_err(base, want["logits"]) > 0.1
+
+
+def test_a_peft_export_of_a_checkpoint_without_adapters_is_refused(reference, tmp_path):
+    """A checkpoint saved without model.lora (here the reference's, its record of it removed): one line, nothing
+    written."""
+    import shutil
+
+    from rlpo_mega.checkpoint.dist import CheckpointError
+    from rlpo_mega.convert import export_peft
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(reference, "lora", "init_qwen3_moe"), ckpt)
+    meta = json.loads((ckpt / "rlpo_meta.json").read_text())
+    meta["settings"]["model.lora"] = None
+    (ckpt / "rlpo_meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="saved without model.lora"):
+        export_peft(str(ckpt), str(tmp_path / "adapter"))
+    assert not (tmp_path / "adapter").exists()

@@ -6,6 +6,7 @@ the runs' metrics are read back from their offline W&B logs and metrics.jsonl.
 import glob
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -173,20 +174,30 @@ def test_lora_run_syncs_merged_weights_keeps_the_base_as_reference_and_resumes_e
 
 
 def test_a_lora_checkpoint_exports_its_merged_weights_and_refuses_another_models_resume(resumed, tmp_path):
-    """`rlpo-mega export` of a LoRA run's checkpoint rebuilds its adapters (from the checkpoint's recorded model.lora)
-    and writes the merged weights: tensor for tensor the trainer's own HF export of that step (without them it would
-    write the base). A resume whose model.lora differs from the checkpoint's (none, another rank) is refused before
-    anything loads, naming both."""
-    from safetensors.torch import load_file
+    """A LoRA run on an HF base (model.init_from_hf) saves its adapters only: the checkpoint's model entries are the
+    factors (and the optimizer's theirs), its meta names the base and its fingerprint. `rlpo-mega export` of it
+    rebuilds the base from there, loads the factors and writes the merged weights: tensor for tensor the trainer's own
+    HF export of that step; `--peft-out` in the same command writes the PEFT adapter, which peft puts on that base to
+    give the merged model's logits. A resume whose model.lora differs (none, another rank) is refused before anything
+    loads, naming both, and so is one on no base or on another base (same shapes, other weights)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
 
-    from rlpo_mega.checkpoint.dist import CheckpointError
-    from rlpo_mega.config import LoRAConfig
+    from moe.lora import is_lora_param
+    from rlpo_mega.checkpoint.dist import CheckpointError, read_meta
+    from rlpo_mega.config import LoRAConfig, ModelConfig
     from rlpo_mega.training.trainer import check_lora_resume
 
-    step2 = os.path.join(resumed["ckpt_lora"], "step_00000002")
-    out = tmp_path / "hf"
-    proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "export", "--ckpt", step2, "--hf-out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+    step2, base = os.path.join(resumed["ckpt_lora"], "step_00000002"), resumed["lora_base"]
+    meta = read_meta(step2)
+    assert meta["adapters_only"] and meta["base"]["path"] == base and len(meta["base"]["fingerprint"]) == 64, meta
+    keys = [k for k in FileSystemReader(step2).read_metadata().state_dict_metadata if not k.startswith("optimizer.")]
+    assert keys and all(is_lora_param(k) for k in keys if k.startswith(("decoder.", "embedding.", "output_layer."))), keys
+    out, adapter = tmp_path / "hf", tmp_path / "adapter"
+    proc = subprocess.run([sys.executable, "-m", "rlpo_mega.cli", "export", "--ckpt", step2, "--hf-out", str(out),
+                           "--peft-out", str(adapter)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
 
@@ -196,12 +207,29 @@ def test_a_lora_checkpoint_exports_its_merged_weights_and_refuses_another_models
 
     mine, trainers = tensors(out), tensors(os.path.join(step2, "hf_model"))
     assert sorted(mine) == sorted(trainers) and all(torch.equal(mine[k], trainers[k]) for k in mine)
-    check_lora_resume(step2, LoRAConfig(rank=4, alpha=16.0))
+    tokens = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)(tokens).logits
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(adapter))
+        got = peft(tokens).logits
+    assert float((got - merged).abs().max() / merged.abs().max()) < 1e-5
+
+    lora = LoRAConfig(rank=4, alpha=16.0)
+    check_lora_resume(step2, ModelConfig(lora=lora, init_from_hf=base))
     for other, named in ((LoRAConfig(), "this run has off"), (LoRAConfig(rank=8, alpha=16.0), "'rank': 8")):
         with pytest.raises(CheckpointError, match=named):
-            check_lora_resume(step2, other)
+            check_lora_resume(step2, ModelConfig(lora=other, init_from_hf=base))
     with pytest.raises(CheckpointError, match="saved with model.lora off"):
-        check_lora_resume(os.path.join(resumed["ckpt"], "step_00000004"), LoRAConfig(rank=4, alpha=16.0))
+        check_lora_resume(os.path.join(resumed["ckpt"], "step_00000004"), ModelConfig(lora=lora))
+    with pytest.raises(CheckpointError, match="adapters only, trained on the base .*: set model.init_from_hf"):
+        check_lora_resume(step2, ModelConfig(lora=lora))
+    other = tmp_path / "other_base"  # the same model, other weights (one tensor moved: all in the samples here)
+    shutil.copytree(base, other)
+    weights = load_file(str(other / "model.safetensors"))
+    weights["model.layers.0.self_attn.q_proj.weight"] += 1e-3
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="holds other weights"):
+        check_lora_resume(step2, ModelConfig(lora=lora, init_from_hf=str(other)))
 
 
 def test_resume_keeps_the_groups_carried_to_the_next_step(resumed):

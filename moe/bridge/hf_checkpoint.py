@@ -1,6 +1,7 @@
 """HF checkpoint directories: indexed lazy reads (slices only), validation, and atomic writes."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -129,6 +130,31 @@ class HFCheckpoint:
         if unexplained:
             raise CheckpointFormatError(f"{self.path}: unexpected tensor {unexplained[0]!r} "
                                         f"({len(unexplained)} in all) that the {hf.model_type} mapping does not know")
+
+
+FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES = 16, 1 << 16
+
+
+def fingerprint(path: str) -> str:
+    """What tells an HF checkpoint's weights from another's without reading them (a LoRA run's adapter-only
+    checkpoint records its base's, and a resume or an export from another base is refused): the sha256 of each
+    safetensors file's name, size and header (every tensor's name, dtype, shape and offsets) and of 16 samples of
+    64 KiB spread evenly through its data. Another architecture or layout differs in a header; another fine-tune of
+    the same one (a full fine-tune, or a LoRA merged into attention and experts: most of the bytes) in the samples.
+    A change confined to bytes between the samples is not seen: 1 MiB read per file, where the weights are GBs."""
+    ckpt = HFCheckpoint(path)
+    h = hashlib.sha256()
+    for file in sorted(set(ckpt.file_of.values())):
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            h.update(f"{os.path.basename(file)}/{size}/".encode())
+            h.update(f.read(n))
+            start = 8 + n
+            for k in range(FINGERPRINT_SAMPLES):
+                f.seek(start + (size - start) * k // FINGERPRINT_SAMPLES)
+                h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return h.hexdigest()
 
 
 def load_hf_dir_config(path: str):

@@ -193,6 +193,17 @@ class MoEFamily:
         return {"router": m + "gate.weight", "experts_gate_up": m + "experts.gate_up_proj",
                 "experts_down": m + "experts.down_proj"}
 
+    def peft_modules(self, hf) -> dict[str, str]:
+        """transformers 5's module paths ({i} = layer) of what a PEFT LoRA adapter of this model targets
+        (moe/bridge/peft.py): the attention's projections and a dense or shared-expert MLP's as modules
+        (`target_modules`), a MoE layer's fused experts as the parameters named by `hf_inmemory_names`
+        (`target_parameters`: peft's ParamWrapper on `gate_up_proj` and `down_proj`)."""
+        a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+        return {"q": a + "q_proj", "k": a + "k_proj", "v": a + "v_proj", "o": a + "o_proj",
+                "dense_gate": m + "gate_proj", "dense_up": m + "up_proj", "dense_down": m + "down_proj",
+                "shared_gate": m + "shared_experts.gate_proj", "shared_up": m + "shared_experts.up_proj",
+                "shared_down": m + "shared_experts.down_proj"}
+
     # --- HF checkpoint names (the weight bridge); {i} = layer, {e} = expert -------------------
     def hf_names(self, hf) -> dict[str, str]:
         """Templates of released-checkpoint names; families override the MLP/router parts."""

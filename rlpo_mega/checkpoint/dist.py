@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from moe.bridge.hf_checkpoint import fingerprint
 from moe.bridge.outputs import swap_in
+from moe.lora import is_lora_param
 from rlpo_mega.checkpoint import layer_spec
 from rlpo_mega.checkpoint.distopt import load_state, save_state
 from rlpo_mega.checkpoint.files import checkpoint_files, disk_full, verify_files
@@ -57,6 +59,11 @@ def _model_state(model_chunks, prefix: str = ""):
     if len(model_chunks) != 1:
         raise NotImplementedError("virtual pipeline stages are not supported yet")
     return unwrap(model_chunks[0]).sharded_state_dict(prefix=prefix)
+
+
+def _adapters(model_sd: dict) -> dict:
+    """The LoRA factors' entries of a model's sharded state dict (an adapter-only checkpoint's model)."""
+    return {k: v for k, v in model_sd.items() if is_lora_param(k)}
 
 
 def _sub_optimizers(optimizer):
@@ -244,7 +251,7 @@ def _what_failed(e: BaseException, path: str) -> str:
 
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
                     files: dict[str, bytes] | None = None, reference_chunks=None, critic=None, checksums: bool = True,
-                    rank_files: dict[str, bytes] | None = None):
+                    rank_files: dict[str, bytes] | None = None, adapters_only: bool = False):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
     the checkpoint before the swap (the trainer state), so they exist exactly when the weights do; rank_files:
     the same, written by the rank that passes them (names distinct across ranks: a rank's own rollout state).
@@ -253,7 +260,9 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     A failure on any rank (a full disk included) is agreed by all ranks, `path`.tmp is removed and one
     CheckpointError says what happened; `path` and anything before it are untouched. Every file's checksum is
     taken from its bytes as they are written (rlpo_mega.checkpoint.writes): the save reads nothing back but two
-    small files of megatron's. checksums=False records the sizes only (it saves no time any more)."""
+    small files of megatron's. checksums=False records the sizes only (it saves no time any more).
+    adapters_only: a LoRA run's policy without its frozen base (the factors, their optimizer state; meta
+    "adapters_only"): a load rebuilds the base first (model.init_from_hf) and takes the factors from here."""
     from megatron.core import dist_checkpointing
 
     from rlpo_mega.checkpoint.writes import HashingSaveStrategy, written
@@ -263,8 +272,8 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     tmp = path + ".tmp"
     rank = dist.get_rank()
     model_sd = _model_state(model_chunks)
-    state = {"model": model_sd}
-    if optimizer is not None:
+    state = {"model": _adapters(model_sd) if adapters_only else model_sd}
+    if optimizer is not None:  # its keys from the whole model's entries: the optimizer holds the factors only
         _, flat, step = _optimizer_state(model_sd, optimizer, is_loading=False)
         # DP ranks > 0 of every distributed optimizer hold no tensor: no empty list in their common state
         state["optimizer"] = {"step": step, **({"tensors": flat} if flat else {})}
@@ -330,7 +339,7 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
                        "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
                        "has_reference": reference_chunks is not None, "has_critic": critic is not None,
                        "has_critic_optimizer": critic is not None and critic[1] is not None,
-                       **(meta or {}), "files": digests}, f, indent=1)
+                       "adapters_only": adapters_only, **(meta or {}), "files": digests}, f, indent=1)
         os.remove(os.path.join(tmp, PARTIAL))
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
 
@@ -389,6 +398,58 @@ def read_meta(path: str) -> dict:
     return meta
 
 
+def read_whole(path: str, keep) -> dict[str, torch.Tensor]:
+    """The policy's checkpoint tensors whose key passes `keep` (a LoRA run's factors: a few MB), each whole as the
+    single process holds it, read in this process without a process group or a model: megatron's torch_dist format
+    is torch.distributed.checkpoint's, whose metadata names every tensor's global shape, so the reader assembles it
+    from the shards of any layout. The files are checked against their recorded checksums first."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = os.path.abspath(path)
+    meta = read_meta(path)
+    if "files" in meta:
+        problem = verify_files(path, meta["files"])
+        if problem:
+            raise CheckpointError(problem)
+    reader = FileSystemReader(path)
+    entries = reader.read_metadata().state_dict_metadata
+    want = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in entries.items()
+            if isinstance(m, TensorStorageMetadata) and not k.startswith((_REFERENCE, _CRITIC, "optimizer."))
+            and keep(k)}
+    if want:
+        load(want, storage_reader=reader, no_dist=True)
+    bad = next((k for k, t in want.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise CheckpointError(f"checkpoint {path}: {bad} holds NaN/inf values (the run that saved it had diverged): "
+                              "export an earlier step")
+    return want
+
+
+def base_record(init_from_hf: str) -> dict:
+    """What an adapter-only checkpoint records of the base it was trained on (meta "base")."""
+    return {"path": os.path.abspath(init_from_hf), "fingerprint": fingerprint(init_from_hf)}
+
+
+def check_base(path: str, meta: dict, init_from_hf: str | None, what: str = "model.init_from_hf"):
+    """An adapter-only checkpoint (meta "adapters_only") loads only onto the base it was trained on: refused in one
+    line, before anything is built or loaded, where `init_from_hf` is unset or holds other weights (their
+    fingerprints, moe/bridge/hf_checkpoint.py, differ)."""
+    if not meta.get("adapters_only"):
+        return
+    base = meta.get("base") or {}
+    if not init_from_hf:
+        raise CheckpointError(f"{path} holds a LoRA run's adapters only, trained on the base {base.get('path')}: "
+                              f"set {what} to that HF checkpoint")
+    if not os.path.isdir(init_from_hf):
+        raise CheckpointError(f"{path} holds adapters trained on the base {base.get('path')}, and {what}="
+                              f"{init_from_hf} does not exist: point it at that base")
+    if fingerprint(init_from_hf) != base.get("fingerprint"):
+        raise CheckpointError(f"{path} holds adapters trained on the base {base.get('path')}, and {what}="
+                              f"{init_from_hf} holds other weights (their fingerprints differ): use that base, or "
+                              "start a new run from this one")
+
+
 def _first_non_finite(loaded: dict, flat: list) -> str | None:
     """The key of the first loaded floating tensor holding NaN or inf (weights, KL reference, optimizer)."""
     named = [(k, v) for part in ("model", "reference", "critic") for k, v in (loaded.get(part) or {}).items()]
@@ -416,7 +477,11 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
         raise CheckpointError(f"{path!r} holds no optimizer state; load it without an optimizer")
     crossing = _SpecCrossing(path, meta, model_chunks)
     model_sd = crossing(_model_state(model_chunks), model_chunks)
-    state = {"model": model_sd}
+    adapters_only = bool(meta.get("adapters_only"))
+    if adapters_only and not any(is_lora_param(n) for n, _ in unwrap(model_chunks[0]).named_parameters()):
+        raise CheckpointError(f"{path} holds a LoRA run's adapters only (its base is {(meta.get('base') or {}).get('path')}): "
+                              "load it into a model built with its model.lora on that base")
+    state = {"model": _adapters(model_sd) if adapters_only else model_sd}
     if optimizer is not None:
         subs, flat, _ = _optimizer_state(model_sd, optimizer, is_loading=True)  # keys from the crossed model's
         state["optimizer"] = {"tensors": flat}
@@ -449,7 +514,13 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
         raise CheckpointError(f"checkpoint {path}: {bad[0]} holds NaN/inf values (the run that saved it had "
                               "diverged, or the file was damaged before checksums were recorded): load an earlier "
                               "step with checkpoint.load_dir")
-    unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=True)
+    if adapters_only:  # the base is the model's own (built from model.init_from_hf); the factors come from here
+        missing, unexpected = unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=False)
+        if unexpected or any(is_lora_param(n) for n in missing):
+            raise CheckpointError(f"{path}: its adapters do not match this model's: missing "
+                                  f"{[n for n in missing if is_lora_param(n)][:3]}, unexpected {unexpected[:3]}")
+    else:
+        unwrap(model_chunks[0]).load_state_dict(loaded["model"], strict=True)
     if with_reference:
         unwrap(reference_chunks[0]).load_state_dict(
             {k[len(_REFERENCE):] if k.startswith(_REFERENCE) else k: v for k, v in loaded["reference"].items()},

@@ -347,6 +347,9 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
     load = [0] * nodes
     written = [0] * nodes
     distopt = cfg.optim.use_distributed_optimizer
+    # LoRA: DDP's buffers hold the adapters alone; model.lora.save=full writes the frozen base beside them (its main
+    # replicas, as the weights'), an adapter-only checkpoint (rlpo_mega.checkpoint.dist) does not
+    base_too = bool(cfg.model.lora.rank) and not cfg.model.adapters_only()
     for rank in range(layout.world_size):
         node = rank // c.gpus_per_node
         r = by_stage[_stage_of(rank, layout)]
@@ -355,6 +358,10 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
                 written[node] += memory.ITEMSIZE[b["param_dtype"]] * b["numel_unpadded"]
                 if not distopt:
                     written[node] += _state_bytes_per_element(b) * b["numel_unpadded"]
+        if base_too and r.get("frozen_param_bytes"):
+            expert_bytes = r["frozen_param_bytes"] * r["base_expert_params"] // max(1, r["base_params"])
+            written[node] += ((r["frozen_param_bytes"] - expert_bytes) * (dense[rank] == 0)
+                              + expert_bytes * (expert[rank] == 0))
         if distopt:
             held = optimizer_state_bytes(r["buffers"], dense[rank], expert[rank])
             save[node] += held[0]

@@ -45,7 +45,7 @@ from moe.routing.transport import gather_recipients
 from rlpo_mega import distributed, platform
 from rlpo_mega.algorithms.advantages import CRITIC_ESTIMATORS, sequence_advantages
 from rlpo_mega.checkpoint import run as ckpt_state
-from rlpo_mega.checkpoint.dist import CheckpointError
+from rlpo_mega.checkpoint.dist import CheckpointError, base_record, check_base
 from rlpo_mega.checkpoint.files import HF_FILES
 from rlpo_mega.config import ConfigError, response_budget, to_dict, unknown_choice
 from rlpo_mega.config_checks import check_run_config
@@ -94,6 +94,10 @@ class Trainer:
         # where the run starts and what in its save_dir is not its own: refused here, before anything is built
         self.identity = get_family(self.hf.model_type).identity(self.hf)
         self.plan = ckpt_state.plan_checkpoints(cfg.checkpoint, self.identity)
+        if self.plan.start is not None:  # a LoRA checkpoint of other adapters or on another base: refused now
+            check_lora_resume(self.plan.start, cfg.model)
+        # model.lora.save: adapter-only checkpoints record the base they need (its path and fingerprint)
+        self.base = base_record(cfg.model.init_from_hf) if cfg.model.adapters_only() else None
         self._check_engine_ranks(world)
         # every data file is read and validated before a process group or a model exists (a bad record is one
         # DataError naming file and line, not a failure after minutes of set-up)
@@ -270,7 +274,6 @@ class Trainer:
             return False
         critic = (self.critic.chunks, self.critic.optimizer if c.load_optimizer else None) if self.critic else None
         p = self.policy
-        check_lora_resume(path, self.cfg.model.lora)
         st = ckpt_state.load(path, p.chunks, p.optimizer, c.load_optimizer, reference=p.ref_chunks,
                              verify=c.verify, critic=critic)
         self.step, self.bad_steps = int(st["step"]), int(st["bad_steps"])
@@ -349,7 +352,9 @@ class Trainer:
             state["critic_lr_steps"] = self.critic.lr_schedule.num_steps
         path = ckpt_state.save(c.save_dir, self.step, self.policy.chunks, self.policy.optimizer, state, c.keep_last,
                                meta={"model_type": self.hf.model_type, "model": self.identity,
-                                     "run_id": self.run_id, "settings": self._settings()},
+                                     "run_id": self.run_id, "settings": self._settings(),
+                                     **({"base": self.base} if self.base else {})},
+                               adapters_only=self.base is not None,
                                hf_files=self._hf_files(), reference=self.policy.ref_chunks, stale=self.stale_steps,
                                critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None,
                                rank_state={"producer": producer} if producer else None)
@@ -446,15 +451,18 @@ class Trainer:
             self.critic.close()
 
 
-def check_lora_resume(path: str, lora_cfg):
-    """The adapters are part of the model: a checkpoint saved with other ones (or none) would load partly, silently.
-    Refused in one line before anything is loaded."""
-    saved = (ckpt_state.read_meta(path).get("settings") or {}).get("model.lora")
-    now = lora_setting(lora_cfg)
+def check_lora_resume(path: str, model_cfg):
+    """The adapters are part of the model: a checkpoint saved with other ones (or none) would load partly, silently;
+    an adapter-only one onto another base would load fully and be wrong. Refused in one line before anything is
+    loaded."""
+    meta = ckpt_state.read_meta(path)
+    saved = (meta.get("settings") or {}).get("model.lora")
+    now = lora_setting(model_cfg.lora)
     if saved != now:
         raise CheckpointError(f"{path} was saved with model.lora {saved or 'off'}, this run has {now or 'off'}: resume "
                               "with the same model.lora, or start from an HF model (model.init_from_hf; `rlpo-mega "
                               "export` of a LoRA checkpoint merges its adapters)")
+    check_base(path, meta, model_cfg.init_from_hf)
 
 
 def train(cfg, keep_world: bool = False) -> int:

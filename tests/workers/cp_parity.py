@@ -16,12 +16,14 @@ argv: model json=loss[+loss] pairs (comma-separated), then config overrides for 
 """
 import os
 import sys
+import zlib
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from moe import context_parallel  # noqa: E402
+from moe.lora import is_lora_param  # noqa: E402
 from moe.model import load_hf_config  # noqa: E402
 from moe.routing.replay import RoutingReplay  # noqa: E402
 from moe.routing.trace import TraceSpec  # noqa: E402
@@ -40,6 +42,8 @@ from tests.workers.packed_parity import main, make_samples, make_stale, stalenes
 CRITIC = ("algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip", "algorithm.advantage.gamma=0.99",
           "algorithm.advantage.lam=0.9", "critic.optim.lr=1e-3", "critic.vf_clip=0.05", "critic.vf_coef=0.5")
 N, GROUP = 16, 4
+# "lora": GSPO on adapters (model.lora, the attention's and the experts' factors) over the frozen base
+LORA = ("algorithm.loss.name=gspo", "model.lora.rank=4", "model.lora.alpha=8")
 BUDGET = 64  # tokens per micro-batch (the CP run's: the padded row of its CP group): several micro-batches per rank
 
 
@@ -83,7 +87,7 @@ def placement(micro, everything, cols, cp, cp_rank, sp_rank, sp):
 def one_run(hf, model_json, loss, context, overrides, everything, spec):
     # "critic": PPO with GAE and the value model (training/critic.py), its old values, GAE and one update too
     with_critic = loss == "critic"
-    settings = CRITIC if with_critic else (f"algorithm.loss.name={loss}",)
+    settings = CRITIC if with_critic else LORA if loss == "lora" else (f"algorithm.loss.name={loss}",)
     cfg = load_config(None, overrides + settings + (f"model.hf_config={model_json}", "routing.mode=r3",
                                                     "optim.lr=1e-3", f"parallel.context={context}",
                                                     f"trainer.max_tokens_per_micro_batch={BUDGET}"))
@@ -91,6 +95,8 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     from megatron.core import parallel_state as ps
 
     chunks, opt = build_policy(hf, layout, cfg.model, cfg.optim, routing_replay=True)
+    if loss == "lora":
+        draw_b(chunks)
     routing = RoutingReplay(chunks, spec, mode="r3")
     recipients = gather_recipients(chunks, spec)
     from tools.batch_support import prepare_step
@@ -115,10 +121,15 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
             old[i] = mb.old_logp[k, :len(everything[i].prompt_ids) + len(everything[i].response_ids) - 1].cpu()
     make_stale(micro, offsets)
     report = policy_step(chunks, opt, micro, cfg.algorithm, step_optimizer=False, routing=routing)
-    grads = {n: p.main_grad.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
-    before = {n: p.detach().clone() for n, p in unwrap(chunks[0]).named_parameters()}
+    named = list(unwrap(chunks[0]).named_parameters())
+    # LoRA: the base and the router frozen (no gradient buffer, out of the optimizer); the factors compared
+    base_trainable = sum(int(p.requires_grad or getattr(p, "main_grad", None) is not None)
+                         for n, p in named if not is_lora_param(n)) if loss == "lora" else 0
+    named = [(n, p) for n, p in named if p.requires_grad]
+    grads = {n: p.main_grad.detach().clone() for n, p in named}
+    before = {n: p.detach().clone() for n, p in named}
     _, grad_norm = optimizer_step(opt, strict=True)
-    moved = {n: p.detach() - before[n] for n, p in unwrap(chunks[0]).named_parameters()}
+    moved = {n: p.detach() - before[n] for n, p in named}
     critic_out = critic_grads = None
     if with_critic:
         critic_out = critic.update(critic_micro[0])
@@ -134,8 +145,30 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     return {"critic": (critic_stats, critic_out, critic_grads), "cp": cp_size,
             "rows": [[mb.tokens.shape[1], int(mb.cu_seqlens[-1])] for mb in micro], "report": report,
             "grads": grads, "moved": moved, "grad_norm": grad_norm, "old": merged,
-            "placement": place, "micro_batches": stats["data/micro_batches"],
+            "placement": place, "base_trainable": base_trainable, "micro_batches": stats["data/micro_batches"],
             "bytes_over_own_share": stats["data/bytes_over_own_share"]}
+
+
+def draw_b(chunks):
+    """Every adapter's B non-zero (it starts at zero, where A's gradient is zero and proves nothing), the same in
+    both runs and a valid model in each: drawn per parameter name and this rank's place in what the two runs share
+    (the pipeline stage; for an expert's own factor the EP rank, whose local experts it names; for a factor split
+    over (expert-)TP the (expert-)TP rank). A factor whole on every rank of a group (a row-parallel linear's B, a
+    layer's shared expert factors) is the same on each."""
+    from megatron.core import parallel_state as ps
+
+    for chunk in chunks:
+        for name, p in unwrap(chunk).named_parameters():
+            if not (is_lora_param(name) and name.rsplit(".", 1)[-1] in ("b", "lora_fc1_b", "lora_fc2_b")):
+                continue
+            expert = getattr(p, "allreduce", True) is False
+            split = getattr(p, "tensor_model_parallel", False)
+            place = (ps.get_pipeline_model_parallel_rank(), ps.get_expert_model_parallel_rank() if expert else None,
+                     (ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank())
+                     if split else None)
+            g = torch.Generator().manual_seed(zlib.crc32(f"{name}/{place}".encode()))
+            with torch.no_grad():
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
 def rel(a, b):
@@ -175,7 +208,8 @@ def run(model_json, losses, overrides):
                      "routing": {k: v for k, v in got["report"].items() if k.startswith("routing/")},
                      "placement": counts.tolist(),
                      "micro_batches": [got["micro_batches"], ref["micro_batches"]],
-                     "cp": [got["cp"], ref["cp"]], "local_rows": got["rows"], "critic": critic,
+                     "cp": [got["cp"], ref["cp"]], "base_trainable": [got["base_trainable"], ref["base_trainable"]],
+                     "trained": len(ref["grads"]), "local_rows": got["rows"], "critic": critic,
                      "bytes_over_own_share": [got["bytes_over_own_share"], ref["bytes_over_own_share"]]}
     return out
 

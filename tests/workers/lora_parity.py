@@ -1,9 +1,12 @@
 """LoRA (model.lora, moe/lora.py) at a layout against the single process, in the layout launches of
 tests/layout_runs.py (parity.py calls `run` when RLPO_LORA_DIRS is set): one launch per layout for every parity.
 
-phase=reference (1 process): the adapted policy with every B drawn non-zero (B starts at zero, where A's gradient is
-zero too: the comparison would not see A), saved as the initial checkpoint (the factors' own sharded entries: a
-layout that loads it reshards them); 3 steps' losses and the first step's gradients of every factor.
+phase=reference (1 process): the adapted policy on an HF base made here (base_<family>), with every B drawn non-zero (B
+starts at zero, where A's gradient is zero too: the comparison would not see A), saved as the initial checkpoint (the
+factors' own sharded entries: a layout that loads it reshards them; its model.lora and config.json as a trainer's
+checkpoint records them, so `rlpo-mega export --peft-out` takes it) with the adapted learner's logits of a token batch
+(logits_<family>.pt: what peft's adapter on the base must give); 3 steps' losses and the first step's gradients of
+every factor.
 phase=layout: load it at the layout; its merged export (W + alpha/r B A per shard, gathered by the bridge as the
 weight sync sends it) written as an HF checkpoint gives transformers' logits equal to the adapted learner's; the
 same 3 steps on the same batch, the first step's factor gradients saved as a dist checkpoint and reloaded whole at
@@ -25,12 +28,13 @@ from moe.lora import adapters, adapters_off, is_lora_param  # noqa: E402
 from moe.model import load_hf_config  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
 from rlpo_mega.checkpoint.dist import load_checkpoint, save_checkpoint  # noqa: E402
+from rlpo_mega.checkpoint.files import HF_FILES  # noqa: E402
 from rlpo_mega.config import load_config  # noqa: E402
-from rlpo_mega.model_setup import build_policy, unwrap  # noqa: E402
+from rlpo_mega.model_setup import build_policy, lora_setting, unwrap  # noqa: E402
 from rlpo_mega.processes import in_process_checkpoint_queue  # noqa: E402
 from rlpo_mega.training.update import forward_backward, reduce_report  # noqa: E402
 from rlpo_mega.training.warmup import data_parallel_shard, split_micro_batches, train_step  # noqa: E402
-from tests.workers.bridge import hf_logits, megatron_logits, rel_err  # noqa: E402
+from tests.workers.bridge import hf_logits, make_hf_checkpoint, megatron_logits, rel_err  # noqa: E402
 from tests.workers.parity import global_batch  # noqa: E402
 
 STEPS = 3
@@ -130,11 +134,22 @@ def run(phase, ref_root, out_dir, overrides: tuple):
         hf = load_hf_config(model)
         layout = distributed.init(cfg.parallel, hf, cfg.seed)
         rank = torch.distributed.get_rank()
-        chunks, opt = build_policy(hf, layout, cfg.model, cfg.optim, seed=cfg.seed)
         init = os.path.join(ref_root, f"init_{family}")
+        if phase == "reference":  # its base an HF checkpoint (made here), which peft's adapter goes on in the test
+            base = os.path.join(ref_root, f"base_{family}")
+            make_hf_checkpoint(hf, base)
+            chunks, opt = build_policy(hf, layout, cfg.model, cfg.optim, seed=cfg.seed, init_from_hf=base)
+        else:
+            chunks, opt = build_policy(hf, layout, cfg.model, cfg.optim, seed=cfg.seed)
         if phase == "reference":
             perturb_b(chunks[0])
-            save_checkpoint(init, chunks)
+            with open(os.path.join(base, "config.json"), "rb") as f:
+                config = f.read()
+            save_checkpoint(init, chunks, meta={"settings": {"model.lora": lora_setting(cfg.model.lora)}},
+                            files={f"{HF_FILES}/config.json": config})
+            tokens = torch.randint(0, hf.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+            torch.save({"tokens": tokens, "logits": megatron_logits(chunks, tokens, hf.vocab_size)},
+                       os.path.join(ref_root, f"logits_{family}.pt"))
         else:
             load_checkpoint(init, chunks)
         result = {}

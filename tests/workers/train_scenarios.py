@@ -15,7 +15,9 @@ from rlpo_mega.rollout import EngineError
 from rlpo_mega.rollout.sglang_engine import SGLangEngine
 from rlpo_mega.training.trainer import Trainer
 from rlpo_mega.training.trainer import train as _train
+from moe.model import load_hf_config
 from tests.dist import write_report
+from tests.workers.bridge import make_hf_checkpoint
 from tests.workers.scenario_config import BASE, COLOCATE, cfg, history  # noqa: F401  (scenario modules import them from here too)
 
 
@@ -80,8 +82,14 @@ def resume(out):
     train(cfg(out, "first_ads", "train_iters=1", f"checkpoint.save_dir={ck_ads}", *ads))
     train(cfg(out, "second_ads", "train_iters=3", f"checkpoint.save_dir={ck_ads}", "checkpoint.resume=true", *ads))
     # LoRA (model.lora): adapters only in the optimizer, the KL reference the base (adapters off), the engine
-    # synced with merged weights; the resume loads the factors and their optimizer state from the checkpoint
-    lora, ck_lora = ("model.lora.rank=4", "model.lora.alpha=16", "algorithm.kl.coef=0.04"), os.path.join(out, "ckpt_lora")
+    # synced with merged weights; on an HF base (model.init_from_hf), so its checkpoints hold the adapters only
+    # (model.lora.save=auto) and the resume loads the factors and their optimizer state onto the base it rebuilds
+    base = os.path.join(out, "lora_base")
+    if dist.get_rank() == 0:
+        make_hf_checkpoint(load_hf_config("configs/models/tiny_qwen3_moe.json"), base)
+    dist.barrier()
+    lora = ("model.lora.rank=4", "model.lora.alpha=16", "algorithm.kl.coef=0.04", f"model.init_from_hf={base}")
+    ck_lora = os.path.join(out, "ckpt_lora")
     train(cfg(out, "full_lora", "train_iters=3", *lora))
     train(cfg(out, "first_lora", "train_iters=2", f"checkpoint.save_dir={ck_lora}", "checkpoint.export_hf=true", *lora))
     train(cfg(out, "second_lora", "train_iters=3", f"checkpoint.save_dir={ck_lora}", "checkpoint.resume=true", *lora))
@@ -89,7 +97,7 @@ def resume(out):
             "full_lora", "second_lora")
     return {run: history(out, run) for run in runs} | {
         "ckpt_dirs": sorted(os.listdir(ck)) if dist.get_rank() == 0 else None, "ckpt": ck, "rank_state": saved,
-        "ckpt_lora": ck_lora}
+        "ckpt_lora": ck_lora, "lora_base": base}
 
 
 DYNAMIC = ("algorithm.loss.name=dapo", "algorithm.dynamic_sampling.enabled=true", "prompts.oversample=2.0",
