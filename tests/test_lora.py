@@ -80,7 +80,8 @@ def test_lora_refusals_name_the_cause_and_the_fix():
                              (("model.lora.alpha=0",), "must be > 0"),
                              (("model.lora.targets=[attention,router]",), "'router' is not known"),
                              (("model.lora.targets=[]",), "is empty"),
-                             (("model.lora.expert_layout=shared", "parallel.tensor=2"), "use shared_outer or per_expert")):
+                             (("model.lora.expert_layout=shared", "parallel.tensor=2"), "use shared_outer or per_expert"),
+                             (("model.lora.save=adapters",), "save=adapters without model.init_from_hf")):
         with pytest.raises(ConfigError, match=match):
             _check(*overrides)
     with pytest.raises(ConfigError, match="multi-latent attention"):
@@ -88,6 +89,8 @@ def test_lora_refusals_name_the_cause_and_the_fix():
     _check("model.lora.targets=[experts,shared_experts,dense_mlp]", model="configs/models/tiny_deepseek_v3.json")
     with pytest.raises(ConfigError, match="bad value for config key 'model.lora.expert_layout'"):
         load_config(None, ("model.lora.expert_layout=outer",))
+    with pytest.raises(ConfigError, match="bad value for config key 'model.lora.save'"):
+        load_config(None, ("model.lora.save=base",))
     with pytest.raises(LoRAError, match="rank 0 must be >= 1"):
         LoRASpec(rank=0, alpha=1.0)
 

@@ -259,27 +259,34 @@ def test_fp8_servers_hold_half_the_weights_and_the_pool_grows_by_it():
 
 
 def test_plan_with_lora_holds_the_base_frozen_and_only_the_adapters_gradients_and_optimizer():
-    """model.lora on the one-node Qwen3-30B-A3B recipe (TP2, EP8, ETP1; rank 32, shared_outer), the optimizer on the
-    GPU: the model megatron builds with the adapters attached (moe/lora.py on the meta device) holds, per rank,
-    exactly the adapters' parameters as trainable -- per layer the attention's qkv (A 32 x 2048, B 2560 x 32: its TP
-    half of 4096 + 2 x 512 rows) and output projection (A 32 x 2048: its TP half of 4096 columns, B 2048 x 32), the
-    experts' shared fc1 A and fc2 B, and each of the 16 local experts' fc1 B (1536 x 32) and fc2 A (32 x 768) --
-    with their fp32 gradients and the distributed optimizer's state alone; the frozen base stays in the parameters,
-    and the engines serve (and the sync sends) the merged model at its base size. Trained whole, the same recipe
-    without optimizer offload does not fit an 80 GB GPU; with the adapters it takes under 80% of one."""
-    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_1node.yaml"
+    """The one-node Qwen3-30B-A3B LoRA recipe (TP2, EP8, ETP1; rank 32 on attention and experts, shared_outer; the
+    optimizer on the GPU): the model megatron builds with the adapters attached (moe/lora.py on the meta device)
+    holds, per rank, exactly the adapters' parameters as trainable -- per layer the attention's qkv (A 32 x 2048,
+    B 2560 x 32: its TP half of 4096 + 2 x 512 rows) and output projection (A 32 x 2048: its TP half of 4096 columns,
+    B 2048 x 32), the experts' shared fc1 A and fc2 B, and each of the 16 local experts' fc1 B (1536 x 32) and fc2 A
+    (32 x 768) -- with their fp32 gradients and the distributed optimizer's state alone; the frozen base stays in the
+    parameters, and the engines serve (and the sync sends) the merged model at its base size. Trained whole (the
+    full-weight one-node recipe without its optimizer offload) it does not fit an 80 GB GPU; with the adapters every
+    phase fits one, training under 80% of it. Its checkpoints hold the adapters alone (model.lora.save=auto on an
+    HF base); model.lora.save=full adds the bf16 base (61 GB)."""
+    recipe = "configs/recipes/qwen3_30b_a3b_gspo_r3_lora_1node.yaml"
+    whole = "configs/recipes/qwen3_30b_a3b_gspo_r3_1node.yaml"
     no_offload = ("optim.cpu_offload=false", "optim.overlap_cpu_optimizer_d2h_h2d=false", "optim.precision_aware=false")
-    rows = {}
-    for lora, gpu in (("0", "141"), ("32", "80")):  # the whole model's optimizer on the GPU needs an H200's memory
-        # in this process: the base model's meta build is the one test_every_recipe_plans_at_its_real_size made
-        cfg = load_config(os.path.join(ROOT, recipe), (f"model.lora.rank={lora}", *no_offload,
-                                                       f"cluster.gpu_memory_gb={gpu}"))
-        rows[lora] = json.loads(json.dumps(planning.make_plan(cfg, recipe).to_json()))
-    full, lora = (rows[k]["learner_gpus"][0] for k in ("0", "32"))
+    plans = {}
+    # in this process: the meta builds are the ones test_every_recipe_plans_at_its_real_size made (whole: the base
+    # model's, at an H200's memory so that its numbers come out; the LoRA recipe's)
+    for name, path, extra in (("whole", whole, (*no_offload, "cluster.gpu_memory_gb=141")), ("lora", recipe, ()),
+                              ("lora_full_save", recipe, ("model.lora.save=full",))):
+        plans[name] = json.loads(json.dumps(planning.make_plan(load_config(os.path.join(ROOT, path), extra),
+                                                               path).to_json()))
+    full, lora = (plans[k]["learner_gpus"][0] for k in ("whole", "lora"))
     per_layer = (32 * 2048 + 2560 * 32) + (32 * 2048 + 2048 * 32) + 2 * 32 * 2048 + 16 * (1536 * 32 + 32 * 768)
     assert lora["trainable"] == 48 * per_layer == 76_283_904, lora
     assert lora["grads"] == pytest.approx(4 * lora["trainable"], rel=0.01) and full["grads"] > 50 * lora["grads"]
     assert lora["optimizer"] < full["optimizer"] / 50
     assert lora["params"] - full["params"] == pytest.approx(2 * lora["trainable"], rel=0.01)  # bf16 factors
-    assert lora["total"] <= 0.8 * lora["budget"] and full["total"] > lora["budget"], (lora, full)
-    assert rows["32"]["servers"][0]["weights"] == rows["0"]["servers"][0]["weights"]
+    assert lora["total"] <= 0.8 * 80e9 and full["total"] > 80e9, (lora, full)
+    assert all(r["total"] <= r["budget"] == 80e9 for r in plans["lora"]["learner_gpus"]), plans["lora"]["learner_gpus"]
+    assert plans["lora"]["servers"][0]["weights"] == plans["whole"]["servers"][0]["weights"]
+    adapters, both = plans["lora"]["checkpoint"], plans["lora_full_save"]["checkpoint"]
+    assert adapters["checkpoint_bytes"] < 8e9 and 60e9 < both["checkpoint_bytes"] - adapters["checkpoint_bytes"] < 62e9

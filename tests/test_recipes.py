@@ -255,6 +255,11 @@ RESUME_SHOWN_ELSEWHERE = {
         "learner, whose weights the first sync after it quantises like any other: tests/test_fp8.py's syncs); this "
         "run (EP, a bf16 learner, FP8 servers apart at TP2, sglang_distributed) trains and saves at its shrunk "
         "layout; the 1-node recipe's run resumes with SGLang (CI time)",
+    "configs/recipes/qwen3_30b_a3b_gspo_r3_lora_1node.yaml":
+        "the resume of a LoRA run's adapter-only checkpoint onto its HF base, exact (test_trainer's "
+        "test_lora_run_syncs_merged_weights_keeps_the_base_as_reference_and_resumes_exactly), and the colocated "
+        "SGLang resume by the full-weight 1-node recipe's run: this run (LoRA on the colocated shape, the optimizer on "
+        "the learner, merged weights to the launched server in process) trains and saves its adapters (CI time)",
     "configs/recipes/glm45_air_gspo_r3_8nodes.yaml":
         "the trainer's resume with SGLang, GSPO and R3 by the qwen3 GSPO recipe's run; this recipe's checkpoint "
         "(glm4_moe on two pipeline stages, one of them dense only, EP2, bf16, the distributed optimizer) saved, "
@@ -328,6 +333,13 @@ def test_recipe_runs_checkpoints_and_resumes(run, assets, servers, tmp_path):
     save_dir = shrunk.overrides["checkpoint.save_dir"]
     step1 = os.path.join(save_dir, "step_00000001")
     assert os.path.isdir(step1) and os.path.isdir(os.path.join(save_dir, "step_00000002"))
+    cfg = load_config(os.path.join(ROOT, recipe), tuple(shrunk.argv()))
+    if cfg.model.lora.rank:  # on an HF base its checkpoints hold the adapters alone (model.lora.save=auto)
+        from rlpo_mega.checkpoint.dist import read_meta
+
+        meta = read_meta(step1)
+        assert meta["adapters_only"] == cfg.model.adapters_only() is True, meta.get("adapters_only")
+        assert meta["base"]["path"] == os.path.abspath(cfg.model.init_from_hf), meta["base"]
     if _resume_shown_by(run):
         print(f"resume shown by: {_resume_shown_by(run)}")
         return
@@ -337,7 +349,6 @@ def test_recipe_runs_checkpoints_and_resumes(run, assets, servers, tmp_path):
            f"checkpoint.save_dir={resumed_dir / 'ckpt'}")
     resumed = _history(resumed_dir / "logs")
     assert [h["step"] for h in resumed] == [2], resumed  # continued at step 2 from the saved state
-    cfg = load_config(os.path.join(ROOT, recipe), tuple(shrunk.argv()))
     a, b = full[-1], resumed[-1]
     if cfg.rollout.engine == "embedded":  # same engine state, same RNG: the same step 2
         keys = sorted(k for k in a if not k.startswith(NOT_COMPARED) and isinstance(a[k], (int, float)))
