@@ -13,7 +13,7 @@ INSTALL_BWRAP = command -v bwrap >/dev/null || { [ "$$(id -u)" = 0 ] && \
 	  { command -v dnf >/dev/null && dnf install -y -q bubblewrap >/dev/null 2>&1; }; }; } || \
 	echo "bubblewrap not installed: the python tool makes its sandbox's namespaces itself; tests/test_sandbox.py needs it (apt-get install bubblewrap)"
 
-.PHONY: venv venv-sglang sandbox-deps demo demo-ppo demo-tools test gpu-smoke clean
+.PHONY: venv venv-sglang sandbox-deps demo demo-ppo demo-tools demo-lora test gpu-smoke clean
 
 $(STAMP): setup.py
 	@$(INSTALL_BWRAP)
@@ -39,6 +39,14 @@ demo-ppo: $(STAMP)
 # Multi-turn episodes with a tool (environment "lookup"): RL teaches the model to call the tool and use its answer
 demo-tools: $(STAMP)
 	$(VENV)/bin/rlpo-mega train configs/demo_tools_cpu.yaml --nproc-per-node 2
+
+# LoRA (configs/demo_lora_cpu.yaml): the demo's warm-up alone makes the base (the whole model, exported to HF), then
+# rank-16 adapters learn the task on it, the base frozen
+demo-lora: $(STAMP)
+	$(VENV)/bin/rlpo-mega train configs/demo_cpu.yaml --nproc-per-node 2 train_iters=0 trainer.eval_every=0 \
+		logging.run_name=demo_lora_base logging.dir=runs/demo_lora/base_log checkpoint.save_dir=runs/demo_lora/base \
+		checkpoint.save_every=0 checkpoint.export_hf=true
+	$(VENV)/bin/rlpo-mega train configs/demo_lora_cpu.yaml --nproc-per-node 2
 
 # Separate venv for the real-SGLang tests (tests/test_sglang.py): sglang 0.5.23 --no-deps on the CPU torch.
 venv-sglang:

@@ -259,11 +259,16 @@ def _is_te(linear) -> bool:
 
 def attach(model, spec: LoRASpec) -> dict[str, int]:
     """Freeze every base parameter of `model` (one pipeline stage's GPTModel, before DDP) and give the targeted linears
-    adapters. Returns counts: {"adapted": linears, "trainable": parameters (elements) of this rank}."""
+    adapters; a value model's scalar head (moe.value_head, on the last stage) stays trainable, as it is new. Returns
+    counts: {"adapted": linears, "trainable": parameters (elements) of this rank}."""
     from megatron.core import parallel_state
 
     for p in model.parameters():
         p.requires_grad_(False)
+    head = getattr(model, "output_layer", None)
+    if getattr(model, "value_head", False) and head is not None:  # a critic: its scalar head trains whole
+        for p in head.parameters():
+            p.requires_grad_(True)
     adapted = 0
     for layer in model.decoder.layers:
         n = int(layer.layer_number)  # global, 1-based (pipeline stages continue the count)

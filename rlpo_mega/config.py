@@ -449,6 +449,9 @@ class CriticConfig:
     vf_coef: float = 1.0  # value-loss coefficient (the critic's loss = vf_coef * token-mean value loss)
     vf_clip: Optional[float] = 0.2  # PPO2's value clip around the old values; None = no clipping
     warmup_steps: int = 0  # the first RL steps update the critic only (the policy stays as it is)
+    # the critic's own adapters (moe/lora.py; rank 0: the critic trains whole): its trunk frozen, the adapters and
+    # the scalar head trained; independent of the policy's model.lora
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass

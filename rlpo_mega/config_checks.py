@@ -502,33 +502,41 @@ def _check_fp8(cfg, hf, warns: list[str]):
 
 
 def _check_lora(cfg, hf):
-    """model.lora: what moe/lora.py builds, refused before any launch where it would not."""
+    """model.lora and critic.lora: what moe/lora.py builds, refused before any launch where it would not."""
+    if cfg.critic.lora.rank and cfg.algorithm.advantage.name != "gae":
+        raise ConfigError(f"critic.lora.rank={cfg.critic.lora.rank} but algorithm.advantage.name="
+                          f"{cfg.algorithm.advantage.name} trains no critic: set algorithm.advantage.name=gae or "
+                          "critic.lora.rank=0")
     lo = cfg.model.lora
-    if not lo.rank:
-        return
-    at_least("model.lora.rank", lo.rank, 1, "0 trains the whole model")
+    if lo.rank and lo.save == "adapters" and not cfg.model.init_from_hf:
+        raise ConfigError("model.lora.save=adapters without model.init_from_hf: an adapter-only checkpoint reloads "
+                          "its base from model.init_from_hf at a resume or an export; set it, or model.lora.save=full")
+    for key, lo in (("model.lora", cfg.model.lora), ("critic.lora", cfg.critic.lora)):
+        if lo.rank:
+            _check_adapters(key, lo, cfg, hf)
+
+
+def _check_adapters(key: str, lo, cfg, hf):
+    at_least(f"{key}.rank", lo.rank, 1, "0 trains the whole model")
     if lo.alpha <= 0:
-        raise ConfigError(f"model.lora.alpha={lo.alpha} must be > 0 (the side path is scaled by alpha / rank)")
+        raise ConfigError(f"{key}.alpha={lo.alpha} must be > 0 (the side path is scaled by alpha / rank)")
     if lo.dropout != 0:
-        raise ConfigError(f"model.lora.dropout={lo.dropout}: only 0 is built (a dropped adapter input would make the "
+        raise ConfigError(f"{key}.dropout={lo.dropout}: only 0 is built (a dropped adapter input would make the "
                           "learner's log-probs differ from the ones the engine sampled with); set it to 0")
     for t in lo.targets:
         if t not in LORA_TARGETS:
-            raise ConfigError(unknown_choice("model.lora.targets", t, LORA_TARGETS))
+            raise ConfigError(unknown_choice(f"{key}.targets", t, LORA_TARGETS))
     if not lo.targets:
-        raise ConfigError(f"model.lora.targets is empty: name at least one of {', '.join(LORA_TARGETS)}")
+        raise ConfigError(f"{key}.targets is empty: name at least one of {', '.join(LORA_TARGETS)}")
     if have_transformer_engine():
-        raise ConfigError("model.lora with Transformer Engine installed: the adapters sit on megatron-core's local "
+        raise ConfigError(f"{key} with Transformer Engine installed: the adapters sit on megatron-core's local "
                           "linears (moe/lora.py), not TE's fused ones yet; run in an environment without TE")
     if "attention" in lo.targets and get_family(hf.model_type).transformer_fields(hf).get("multi_latent_attention"):
-        raise ConfigError(f"model.lora.targets has attention, and {hf.model_type}'s multi-latent attention has no "
+        raise ConfigError(f"{key}.targets has attention, and {hf.model_type}'s multi-latent attention has no "
                           "fused qkv projection for the adapters (not built); drop attention from the targets")
-    if lo.save == "adapters" and not cfg.model.init_from_hf:
-        raise ConfigError("model.lora.save=adapters without model.init_from_hf: an adapter-only checkpoint reloads "
-                          "its base from model.init_from_hf at a resume or an export; set it, or model.lora.save=full")
     etp = cfg.parallel.expert_tensor if cfg.parallel.expert_tensor is not None else cfg.parallel.tensor
     if "experts" in lo.targets and lo.expert_layout == "shared" and etp > 1:
-        raise ConfigError(f"model.lora.expert_layout=shared at expert-tensor-parallel size {etp} is not built (its "
+        raise ConfigError(f"{key}.expert_layout=shared at expert-tensor-parallel size {etp} is not built (its "
                           "fc1 B and fc2 A would be split over expert-TP and shared by the experts); use shared_outer "
                           "or per_expert, or parallel.expert_tensor=1")
 

@@ -15,11 +15,13 @@ MOMENT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, routing_replay: bool = False,
-                 value_head: bool = False, init_from_hf: str | None = None, head_seed: int = 0, seed: int = 0):
+                 value_head: bool = False, init_from_hf: str | None = None, head_seed: int = 0, seed: int = 0,
+                 lora=None):
     """Returns (model_chunks, optimizer or None). model_chunks is a one-element list (no virtual PP).
     routing_replay: give the routers megatron's RouterReplay (moe.routing.replay drives it).
     value_head: the critic (moe.value_head, head drawn from head_seed); init_from_hf: its HF checkpoint
-    (None: model_cfg.init_from_hf, the policy's). seed: the LoRA adapters' draws (model.lora; moe/lora.py)."""
+    (None: model_cfg.init_from_hf, the policy's). seed: the LoRA adapters' draws (model.lora; moe/lora.py). lora: the
+    adapters of a critic (critic.lora; the policy's are model_cfg.lora)."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -45,9 +47,11 @@ def build_policy(hf, layout, model_cfg, optim_cfg=None, with_ddp: bool = True, r
     if source:
         # Before DDP and the optimizer: mixed-precision optimizers copy the weights at construction.
         model.loaded_whole = load_hf_weights([model], source, model_cfg.vocab_divisible_by)
-    if model_cfg.lora.rank and not value_head:  # the critic trains whole (its own adapters: not built)
-        # after the base weights, before DDP: DDP and the optimizer then hold the adapters' parameters only
-        model.lora_counts = attach_lora(model, lora_spec(model_cfg.lora, seed))
+    lora = model_cfg.lora if not value_head else lora
+    if lora is not None and lora.rank:  # a critic without critic.lora trains whole
+        # after the base weights, before DDP: DDP and the optimizer then hold the adapters' parameters only (and a
+        # critic's value head)
+        model.lora_counts = attach_lora(model, lora_spec(lora, seed))
     if not with_ddp:
         return [model], None
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(use_dist_opt), module=model)

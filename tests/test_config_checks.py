@@ -360,6 +360,14 @@ def test_ppo_demo_config_passes(tiny_hf):
     assert check_run_config(cfg, tiny_hf, world_size=2) == []
 
 
+def test_lora_demo_config_passes(tiny_hf):
+    """`make demo-lora`'s RL config: adapters on the base its first command makes (not there yet: files=False), their
+    checkpoints adapter-only."""
+    cfg = load_config(str(ROOT / "configs" / "demo_lora_cpu.yaml"))
+    assert check_run_config(cfg, tiny_hf, world_size=2, files=False) == []
+    assert cfg.model.lora.rank == 16 and cfg.model.adapters_only() and cfg.trainer.warmup.steps == 0
+
+
 def test_gae_with_a_sequence_level_ratio_is_refused(tiny_hf):
     """GSPO clips one ratio per sequence with one advantage per sequence; GAE gives one per token and we define
     no reduction of it: refused, with the token-level variant named."""

@@ -38,11 +38,12 @@ def test_allgather_kv_attention_equals_the_single_rank_attention():
 QWEN, MIXTRAL, GLM, DEEPSEEK = ("configs/models/tiny_qwen3_moe.json", "configs/models/tiny_mixtral.json",
                                 "configs/models/tiny_glm4_moe.json", "configs/models/tiny_deepseek_v3.json")
 # name: (processes, model=loss[+loss] pairs, overrides). "critic": PPO with GAE and the value model. "lora": GSPO
-# on adapters (model.lora: attention and experts, shared_outer) over the frozen base, every B drawn non-zero.
+# on adapters (model.lora: attention and experts, shared_outer) over the frozen base, every B drawn non-zero;
+# "critic_lora": the critic with its own adapters (critic.lora), its trunk frozen, its head trained.
 CP_LAYOUTS = {
     "cp2": (2, f"{QWEN}=grpo+gspo+lora,{MIXTRAL}=critic,{GLM}=grpo,{DEEPSEEK}=gspo", ()),
     "ep2_cp2": (2, f"{QWEN}=gspo,{MIXTRAL}=grpo+lora", ("parallel.expert=2",)),
-    "tp2_sp_cp2": (4, f"{QWEN}=gspo+critic+lora", ("parallel.tensor=2",)),
+    "tp2_sp_cp2": (4, f"{QWEN}=gspo+critic+lora+critic_lora", ("parallel.tensor=2",)),
     "pp2_cp2": (4, f"{QWEN}=gspo+critic", ("parallel.pipeline=2", "parallel.num_micro_batches=2")),
 }
 REL_TOL = 1e-5  # tests/test_parity.py's, for every layout against the single process
@@ -89,7 +90,11 @@ def test_context_parallel_equals_the_layout_without_it(layout):
             # row of every layer) fall below the data-parallel layout's, where each rank holds whole samples
             got, ref = r["bytes_over_own_share"]
             assert got < ref, f"{where}: exchange bytes / own share {got:.3f} (CP) vs {ref:.3f}"
-            if loss == "critic":
+            if loss == "critic_lora":  # the critic's adapters and its head train, nothing else of it
+                c = r["critic"]
+                assert c["lora_grads"] > 0 and c["other_grads"] == ["output_layer.bias", "output_layer.weight"], c
+                assert r["base_trainable"] == [0, 0], r["base_trainable"]
+            if loss in ("critic", "critic_lora"):
                 c = r["critic"]
                 assert c["grad_rel_max"] <= REL_TOL, f"{where}: critic gradient rel error {c['grad_rel_max']:.2e}"
                 for key, (got, want) in c["metrics"].items():

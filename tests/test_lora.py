@@ -81,7 +81,10 @@ def test_lora_refusals_name_the_cause_and_the_fix():
                              (("model.lora.targets=[attention,router]",), "'router' is not known"),
                              (("model.lora.targets=[]",), "is empty"),
                              (("model.lora.expert_layout=shared", "parallel.tensor=2"), "use shared_outer or per_expert"),
-                             (("model.lora.save=adapters",), "save=adapters without model.init_from_hf")):
+                             (("model.lora.save=adapters",), "save=adapters without model.init_from_hf"),
+                             (("critic.lora.rank=4",), "trains no critic: set algorithm.advantage.name=gae"),
+                             (("critic.lora.rank=4", "critic.lora.dropout=0.1", "algorithm.advantage.name=gae",
+                               "algorithm.loss.name=ppo_clip"), "critic.lora.dropout=0.1: only 0 is built")):
         with pytest.raises(ConfigError, match=match):
             _check(*overrides)
     with pytest.raises(ConfigError, match="multi-latent attention"):

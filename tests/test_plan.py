@@ -258,6 +258,19 @@ def test_fp8_servers_hold_half_the_weights_and_the_pool_grows_by_it():
     assert bf16["learner_gpus"][0]["sync bucket"] == bucket
 
 
+def test_plan_of_a_critic_with_its_own_adapters():
+    """critic.lora (`make demo-ppo`'s config, 2 ranks): the critic megatron builds on the meta device holds its
+    adapters and its scalar head as trainable, so its gradients are theirs alone, while its parameters are the whole
+    trunk's and the adapters'."""
+    plans = {}
+    for rank in ("0", "4"):
+        cfg = load_config(os.path.join(ROOT, "configs/demo_ppo_cpu.yaml"), (f"critic.lora.rank={rank}",))
+        plans[rank] = planning.make_plan(cfg, "configs/demo_ppo_cpu.yaml", 2).to_json()["learner_gpus"][0]
+    whole, adapted = plans["0"], plans["4"]
+    assert adapted["critic grads"] < whole["critic grads"] / 4, (adapted, whole)
+    assert adapted["critic_parameters"] > whole["critic_parameters"], (adapted, whole)
+
+
 def test_plan_with_lora_holds_the_base_frozen_and_only_the_adapters_gradients_and_optimizer():
     """The one-node Qwen3-30B-A3B LoRA recipe (TP2, EP8, ETP1; rank 32 on attention and experts, shared_outer; the
     optimizer on the GPU): the model megatron builds with the adapters attached (moe/lora.py on the meta device)

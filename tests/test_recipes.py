@@ -255,6 +255,16 @@ RESUME_SHOWN_ELSEWHERE = {
         "learner, whose weights the first sync after it quantises like any other: tests/test_fp8.py's syncs); this "
         "run (EP, a bf16 learner, FP8 servers apart at TP2, sglang_distributed) trains and saves at its shrunk "
         "layout; the 1-node recipe's run resumes with SGLang (CI time)",
+    "configs/gpu_smoke.yaml":
+        "its own resume through the CLI, as `make gpu-smoke` runs it (test_gpu_path's runs C and D: the checkpoint of "
+        "a never-stepped distributed optimizer, resumed to step 1); exact resumes in bf16 with the distributed "
+        "optimizer at TP/EP/PP by test_checkpoint and test_platform's pp2_glm_bf16_distopt: this run (embedded engine "
+        "on one process, bf16, the distributed optimizer, GSPO + R3, in_process sync) trains and saves (CI time)",
+    "configs/recipes/qwen3_30b_a3b_gspo_r3_32k_cp2_2nodes.yaml":
+        "a checkpoint resumed at context parallelism 2 by test_trainer's test_resume_at_another_layout (the schedule "
+        "where it left off, R3 agreement 1.0), CP's parity with the checkpoint's layout by test_context_parallel, and "
+        "the resume with SGLang servers apart by test_sglang_trainer: this run (CP2 with packing and R3 on SGLang "
+        "apart) trains and saves at its shrunk layout (CI time)",
     "configs/recipes/qwen3_30b_a3b_gspo_r3_lora_1node.yaml":
         "the resume of a LoRA run's adapter-only checkpoint onto its HF base, exact (test_trainer's "
         "test_lora_run_syncs_merged_weights_keeps_the_base_as_reference_and_resumes_exactly), and the colocated "

@@ -38,7 +38,7 @@ class Request:
     value_head: bool = False  # the critic: a scalar head in place of the output layer
     recompute: bool = False
     ranks: tuple = ()  # global ranks to build; () = the first rank of every pipeline stage
-    lora: tuple = ()  # model.lora: (rank, alpha, targets, expert_layout) of moe/lora.LoRASpec; () = none
+    lora: tuple = ()  # model.lora (a critic: critic.lora): (rank, alpha, targets, expert_layout) of LoRASpec; () = none
 
 
 def _interval_lists(buffer) -> list:
@@ -100,7 +100,7 @@ def _build_rank(req: Request, rank: int) -> dict:
         config.perform_initialization = False
         with torch.device("meta"):
             model = build_gpt_model(hf, config, vocab_divisible_by=req.vocab_divisible_by, value_head=req.value_head)
-            if req.lora and not req.value_head:  # as model_setup.build_policy: the adapters, then DDP
+            if req.lora:  # as model_setup.build_policy: the adapters (a critic's: critic.lora), then DDP
                 rank_, alpha, targets, expert_layout = req.lora
                 attach_lora(model, LoRASpec(rank_, alpha, tuple(targets), expert_layout))
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config(req.use_distributed_optimizer),

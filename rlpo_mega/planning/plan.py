@@ -154,7 +154,7 @@ def simulate_steps(cfg, dp: int, tp: int, lengths: list[list[int]], prompt_token
 # ---- roles
 def _request(cfg, layout, value_head: bool) -> Request:
     optim = cfg.critic.optim if value_head else cfg.optim
-    lora = cfg.model.lora
+    lora = cfg.critic.lora if value_head else cfg.model.lora
     return Request(cfg.model.hf_config, layout, cfg.model.params_dtype, cfg.model.vocab_divisible_by,
                    optim.use_distributed_optimizer, value_head=value_head, recompute=cfg.model.recompute,
                    lora=(lora.rank, lora.alpha, tuple(lora.targets), lora.expert_layout) if lora.rank else ())

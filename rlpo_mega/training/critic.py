@@ -69,7 +69,8 @@ class Critic:
         self.cfg = cfg
         c = cfg.critic
         self.chunks, self.optimizer = build_policy(hf, layout, cfg.model, c.optim, routing_replay=True,
-                                                   value_head=True, init_from_hf=c.init_from_hf, head_seed=cfg.seed)
+                                                   value_head=True, init_from_hf=c.init_from_hf, head_seed=cfg.seed,
+                                                   lora=c.lora, seed=cfg.seed)
         self.lr_schedule = build_lr_scheduler(self.optimizer, c.optim, optimizer_steps(cfg))
         self.routing = RoutingReplay(self.chunks, spec, mode=cfg.routing.mode)
 

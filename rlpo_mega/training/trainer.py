@@ -95,7 +95,8 @@ class Trainer:
         self.identity = get_family(self.hf.model_type).identity(self.hf)
         self.plan = ckpt_state.plan_checkpoints(cfg.checkpoint, self.identity)
         if self.plan.start is not None:  # a LoRA checkpoint of other adapters or on another base: refused now
-            check_lora_resume(self.plan.start, cfg.model)
+            check_lora_resume(self.plan.start, cfg.model, cfg.critic.lora if cfg.algorithm.advantage.name == "gae"
+                              else None)
         # model.lora.save: adapter-only checkpoints record the base they need (its path and fingerprint)
         self.base = base_record(cfg.model.init_from_hf) if cfg.model.adapters_only() else None
         self._check_engine_ranks(world)
@@ -326,7 +327,7 @@ class Trainer:
                 "algorithm.kl.coef": c.algorithm.kl.coef, "model.params_dtype": c.model.params_dtype,
                 "rollout.engine": c.rollout.engine, "world_size": dist.get_world_size(),
                 "engine_ranks": ENGINES.get(c.rollout.engine).ranks(c, dist.get_world_size()),
-                "model.lora": lora_setting(c.model.lora)}
+                "model.lora": lora_setting(c.model.lora), "critic.lora": lora_setting(c.critic.lora)}
 
     def _build_reference(self):
         """A frozen model of the policy's layout for the KL reference (filled by a checkpoint or a copy)."""
@@ -451,7 +452,7 @@ class Trainer:
             self.critic.close()
 
 
-def check_lora_resume(path: str, model_cfg):
+def check_lora_resume(path: str, model_cfg, critic_lora=None):
     """The adapters are part of the model: a checkpoint saved with other ones (or none) would load partly, silently;
     an adapter-only one onto another base would load fully and be wrong. Refused in one line before anything is
     loaded."""
@@ -463,6 +464,11 @@ def check_lora_resume(path: str, model_cfg):
                               "with the same model.lora, or start from an HF model (model.init_from_hf; `rlpo-mega "
                               "export` of a LoRA checkpoint merges its adapters)")
     check_base(path, meta, model_cfg.init_from_hf)
+    if critic_lora is not None and meta.get("has_critic") and "critic.lora" in (meta.get("settings") or {}):
+        saved, now = meta["settings"]["critic.lora"], lora_setting(critic_lora)
+        if saved != now:
+            raise CheckpointError(f"{path} holds a critic saved with critic.lora {saved or 'off'}, this run has "
+                                  f"{now or 'off'}: resume with the same critic.lora")
 
 
 def train(cfg, keep_world: bool = False) -> int:

@@ -42,8 +42,10 @@ from tests.workers.packed_parity import main, make_samples, make_stale, stalenes
 CRITIC = ("algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip", "algorithm.advantage.gamma=0.99",
           "algorithm.advantage.lam=0.9", "critic.optim.lr=1e-3", "critic.vf_clip=0.05", "critic.vf_coef=0.5")
 N, GROUP = 16, 4
-# "lora": GSPO on adapters (model.lora, the attention's and the experts' factors) over the frozen base
+# "lora": GSPO on adapters (model.lora, the attention's and the experts' factors) over the frozen base;
+# "critic_lora": PPO's critic with its own adapters (critic.lora: its trunk frozen, the adapters and the head trained)
 LORA = ("algorithm.loss.name=gspo", "model.lora.rank=4", "model.lora.alpha=8")
+CRITIC_LORA = CRITIC + ("critic.lora.rank=4", "critic.lora.alpha=8")
 BUDGET = 64  # tokens per micro-batch (the CP run's: the padded row of its CP group): several micro-batches per rank
 
 
@@ -86,8 +88,8 @@ def placement(micro, everything, cols, cp, cp_rank, sp_rank, sp):
 
 def one_run(hf, model_json, loss, context, overrides, everything, spec):
     # "critic": PPO with GAE and the value model (training/critic.py), its old values, GAE and one update too
-    with_critic = loss == "critic"
-    settings = CRITIC if with_critic else LORA if loss == "lora" else (f"algorithm.loss.name={loss}",)
+    with_critic = loss in ("critic", "critic_lora")
+    settings = {"critic": CRITIC, "critic_lora": CRITIC_LORA, "lora": LORA}.get(loss, (f"algorithm.loss.name={loss}",))
     cfg = load_config(None, overrides + settings + (f"model.hf_config={model_json}", "routing.mode=r3",
                                                     "optim.lr=1e-3", f"parallel.context={context}",
                                                     f"trainer.max_tokens_per_micro_batch={BUDGET}"))
@@ -109,6 +111,8 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     critic = critic_stats = None
     if with_critic:  # phase 4 (values and GAE) before the policy's update, as the trainer runs it
         critic = Critic(cfg, hf, layout, spec)
+        if loss == "critic_lora":
+            draw_b(critic.chunks)
         critic_micro, critic_stats = critic.prepare([micro])
     sp = bool(unwrap(chunks[0]).config.sequence_parallel)
     place = placement(micro, everything, recipients[dist.get_rank()].layer_cols,
@@ -133,7 +137,11 @@ def one_run(hf, model_json, loss, context, overrides, everything, spec):
     critic_out = critic_grads = None
     if with_critic:
         critic_out = critic.update(critic_micro[0])
-        critic_grads = {n: p.main_grad.detach().clone() for n, p in unwrap(critic.chunks[0]).named_parameters()}
+        named_critic = list(unwrap(critic.chunks[0]).named_parameters())
+        if loss == "critic_lora":  # only its adapters and its head train
+            base_trainable += sum(int(p.requires_grad) for n, p in named_critic
+                                  if not is_lora_param(n) and not n.startswith("output_layer."))
+        critic_grads = {n: p.main_grad.detach().clone() for n, p in named_critic if p.requires_grad}
         critic.close()
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, old)
@@ -198,7 +206,8 @@ def run(model_json, losses, overrides):
             (s_ref, o_ref, g_ref), (s_got, o_got, g_got) = ref["critic"], got["critic"]
             g = torch.tensor([max(rel(g_got[n], a) for n, a in g_ref.items())], dtype=torch.float64)
             dist.all_reduce(g, op=dist.ReduceOp.MAX)
-            critic = {"grad_rel_max": float(g[0]),
+            critic = {"grad_rel_max": float(g[0]), "lora_grads": sum(is_lora_param(n) for n in g_ref),
+                      "other_grads": sorted(n for n in g_ref if not is_lora_param(n)),
                       "metrics": {k: [s_got[k], v] for k, v in s_ref.items()}
                       | {k: [o_got[k], o_ref[k]] for k in ("value_loss", "vf_clip_frac", "grad_norm")}}
         out[loss] = {"grad_rel_max": float(worst[0]), "update_rel_max": float(worst[1]),
