@@ -510,6 +510,18 @@ def test_hung_server_is_one_error_not_a_hang(tmp_path):
     assert took < 120, took
 
 
+def test_export_names_its_outputs_and_peft_needs_adapters(ckpt, tmp_path, capsys, monkeypatch):
+    """`rlpo-mega export` with neither --hf-out nor --peft-out: one line naming both. --peft-out of a checkpoint
+    saved without model.lora: one line naming --hf-out, exit 2, nothing written."""
+    rc, err = run_cli(capsys, monkeypatch, "export", "--ckpt", str(ckpt / "dist"))
+    assert rc == 2
+    one_line(err, "export", "--hf-out", "--peft-out")
+    rc, err = run_cli(capsys, monkeypatch, "export", "--ckpt", str(ckpt / "dist"), "--peft-out", str(tmp_path / "a"))
+    assert rc == 2
+    one_line(err, "export", "saved without model.lora", "--hf-out")
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize("what", ["config dir", "save_dir without a finished step"])
 def test_export_of_something_that_is_not_a_checkpoint(what, tmp_path, capsys, monkeypatch):
     src = tmp_path / "src"

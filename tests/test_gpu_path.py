@@ -280,7 +280,7 @@ def _image_distributions() -> set[str]:
     return seen
 
 
-_BLOCKER = """import importlib.abc, os, sys
+_BLOCKER = """import importlib.abc, importlib.util, os, sys
 _blocked = set(os.environ["RLPO_BLOCKED_MODULES"].split(","))
 class _Bare(importlib.abc.MetaPathFinder):  # as if these were not installed (a bare GPU image)
     def find_spec(self, name, path=None, target=None):
@@ -288,6 +288,10 @@ class _Bare(importlib.abc.MetaPathFinder):  # as if these were not installed (a 
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
 sys.meta_path.insert(0, _Bare())
+_find_spec = importlib.util.find_spec
+def find_spec(name, package=None):  # a probe of an absent package finds nothing (transformers asks for accelerate)
+    return None if name.split(".")[0] in _blocked else _find_spec(name, package)
+importlib.util.find_spec = find_spec
 """
 
 
