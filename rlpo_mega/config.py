@@ -418,6 +418,14 @@ class RolloutConfig:
     # started by hand need --quantization fp8 and its --json-model-override-args: launch/README.md, FP8) and turns
     # the mismatch correction on (algorithm.mismatch.mode=tis unless set)
     weights: Literal["bf16", "fp8"] = "bf16"
+    # a LoRA run's sync (model.lora). merged: W + alpha/r B A per shard, every weight, through rollout.sync_transport.
+    # adapter (SGLang): the servers serve the base with the adapter, and each sync sends the adapter alone (MBs where
+    # the weights are GBs): SGLang's /load_lora_adapter_from_tensors with sync_transport=in_process (servers on this
+    # host: shared memory), /load_lora_adapter of a directory with sync_transport=disk (a path the servers share); the
+    # base goes whole, digest-verified, at the first sync and to a restarted server; every request names the adapter.
+    # Launched servers get --enable-lora and its flags (rollout/sglang_launch.lora_server_args); a server started by
+    # hand without them is refused before the first sync, naming them
+    lora_sync: Literal["merged", "adapter"] = "merged"
     temperature: float = 1.0  # must equal algorithm.temperature (the log-probs are of these logits)
     top_p: float = 1.0
     top_k: int = -1

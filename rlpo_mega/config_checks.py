@@ -514,6 +514,41 @@ def _check_lora(cfg, hf):
     for key, lo in (("model.lora", cfg.model.lora), ("critic.lora", cfg.critic.lora)):
         if lo.rank:
             _check_adapters(key, lo, cfg, hf)
+    if cfg.rollout.lora_sync == "adapter":
+        _check_adapter_sync(cfg)
+
+
+def _check_adapter_sync(cfg):
+    """rollout.lora_sync=adapter: an engine that serves adapters beside the base, and a way there the adapter takes
+    (SGLang 0.5.23: from tensors through this host's shared memory, or a PEFT directory the servers read)."""
+    ro, lo = cfg.rollout, cfg.model.lora
+    if not lo.rank:
+        raise ConfigError("rollout.lora_sync=adapter without model.lora (rank 0 trains the whole model: there is no "
+                          "adapter to send); set model.lora.rank, or rollout.lora_sync=merged")
+    if not getattr(ENGINES.get(ro.engine), "serves_adapters", False):
+        raise ConfigError(f"rollout.lora_sync=adapter: rollout.engine={ro.engine} takes merged weights only; set "
+                          "rollout.lora_sync=merged, or rollout.engine=sglang")
+    if ro.weights == "fp8":
+        raise ConfigError("rollout.lora_sync=adapter with rollout.weights=fp8: an adapter beside a block-FP8 base is "
+                          "not built; set rollout.lora_sync=merged (merged, then quantised) or rollout.weights=bf16")
+    if ro.sync_transport not in ("in_process", "disk"):
+        raise ConfigError(f"rollout.lora_sync=adapter with rollout.sync_transport={ro.sync_transport}: SGLang 0.5.23 "
+                          "takes an adapter from tensors on its own host (in_process) or from a directory it can read "
+                          "(disk, rollout.sync_dir on a filesystem the servers share), not over a weight-update group")
+    if ro.holds_requests:
+        raise ConfigError("rollout.lora_sync=adapter with rollout.partial_rollout_kv=keep: a held request would go on "
+                          "under an adapter replaced beneath it (not built); set partial_rollout_kv=recompute or "
+                          "rollout.lora_sync=merged")
+    given = sorted(k for k in ("enable_lora", "max_lora_rank", "lora_target_modules", "lora_paths",
+                               "experts_shared_outer_loras") if k in ro.sglang.server_args)
+    if given and ro.sglang.launch and not ro.sglang.urls:
+        raise ConfigError(f"rollout.sglang.server_args.{given[0]} with rollout.lora_sync=adapter: launched servers "
+                          "get their LoRA flags from model.lora (rank, targets, expert layout); remove it")
+    backend = ro.sglang.server_args.get("lora_backend")
+    if "experts" in lo.targets and backend in ("csgmv",):
+        raise ConfigError(f"rollout.sglang.server_args.lora_backend={backend} with model.lora.targets having experts: "
+                          "SGLang's csgmv backend skips MoE layers (the experts' adapter would be dropped); remove it "
+                          "(launched servers take triton on a GPU)")
 
 
 def _check_adapters(key: str, lo, cfg, hf):

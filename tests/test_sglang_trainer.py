@@ -93,6 +93,38 @@ def test_trainer_reshard_with_restart_and_a_server_killed_mid_refit(sglang_pytho
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
 
 
+def test_trainer_syncs_the_lora_adapter_alone_and_the_base_to_a_restarted_server(sglang_python, tmp_path):
+    """rollout.lora_sync=adapter (model.lora on the attention, TP2+SP learners, a launched server with SGLang's own
+    LoRA: --enable-lora and its flags from model.lora): the run's first sync sends the base whole (digest-verified)
+    and then the adapter, later syncs the adapter alone -- a few KB where the weights are MBs -- through SGLang's
+    /load_lora_adapter_from_tensors, each tensor's sha256 checked inside the server; the server killed after step 1
+    is restarted from the checkpoint by the rebuild, whose re-sync sends it the base again. Every step's learner
+    log-probs of the server's samples are the server's (fp32: the mismatch bound of every SGLang run here), with
+    adapters that moved: the server generated with the learner's adapter, not without it."""
+    r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "sglang_lora_adapter", str(tmp_path / "run"))
+    assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
+    driver = r["ranks"][0]
+    syncs = driver["syncs"]
+    print("syncs:", [{k: s[k] for k in ("base_sent", "adapter_tensors", "adapter_bytes", "bytes") if k in s}
+                     for s in syncs], "moved:", [rank["moved"] for rank in r["ranks"]],
+          "mismatch:", [(h["mismatch/ratio_dev_max"], h["mismatch/k3_kl"]) for h in r["history"]],
+          "kl/ref:", [h["kl/ref"] for h in r["history"]])
+    # start, after step 1 (the server then dies: rebuilt), the rebuild's re-sync, after step 2, after step 3
+    assert [s["base_sent"] for s in syncs] == [True, False, True, False, False], syncs
+    assert all(s["adapter_tensors"] == 16 for s in syncs), syncs  # 2 layers x q, k, v, o x (A, B)
+    full = syncs[0]["bytes"]
+    assert all(0 < s["adapter_bytes"] < full / 10 for s in syncs), (full, syncs)
+    assert r["ranks"][1]["syncs"] == [], r["ranks"][1]  # one driver
+    assert all(rank["moved"] > 1e-3 for rank in r["ranks"]), r["ranks"]
+    assert [h["engine/restarts"] for h in r["history"]] == [0, 1, 1], r["history"]
+    for h in r["history"]:
+        assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
+    # the adapters move the policy away from the base (the KL reference, adapters off) far beyond the mismatch: a
+    # server serving the base alone would be that far from the learner
+    assert all(h["kl/ref"] > 100 * max(g["mismatch/k3_kl"] for g in r["history"]) for h in r["history"][1:]), \
+        r["history"]
+
+
 def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_python, tmp_path):
     """Two servers the trainer launched on its one driver (num_servers=2, drivers=1) pass the first sync and train;
     a SIGTERM to the learners and the servers together (scancel --signal=TERM) in step 2's sync, with the servers

@@ -85,6 +85,12 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def sha256(t: torch.Tensor) -> str:
+    """The plain sha256 hex of a tensor's bytes in memory order: what SGLang 0.5.23 checks a LoRA adapter's
+    tensors against as it loads them (managers/tp_worker.py load_lora_adapter_from_tensors, expected_checksums)."""
+    return hashlib.sha256(_np(_flat_bytes(t.cpu()))).hexdigest()
+
+
 # ---- xxh3 -----------------------------------------------------------------------------------------
 def _xxh3(raw: torch.Tensor) -> str:
     h = xxhash.xxh3_128()

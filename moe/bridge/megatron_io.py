@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,9 +61,10 @@ class LocalParam:
     tp_group: object
     adapted: object = None  # the linear whose LoRA adapter this weight carries (moe/lora.py), else None
 
-    def tensor(self) -> torch.Tensor:
-        """What the model computes with, as HF weights carry it: the weight with its adapter merged, in its dtype."""
-        return merged_weight(self.adapted) if self.adapted is not None else self.param.detach()
+    def tensor(self, merged: bool = True) -> torch.Tensor:
+        """What the model computes with, as HF weights carry it: the weight with its adapter merged, in its dtype
+        (merged=False: the frozen base weight itself)."""
+        return merged_weight(self.adapted) if merged and self.adapted is not None else self.param.detach()
 
 
 def weight_tensors(module) -> list[tuple[str, torch.Tensor]]:
@@ -188,6 +189,101 @@ def _export_plan(model):
     return inner._rlpo_export_plan
 
 
+def adapter_key(name: str, inner, ep_rank: int) -> tuple[str, Optional[int]]:
+    """(the key a LoRA factor has in the dist checkpoint, its global expert or None) of the factor `name` of a pipeline
+    stage: the global layer; an expert's own factors under the layer's `mlp.experts.experts.` (the checkpoint stacks
+    them on a leading expert axis)."""
+    m = _LAYER.match(name)
+    if not m:
+        raise KeyError(f"LoRA factor {name!r} is not in a decoder layer")
+    layers = inner.decoder.layers
+    layer, rest = layers[int(m.group(1))], m.group(2)
+    me = _EXPERT.match(rest)
+    expert = None
+    if me:
+        expert = ep_rank * layer.mlp.experts.num_local_experts + int(me.group(1))
+        rest = f"mlp.experts.experts.{me.group(2)}"
+    return f"decoder.layers.{layer.layer_number - 1}.{rest}", expert
+
+
+def _factor_kind(lora: LoRAFactors, ab: str, glu: bool) -> str:
+    """How a factor is split over its linear's tensor-parallel group (moe/lora.py): a column-parallel linear's B by
+    rows (a gated fc1's as its weight: [gate part; up part] per rank), a row-parallel one's A by columns; the other
+    factor whole on every rank."""
+    if lora.kind == "column":
+        return "replicated" if ab == "a" else ("glu" if glu else "column")
+    return "row" if ab == "a" else "replicated"
+
+
+def _adapter_plan(model):
+    """_export_plan's tuple for the model's LoRA factors (moe/lora.py), cached beside it: each factor as a
+    LocalParam whose map names it by its checkpoint key (an expert's own: `<key>#<global expert>`), whole where
+    every rank holds it."""
+    from megatron.core import parallel_state as ps
+
+    inner = _inner(model)
+    cached = getattr(inner, "_rlpo_adapter_plan", None)
+    if cached is not None:
+        return cached
+    ep_rank = ps.get_expert_model_parallel_rank()
+    mine = {}
+    for name, p in inner.named_parameters():
+        if not is_lora_param(name):
+            continue
+        key, expert = adapter_key(name, inner, ep_rank)
+        key = key if expert is None else f"{key}#{expert}"
+        owner, ab = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]
+        linear = inner.get_submodule(owner) if name.rsplit(".", 2)[1] == "lora" else None
+        if linear is None:  # a layer's shared expert factor (lora_fc1_a ...): whole on every rank
+            kind, size, rank_, group = "replicated", 1, 0, None
+        else:
+            lora = linear.lora
+            glu = owner.endswith("linear_fc1") and bool(getattr(linear.config, "gated_linear_unit", False))
+            kind = _factor_kind(lora, ab, glu)
+            size, group = lora.tp, lora.group
+            rank_ = group.rank() if group is not None and size > 1 else 0
+        mine[key] = LocalParam(name, p, ParamMap(key, (key,), kind), rank_, size, group)
+    info = []
+    for key, lp in mine.items():
+        shape = lp.param.shape
+        if lp.tp_size > 1 and lp.map.kind != "replicated":
+            shape = shards_to_full(lp.map.kind, [torch.empty(shape, device="meta")] * lp.tp_size).shape
+        info.append((key, tuple(shape), lp.param.dtype, lp.tp_size == 1 or lp.map.kind == "replicated", lp.map.kind))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, info)
+    owners: dict[str, list[int]] = {}
+    full_meta: dict[str, tuple] = {}
+    whole: dict[str, int] = {}
+    kinds: dict[str, str] = {}
+    for rank, items in enumerate(every):
+        for key, shape, dtype, is_whole, kind in items:
+            owners.setdefault(key, []).append(rank)
+            full_meta[key] = (shape, dtype)
+            whole[key] = whole.get(key, 0) + int(is_whole)
+            kinds[key] = kind
+    inner._rlpo_adapter_everywhere = {k for k, n in whole.items() if n == len(every)}
+    order = [(ParamMap(k, (k,), kinds[k]), math.prod(full_meta[k][0])) for k in sorted(owners)]
+    inner._rlpo_adapter_plan = (mine, owners, full_meta, order)
+    return inner._rlpo_adapter_plan
+
+
+def stacked_factors(named) -> dict[str, torch.Tensor]:
+    """{checkpoint key: whole factor} of an adapter stream's tensors: an expert's own factors (`<key>#<expert>`)
+    stacked on a leading expert axis, as the dist checkpoint holds them (moe/bridge/peft.py takes either)."""
+    out, experts = {}, {}
+    for key, t in named:
+        if "#" in key:
+            key, e = key.split("#")
+            experts.setdefault(key, {})[int(e)] = t
+        else:
+            out[key] = t
+    for key, by_expert in experts.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"LoRA factor {key}: experts {sorted(by_expert)[:8]} are not 0..{len(by_expert) - 1}")
+        out[key] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
 class _BufferPool:
     """CPU buffers for the tensors an export materialises (TP gathers, received tensors, q/k/v splits,
     dtype casts), reused across buckets and syncs. Fresh pages are what a CPU export pays most for: glibc hands freed
@@ -252,7 +348,8 @@ class ExportStream:
 
     def __init__(self, model_chunks, bucket_bytes: int = 64 << 20, dst: int | Sequence[int] | None = 0,
                  vocab_divisible_by: int = 128, dtype: torch.dtype | None = None,
-                 digest_algorithm: str | None = None):
+                 digest_algorithm: str | None = None, merged: bool = True):
+        self.merged = merged  # a LoRA run's weights with their adapters merged; False: the frozen base alone
         self._digests = tensor_digests
         if digest_algorithm is None:
             first = next(_inner(model_chunks[0]).parameters(), None)
@@ -295,7 +392,7 @@ class ExportStream:
         chunk = self.chunks[0]
         hf = _inner(chunk).hf_config
         dims = Dims.of(hf, self.vocab_divisible_by, ps.get_tensor_model_parallel_world_size())
-        mine, owners, full_meta, order = _export_plan(chunk)
+        mine, owners, full_meta, order = self._plan(chunk)
         self._device = next(iter(mine.values())).param.device if mine else torch.device("cpu")
         rank = dist.get_rank()
         receives = self.receives
@@ -316,7 +413,7 @@ class ExportStream:
                 pool.release(self.bucket_bytes)  # a sending rank's buffers are done once sent (blocking CPU send)
             if full is None:
                 continue
-            for name, t in zip(pm.hf, full_to_hf(pm.kind, full, dims, self._empty)):
+            for name, t in zip(pm.hf, self._to_hf(pm.kind, full, dims, self._empty)):
                 if self.dtype is not None and t.dtype != self.dtype and not pm.fp32:
                     t = self._empty(t.shape, self.dtype, t.device).copy_(t)
                 bucket.append((name, t))
@@ -327,6 +424,18 @@ class ExportStream:
             self._digest_bucket(bucket)
             yield bucket
 
+    @staticmethod
+    def _plan(chunk):
+        return _export_plan(chunk)
+
+    @staticmethod
+    def _everywhere(inner) -> set:
+        return inner._rlpo_everywhere
+
+    @staticmethod
+    def _to_hf(kind, full, dims, empty):
+        return full_to_hf(kind, full, dims, empty)
+
     def _digest_bucket(self, bucket):
         """The sender-side digests of a bucket about to be yielded, all at once (one host sync per bucket on
         an accelerator: moe.bridge.digest.tensor_digests)."""
@@ -336,10 +445,10 @@ class ExportStream:
 
     def _gather(self, pm, lp, holders, meta, rank):
         """Full megatron tensor on the receiving rank(s) (None elsewhere)."""
-        if pm.megatron in _inner(self.chunks[0])._rlpo_everywhere:
+        if pm.megatron in self._everywhere(_inner(self.chunks[0])):
             if not self.receives:
                 return None
-            full = lp.tensor()  # every rank holds it whole: a receiver takes its own replica, no communication
+            full = lp.tensor(self.merged)  # every rank holds it whole: a receiver takes its own replica, no communication
             if (tuple(full.shape), full.dtype) != meta:
                 raise RuntimeError(f"export of {pm.megatron}: local tensor {tuple(full.shape)} {full.dtype} differs "
                                    f"from the export plan's {meta}")
@@ -349,7 +458,7 @@ class ExportStream:
         if lp is not None:
             group_ranks = dist.get_process_group_ranks(lp.tp_group) if lp.tp_size > 1 else [rank]
             if min(group_ranks) == leader:  # only the leader's TP group gathers; replicas stay idle
-                data = lp.tensor()
+                data = lp.tensor(self.merged)
                 if lp.tp_size > 1 and pm.kind != "replicated":
                     if pm.kind in ("qkv", "vocab"):  # shards concatenate along dim 0: gather in place
                         gathered = self._empty((data.shape[0] * lp.tp_size, *data.shape[1:]), data.dtype, data.device)
@@ -381,6 +490,24 @@ class ExportStream:
             dist.recv(full, src=leader)
             return full
         return None
+
+
+class AdapterStream(ExportStream):
+    """ExportStream of a LoRA run's factors alone (moe/lora.py), each gathered whole from its layout: buckets of
+    (`checkpoint key`, tensor), an expert's own factor as `<key>#<global expert>` (`stacked_factors` stacks them as
+    the checkpoint does); what rollout.lora_sync=adapter sends where the servers hold the base."""
+
+    @staticmethod
+    def _plan(chunk):
+        return _adapter_plan(chunk)
+
+    @staticmethod
+    def _everywhere(inner) -> set:
+        return inner._rlpo_adapter_everywhere
+
+    @staticmethod
+    def _to_hf(kind, full, dims, empty):
+        return [full]  # a factor whole, as the checkpoint holds it (a gated fc1's B: [gate; up])
 
 
 def export_hf_state(model_chunks, **kwargs) -> dict[str, torch.Tensor]:

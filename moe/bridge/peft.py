@@ -36,18 +36,15 @@ def _layer(template: str, i: int) -> str:
     return template.format(i=i)
 
 
-def adapter(hf, rank: int, alpha: float, targets, factors: Mapping[str, torch.Tensor],
-            base: Optional[str] = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter_config.json's dict, {PEFT key: tensor}) of the factors of a model.lora run (rank, alpha, targets as
-    the checkpoint records them)."""
+def _walk(hf, targets, factors: Mapping[str, torch.Tensor]):
+    """The adapted places of the model in layer order, each factor whole, as
+    ("linear", module path, A [r, in], B [out, r]) for an attention or MLP projection, and
+    ("experts", layer, (fc1 A, fc1 B), (fc2 A, fc2 B)) for a MoE layer's routed experts, each factor [E, ...] or, where
+    the layer's experts share it (shared_outer, shared), [1, ...]. Every factor in `factors` is used, or refused."""
     family = get_family(hf.model_type)
-    mods, fused = family.peft_modules(hf), family.hf_inmemory_names(hf)
+    mods = family.peft_modules(hf)
     dims = Dims.of(hf)
     pattern = family.moe_layer_pattern(hf)
-    num_experts = family.num_experts(hf)
-    tensors: dict[str, torch.Tensor] = {}
-    modules: list[str] = []  # the attention's projections
-    linears: list[str] = []  # a dense or shared-expert MLP's
     used: set[str] = set()
 
     def get(key):
@@ -56,55 +53,76 @@ def adapter(hf, rank: int, alpha: float, targets, factors: Mapping[str, torch.Te
         used.add(key)
         return factors[key]
 
-    def put(module, a, b, inner=""):  # copies: q, k and v share one A, which safetensors stores once per name
-        tensors[f"{PREFIX}{module}.{inner}lora_A.weight"] = a.clone(memory_format=torch.contiguous_format)
-        tensors[f"{PREFIX}{module}.{inner}lora_B.weight"] = b.clone(memory_format=torch.contiguous_format)
-
     def mlp(prefix, role, i):
         a1 = get(prefix + "linear_fc1.lora.a")
         gate_b, up_b = full_to_hf("glu", get(prefix + "linear_fc1.lora.b"), dims)
-        for key, a, b in ((f"{role}_gate", a1, gate_b), (f"{role}_up", a1, up_b),
-                          (f"{role}_down", get(prefix + "linear_fc2.lora.a"), get(prefix + "linear_fc2.lora.b"))):
-            linears.append(_layer(mods[key], i))
-            put(linears[-1], a, b)
+        yield "linear", _layer(mods[f"{role}_gate"], i), a1, gate_b
+        yield "linear", _layer(mods[f"{role}_up"], i), a1, up_b
+        yield "linear", _layer(mods[f"{role}_down"], i), get(prefix + "linear_fc2.lora.a"), get(prefix + "linear_fc2.lora.b")
 
     def expert_factor(d, fc, ab):
         own = d + f"mlp.experts.experts.linear_{fc}.lora.{ab}"
-        if own in factors:
-            return get(own)
-        shared = get(d + f"mlp.experts.lora_{fc}_{ab}")
-        return shared.unsqueeze(0).expand(num_experts, *shared.shape)
+        return get(own) if own in factors else get(d + f"mlp.experts.lora_{fc}_{ab}").unsqueeze(0)
 
-    experts_module = None
     for i in range(hf.num_hidden_layers):
         d = f"decoder.layers.{i}."
         if "attention" in targets:
             a = get(d + "self_attention.linear_qkv.lora.a")
             for key, b in zip("qkv", full_to_hf("qkv", get(d + "self_attention.linear_qkv.lora.b"), dims)):
-                modules.append(_layer(mods[key], i))
-                put(modules[-1], a, b)
-            modules.append(_layer(mods["o"], i))
-            put(modules[-1], get(d + "self_attention.linear_proj.lora.a"), get(d + "self_attention.linear_proj.lora.b"))
+                yield "linear", _layer(mods[key], i), a, b
+            yield ("linear", _layer(mods["o"], i), get(d + "self_attention.linear_proj.lora.a"),
+                   get(d + "self_attention.linear_proj.lora.b"))
         if not pattern[i]:
             if "dense_mlp" in targets:
-                mlp(d + "mlp.", "dense", i)
+                yield from mlp(d + "mlp.", "dense", i)
             continue
         if family.shared_expert_size(hf) and "shared_experts" in targets:
-            mlp(d + "mlp.shared_experts.", "shared", i)
+            yield from mlp(d + "mlp.shared_experts.", "shared", i)
         if "experts" in targets:
-            gate_up, down = _layer(fused["experts_gate_up"], i), _layer(fused["experts_down"], i)
-            experts_module = gate_up.rsplit(".", 1)[0]
-            if down.rsplit(".", 1)[0] != experts_module:
-                raise ValueError(f"{hf.model_type}: the fused experts' parameters {gate_up} and {down} are not "
-                                 "on one module")
-            for inner, fc in (("base_layer.", "fc1"), ("", "fc2")):  # gate_up_proj wrapped first: the inner one
-                a, b = expert_factor(d, fc, "a"), expert_factor(d, fc, "b")  # [E, r, in], [E, out, r]
-                put(experts_module, a.reshape(num_experts * rank, a.shape[-1]),
-                    b.permute(1, 2, 0).reshape(b.shape[1], rank * num_experts), inner)
+            yield ("experts", i, (expert_factor(d, "fc1", "a"), expert_factor(d, "fc1", "b")),
+                   (expert_factor(d, "fc2", "a"), expert_factor(d, "fc2", "b")))
     unused = sorted(set(factors) - used)
     if unused:
         raise ValueError(f"LoRA factors with no PEFT place: {unused[:4]} ({len(unused)}); model.lora.targets "
                          f"{list(targets)} do not name them")
+
+
+def _config(rank: int, alpha: float, base: Optional[str], **targets) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+            "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None, **targets}
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:  # q, k and v share one A, which safetensors stores once per name
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def adapter(hf, rank: int, alpha: float, targets, factors: Mapping[str, torch.Tensor],
+            base: Optional[str] = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter_config.json's dict, {PEFT key: tensor}) of the factors of a model.lora run (rank, alpha, targets as
+    the checkpoint records them), for peft 0.21 on transformers 5."""
+    fused = get_family(hf.model_type).hf_inmemory_names(hf)
+    num_experts = get_family(hf.model_type).num_experts(hf)
+    tensors: dict[str, torch.Tensor] = {}
+    modules: list[str] = []  # the attention's projections
+    linears: list[str] = []  # a dense or shared-expert MLP's
+    experts_module = None
+    for kind, where, *ab in _walk(hf, targets, factors):
+        if kind == "linear":
+            (modules if ".self_attn." in where else linears).append(where)
+            tensors[f"{PREFIX}{where}.lora_A.weight"], tensors[f"{PREFIX}{where}.lora_B.weight"] = map(_copy, ab)
+            continue
+        gate_up, down = _layer(fused["experts_gate_up"], where), _layer(fused["experts_down"], where)
+        experts_module = gate_up.rsplit(".", 1)[0]
+        if down.rsplit(".", 1)[0] != experts_module:
+            raise ValueError(f"{hf.model_type}: the fused experts' parameters {gate_up} and {down} are not "
+                             "on one module")
+        for inner, (a, b) in zip(("base_layer.", ""), ab):  # gate_up_proj wrapped first: the inner one
+            a = a.expand(num_experts, *a.shape[1:])  # [E, r, in]
+            b = b.expand(num_experts, *b.shape[1:])  # [E, out, r]
+            tensors[f"{PREFIX}{experts_module}.{inner}lora_A.weight"] = a.reshape(num_experts * rank, a.shape[-1])
+            tensors[f"{PREFIX}{experts_module}.{inner}lora_B.weight"] = \
+                b.permute(1, 2, 0).reshape(b.shape[1], rank * num_experts).contiguous()
     # The MLPs' projections are named as parameters (`<module>.weight`: a 2-D ParamWrapper is a plain LoRA linear,
     # its keys the same), not modules: on transformers 5, peft rewrites the target_modules of the families whose
     # experts transformers fuses (qwen2_moe's pattern: qwen3_moe, glm4_moe; mixtral) that end in gate_proj, up_proj or
@@ -114,13 +132,53 @@ def adapter(hf, rank: int, alpha: float, targets, factors: Mapping[str, torch.Te
     params = [f"{m}.weight" for m in linears]
     if experts_module:
         params += [f.split("{i}.", 1)[1] for f in (fused["experts_gate_up"], fused["experts_down"])]
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
-        "target_modules": modules or None, "target_parameters": params or None,
-    }
-    return config, tensors
+    return _config(rank, alpha, base, target_modules=modules or None, target_parameters=params or None), tensors
+
+
+def sglang_target_modules(hf, targets) -> list[str]:
+    """The leaf names SGLang targets for model.lora's `targets` (its --lora-target-modules and the adapter config's
+    target_modules: SGLang matches a leaf in every layer, lora/utils.py get_normalized_target_modules)."""
+    family = get_family(hf.model_type)
+    mods, names = family.peft_modules(hf), family.hf_names(hf)
+    roles = {"attention": [mods[k] for k in "qkvo"],
+             "dense_mlp": [mods[f"dense_{k}"] for k in ("gate", "up", "down")],
+             "shared_experts": [mods[f"shared_{k}"] for k in ("gate", "up", "down")],
+             "experts": [names[f"expert_{k}"].removesuffix(".weight") for k in ("gate", "up", "down")]}
+    leaves: list[str] = []
+    for t in targets:
+        for module in roles[t]:
+            leaf = module.rsplit(".", 1)[1]
+            if leaf not in leaves:
+                leaves.append(leaf)
+    return leaves
+
+
+def sglang_adapter(hf, rank: int, alpha: float, targets, factors: Mapping[str, torch.Tensor]
+                   ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config_dict, {name: tensor}) of the factors as SGLang 0.5.23 loads an adapter (/load_lora_adapter_from_tensors,
+    or a directory for /load_lora_adapter): PEFT's per-module keys for the attention's and the MLPs' projections
+    (lora/lora.py normalises q/k/v into qkv_proj and gate/up into gate_up_proj), and a MoE layer's experts as 3-D
+    tensors `<experts>.{gate,up,down}_proj.lora_{A,B}.weight` [E, ...], or [1, ...] where the layer's experts share
+    the factor (mem_pool.py's "shared outer MoE weight": fc1's A and fc2's B, which the servers take with
+    experts_shared_outer_loras; "shared" sends fc1's B and fc2's A repeated per expert). The leaf names stand as the
+    target modules: SGLang matches them in every layer (lora/utils.py get_normalized_target_modules)."""
+    names = get_family(hf.model_type).hf_names(hf)
+    num_experts = get_family(hf.model_type).num_experts(hf)
+    tensors: dict[str, torch.Tensor] = {}
+
+    def put(module, a, b):
+        tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = _copy(a), _copy(b)
+
+    for kind, where, *ab in _walk(hf, targets, factors):
+        if kind == "linear":
+            put(where, *ab)
+            continue
+        (a1, b1), (a2, b2) = ab
+        b1, a2 = b1.expand(num_experts, *b1.shape[1:]), a2.expand(num_experts, *a2.shape[1:])
+        gate_b, up_b = (t.contiguous() for t in b1.chunk(2, dim=1))  # each expert's fc1 rows: gate, then up
+        for key, a, b in (("expert_gate", a1, gate_b), ("expert_up", a1, up_b), ("expert_down", a2, b2)):
+            put(_layer(names[key].replace(".{e}.", "."), where).removesuffix(".weight"), a, b)
+    return _config(rank, alpha, None, target_modules=sglang_target_modules(hf, targets)), tensors
 
 
 def write(out_dir: str, config: dict, tensors: Mapping[str, torch.Tensor]):
@@ -130,3 +188,24 @@ def write(out_dir: str, config: dict, tensors: Mapping[str, torch.Tensor]):
     save_file(dict(tensors), os.path.join(out_dir, WEIGHTS), metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def write_dir(path: str, config: dict, tensors: Mapping[str, torch.Tensor]):
+    """The adapter as the directory at `path`, replaced whole: written beside it, then renamed over it, so a server
+    loading it never reads a half-written one (a directory holding anything but an adapter is refused)."""
+    import shutil
+
+    if os.path.exists(path) and set(os.listdir(path)) - {CONFIG, WEIGHTS}:
+        raise FileExistsError(f"{path} holds files other than a PEFT adapter's ({CONFIG}, {WEIGHTS}): not replaced; "
+                              "set another rollout.sync_dir")
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    for leftover in (tmp, old):
+        if os.path.isdir(leftover):
+            shutil.rmtree(leftover)
+    os.makedirs(tmp)
+    write(tmp, config, tensors)
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    if os.path.isdir(old):
+        shutil.rmtree(old)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rlpo_mega.rollout.base import ENGINES, EngineError, RolloutInterrupted
 from rlpo_mega.rollout.sglang_auth import new_key
-from rlpo_mega.rollout.sglang_launch import fp8_server_args, launch_node_servers
+from rlpo_mega.rollout.sglang_launch import extra_server_args, launch_node_servers
 from rlpo_mega.weight_sync.transports import TRANSPORTS
 
 log = logging.getLogger("rlpo_mega")
@@ -77,9 +77,9 @@ class EngineSlot:
         err = None
         if local_rank == 0:
             try:
-                fp8 = fp8_server_args(self.hf) if self.cfg.rollout.weights == "fp8" else None
                 self.node_servers = launch_node_servers(sg, self.cfg.model.init_from_hf, node, nodes,
-                                                        colocate=self.cfg.rollout.colocate, extra_args=fp8)
+                                                        colocate=self.cfg.rollout.colocate,
+                                                        extra_args=extra_server_args(self.cfg, self.hf))
             except EngineError as e:
                 err = str(e)
         every = [None] * dist.get_world_size()

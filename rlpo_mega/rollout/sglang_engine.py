@@ -64,7 +64,7 @@ from . import sglang_auth, sglang_plan
 from rlpo_mega.shares import share_of
 from rlpo_mega.weight_sync.sglang_payloads import FLATTENED, flatten, placements, serialize, tied_aliases
 from .sglang_checks import check_sglang
-from .sglang_launch import fp8_server_args, launch_node_servers, server_args_cli
+from .sglang_launch import fp8_server_args, launch_node_servers, lora_server_args, server_args_cli
 from .sglang_reports import InServerReports
 
 log = logging.getLogger("rlpo_mega")
@@ -92,6 +92,9 @@ class _Server:
         # A (re)started server holds everything.
         self.released: set = set()
         self.key_checked = False  # takes the job's key and refuses requests without it (SGLangEngine._check_key)
+        # rollout.lora_sync=adapter: whether it holds the learner's base (a full, digest-verified sync since it
+        # started) and the run's adapter (a later load replaces it); a (re)started server holds neither
+        self.base = self.adapter = False
 
 
 @ENGINES.register("sglang")
@@ -105,6 +108,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
     weight_update_group = True
     pauses_in_place = True  # POST /pause_generation mode=in_place (rollout.partial_rollout_kv=keep)
     takes_more = True  # a running stream sends a Feed's prompts as they come (continuous episode turns)
+    serves_adapters = True  # rollout.lora_sync=adapter: the base with a LoRA adapter loaded beside it (load_adapter)
+    ADAPTER = "rlpo"  # the name of the one adapter a run's servers hold, replaced at every sync
 
     @classmethod
     def launches_servers(cls, run_cfg) -> bool:
@@ -142,15 +147,17 @@ class SGLangEngine(InServerReports, RolloutEngine):
         ro = run_cfg.rollout
         return cls(ro.sglang, hf_config, model_path=run_cfg.model.init_from_hf,
                    return_routes=run_cfg.routing.mode != "off", driver=driver, colocate=ro.colocate,
-                   keep_kv=ro.holds_requests, weights=ro.weights)
+                   keep_kv=ro.holds_requests, weights=ro.weights,
+                   lora=run_cfg.model.lora if ro.lora_sync == "adapter" else None)
 
     def __init__(self, cfg, hf_config, model_path: Optional[str] = None, return_routes: bool = True,
                  driver: int = 0, colocate: bool = False, keep_kv: bool = False, api_key: Optional[str] = None,
-                 weights: str = "bf16"):
+                 weights: str = "bf16", lora=None):
         if isinstance(hf_config, str):
             hf_config = load_hf_config(hf_config)
         self.cfg, self.hf, self.model_path, self.driver = cfg, hf_config, model_path, driver
         self.weights = weights  # rollout.weights: fp8 servers hold block-FP8 weights (moe/bridge/fp8.py)
+        self.lora = lora  # rollout.lora_sync=adapter: model.lora, whose adapter the servers serve beside the base
         self.colocate = colocate  # the servers on the learner's GPUs (rollout.colocate): weights by CUDA IPC there
         # rollout.partial_rollout_kv=keep: weight updates land under held requests (pause); _held while they are
         self.keep_kv, self._held = keep_kv, False
@@ -168,6 +175,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
         self._inflight: dict[str, _Server] = {}
         self._lock = threading.Lock()
         self.weights_updated = False  # since the servers started: a restart would silently undo it
+        self.adapter: Optional[str] = None  # rollout.lora_sync=adapter: the loaded adapter every request names
         self.should_stop: Optional[Callable[[], bool]] = None  # the trainer's stop flag, polled while waiting
         self._init_reports()
         self._closed = False
@@ -187,8 +195,10 @@ class SGLangEngine(InServerReports, RolloutEngine):
             self.servers = [_Server(u) for u in mine]
             log.info("SGLang driver %d of %d drives %s", driver, cfg.drivers, ", ".join(mine))
         elif cfg.launch:  # this process alone (a trainer launches per node: rollout/engines.EngineSlot)
-            self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(
-                cfg, model_path, api_key=key, extra_args=fp8_server_args(hf_config) if weights == "fp8" else None)]
+            extra = {**(fp8_server_args(hf_config) if weights == "fp8" else {}),
+                     **(lora_server_args(lora, hf_config) if lora is not None else {})}
+            self.servers = [_Server(srv.url, srv) for srv in launch_node_servers(cfg, model_path, api_key=key,
+                                                                                 extra_args=extra)]
         else:
             raise EngineError("rollout.sglang: set urls (attach to running servers) or launch: true")
         # each server's place in the run's URL list (node order): colocated payloads are gathered per place
@@ -311,11 +321,40 @@ class SGLangEngine(InServerReports, RolloutEngine):
                                   "under older weights would serve later requests; start it with "
                                   "--disable-radix-cache (server_args: disable_radix_cache: true)")
             self._check_weights(s, info)
+            self._check_lora(s, info)
             for knob in ("pp_size", "dp_size"):
                 if int(info.get(knob) or 1) != 1:
                     raise EngineError(f"SGLang server {s.url} runs with {knob}={info[knob]}: the weight sync knows "
                                       f"TP ranks only; start one server per replica (--{knob.replace('_', '-')} 1)")
         self._layout_checked = True
+
+    def _check_lora(self, server: "_Server", info: dict) -> None:
+        """rollout.lora_sync=adapter: the server serves LoRA with what the run's adapter needs. SGLang 0.5.23 loads
+        an adapter's tensors for the modules it was started to target and drops the rest without a word (lora/
+        mem_pool.py fills only its targets' buffers), wraps a MoE layer only with both gate_up_proj and down_proj
+        targeted, and refuses a rank above --max-lora-rank at load; so each is checked here, before the first sync."""
+        if self.lora is None:
+            return
+        need = lora_server_args(self.lora, self.hf)
+        have = set(info.get("lora_target_modules") or ())
+        missing = [m for m in need["lora_target_modules"] if m not in have]
+        wrong = []
+        if not info.get("enable_lora"):
+            wrong.append("LoRA is off")
+        if missing and "all" not in have:
+            wrong.append(f"its LoRA targets {sorted(have)} lack {missing}")
+        if int(info.get("max_lora_rank") or 0) < self.lora.rank:
+            wrong.append(f"max_lora_rank={info.get('max_lora_rank')} < model.lora.rank={self.lora.rank}")
+        if "experts" in self.lora.targets:
+            if bool(info.get("experts_shared_outer_loras")) != need.get("experts_shared_outer_loras", False):
+                wrong.append(f"experts_shared_outer_loras={info.get('experts_shared_outer_loras')} but "
+                             f"model.lora.expert_layout={self.lora.expert_layout}")
+            if info.get("lora_backend") in ("csgmv", None):
+                wrong.append(f"lora_backend={info.get('lora_backend')} skips MoE layers")
+        if wrong:
+            raise EngineError(f"rollout.lora_sync=adapter but SGLang server {server.url} would not serve the run's "
+                              f"adapter whole ({'; '.join(wrong)}): start it with "
+                              f"{' '.join(server_args_cli(need))} (rollout.sglang.launch=true does)")
 
     def _check_weights(self, server: "_Server", info: dict) -> None:
         """The server holds what rollout.weights sends: block FP8 needs SGLang's fp8 quantization with 128 x 128
@@ -396,6 +435,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
         except Exception as e:
             return EngineError(f"SGLang server {server.url} died ({what}) and its restart failed: {e}")
         server.released = set()
+        server.base = server.adapter = False
         if self.weights_updated:
             return EngineRestarted(f"SGLang server {server.url} died ({what}) and was restarted (restart "
                                    f"{server.restarts}/{self.cfg.max_restarts}): it holds the checkpoint's weights "
@@ -498,6 +538,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
                     log.warning("SGLang server %s answers again but stays out: %s", s.url, e)
                     continue
                 s.alive, s.released = True, set()  # a server that comes back (restarted) holds its memory
+                s.base = s.adapter = False  # and maybe another model's weights: the sync sends it the base again
                 self.faults["server_rejoins"] += 1
                 log.warning("SGLang server %s rejoins: it receives the full weights in this sync", s.url)
 
@@ -711,6 +752,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
                 "return_routed_experts": self.return_routes}
         if start:  # rows [start, seqlen - 1) only: the caller holds the rows before (an episode's earlier turns)
             body["routed_experts_start_len"] = start
+        if self.adapter:  # rollout.lora_sync=adapter: generated by the base with the run's adapter
+            body["lora_path"] = self.adapter
         payload = dumps(body)
         while True:  # once per server tried: a dead or failing one's request is sent again to another of this driver's
             server, (status, raw, size) = await self._send(prompt_index if group is None else group, rid, payload,
@@ -959,6 +1002,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
     def end_weight_update(self) -> None:
         self._post_ok_all("/end_weight_update")
         self.weights_updated = True
+        for s in self.live:
+            s.base = True
         if not self._held:  # held requests keep their KV (pause): nothing else is cached, the radix cache is off
             self.flush_cache()
 
@@ -981,7 +1026,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
     def _ipc(self) -> bool:
         return self.colocate and torch.cuda.is_available()
 
-    def _tensor_payloads(self, named_tensors) -> tuple[list[str], list]:
+    def _tensor_payloads(self, named_tensors, ipc: Optional[bool] = None, as_dict: bool = False
+                         ) -> tuple[list[str], list]:
         """One payload per server TP rank in sglang's MultiprocessingSerializer format:
         base64(ForkingPickler([(name, tensor), ...])). Host tensors travel through shared memory by file name; a
         server on this rank's GPU (rollout.colocate, with a load_format of its own: the default goes as a
@@ -991,7 +1037,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
 
         import torch.multiprocessing as tmp
 
-        ipc = self._ipc
+        ipc = self._ipc if ipc is None else ipc
         tmp.set_sharing_strategy("file_system")  # fd passing cannot cross HTTP
         # a fresh copy each time: pickling moves a storage into shared memory by file name, and the stream's
         # recycled buffers (InProcessTransport) would send the next sync the name of a file the server already
@@ -1002,7 +1048,7 @@ class SGLangEngine(InServerReports, RolloutEngine):
 
         def dump() -> str:
             buf = io.BytesIO()
-            multiprocessing.reduction.ForkingPickler(buf).dump(keep)
+            multiprocessing.reduction.ForkingPickler(buf).dump(dict(keep) if as_dict else keep)
             return base64.b64encode(buf.getvalue()).decode()
 
         payloads = [dump() for _ in range(self.cfg.tp_size)] if ipc else [dump()] * self.cfg.tp_size
@@ -1050,6 +1096,50 @@ class SGLangEngine(InServerReports, RolloutEngine):
     def _post_flattened(self, server: _Server, entries: list) -> None:
         self._post_ok(server, "/update_weights_from_tensor", {"serialized_named_tensors": entries,
                                                              "load_format": FLATTENED, "flush_cache": False})
+
+    def needs_base(self) -> bool:
+        """rollout.lora_sync=adapter, before a sync: whether a live server does not hold the learner's base yet (it
+        started, or restarted, since the last full sync; or it rejoins now: refreshed first); the sync then sends
+        the base whole first."""
+        self.refresh()
+        return any(not s.base for s in self.live)
+
+    def load_adapter(self, config: dict, tensors: dict, checksums: dict) -> None:
+        """rollout.lora_sync=adapter: every live server's adapter replaced by this one (SGLang 0.5.23's
+        /unload_lora_adapter, then /load_lora_adapter_from_tensors: a PEFT config dict and the tensors through shared
+        memory of this host, one payload per TP rank), each tensor checked inside the server against `checksums`
+        (sha256 of its bytes, managers/tp_worker.py load_lora_adapter_from_tensors: a mismatch, a missing or an extra
+        tensor fails the load); then every request names it."""
+        # on the host whatever the servers' device (SGLang keeps adapters there: lora/lora.py), as a dict
+        payloads, keep = self._tensor_payloads(list(tensors.items()), ipc=False, as_dict=True)
+        for s in self.live:
+            self._unload_adapter(s)
+            self._post_ok(s, "/load_lora_adapter_from_tensors",
+                          {"lora_name": self.ADAPTER, "config_dict": config, "serialized_named_tensors": payloads,
+                           "expected_checksums": checksums})
+            s.adapter = True
+        del keep
+        self._adapter_loaded()
+
+    def load_adapter_from_disk(self, path: str) -> None:
+        """rollout.lora_sync=adapter over rollout.sync_transport=disk: every live server's adapter replaced by the
+        PEFT directory at `path`, which the servers read (/load_lora_adapter: a path they share with this host)."""
+        for s in self.live:
+            self._unload_adapter(s)
+            self._post_ok(s, "/load_lora_adapter", {"lora_name": self.ADAPTER, "lora_path": os.path.abspath(path)})
+            s.adapter = True
+        self._adapter_loaded()
+
+    def _unload_adapter(self, server: _Server) -> None:
+        if server.adapter:
+            self._post_ok(server, "/unload_lora_adapter", {"lora_name": self.ADAPTER})
+            server.adapter = False
+
+    def _adapter_loaded(self) -> None:
+        self.adapter = self.ADAPTER
+        self.weights_updated = True
+        if not self._held:  # a prefix cached under the previous adapter must not serve a request
+            self.flush_cache()
 
     def reload_from_disk(self, path: str) -> None:
         self.refresh()

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from moe.bridge.fp8 import sglang_quantization_config
+from moe.bridge.peft import sglang_target_modules
 from rlpo_mega.engine_errors import EngineError
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +41,29 @@ def fp8_server_args(hf) -> dict:
     codes and scales, which every run does before its first rollout."""
     return {"quantization": "fp8", "dtype": "bfloat16",  # SGLang's fp8 serves bf16 or fp16 (model_loader/loader.py:268)
             "json_model_override_args": json.dumps({"quantization_config": sglang_quantization_config(hf)})}
+
+
+def lora_server_args(lora, hf) -> dict:
+    """The server arguments that let SGLang serve a LoRA run's adapter beside the base (rollout.lora_sync=adapter):
+    LoRA on, one adapter of model.lora's rank on the modules its targets name (lora/utils.py matches the leaf names in
+    every layer: both gate_up_proj and down_proj where the experts are adapted, or SGLang wraps no MoE layer,
+    sglang PR #32376), the experts' shared factors as SGLang's shared-outer layout (mem_pool.py; auto-detection
+    needs an adapter at launch, and the run loads its first at its first sync), and the triton backend on a GPU
+    (the default csgmv skips MoE layers, miles' --sglang-lora-backend triton), torch_native on a CPU."""
+    args = {"enable_lora": True, "max_lora_rank": int(lora.rank),
+            "lora_target_modules": sglang_target_modules(hf, lora.targets), "max_loras_per_batch": 1,
+            "lora_backend": "triton" if torch.cuda.is_available() else "torch_native"}
+    if "experts" in lora.targets and lora.expert_layout != "per_expert":
+        args["experts_shared_outer_loras"] = True
+    return args
+
+
+def extra_server_args(run_cfg, hf) -> dict:
+    """What a launched server needs beyond rollout.sglang.server_args for what the run syncs to it: the FP8
+    quantization (rollout.weights=fp8), LoRA (rollout.lora_sync=adapter)."""
+    ro = run_cfg.rollout
+    return {**(fp8_server_args(hf) if ro.weights == "fp8" else {}),
+            **(lora_server_args(run_cfg.model.lora, hf) if ro.lora_sync == "adapter" else {})}
 
 
 def server_args_cli(args: dict) -> list[str]:

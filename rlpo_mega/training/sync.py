@@ -15,7 +15,10 @@ import torch
 import torch.distributed as dist
 
 from moe.bridge.fp8 import Fp8Selection, QuantizedStream, sglang_quantization_config
-from moe.bridge.megatron_io import ExportStream
+from moe.bridge.digest import sha256
+from moe.bridge.megatron_io import AdapterStream, ExportStream, stacked_factors
+from moe.bridge.peft import sglang_adapter
+from moe.bridge.peft import write_dir as write_adapter
 from rlpo_mega.model_setup import PARAMS_DTYPES
 from rlpo_mega.rollout import ENGINES, EngineError
 from rlpo_mega.rollout.engines import engine_ranks
@@ -24,6 +27,50 @@ from rlpo_mega.weight_sync.sglang_payloads import PayloadRelay, tied_aliases
 
 def sync_weights(chunks, cfg, slot) -> dict:
     """Learner -> engine(s) through `slot`'s transport (rollout/engines.EngineSlot), digest-verified."""
+    if cfg.rollout.lora_sync == "adapter":
+        return sync_adapter(chunks, cfg, slot)
+    return _sync_model(chunks, cfg, slot)
+
+
+def sync_adapter(chunks, cfg, slot) -> dict:
+    """rollout.lora_sync=adapter: the servers hold the frozen base and the run's adapter beside it. The base goes
+    whole (unmerged, through the transport, digest-verified) when a server lacks it -- the run's first sync, a
+    server restarted or rejoining: decided together, the export being collective -- then the factors alone,
+    gathered whole from the learner's layout onto the drivers (megatron_io.AdapterStream) in the layout SGLang loads
+    (moe/bridge/peft.sglang_adapter), each checked by its sha256 inside the server (in_process), or written as a
+    PEFT directory the servers load (disk)."""
+    engine = slot.engine
+    need = torch.tensor([int(engine is not None and engine.needs_base())])
+    dist.all_reduce(need, op=dist.ReduceOp.MAX, group=_control_group(cfg, slot))
+    report = _sync_model(chunks, cfg, slot, merged=False) if need.item() else {}
+    ranks = engine_ranks(cfg)
+    stream = AdapterStream(chunks, bucket_bytes=cfg.rollout.sync_bucket_mb << 20,
+                           dst=None if len(ranks) == dist.get_world_size() else ranks)
+    named = [item for bucket in stream for item in bucket]  # every rank takes part; the drivers receive
+    if not stream.receives:
+        return report
+    lo = cfg.model.lora
+    config, tensors = sglang_adapter(slot.hf, lo.rank, lo.alpha, lo.targets, stacked_factors(named))
+    sent = sum(t.numel() * t.element_size() for t in tensors.values())
+    if cfg.rollout.sync_transport == "disk":
+        path = os.path.join(slot.transport.directory, "adapter")
+        write_adapter(path, config, tensors)
+        engine.load_adapter_from_disk(path)
+    else:
+        engine.load_adapter(config, tensors, {n: sha256(t) for n, t in tensors.items()})
+    return {**report, "adapter_tensors": len(tensors), "adapter_bytes": sent, "base_sent": bool(need.item())}
+
+
+def _control_group(cfg, slot):
+    if slot.group is not None:
+        return slot.group
+    from rlpo_mega import distributed  # a slot built without the trainer's control group
+
+    return distributed.control_group(cfg.rollout.wait_timeout)
+
+
+def _sync_model(chunks, cfg, slot, merged: bool = True) -> dict:
+    """The whole model (a LoRA run's adapters merged into it, or its frozen base alone: merged=False)."""
     if getattr(slot.transport, "all_ranks", False):  # every rank sends its own shards (rollout.sync_transport=reshard)
         return slot.transport.sync_model(chunks)
     ranks = engine_ranks(cfg)
@@ -37,7 +84,7 @@ def sync_weights(chunks, cfg, slot) -> dict:
     # bf16, and the quantised ones are quantised from bf16, as on a bf16 learner
     dtype = torch.bfloat16 if cfg.rollout.weights == "fp8" else PARAMS_DTYPES[cfg.model.params_dtype]
     stream = ExportStream(chunks, bucket_bytes=cfg.rollout.sync_bucket_mb << 20, dst=dst,
-                          vocab_divisible_by=cfg.model.vocab_divisible_by, dtype=dtype)
+                          vocab_divisible_by=cfg.model.vocab_divisible_by, dtype=dtype, merged=merged)
     if cfg.rollout.weights == "fp8":  # quantised on the receiving ranks, after the bridge made the HF tensors
         stream = QuantizedStream(stream, Fp8Selection(slot.hf),
                                  quantization_config=sglang_quantization_config(slot.hf))
@@ -68,12 +115,7 @@ def payload_relay(cfg, slot) -> Optional[PayloadRelay]:
         return None
     world = dist.get_world_size()
     servers = engine.colocated_placements(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    group = slot.group
-    if group is None:  # a slot built without the trainer's control group
-        from rlpo_mega import distributed
-
-        group = distributed.control_group(cfg.rollout.wait_timeout)
-    return PayloadRelay(servers, dist.get_rank(), group, tied_aliases(slot.hf))
+    return PayloadRelay(servers, dist.get_rank(), _control_group(cfg, slot), tied_aliases(slot.hf))
 
 
 class Resumable:

@@ -653,6 +653,40 @@ def sglang_async_keep(out):
     return sglang_async(out, "rollout.partial_rollout_kv=keep", "rollout.sglang.server_args.disable_radix_cache=true")
 
 
+def sglang_lora_adapter(out):
+    """rollout.lora_sync=adapter on a launched SGLang server: LoRA rank 4 on the attention (what SGLang's CPU build
+    serves: its MoE LoRA kernels are triton's), TP2 + SP learners (q/k/v's B and the output projection's A gathered
+    from their TP shards), one driver, the in_process sync (the adapter from tensors, sha256-checked inside the
+    server). 3 steps; the server is killed after step 1 and restarted from the checkpoint by the rebuild, whose
+    re-sync sends the base again before the adapter. Every rank reports its syncs and the largest |B| of its adapters
+    at the end; the KL reference is the base (the adapters off), so kl/ref says how far the adapters moved the policy."""
+    from moe.lora import adapters
+
+    syncs = []
+    original_sync = Trainer.sync
+
+    def sync(self):
+        got = original_sync(self)
+        if self.engines.slot.engine is not None:
+            syncs.append(got)
+        return got
+
+    Trainer.sync = sync
+    try:
+        trainer = _run_with(_sglang_cfg(out, "ad", "train_iters=3", "trainer.engine_restarts=1",
+                                        "rollout.sync_transport=in_process", "rollout.lora_sync=adapter",
+                                        "parallel.expert=1", "parallel.tensor=2", "model.lora.rank=4",
+                                        "model.lora.alpha=8", "model.lora.targets=[attention]", "optim.lr=0.01",
+                                        "algorithm.kl.coef=0.01"),
+                            _kill_driver0_server_after_first)
+    finally:
+        Trainer.sync = original_sync
+    moved = max(float(m.lora.b.abs().max()) for chunk in trainer.policy.chunks for _, m in adapters(chunk))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, {"syncs": syncs, "moved": moved})
+    return {"rc": 0, "history": history(out, "ad"), "ranks": every}
+
+
 if __name__ == "__main__":
     scenario, out = sys.argv[1:3]
     result = globals()[scenario](out)

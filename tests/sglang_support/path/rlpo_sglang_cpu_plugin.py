@@ -19,6 +19,7 @@ what it sets lands in the scheduler too, without editing site-packages.
    use its parent's CUDA context). A spawned child imports sglang and torch again, 8-13 s of CPU each (a probe of
    a suite run: 22 detokenizers, 282 CPU-s; 25 schedulers, ~14 s each in their first 40 s); a forked one starts
    with the launcher's imports. Nothing else differs: the same functions run in the same processes.
+5. LoRA without pinned memory (see _lora_without_pinning).
 """
 import multiprocessing
 
@@ -75,6 +76,45 @@ def _fp8_without_amx():
     fp8.rlpo_standin = True
 
 
+def _lora_without_pinning():
+    """5. The bug it mends (sglang 0.5.23, --enable-lora on device=cpu): its LoRA layers, adapters and backends pin
+    host memory unconditionally (lora/layers.py:145,324,479,594,723,814 `torch.tensor(..., pin_memory=True)` and
+    `.pin_memory()`, lora/lora.py:533, the backends' batch info), which raises without an accelerator ("pin_memory=True
+    requires a CUDA or other accelerator backend"); mem_pool.py alone asks is_pin_memory_available first. Pinning only
+    speeds host-to-GPU copies: without a GPU the plain host tensor is the same tensor. In the LoRA modules the
+    factories drop the flag, and Tensor.pin_memory returns the tensor."""
+    import importlib
+    import types
+
+    if getattr(torch.Tensor.pin_memory, "rlpo_no_pin", False):
+        return
+
+    def unpinned(self, *args, **kwargs):
+        return self
+
+    unpinned.rlpo_no_pin = True
+    torch.Tensor.pin_memory = unpinned
+
+    def dropping(factory):
+        def call(*args, pin_memory=False, **kwargs):
+            return factory(*args, **kwargs)
+        return call
+
+    shim = types.SimpleNamespace(**{n: getattr(torch, n) for n in dir(torch) if not n.startswith("__")})
+    for name in ("tensor", "zeros", "empty", "ones", "arange", "full", "as_tensor"):
+        setattr(shim, name, dropping(getattr(torch, name)))
+    for module in ("sglang.srt.lora.layers", "sglang.srt.lora.lora", "sglang.srt.lora.backend.torch_backend",
+                   "sglang.srt.lora.backend.base_backend", "sglang.srt.lora.backend.triton_backend",
+                   "sglang.srt.lora.backend.chunked_backend", "sglang.srt.lora.mem_pool",
+                   "sglang.srt.lora.lora_manager"):
+        try:
+            mod = importlib.import_module(module)
+        except Exception:  # a backend whose kernels this build cannot import is not used here
+            continue
+        if getattr(mod, "torch", None) is torch:
+            mod.torch = shim
+
+
 def register():
     from sglang.srt.arg_groups.choices import (
         DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
@@ -89,5 +129,6 @@ def register():
         batch_invariant.enable_batch_invariant_mode = lambda: None  # its kernels are triton's (CUDA/XPU)
         _fork_instead_of_spawn()
         _fp8_without_amx()
+        _lora_without_pinning()
     if "torch_native" not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:  # plugins load more than once per process
         add_deterministic_attention_backend_choices(["torch_native"])
