@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe.lora import LoRAError, LoRASpec, is_lora_param
+from rlpo_mega.checkpoint.dist import read_whole
 from moe.model import load_hf_config
 from rlpo_mega.config import ConfigError, load_config
 from rlpo_mega.config_checks import check_run_config
@@ -51,7 +52,8 @@ def test_lora_layout_matches_single_process(layout, reference, tmp_path_factory)
     by their own checkpoint entries): the 3 steps' losses and every factor's first gradient equal the single
     process's (rel <= 1e-5, reloaded whole at TP1 from the layout's sharded save), the base frozen at the layout too,
     and the merged export (per shard, gathered by the weight sync's bridge) gives transformers' logits equal to the
-    adapted learner's, which the adapters do move. (Run in the policy parity's launch of this layout.)"""
+    adapted learner's, which the adapters do move; the adapter sync's gather (rollout.lora_sync=adapter) gives every
+    factor whole, equal to the checkpoint's. (Run in the policy parity's launch of this layout.)"""
     out = layout_run(layout, tmp_path_factory)
     for family in FAMILIES:
         ref, got = _read(reference, "reference", family), _read(out, "layout", family)
@@ -59,6 +61,12 @@ def test_lora_layout_matches_single_process(layout, reference, tmp_path_factory)
             assert abs(a - b) <= 1e-5 * abs(a), (family, ref["losses"], got["losses"])
         assert all(got["frozen"][k] == [] for k in FROZEN_EMPTY), got["frozen"]
         assert got["merged_logits_rel_err"] < 1e-5 and got["adapters_move_logits"] > 0.1, got
+        # the adapter sync's gather (rollout.lora_sync=adapter): every factor whole, bit for bit the checkpoint's
+        whole = read_whole(os.path.join(reference, "lora", f"init_{family}"), is_lora_param)
+        gathered = torch.load(os.path.join(out, "lora", f"adapter_{family}.pt"))
+        assert sorted(gathered) == sorted(whole), sorted(set(gathered) ^ set(whole))
+        assert all(torch.equal(gathered[k], whole[k]) for k in whole), [k for k in whole
+                                                                         if not torch.equal(gathered[k], whole[k])]
         want = torch.load(os.path.join(reference, "lora", f"grads_{family}.pt"))
         have = torch.load(os.path.join(out, "lora", f"grads_{family}.pt"))
         assert sorted(want) == sorted(have) and all(is_lora_param(n) for n in want), (sorted(want), sorted(have))
@@ -153,3 +161,123 @@ def test_a_peft_export_of_a_checkpoint_without_adapters_is_refused(reference, tm
     with pytest.raises(CheckpointError, match="saved without model.lora"):
         export_peft(str(ckpt), str(tmp_path / "adapter"))
     assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_sglang_adapter_is_the_learners_adapter(family, reference, tmp_path_factory):
+    """What rollout.lora_sync=adapter sends SGLang (moe/bridge/peft.sglang_adapter, of the reference's factors read whole
+    from its checkpoint), read as SGLang 0.5.23 reads it -- PEFT's per-module keys, a MoE layer's experts as 3-D
+    `<experts>.{gate,up,down}_proj` tensors [E or 1, ...] whose expert axis 1 is shared by every expert (lora/mem_pool.py)
+    -- and merged into the base (W + alpha/r B A), gives the learner's own merged weights at TP2+SP (the weight sync's
+    merged export of tests/workers/lora_parity.py): every adapted weight, and no other (qwen3_moe: attention and the
+    experts, shared_outer; glm4_moe: its dense layer, the shared experts and the experts, per_expert)."""
+    from safetensors.torch import load_file
+
+    from moe.bridge.peft import sglang_adapter, sglang_target_modules
+    from rlpo_mega.rollout.sglang_launch import lora_server_args
+    from tests.workers.bridge import rel_err
+
+    def read(path):  # every tensor of an HF checkpoint directory
+        return {k: v for f in sorted(os.listdir(path)) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(path, f)).items()}
+
+    root = os.path.join(reference, "lora")
+    merged = read(os.path.join(layout_run("tp2_sp", tmp_path_factory), "lora", f"merged_{family}"))
+    base = read(os.path.join(root, f"base_{family}"))
+    hf = load_hf_config(FAMILIES[family][0])
+    lora = load_config(None, ("model.lora.rank=4", "model.lora.alpha=8",
+                              f"model.lora.expert_layout={FAMILIES[family][1]}")).model.lora
+    factors = read_whole(os.path.join(root, f"init_{family}"), is_lora_param)
+    config, tensors = sglang_adapter(hf, lora.rank, lora.alpha, lora.targets, factors)
+    assert config["r"] == 4 and config["lora_alpha"] == 8
+    assert config["target_modules"] == sglang_target_modules(hf, lora.targets) == \
+        lora_server_args(lora, hf)["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                              "up_proj", "down_proj"]
+    assert lora_server_args(lora, hf).get("experts_shared_outer_loras", False) == (FAMILIES[family][1] != "per_expert")
+    scale = config["lora_alpha"] / config["r"]
+    want = dict(base)
+    experts = hf.num_experts if family == "qwen3_moe" else hf.n_routed_experts
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = tensors[key.replace("lora_A", "lora_B")]
+        if a.dim() == 2:
+            want[f"{module}.weight"] = base[f"{module}.weight"] + scale * b @ a
+            continue
+        assert a.shape[0] in (1, experts) and b.shape[0] in (1, experts), (key, a.shape, b.shape)
+        head, leaf = module.rsplit(".", 1)
+        for e in range(experts):
+            name = f"{head}.{e}.{leaf}.weight"
+            want[name] = base[name] + scale * b[min(e, b.shape[0] - 1)] @ a[min(e, a.shape[0] - 1)]
+    assert sorted(want) == sorted(merged)
+    changed = [k for k in base if not torch.equal(want[k], base[k])]
+    assert changed and all(rel_err(want[k], merged[k]) < 1e-6 for k in want), \
+        [(k, rel_err(want[k], merged[k])) for k in want if rel_err(want[k], merged[k]) >= 1e-6][:4]
+    assert all(torch.equal(merged[k], base[k]) for k in base if k not in changed)
+
+
+def _sync_check(*overrides, model="configs/models/tiny_qwen3_moe.json"):
+    return _check("model.init_from_hf=/tmp/base", "rollout.engine=sglang", *overrides, model=model)
+
+
+def test_the_adapter_sync_refusals_name_the_cause_and_the_fix():
+    """rollout.lora_sync=adapter: refused in one line where the adapter has no engine that serves it or no way there;
+    a hand-started server without the flags model.lora needs is refused before the first sync, naming them."""
+    from types import SimpleNamespace
+
+    from rlpo_mega.rollout import EngineError
+    from rlpo_mega.rollout.sglang_engine import SGLangEngine
+
+    _sync_check("rollout.lora_sync=adapter")
+    _sync_check("rollout.lora_sync=adapter", "rollout.sync_transport=disk")
+    for overrides, match in (
+            (("model.lora.rank=0",), "without model.lora"),
+            (("rollout.engine=embedded",), "rollout.engine=embedded takes merged weights only"),
+            (("rollout.sync_transport=sglang_distributed",), "not over a weight-update group"),
+            (("rollout.partial_rollout=true", "rollout.producer=async", "rollout.partial_rollout_kv=keep",
+              "rollout.sglang.server_args.disable_radix_cache=true"), "partial_rollout_kv=keep"),
+            (("rollout.sglang.launch=true", "rollout.sglang.server_args.max_lora_rank=64", "routing.mode=off"),
+             "server_args.max_lora_rank with rollout.lora_sync=adapter"),
+            (("rollout.sglang.server_args.lora_backend=csgmv",), "csgmv backend skips MoE layers")):
+        with pytest.raises(ConfigError, match=match):
+            _sync_check("rollout.lora_sync=adapter", *overrides)
+    with pytest.raises(ConfigError, match="adapter beside a block-FP8 base is not built"):
+        _sync_check("rollout.lora_sync=adapter", "rollout.weights=fp8", model="configs/models/tiny_qwen3_moe_fp8.json")
+    with pytest.raises(ConfigError, match="bad value for config key 'rollout.lora_sync'"):
+        load_config(None, ("rollout.lora_sync=delta",))
+
+    hf = load_hf_config("configs/models/tiny_qwen3_moe.json")
+    engine = SGLangEngine.__new__(SGLangEngine)
+    engine.hf, engine.lora = hf, load_config(None, ("model.lora.rank=4",)).model.lora
+    server = SimpleNamespace(url="http://10.0.0.7:30000")
+    good = {"enable_lora": True, "max_lora_rank": 8, "experts_shared_outer_loras": True, "lora_backend": "triton",
+            "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+    engine._check_lora(server, good)
+    for change, match in (({"enable_lora": False}, "LoRA is off"),
+                          ({"lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]},
+                           r"lack \['down_proj'\]"),
+                          ({"max_lora_rank": 2}, "max_lora_rank=2 < model.lora.rank=4"),
+                          ({"experts_shared_outer_loras": False}, "expert_layout=shared_outer"),
+                          ({"lora_backend": "csgmv"}, "csgmv skips MoE layers")):
+        with pytest.raises(EngineError, match=match) as e:
+            engine._check_lora(server, {**good, **change})
+        assert "--enable-lora" in str(e.value) and "--max-lora-rank 4" in str(e.value), e.value
+
+
+def test_an_adapter_directory_is_replaced_whole_and_nothing_else_is(tmp_path):
+    """rollout.lora_sync=adapter over the disk transport: each sync's PEFT directory replaces the last whole (written
+    beside it, renamed over it); a directory holding anything else is refused, untouched."""
+    from moe.bridge.peft import CONFIG, WEIGHTS, write_dir
+
+    path = tmp_path / "adapter"
+    for value in (1.0, 2.0):
+        write_dir(str(path), {"r": 1}, {"x.lora_A.weight": torch.full((1, 2), value)})
+        assert sorted(os.listdir(path)) == [CONFIG, WEIGHTS] and sorted(os.listdir(tmp_path)) == ["adapter"]
+    from safetensors.torch import load_file
+
+    assert load_file(str(path / WEIGHTS))["x.lora_A.weight"].eq(2.0).all()
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="holds files other than a PEFT adapter's"):
+        write_dir(str(path), {"r": 1}, {"x.lora_A.weight": torch.zeros(1, 2)})
+    assert (path / "notes.txt").read_text() == "mine"

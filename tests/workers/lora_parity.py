@@ -9,7 +9,8 @@ checkpoint records them, so `rlpo-mega export --peft-out` takes it) with the ada
 every factor.
 phase=layout: load it at the layout; its merged export (W + alpha/r B A per shard, gathered by the bridge as the
 weight sync sends it) written as an HF checkpoint gives transformers' logits equal to the adapted learner's; the
-same 3 steps on the same batch, the first step's factor gradients saved as a dist checkpoint and reloaded whole at
+adapter sync's gather (megatron_io.AdapterStream, rollout.lora_sync=adapter) of every factor whole onto rank 0
+(adapter_<family>.pt); the same 3 steps on the same batch, the first step's factor gradients saved as a dist checkpoint and reloaded whole at
 TP1. Also, at every layout: every base parameter frozen (no gradient, not in the optimizer) and no router adapted.
 
 Families: qwen3_moe (attention and experts, shared_outer) and glm4_moe (its dense first layer and shared experts
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from moe.bridge.hf_checkpoint import HFCheckpointWriter  # noqa: E402
-from moe.bridge.megatron_io import export_hf_state  # noqa: E402
+from moe.bridge.megatron_io import AdapterStream, export_hf_state, stacked_factors  # noqa: E402
 from moe.lora import adapters, adapters_off, is_lora_param  # noqa: E402
 from moe.model import load_hf_config  # noqa: E402
 from rlpo_mega import distributed  # noqa: E402
@@ -155,6 +156,10 @@ def run(phase, ref_root, out_dir, overrides: tuple):
         result = {}
         if phase != "reference":
             result.update(merged_export(chunks, hf, os.path.join(out_dir, f"merged_{family}")))
+            # rollout.lora_sync=adapter's gather: every factor whole on rank 0, keyed as the checkpoint keys it
+            named = [item for bucket in AdapterStream(chunks, bucket_bytes=1 << 12, dst=0) for item in bucket]
+            if rank == 0:
+                torch.save(stacked_factors(named), os.path.join(out_dir, f"adapter_{family}.pt"))
         micro = split_micro_batches(data_parallel_shard(global_batch(hf.vocab_size)), cfg.parallel.num_micro_batches)
         losses = [reduce_report(forward_backward(chunks, opt, micro))["lm_loss"]]
         result["frozen"] = frozen_report(chunks[0], opt)
