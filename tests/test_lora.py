@@ -173,7 +173,7 @@ def test_the_sglang_adapter_is_the_learners_adapter(family, reference, tmp_path_
     experts, shared_outer; glm4_moe: its dense layer, the shared experts and the experts, per_expert)."""
     from safetensors.torch import load_file
 
-    from moe.bridge.peft import sglang_adapter, sglang_target_modules
+    from moe.bridge.peft import sglang_adapter, sglang_adapter_numel, sglang_target_modules
     from rlpo_mega.rollout.sglang_launch import lora_server_args
     from tests.workers.bridge import rel_err
 
@@ -194,6 +194,8 @@ def test_the_sglang_adapter_is_the_learners_adapter(family, reference, tmp_path_
         lora_server_args(lora, hf)["lora_target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                               "up_proj", "down_proj"]
     assert lora_server_args(lora, hf).get("experts_shared_outer_loras", False) == (FAMILIES[family][1] != "per_expert")
+    # the planner's count of it (`rlpo-mega plan`'s refit line), from the HF shapes alone
+    assert sum(t.numel() for t in tensors.values()) == sglang_adapter_numel(hf, 4, lora.targets, lora.expert_layout)
     scale = config["lora_alpha"] / config["r"]
     want = dict(base)
     experts = hf.num_experts if family == "qwen3_moe" else hf.n_routed_experts

@@ -303,3 +303,12 @@ def test_plan_with_lora_holds_the_base_frozen_and_only_the_adapters_gradients_an
     assert plans["lora"]["servers"][0]["weights"] == plans["whole"]["servers"][0]["weights"]
     adapters, both = plans["lora"]["checkpoint"], plans["lora_full_save"]["checkpoint"]
     assert adapters["checkpoint_bytes"] < 8e9 and 60e9 < both["checkpoint_bytes"] - adapters["checkpoint_bytes"] < 62e9
+    # the sync in each mode (the refit line): merged, the whole model in bf16; rollout.lora_sync=adapter, the adapter
+    # as SGLang receives it -- per layer q/k/v/o's A and B, the experts' gate/up A and down B once (shared_outer) and
+    # each expert's gate/up B and down A, in bf16
+    refit = planning.make_plan(load_config(os.path.join(ROOT, recipe)), recipe, refit=True).refit
+    attention = 3 * 32 * 2048 + 32 * (4096 + 512 + 512) + 32 * 4096 + 2048 * 32
+    experts = 2 * 32 * 2048 + 2048 * 32 + 128 * (2 * 768 * 32 + 32 * 768)
+    assert refit.adapter_bytes == 2 * 48 * (attention + experts) == 978_321_408, refit.adapter_bytes
+    assert refit.model_bytes > 60 * refit.adapter_bytes
+    assert "the LoRA adapter alone 0.98 GB (rollout.lora_sync=adapter)" in "\n".join(planning.render_refit(refit))

@@ -153,6 +153,39 @@ def sglang_target_modules(hf, targets) -> list[str]:
     return leaves
 
 
+def sglang_adapter_numel(hf, rank: int, targets, expert_layout: str) -> int:
+    """Elements of the adapter `sglang_adapter` makes, from the HF weights' shapes (no model): per adapted weight
+    [out, in] an A [r, in] and a B [out, r]; a MoE layer's experts' factors once per expert, but once per layer
+    where the layer's experts share them (shared_outer: gate/up's A and down's B; "shared" sends only those shared,
+    its other two repeated per expert)."""
+    from moe.bridge.hf_checkpoint import expected_hf_shapes
+
+    family = get_family(hf.model_type)
+    shapes, mods, names = expected_hf_shapes(hf, False), family.peft_modules(hf), family.hf_names(hf)
+    experts = family.num_experts(hf)
+    outer = expert_layout != "per_expert"  # gate/up's A and down's B: [1, ...] for the layer
+    total = 0
+    for i in range(hf.num_hidden_layers):
+        linears = []
+        if "attention" in targets:
+            linears += [mods[k] for k in "qkvo"]
+        for role, target in (("dense", "dense_mlp"), ("shared", "shared_experts")):
+            if target in targets:
+                linears += [mods[f"{role}_{k}"] for k in ("gate", "up", "down")]
+        for module in linears:
+            shape = shapes.get(_layer(module, i) + ".weight")
+            if shape is not None:
+                total += rank * (shape[0] + shape[1])
+        if "experts" in targets:
+            for k in ("gate", "up", "down"):
+                shape = shapes.get(_layer(names[f"expert_{k}"].replace("{e}", "0"), i))
+                if shape is None:
+                    continue  # a dense layer
+                a_once, b_once = (outer, False) if k != "down" else (False, outer)
+                total += rank * shape[1] * (1 if a_once else experts) + rank * shape[0] * (1 if b_once else experts)
+    return total
+
+
 def sglang_adapter(hf, rank: int, alpha: float, targets, factors: Mapping[str, torch.Tensor]
                    ) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config_dict, {name: tensor}) of the factors as SGLang 0.5.23 loads an adapter (/load_lora_adapter_from_tensors,

@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from moe.bridge.peft import sglang_adapter_numel
 from moe.bridge.reshard import (CannotPlan, LearnerLayout, ModelSpec, ServerLayout, box_numel, learner_shards,
                                 reshard_plan, server_shard_bytes)
 from rlpo_mega.planning.rows import GB
@@ -163,9 +164,13 @@ class Refit:
     model_bytes: int  # the policy's export in bf16: what one sync moves
     speeds: dict  # link -> GB/s each direction (cluster.*_gb_per_s)
     fp8_bytes: Optional[int] = None  # rollout.weights=fp8: the model as the servers receive it (codes and scales)
+    # model.lora: the adapter as SGLang receives it in bf16 (what a rollout.lora_sync=adapter sync sends each server,
+    # moe/bridge/peft.sglang_adapter); the merged sync moves model_bytes
+    adapter_bytes: Optional[int] = None
 
     def to_json(self) -> dict:
-        return {"model_bytes": self.model_bytes, "fp8_bytes": self.fp8_bytes, "speeds_gb_per_s": self.speeds,
+        return {"model_bytes": self.model_bytes, "fp8_bytes": self.fp8_bytes, "adapter_bytes": self.adapter_bytes,
+                "speeds_gb_per_s": self.speeds,
                 "transports": [r.__dict__ for r in self.rows]}
 
 
@@ -235,14 +240,19 @@ def refit_plan(cfg, hf, layout, world_size: int, drivers: list[int]) -> Refit:
             row.server_shard = shard
             row.seconds = links.seconds(c)
         rows.append(row)
+    lo = cfg.model.lora
+    adapter = (sglang_adapter_numel(hf, lo.rank, lo.targets, lo.expert_layout) * torch.bfloat16.itemsize
+               if lo.rank else None)
     return Refit(rows, model.nbytes, {"nvlink": c.nvlink_gb_per_s, "nic": c.nic_gb_per_s,
                                       "pcie": c.host_device_gb_per_s, "storage": c.storage_gb_per_s},
-                 served if fp8 else None)
+                 served if fp8 else None, adapter)
 
 
 def render_refit(refit: Refit) -> list[str]:
     v = refit.speeds
     fp8 = f", {refit.fp8_bytes / GB:.1f} GB to FP8 servers" if refit.fp8_bytes else ""
+    if refit.adapter_bytes:  # the table is the merged sync's; the adapter sync moves this much to each server
+        fp8 += f" merged, the LoRA adapter alone {refit.adapter_bytes / GB:.2f} GB (rollout.lora_sync=adapter)"
     out = ["", f"refit (one weight sync, {refit.model_bytes / GB:.1f} GB in bf16{fp8}; link-bound at NVLink "
                f"{v['nvlink']:g}, NIC {v['nic']:g}, PCIe {v['pcie']:g} GB/s per GPU and storage {v['storage']:g} GB/s per node, each "
                f"direction (cluster.*_gb_per_s); no latency, no receiver's per-tensor cost)"]
