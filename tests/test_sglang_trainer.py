@@ -100,7 +100,9 @@ def test_trainer_syncs_the_lora_adapter_alone_and_the_base_to_a_restarted_server
     /load_lora_adapter_from_tensors, each tensor's sha256 checked inside the server; the server killed after step 1
     is restarted from the checkpoint by the rebuild, whose re-sync sends it the base again. Every step's learner
     log-probs of the server's samples are the server's (fp32: the mismatch bound of every SGLang run here), with
-    adapters that moved: the server generated with the learner's adapter, not without it."""
+    adapters that moved: the server generated with the learner's adapter, not without it. Then 2 steps over
+    sync_transport=disk: the base reloaded from the HF checkpoint the first sync writes, each adapter a PEFT
+    directory the server loads by path (/load_lora_adapter), the log-probs the server's again."""
     r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "sglang_lora_adapter", str(tmp_path / "run"))
     assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
     driver = r["ranks"][0]
@@ -123,6 +125,12 @@ def test_trainer_syncs_the_lora_adapter_alone_and_the_base_to_a_restarted_server
     # server serving the base alone would be that far from the learner
     assert all(h["kl/ref"] > 100 * max(g["mismatch/k3_kl"] for g in r["history"]) for h in r["history"][1:]), \
         r["history"]
+    # sync_transport=disk: the base written and reloaded once, each adapter a PEFT directory loaded by path
+    disk = driver["disk_syncs"]
+    assert [s["base_sent"] for s in disk] == [True, False, False] and all("path" in s for s in disk[:1]), disk
+    assert r["disk_dir"] == ["adapter_config.json", "adapter_model.safetensors"], r["disk_dir"]
+    for h in r["disk_history"]:
+        assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8 and h["kl/ref"] > 0, h
 
 
 def test_launched_servers_stop_with_the_job_and_the_resume_has_one_fewer(sglang_python, tmp_path):

@@ -1154,6 +1154,8 @@ class SGLangEngine(InServerReports, RolloutEngine):
                         self.load_weights([(self._embed, f.get_tensor(self._embed))])
                         self._post_ok_all("/end_weight_update")
         self.weights_updated = True
+        for s in self.live:
+            s.base = True
         self.flush_cache()
 
     def adopt(self, launched: dict) -> None:

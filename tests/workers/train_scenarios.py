@@ -671,20 +671,24 @@ def sglang_lora_adapter(out):
             syncs.append(got)
         return got
 
+    lora = ("rollout.lora_sync=adapter", "parallel.expert=1", "parallel.tensor=2", "model.lora.rank=4",
+            "model.lora.alpha=8", "model.lora.targets=[attention]", "optim.lr=0.01", "algorithm.kl.coef=0.01")
     Trainer.sync = sync
     try:
         trainer = _run_with(_sglang_cfg(out, "ad", "train_iters=3", "trainer.engine_restarts=1",
-                                        "rollout.sync_transport=in_process", "rollout.lora_sync=adapter",
-                                        "parallel.expert=1", "parallel.tensor=2", "model.lora.rank=4",
-                                        "model.lora.alpha=8", "model.lora.targets=[attention]", "optim.lr=0.01",
-                                        "algorithm.kl.coef=0.01"),
+                                        "rollout.sync_transport=in_process", *lora),
                             _kill_driver0_server_after_first)
+        moved = max(float(m.lora.b.abs().max()) for chunk in trainer.policy.chunks for _, m in adapters(chunk))
+        on_disk = len(syncs)
+        # the disk transport: the base as an HF checkpoint, then each adapter as a PEFT directory the server loads
+        _run_with(_sglang_cfg(out, "ad_disk", "train_iters=2", "rollout.sync_transport=disk",
+                              f"rollout.sync_dir={os.path.join(out, 'sync')}", *lora), lambda trainer: None)
     finally:
         Trainer.sync = original_sync
-    moved = max(float(m.lora.b.abs().max()) for chunk in trainer.policy.chunks for _, m in adapters(chunk))
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {"syncs": syncs, "moved": moved})
-    return {"rc": 0, "history": history(out, "ad"), "ranks": every}
+    dist.all_gather_object(every, {"syncs": syncs[:on_disk], "disk_syncs": syncs[on_disk:], "moved": moved})
+    return {"rc": 0, "history": history(out, "ad"), "disk_history": history(out, "ad_disk"), "ranks": every,
+            "disk_dir": sorted(os.listdir(os.path.join(out, "sync", "adapter")))}
 
 
 if __name__ == "__main__":

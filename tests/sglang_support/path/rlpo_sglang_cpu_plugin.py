@@ -22,6 +22,7 @@ what it sets lands in the scheduler too, without editing site-packages.
 5. LoRA without pinned memory (see _lora_without_pinning).
 """
 import multiprocessing
+import sys
 
 import torch
 
@@ -129,6 +130,7 @@ def register():
         batch_invariant.enable_batch_invariant_mode = lambda: None  # its kernels are triton's (CUDA/XPU)
         _fork_instead_of_spawn()
         _fp8_without_amx()
-        _lora_without_pinning()
+        if "--enable-lora" in sys.argv:  # the launcher's flags (its schedulers are forked from it, mended)
+            _lora_without_pinning()
     if "torch_native" not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:  # plugins load more than once per process
         add_deterministic_attention_backend_choices(["torch_native"])
