@@ -163,30 +163,39 @@ def _export_plan(model):
     tied = inner.hf_config.tie_word_embeddings and not getattr(inner, "value_head", False)
     mine = {lp.map.megatron: lp for lp in local_params(model)
             if not (lp.local_name == "output_layer.weight" and tied)}
-    info = []
-    for name, lp in mine.items():
-        shape = lp.param.shape
-        if lp.tp_size > 1 and lp.map.kind != "replicated":
-            shape = shards_to_full(lp.map.kind, [torch.empty(shape, device="meta")] * lp.tp_size).shape
-        info.append((name, tuple(shape), lp.param.dtype, lp.tp_size == 1 or lp.map.kind == "replicated"))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, info)
-    owners: dict[str, list[int]] = {}
-    full_meta: dict[str, tuple] = {}
-    whole: dict[str, int] = {}
-    for rank, items in enumerate(every):
-        for name, shape, dtype, is_whole in items:
-            owners.setdefault(name, []).append(rank)
-            full_meta[name] = (shape, dtype)
-            whole[name] = whole.get(name, 0) + int(is_whole)
-    # tensors every rank holds whole (data-parallel replicas of an unsplit parameter): an export to every rank
-    # (dst=None) takes the local copy, identical on all replicas, instead of a broadcast per tensor
-    inner._rlpo_everywhere = {n for n, k in whole.items() if k == len(every)}
+    owners, full_meta, everywhere, _ = _holders(mine)
+    inner._rlpo_everywhere = everywhere
     value_head = getattr(inner, "value_head", False)
     shapes = expected_hf_shapes(inner.hf_config, value_head)
     order = [(pm, sum(math.prod(shapes[n]) for n in pm.hf)) for pm in param_maps(inner.hf_config, value_head)]
     inner._rlpo_export_plan = (mine, owners, full_meta, order)
     return inner._rlpo_export_plan
+
+
+def _holders(mine: dict) -> tuple[dict, dict, set, dict]:
+    """Over every rank (one all_gather_object) from this rank's {name: LocalParam}: each name's sorted global ranks
+    holding (a shard of) it, its full shape and dtype (so receivers allocate without asking), the names every rank
+    holds whole (data-parallel replicas of an unsplit tensor: an export to every rank (dst=None) takes the local copy,
+    identical on all replicas, instead of a broadcast per tensor), and each name's kind of split."""
+    info = []
+    for name, lp in mine.items():
+        shape = lp.param.shape
+        if lp.tp_size > 1 and lp.map.kind != "replicated":
+            shape = shards_to_full(lp.map.kind, [torch.empty(shape, device="meta")] * lp.tp_size).shape
+        info.append((name, tuple(shape), lp.param.dtype, lp.tp_size == 1 or lp.map.kind == "replicated", lp.map.kind))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, info)
+    owners: dict[str, list[int]] = {}
+    full_meta: dict[str, tuple] = {}
+    whole: dict[str, int] = {}
+    kinds: dict[str, str] = {}
+    for rank, items in enumerate(every):
+        for name, shape, dtype, is_whole, kind in items:
+            owners.setdefault(name, []).append(rank)
+            full_meta[name] = (shape, dtype)
+            whole[name] = whole.get(name, 0) + int(is_whole)
+            kinds[name] = kind
+    return owners, full_meta, {n for n, k in whole.items() if k == len(every)}, kinds
 
 
 def adapter_key(name: str, inner, ep_rank: int) -> tuple[str, Optional[int]]:
@@ -243,25 +252,7 @@ def _adapter_plan(model):
             size, group = lora.tp, lora.group
             rank_ = group.rank() if group is not None and size > 1 else 0
         mine[key] = LocalParam(name, p, ParamMap(key, (key,), kind), rank_, size, group)
-    info = []
-    for key, lp in mine.items():
-        shape = lp.param.shape
-        if lp.tp_size > 1 and lp.map.kind != "replicated":
-            shape = shards_to_full(lp.map.kind, [torch.empty(shape, device="meta")] * lp.tp_size).shape
-        info.append((key, tuple(shape), lp.param.dtype, lp.tp_size == 1 or lp.map.kind == "replicated", lp.map.kind))
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, info)
-    owners: dict[str, list[int]] = {}
-    full_meta: dict[str, tuple] = {}
-    whole: dict[str, int] = {}
-    kinds: dict[str, str] = {}
-    for rank, items in enumerate(every):
-        for key, shape, dtype, is_whole, kind in items:
-            owners.setdefault(key, []).append(rank)
-            full_meta[key] = (shape, dtype)
-            whole[key] = whole.get(key, 0) + int(is_whole)
-            kinds[key] = kind
-    inner._rlpo_adapter_everywhere = {k for k, n in whole.items() if n == len(every)}
+    owners, full_meta, inner._rlpo_adapter_everywhere, kinds = _holders(mine)
     order = [(ParamMap(k, (k,), kinds[k]), math.prod(full_meta[k][0])) for k in sorted(owners)]
     inner._rlpo_adapter_plan = (mine, owners, full_meta, order)
     return inner._rlpo_adapter_plan
