@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch.distributed as dist
 
@@ -27,7 +26,6 @@ from rlpo_mega.model_setup import build_policy
 from rlpo_mega.checkpoint.run import latest_checkpoint
 
 CONVERTED = "dist_checkpoint"  # the output kind of `convert` (moe/bridge/outputs.py)
-PEFT_ADAPTER = "peft_adapter"  # and of `export --peft-out`
 
 
 def convert(hf_dir: str, out_dir: str, tp: int = 1, pp: int = 1, ep: int = 1, etp: int = 1,
@@ -71,7 +69,7 @@ def _checkpoint_hf(ckpt_dir: str):
 def export_peft(ckpt_dir: str, peft_out: str, overwrite: bool = False) -> str:
     """A LoRA run's adapters as a PEFT adapter directory (moe/bridge/peft.py), read whole from the checkpoint in this
     one process (no model, no process group: a few MB at any layout it was saved at). Returns the checkpoint used."""
-    outputs.check_target(peft_out, PEFT_ADAPTER, overwrite)
+    outputs.check_target(peft_out, peft.KIND, overwrite)  # before any work
     ckpt_dir = _finished(ckpt_dir)
     meta = read_meta(ckpt_dir)
     lora = (meta.get("settings") or {}).get("model.lora")
@@ -82,14 +80,7 @@ def export_peft(ckpt_dir: str, peft_out: str, overwrite: bool = False) -> str:
     factors = read_whole(ckpt_dir, is_lora_param)
     config, tensors = peft.adapter(hf, lora["rank"], lora["alpha"], lora["targets"], factors,
                                    base=(meta.get("base") or {}).get("path"))
-    tmp = outputs.temp_sibling(peft_out)
-    try:
-        peft.write(tmp, config, tensors)
-        outputs.mark(tmp, PEFT_ADAPTER)
-        outputs.swap_in(tmp, peft_out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    peft.write_dir(peft_out, config, tensors, overwrite)
     return ckpt_dir
 
 

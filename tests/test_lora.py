@@ -220,7 +220,7 @@ def test_the_sglang_adapter_is_the_learners_adapter(family, reference, tmp_path_
 
 
 def _sync_check(*overrides, model="configs/models/tiny_qwen3_moe.json"):
-    return _check("model.init_from_hf=/tmp/base", "rollout.engine=sglang", *overrides, model=model)
+    return _check("model.init_from_hf=hf_base", "rollout.engine=sglang", *overrides, model=model)
 
 
 def test_the_adapter_sync_refusals_name_the_cause_and_the_fix():
@@ -268,18 +268,32 @@ def test_the_adapter_sync_refusals_name_the_cause_and_the_fix():
 
 
 def test_an_adapter_directory_is_replaced_whole_and_nothing_else_is(tmp_path):
-    """rollout.lora_sync=adapter over the disk transport: each sync's PEFT directory replaces the last whole (written
-    beside it, renamed over it); a directory holding anything else is refused, untouched."""
+    """rollout.lora_sync=adapter over the disk transport (and `export --peft-out`): each PEFT directory written into a
+    fresh sibling and swapped in whole over the one rlpo-mega wrote before; a directory of anything else is refused,
+    untouched, with nothing left beside it -- at the transport's construction, before any sync."""
+    from safetensors.torch import load_file
+
+    from moe.bridge.outputs import MARKER, OutputExistsError
     from moe.bridge.peft import CONFIG, WEIGHTS, write_dir
+    from rlpo_mega.weight_sync.transports import DiskTransport
 
     path = tmp_path / "adapter"
     for value in (1.0, 2.0):
-        write_dir(str(path), {"r": 1}, {"x.lora_A.weight": torch.full((1, 2), value)})
-        assert sorted(os.listdir(path)) == [CONFIG, WEIGHTS] and sorted(os.listdir(tmp_path)) == ["adapter"]
-    from safetensors.torch import load_file
-
+        write_dir(str(path), {"r": 1}, {"x.lora_A.weight": torch.full((1, 2), value)}, overwrite=True)
+        assert sorted(os.listdir(path)) == [MARKER, CONFIG, WEIGHTS] and os.listdir(tmp_path) == ["adapter"]
     assert load_file(str(path / WEIGHTS))["x.lora_A.weight"].eq(2.0).all()
-    (path / "notes.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="holds files other than a PEFT adapter's"):
+    with pytest.raises(OutputExistsError, match="holds an earlier peft_adapter output"):
         write_dir(str(path), {"r": 1}, {"x.lora_A.weight": torch.zeros(1, 2)})
-    assert (path / "notes.txt").read_text() == "mine"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "adapter_config.json").write_text("{}")
+    with pytest.raises(OutputExistsError, match="files rlpo-mega did not write"):
+        write_dir(str(mine), {"r": 1}, {"x.lora_A.weight": torch.zeros(1, 2)}, overwrite=True)
+    assert os.listdir(mine) == ["adapter_config.json"] and sorted(os.listdir(tmp_path)) == ["adapter", "mine"]
+    sync = tmp_path / "sync"
+    (tmp_path / "sync-lora_adapter").mkdir()
+    (tmp_path / "sync-lora_adapter" / "notes.txt").write_text("mine")
+    hf = load_hf_config("configs/models/tiny_qwen3_moe.json")
+    with pytest.raises(OutputExistsError, match="sync-lora_adapter is not empty"):
+        DiskTransport(None, str(sync), hf, adapters=True)
+    assert (tmp_path / "sync-lora_adapter" / "notes.txt").read_text() == "mine"

@@ -128,7 +128,7 @@ def test_trainer_syncs_the_lora_adapter_alone_and_the_base_to_a_restarted_server
     # sync_transport=disk: the base written and reloaded once, each adapter a PEFT directory loaded by path
     disk = driver["disk_syncs"]
     assert [s["base_sent"] for s in disk] == [True, False, False] and all("path" in s for s in disk[:1]), disk
-    assert r["disk_dir"] == ["adapter_config.json", "adapter_model.safetensors"], r["disk_dir"]
+    assert r["disk_dir"] == [".rlpo_mega_output", "adapter_config.json", "adapter_model.safetensors"], r["disk_dir"]
     for h in r["disk_history"]:
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8 and h["kl/ref"] > 0, h
 

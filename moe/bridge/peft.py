@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Mapping, Optional
 
 import torch
 
+from moe.bridge import outputs
 from moe.bridge.mapping import Dims, full_to_hf
 from moe.families import get_family
 
@@ -223,22 +225,20 @@ def write(out_dir: str, config: dict, tensors: Mapping[str, torch.Tensor]):
         json.dump(config, f, indent=2)
 
 
-def write_dir(path: str, config: dict, tensors: Mapping[str, torch.Tensor]):
-    """The adapter as the directory at `path`, replaced whole: written beside it, then renamed over it, so a server
-    loading it never reads a half-written one (a directory holding anything but an adapter is refused)."""
-    import shutil
 
-    if os.path.exists(path) and set(os.listdir(path)) - {CONFIG, WEIGHTS}:
-        raise FileExistsError(f"{path} holds files other than a PEFT adapter's ({CONFIG}, {WEIGHTS}): not replaced; "
-                              "set another rollout.sync_dir")
-    tmp, old = f"{path}.tmp", f"{path}.old"
-    for leftover in (tmp, old):
-        if os.path.isdir(leftover):
-            shutil.rmtree(leftover)
-    os.makedirs(tmp)
-    write(tmp, config, tensors)
-    if os.path.exists(path):
-        os.rename(path, old)
-    os.rename(tmp, path)
-    if os.path.isdir(old):
-        shutil.rmtree(old)
+KIND = "peft_adapter"  # the marker kind of an adapter directory rlpo-mega wrote (moe/bridge/outputs.py)
+
+
+def write_dir(path: str, config: dict, tensors: Mapping[str, torch.Tensor], overwrite: bool = False):
+    """The adapter as the directory `path`, written into a fresh sibling and swapped in whole (a server loading it
+    never reads a half-written one). `path` must be absent, empty or (overwrite) an adapter rlpo-mega wrote: nothing
+    else is ever replaced (moe/bridge/outputs.py)."""
+    outputs.check_target(path, KIND, overwrite)
+    tmp = outputs.temp_sibling(path)
+    try:
+        write(tmp, config, tensors)
+        outputs.mark(tmp, KIND)
+        outputs.swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

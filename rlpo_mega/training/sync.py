@@ -51,10 +51,12 @@ def sync_adapter(chunks, cfg, slot) -> dict:
         return report
     lo = cfg.model.lora
     config, tensors = sglang_adapter(slot.hf, lo.rank, lo.alpha, lo.targets, stacked_factors(named))
+    # to the host once (SGLang holds adapters there, lora/lora.py): what is digested is what is sent
+    tensors = {n: t.cpu() for n, t in tensors.items()}
     sent = sum(t.numel() * t.element_size() for t in tensors.values())
     if cfg.rollout.sync_transport == "disk":
-        path = os.path.join(slot.transport.directory, "adapter")
-        write_adapter(path, config, tensors)
+        path = slot.transport.adapter_directory  # checked when the transport was built: its own, or new
+        write_adapter(path, config, tensors, overwrite=True)
         engine.load_adapter_from_disk(path)
     else:
         engine.load_adapter(config, tensors, {n: sha256(t) for n, t in tensors.items()})

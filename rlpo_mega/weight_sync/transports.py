@@ -25,6 +25,7 @@ import os
 
 import torch.distributed as dist
 
+from moe.bridge import peft
 from moe.bridge.digest import DigestMismatchError, tensor_digest, verify
 from moe.bridge.hf_checkpoint import HFCheckpointWriter, write_stream
 from moe.bridge.hf_inmemory import HFModelWeights
@@ -84,11 +85,15 @@ class InProcessTransport:
 class DiskTransport:
     """Write an HF checkpoint directory (atomically), then the engine reloads it in place."""
 
-    def __init__(self, receiver, directory: str, hf_config, source_dir: str | None = None):
+    def __init__(self, receiver, directory: str, hf_config, source_dir: str | None = None, adapters: bool = False):
         # at construction, not at the first sync (whose stream is collective): a directory of other files
         # is refused before anything runs; an earlier run's export there is replaced
         check_target(directory, HFCheckpointWriter.KIND, overwrite=True)
         self.receiver, self.directory, self.hf_config, self.source_dir = receiver, directory, hf_config, source_dir
+        # rollout.lora_sync=adapter: each sync's PEFT adapter directory, beside the HF export (training/sync.py)
+        self.adapter_directory = f"{directory.rstrip(os.sep)}-lora_adapter" if adapters else None
+        if adapters:
+            check_target(self.adapter_directory, peft.KIND, overwrite=True)
 
     @classmethod
     def from_config(cls, cfg, engine, hf):
@@ -98,7 +103,7 @@ class DiskTransport:
             # every engine rank writes the whole export and has its engine reload it: one subdirectory each, or
             # one writer would swap the directory out under another's reload (sglang drivers on a shared sync_dir)
             directory = os.path.join(directory, f"driver_{ranks.index(dist.get_rank())}")
-        return cls(engine, directory, hf, source_dir=cfg.model.init_from_hf)
+        return cls(engine, directory, hf, source_dir=cfg.model.init_from_hf, adapters=cfg.rollout.lora_sync == "adapter")
 
     def sync(self, stream) -> dict:
         # overwrite: each sync replaces the previous sync's export (and nothing else: a directory of other

@@ -688,7 +688,7 @@ def sglang_lora_adapter(out):
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, {"syncs": syncs[:on_disk], "disk_syncs": syncs[on_disk:], "moved": moved})
     return {"rc": 0, "history": history(out, "ad"), "disk_history": history(out, "ad_disk"), "ranks": every,
-            "disk_dir": sorted(os.listdir(os.path.join(out, "sync", "adapter")))}
+            "disk_dir": sorted(os.listdir(os.path.join(out, "sync-lora_adapter")))}
 
 
 if __name__ == "__main__":
