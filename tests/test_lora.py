@@ -97,6 +97,9 @@ def test_lora_refusals_name_the_cause_and_the_fix():
             _check(*overrides)
     with pytest.raises(ConfigError, match="multi-latent attention"):
         _check(model="configs/models/tiny_deepseek_v3.json")
+    with pytest.raises(ConfigError, match="expert_bias_update_rate=0.001 with model.lora.rank=4: LoRA keeps the base "
+                                          "frozen, routers included"):
+        _check("model.expert_bias_update_rate=0.001", "routing.mode=off", model="configs/models/tiny_glm4_moe.json")
     _check("model.lora.targets=[experts,shared_experts,dense_mlp]", model="configs/models/tiny_deepseek_v3.json")
     with pytest.raises(ConfigError, match="bad value for config key 'model.lora.expert_layout'"):
         load_config(None, ("model.lora.expert_layout=outer",))
