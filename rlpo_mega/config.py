@@ -458,8 +458,21 @@ class CriticConfig:
     vf_clip: Optional[float] = 0.2  # PPO2's value clip around the old values; None = no clipping
     warmup_steps: int = 0  # the first RL steps update the critic only (the policy stays as it is)
     # the critic's own adapters (moe/lora.py; rank 0: the critic trains whole): its trunk frozen, the adapters and
-    # the scalar head trained; independent of the policy's model.lora
+    # the scalar head trained; independent of the policy's model.lora. critic.lora.save: as model.lora.save, its
+    # frozen trunk rebuilt at a resume (adapters_only)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+
+    def trunk_rebuilt(self, model: ModelConfig) -> bool:
+        """Whether a resume rebuilds the critic's frozen trunk as it was when RL started: from critic.init_from_hf
+        (recorded by its fingerprint and checked, as the policy's base), or copied again from a LoRA policy, whose
+        base (model.lora: frozen, the warm-up included) is what the critic's trunk was copied from."""
+        return bool(self.init_from_hf) or bool(model.lora.rank)
+
+    def adapters_only(self, model: ModelConfig) -> bool:
+        """Whether the critic's checkpoints hold its adapters and scalar head alone (critic.lora.save; "auto": where
+        its trunk is rebuilt at a resume; "adapters" is refused where it is not)."""
+        lo = self.lora
+        return bool(lo.rank) and lo.save != "full" and self.trunk_rebuilt(model)
 
 
 @dataclass

@@ -511,6 +511,11 @@ def _check_lora(cfg, hf):
     if lo.rank and lo.save == "adapters" and not cfg.model.init_from_hf:
         raise ConfigError("model.lora.save=adapters without model.init_from_hf: an adapter-only checkpoint reloads "
                           "its base from model.init_from_hf at a resume or an export; set it, or model.lora.save=full")
+    cl = cfg.critic.lora
+    if cl.rank and cl.save == "adapters" and not cfg.critic.trunk_rebuilt(cfg.model):
+        raise ConfigError("critic.lora.save=adapters without critic.init_from_hf, with a policy trained whole: the "
+                          "critic's trunk is copied from the policy as RL starts, which no resume can rebuild; set "
+                          "critic.init_from_hf to the HF checkpoint to start the critic from, or critic.lora.save=full")
     rate = cfg.model.expert_bias_update_rate
     if rate > 0 and (lo.rank or cfg.critic.lora.rank):
         # the routers' score-correction bias is model state updated outside the optimizer: under LoRA it would move

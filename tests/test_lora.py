@@ -92,7 +92,10 @@ def test_lora_refusals_name_the_cause_and_the_fix():
                              (("model.lora.save=adapters",), "save=adapters without model.init_from_hf"),
                              (("critic.lora.rank=4",), "trains no critic: set algorithm.advantage.name=gae"),
                              (("critic.lora.rank=4", "critic.lora.dropout=0.1", "algorithm.advantage.name=gae",
-                               "algorithm.loss.name=ppo_clip"), "critic.lora.dropout=0.1: only 0 is built")):
+                               "algorithm.loss.name=ppo_clip"), "critic.lora.dropout=0.1: only 0 is built"),
+                             (("model.lora.rank=0", "critic.lora.rank=4", "critic.lora.save=adapters",
+                               "algorithm.advantage.name=gae", "algorithm.loss.name=ppo_clip"),
+                              "critic.lora.save=adapters without critic.init_from_hf, with a policy trained whole")):
         with pytest.raises(ConfigError, match=match):
             _check(*overrides)
     with pytest.raises(ConfigError, match="multi-latent attention"):

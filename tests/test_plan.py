@@ -261,14 +261,20 @@ def test_fp8_servers_hold_half_the_weights_and_the_pool_grows_by_it():
 def test_plan_of_a_critic_with_its_own_adapters():
     """critic.lora (`make demo-ppo`'s config, 2 ranks): the critic megatron builds on the meta device holds its
     adapters and its scalar head as trainable, so its gradients are theirs alone, while its parameters are the whole
-    trunk's and the adapters'."""
-    plans = {}
-    for rank in ("0", "4"):
-        cfg = load_config(os.path.join(ROOT, "configs/demo_ppo_cpu.yaml"), (f"critic.lora.rank={rank}",))
-        plans[rank] = planning.make_plan(cfg, "configs/demo_ppo_cpu.yaml", 2).to_json()["learner_gpus"][0]
+    trunk's and the adapters'. Its checkpoints hold the frozen trunk too where no resume could rebuild it (its trunk
+    copied from a policy trained whole), and not where critic.init_from_hf gives it (critic.lora.save=auto): the
+    difference is the trunk's fp32 bytes."""
+    plans, ck = {}, {}
+    for name, extra in (("0", ("critic.lora.rank=0",)), ("4", ("critic.lora.rank=4",)),
+                        ("4_from_hf", ("critic.lora.rank=4", "critic.init_from_hf=/the/critics/base"))):
+        cfg = load_config(os.path.join(ROOT, "configs/demo_ppo_cpu.yaml"), extra)
+        plan = planning.make_plan(cfg, "configs/demo_ppo_cpu.yaml", 2).to_json()
+        plans[name], ck[name] = plan["learner_gpus"][0], plan["checkpoint"]["checkpoint_bytes"]
     whole, adapted = plans["0"], plans["4"]
     assert adapted["critic grads"] < whole["critic grads"] / 4, (adapted, whole)
     assert adapted["critic_parameters"] > whole["critic_parameters"], (adapted, whole)
+    trunk = ck["4"] - ck["4_from_hf"]
+    assert trunk > 0.9 * 4 * whole["critic_parameters"], (ck, whole["critic_parameters"])
 
 
 def test_plan_with_lora_holds_the_base_frozen_and_only_the_adapters_gradients_and_optimizer():

@@ -271,6 +271,35 @@ def test_resume_with_a_critic_equals_uninterrupted_run(tmp_path):
     for key in ("loss/policy", "optim/grad_norm", "critic/value_loss", "critic/grad_norm", "critic/values_mean"):
         assert second16[3][key] == full16[3][key], (key, second16[3][key], full16[3][key])
     assert r["resharded_equal"] is True
+    # adapters on the policy (on an HF base) and the critic: both checkpoints hold their adapters alone -- the critic
+    # its factors and scalar head, its trunk the LoRA policy's base, copied again at the resume -- and step 3 resumed
+    # is step 3 uninterrupted, the critic's figures included
+    full_l, second_l = {h["step"]: h for h in r["full_lora"]}, {h["step"]: h for h in r["second_lora"]}
+    assert sorted(second_l) == [3]
+    for key in ("loss/policy", "reward/mean", "optim/grad_norm", "critic/value_loss", "critic/grad_norm",
+                "critic/explained_variance", "critic/values_mean", "advantages/max"):
+        assert second_l[3][key] == full_l[3][key], (key, second_l[3][key], full_l[3][key])
+    _critic_adapters_only(os.path.join(r["ckpt_lora"], "step_00000002"), r["lora_base"])
+
+
+def _critic_adapters_only(step: str, base: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from moe.lora import is_lora_param
+    from rlpo_mega.checkpoint.dist import CheckpointError, read_meta
+    from rlpo_mega.config import CriticConfig, LoRAConfig, ModelConfig
+    from rlpo_mega.training.trainer import check_lora_resume
+
+    meta = read_meta(step)
+    assert meta["adapters_only"] and meta["critic_adapters_only"] and meta["critic_base"] == {"from": "policy"}, meta
+    keys = [k for k in FileSystemReader(step).read_metadata().state_dict_metadata if k.startswith("critic.")]
+    assert any(k.startswith("critic.output_layer.") for k in keys) and any(is_lora_param(k) for k in keys), keys
+    assert all(is_lora_param(k) or k.startswith("critic.output_layer.") for k in keys), keys
+    model = ModelConfig(init_from_hf=base, lora=LoRAConfig(rank=4))
+    check_lora_resume(step, model, CriticConfig(lora=LoRAConfig(rank=4, alpha=8)))
+    with pytest.raises(CheckpointError, match="whose trunk is the LoRA policy's base, and critic.init_from_hf=.* would "
+                                              "give it another: unset critic.init_from_hf"):
+        check_lora_resume(step, model, CriticConfig(init_from_hf=base, lora=LoRAConfig(rank=4, alpha=8)))
 
 
 def test_reference_is_the_policy_after_warmup(tmp_path):

@@ -61,9 +61,11 @@ def _model_state(model_chunks, prefix: str = ""):
     return unwrap(model_chunks[0]).sharded_state_dict(prefix=prefix)
 
 
-def _adapters(model_sd: dict) -> dict:
-    """The LoRA factors' entries of a model's sharded state dict (an adapter-only checkpoint's model)."""
-    return {k: v for k, v in model_sd.items() if is_lora_param(k)}
+def _adapters(model_sd: dict, prefix: str = "") -> dict:
+    """The LoRA factors' entries of a model's sharded state dict (an adapter-only checkpoint's model); of the critic
+    (prefix _CRITIC) with its scalar head, new and trained whole."""
+    head = prefix + "output_layer."
+    return {k: v for k, v in model_sd.items() if is_lora_param(k) or (prefix == _CRITIC and k.startswith(head))}
 
 
 def _sub_optimizers(optimizer):
@@ -251,7 +253,8 @@ def _what_failed(e: BaseException, path: str) -> str:
 
 def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None = None,
                     files: dict[str, bytes] | None = None, reference_chunks=None, critic=None, checksums: bool = True,
-                    rank_files: dict[str, bytes] | None = None, adapters_only: bool = False):
+                    rank_files: dict[str, bytes] | None = None, adapters_only: bool = False,
+                    critic_adapters_only: bool = False):
     """Atomic: written to `path`.tmp, then swapped in. files: extra {name: bytes} written by rank 0 inside
     the checkpoint before the swap (the trainer state), so they exist exactly when the weights do; rank_files:
     the same, written by the rank that passes them (names distinct across ranks: a rank's own rollout state).
@@ -262,7 +265,9 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     taken from its bytes as they are written (rlpo_mega.checkpoint.writes): the save reads nothing back but two
     small files of megatron's. checksums=False records the sizes only (it saves no time any more).
     adapters_only: a LoRA run's policy without its frozen base (the factors, their optimizer state; meta
-    "adapters_only"): a load rebuilds the base first (model.init_from_hf) and takes the factors from here."""
+    "adapters_only"): a load rebuilds the base first (model.init_from_hf) and takes the factors from here.
+    critic_adapters_only: the critic's the same way, its factors and scalar head (meta "critic_adapters_only"; its
+    trunk rebuilt by the trainer, CriticConfig.trunk_rebuilt)."""
     from megatron.core import dist_checkpointing
 
     from rlpo_mega.checkpoint.writes import HashingSaveStrategy, written
@@ -280,9 +285,10 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
     if reference_chunks is not None:
         state["reference"] = _model_state(reference_chunks, _REFERENCE)
     if critic is not None:
-        state["critic"] = _model_state(critic[0], _CRITIC)
-        if critic[1] is not None:
-            _, flat, step = _optimizer_state(state["critic"], critic[1], is_loading=False)
+        critic_sd = _model_state(critic[0], _CRITIC)
+        state["critic"] = _adapters(critic_sd, _CRITIC) if critic_adapters_only else critic_sd
+        if critic[1] is not None:  # keyed by the whole critic's entries, as the policy's optimizer
+            _, flat, step = _optimizer_state(critic_sd, critic[1], is_loading=False)
             state["critic_optimizer"] = {"step": step, **({"tensors": flat} if flat else {})}
     problem = None
     if rank == 0:
@@ -339,7 +345,8 @@ def save_checkpoint(path: str, model_chunks, optimizer=None, meta: dict | None =
                        "distributed_optimizer": optimizer is not None and _is_distributed(optimizer),
                        "has_reference": reference_chunks is not None, "has_critic": critic is not None,
                        "has_critic_optimizer": critic is not None and critic[1] is not None,
-                       "adapters_only": adapters_only, **(meta or {}), "files": digests}, f, indent=1)
+                       "adapters_only": adapters_only, "critic_adapters_only": critic is not None and critic_adapters_only,
+                       **(meta or {}), "files": digests}, f, indent=1)
         os.remove(os.path.join(tmp, PARTIAL))
         swap_in(tmp, path)  # a previous `path` is set aside under a fresh name, removed after the rename
 
@@ -490,13 +497,18 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
         state["reference"] = crossing(_model_state(reference_chunks, _REFERENCE), reference_chunks, _REFERENCE)
     with_critic = critic is not None and meta.get("has_critic", False)
     critic_subs = critic_flat = None
+    critic_adapters_only = with_critic and bool(meta.get("critic_adapters_only"))
     if with_critic:
-        state["critic"] = crossing(_model_state(critic[0], _CRITIC), critic[0], _CRITIC)
+        critic_sd = crossing(_model_state(critic[0], _CRITIC), critic[0], _CRITIC)
+        if critic_adapters_only and not any(is_lora_param(n) for n, _ in unwrap(critic[0][0]).named_parameters()):
+            raise CheckpointError(f"{path} holds the critic's adapters only: load it into a critic built with its "
+                                  "critic.lora")
+        state["critic"] = _adapters(critic_sd, _CRITIC) if critic_adapters_only else critic_sd
         if critic[1] is not None:
             if not meta.get("has_critic_optimizer"):
                 raise CheckpointError(f"{path!r} holds no critic optimizer state; load it without optimizer state "
                                       "(checkpoint.load_optimizer=false)")
-            critic_subs, critic_flat, _ = _optimizer_state(state["critic"], critic[1], is_loading=True)
+            critic_subs, critic_flat, _ = _optimizer_state(critic_sd, critic[1], is_loading=True)
             state["critic_optimizer"] = {"tensors": critic_flat}
     if verify and "files" in meta:
         problem = verify_files(path, meta["files"])
@@ -525,9 +537,13 @@ def load_checkpoint(path: str, model_chunks, optimizer=None, reference_chunks=No
         unwrap(reference_chunks[0]).load_state_dict(
             {k[len(_REFERENCE):] if k.startswith(_REFERENCE) else k: v for k, v in loaded["reference"].items()},
             strict=True)
-    if with_critic:
-        unwrap(critic[0][0]).load_state_dict(
-            {k[len(_CRITIC):] if k.startswith(_CRITIC) else k: v for k, v in loaded["critic"].items()}, strict=True)
+    if with_critic:  # an adapter-only critic: its trunk is the one built (and rebuilt by the trainer), not saved
+        missing, unexpected = unwrap(critic[0][0]).load_state_dict(
+            {k[len(_CRITIC):] if k.startswith(_CRITIC) else k: v for k, v in loaded["critic"].items()},
+            strict=not critic_adapters_only)
+        if unexpected or any(is_lora_param(n) or n.startswith("output_layer.") for n in missing):
+            raise CheckpointError(f"{path}: its critic's adapters do not match this critic's: missing "
+                                  f"{[n for n in missing if is_lora_param(n)][:3]}, unexpected {unexpected[:3]}")
         if critic[1] is not None:
             _restore_optimizer(critic[1], critic_subs, critic_flat, loaded["critic_optimizer"])
     if optimizer is not None:

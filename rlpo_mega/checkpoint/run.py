@@ -171,7 +171,8 @@ def rank_state_file(rank: int) -> str:
 
 def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_last: int, meta: dict,
          hf_files: dict[str, bytes] | None = None, reference=None, stale: tuple = (), critic=None,
-         checksums: bool = True, rank_state: dict | None = None, adapters_only: bool = False) -> str:
+         checksums: bool = True, rank_state: dict | None = None, adapters_only: bool = False,
+         critic_adapters_only: bool = False) -> str:
     """Collective. Writes step_<step>/ with the trainer state (and hf_files: config/tokenizer files under
     hf_files/, so `rlpo-mega export --ckpt` works on it), points `latest` at it, then prunes: this run's
     (meta["run_id"]) older steps beyond keep_last -- never the step just written, never another run's -- and
@@ -194,7 +195,8 @@ def save(save_dir: str, step: int, chunks, optimizer, trainer_state: dict, keep_
         torch.save(rank_state, buf)
         mine = {rank_state_file(dist.get_rank()): buf.getvalue()}
     save_checkpoint(path, chunks, optimizer, meta={**meta, "step": step}, files=files, reference_chunks=reference,
-                    critic=critic, checksums=checksums, rank_files=mine, adapters_only=adapters_only)
+                    critic=critic, checksums=checksums, rank_files=mine, adapters_only=adapters_only,
+                    critic_adapters_only=critic_adapters_only)
     problem = [None]
     if dist.get_rank() == 0:
         tmp = os.path.join(save_dir, LATEST + ".tmp")

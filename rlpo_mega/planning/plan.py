@@ -348,8 +348,10 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
     written = [0] * nodes
     distopt = cfg.optim.use_distributed_optimizer
     # LoRA: DDP's buffers hold the adapters alone; model.lora.save=full writes the frozen base beside them (its main
-    # replicas, as the weights'), an adapter-only checkpoint (rlpo_mega.checkpoint.dist) does not
+    # replicas, as the weights'), an adapter-only checkpoint (rlpo_mega.checkpoint.dist) does not; the critic's
+    # frozen trunk likewise (critic.lora.save)
     base_too = bool(cfg.model.lora.rank) and not cfg.model.adapters_only()
+    critic_trunk_too = bool(cfg.critic.lora.rank) and not cfg.critic.adapters_only(cfg.model)
     for rank in range(layout.world_size):
         node = rank // c.gpus_per_node
         r = by_stage[_stage_of(rank, layout)]
@@ -358,10 +360,11 @@ def host_rows(cfg, hf, layout, built: list, steps: StepSummary, budget: int, pro
                 written[node] += memory.ITEMSIZE[b["param_dtype"]] * b["numel_unpadded"]
                 if not distopt:
                     written[node] += _state_bytes_per_element(b) * b["numel_unpadded"]
-        if base_too and r.get("frozen_param_bytes"):
-            expert_bytes = r["frozen_param_bytes"] * r["base_expert_params"] // max(1, r["base_params"])
-            written[node] += ((r["frozen_param_bytes"] - expert_bytes) * (dense[rank] == 0)
-                              + expert_bytes * (expert[rank] == 0))
+        for frozen in ([r] if base_too else []) + ([r["critic"]] if critic_trunk_too and "critic" in r else []):
+            if frozen.get("frozen_param_bytes"):
+                expert_bytes = frozen["frozen_param_bytes"] * frozen["base_expert_params"] // max(1, frozen["base_params"])
+                written[node] += ((frozen["frozen_param_bytes"] - expert_bytes) * (dense[rank] == 0)
+                                  + expert_bytes * (expert[rank] == 0))
         if distopt:
             held = optimizer_state_bytes(r["buffers"], dense[rank], expert[rank])
             save[node] += held[0]
@@ -495,7 +498,8 @@ def make_plan(cfg, config_name: str, world_size: Optional[int] = None, lengths: 
             row.notes.append("on the learner's GPUs (rollout.colocate): see the learner rows' generation phase")
     rows += engine.servers
     # the critic's weights and optimizer state are saved in the same checkpoints, by the same ranks
-    saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"]} for r, v in zip(built, critic)]
+    saved = built if critic is None else [{**r, "buffers": r["buffers"] + v["buffers"], "critic": v}
+                                          for r, v in zip(built, critic)]
     hosts, ck = host_rows(cfg, hf, layout, saved, summary, int(c.host_memory_gb * GB), prompt_tokens, engine_ranks,
                           engine, offloaded_bytes(cfg, layout, built, critic))
     if hand is not None:  # the learner's state (and the embedded engine's weights) on the host during the hand-over

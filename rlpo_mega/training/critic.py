@@ -75,14 +75,17 @@ class Critic:
         self.routing = RoutingReplay(self.chunks, spec, mode=cfg.routing.mode)
 
     @torch.no_grad()
-    def copy_trunk_from(self, policy_chunks):
+    def copy_trunk_from(self, policy_chunks, reload_optimizer: bool = True):
         """Initialise the critic from the policy: every parameter but the output layer (the value head keeps
-        its own initialisation); the optimizer's main copies follow (mixed precision)."""
+        its own initialisation) and LoRA's factors; the optimizer's main copies follow (mixed precision).
+        reload_optimizer=False: a frozen trunk (critic.lora) under a loaded optimizer, whose main copies are the
+        checkpoint's and hold no trunk parameter."""
         mine = dict(weight_tensors(unwrap(self.chunks[0])))
         for name, p in weight_tensors(unwrap(policy_chunks[0])):
             if not name.startswith("output_layer."):
                 mine[name].copy_(p)
-        self.optimizer.reload_model_params()
+        if reload_optimizer:
+            self.optimizer.reload_model_params()
 
     @torch.no_grad()
     def old_values(self, micro: list[MicroBatch]):

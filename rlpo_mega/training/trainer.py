@@ -95,10 +95,15 @@ class Trainer:
         self.identity = get_family(self.hf.model_type).identity(self.hf)
         self.plan = ckpt_state.plan_checkpoints(cfg.checkpoint, self.identity)
         if self.plan.start is not None:  # a LoRA checkpoint of other adapters or on another base: refused now
-            check_lora_resume(self.plan.start, cfg.model, cfg.critic.lora if cfg.algorithm.advantage.name == "gae"
+            check_lora_resume(self.plan.start, cfg.model, cfg.critic if cfg.algorithm.advantage.name == "gae"
                               else None)
-        # model.lora.save: adapter-only checkpoints record the base they need (its path and fingerprint)
+        # model.lora.save: adapter-only checkpoints record the base they need (its path and fingerprint); and the
+        # critic's (critic.lora.save) where its trunk comes from: critic.init_from_hf, or the LoRA policy's base
         self.base = base_record(cfg.model.init_from_hf) if cfg.model.adapters_only() else None
+        self.critic_base = None
+        if cfg.algorithm.advantage.name == "gae" and cfg.critic.adapters_only(cfg.model):
+            self.critic_base = (base_record(cfg.critic.init_from_hf) if cfg.critic.init_from_hf
+                                else {"from": "policy"})
         self._check_engine_ranks(world)
         # every data file is read and validated before a process group or a model exists (a bad record is one
         # DataError naming file and line, not a failure after minutes of set-up)
@@ -144,6 +149,7 @@ class Trainer:
         self.step, self.bad_steps, self.warmup_done, self.stopped, self.started = 0, 0, False, False, False
         self.stopping = False  # a stop agreed by all ranks before this step's sync (which it skipped)
         self.critic_loaded, self.resumed_rank_state = False, {}
+        self.critic_trunk_saved = False  # the critic's trunk came with the checkpoint (not an adapter-only one)
         self.reference_loaded = self._resume()
         self.logger = MetricsLogger(cfg.logging, to_dict(cfg), self.rank, dist.get_world_size(), cfg.train_iters)
         self.stop = ckpt_state.StopSignal()
@@ -176,8 +182,10 @@ class Trainer:
             self.warmup_done = True
         if p.ref_chunks is not None and not self.reference_loaded:
             self._copy_policy_to_reference()
-        if self.critic is not None and not self.critic_loaded and not c.critic.init_from_hf:
-            self.critic.copy_trunk_from(p.chunks)  # the policy as RL starts (after any warm-up)
+        if self.critic is not None and not self.critic_trunk_saved and not c.critic.init_from_hf:
+            # the policy as RL starts (after any warm-up); at the resume of an adapter-only critic, the LoRA policy's
+            # frozen base again, the critic's loaded adapters, head and optimizer state untouched
+            self.critic.copy_trunk_from(p.chunks, reload_optimizer=not self.critic_loaded)
         with self.producer.paused(version=self.step):  # the policy version the engine holds: the step
             self.engines.guard.run(self.sync)
         self.started = True
@@ -284,6 +292,7 @@ class Trainer:
         p.lr_schedule.num_steps = int(st.get("lr_steps", 0))  # checkpoints before the schedule: from 0
         p.lr_schedule.step(0)
         self.critic_loaded = st["critic_loaded"]
+        self.critic_trunk_saved = self.critic_loaded and not ckpt_state.read_meta(path).get("critic_adapters_only")
         if self.critic is not None and st["critic_loaded"]:
             self.critic.lr_schedule.num_steps = int(st.get("critic_lr_steps", 0))
             self.critic.lr_schedule.step(0)
@@ -354,8 +363,9 @@ class Trainer:
         path = ckpt_state.save(c.save_dir, self.step, self.policy.chunks, self.policy.optimizer, state, c.keep_last,
                                meta={"model_type": self.hf.model_type, "model": self.identity,
                                      "run_id": self.run_id, "settings": self._settings(),
-                                     **({"base": self.base} if self.base else {})},
-                               adapters_only=self.base is not None,
+                                     **({"base": self.base} if self.base else {}),
+                                     **({"critic_base": self.critic_base} if self.critic_base else {})},
+                               adapters_only=self.base is not None, critic_adapters_only=self.critic_base is not None,
                                hf_files=self._hf_files(), reference=self.policy.ref_chunks, stale=self.stale_steps,
                                critic=(self.critic.chunks, self.critic.optimizer) if self.critic else None,
                                rank_state={"producer": producer} if producer else None)
@@ -452,7 +462,7 @@ class Trainer:
             self.critic.close()
 
 
-def check_lora_resume(path: str, model_cfg, critic_lora=None):
+def check_lora_resume(path: str, model_cfg, critic_cfg=None):
     """The adapters are part of the model: a checkpoint saved with other ones (or none) would load partly, silently;
     an adapter-only one onto another base would load fully and be wrong. Refused in one line before anything is
     loaded."""
@@ -464,11 +474,20 @@ def check_lora_resume(path: str, model_cfg, critic_lora=None):
                               "with the same model.lora, or start from an HF model (model.init_from_hf; `rlpo-mega "
                               "export` of a LoRA checkpoint merges its adapters)")
     check_base(path, meta, model_cfg.init_from_hf)
-    if critic_lora is not None and meta.get("has_critic") and "critic.lora" in (meta.get("settings") or {}):
-        saved, now = meta["settings"]["critic.lora"], lora_setting(critic_lora)
+    if critic_cfg is not None and meta.get("has_critic") and "critic.lora" in (meta.get("settings") or {}):
+        saved, now = meta["settings"]["critic.lora"], lora_setting(critic_cfg.lora)
         if saved != now:
             raise CheckpointError(f"{path} holds a critic saved with critic.lora {saved or 'off'}, this run has "
                                   f"{now or 'off'}: resume with the same critic.lora")
+    trunk = meta.get("critic_base") or {}
+    if critic_cfg is not None and meta.get("critic_adapters_only"):
+        if trunk.get("from") == "policy":
+            if critic_cfg.init_from_hf:
+                raise CheckpointError(f"{path} holds a critic's adapters whose trunk is the LoRA policy's base, and "
+                                      f"critic.init_from_hf={critic_cfg.init_from_hf} would give it another: unset "
+                                      "critic.init_from_hf")
+        else:
+            check_base(path, {"adapters_only": True, "base": trunk}, critic_cfg.init_from_hf, "critic.init_from_hf")
 
 
 def train(cfg, keep_world: bool = False) -> int:

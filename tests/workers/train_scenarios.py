@@ -126,6 +126,17 @@ def resume_ppo(out):
     train(cfg(out, "full_bf16", "train_iters=3", *bf16))
     train(cfg(out, "first_bf16", "train_iters=2", f"checkpoint.save_dir={ck16}", *bf16))
     train(cfg(out, "second_bf16", "train_iters=3", f"checkpoint.save_dir={ck16}", "checkpoint.resume=true", *bf16))
+    # adapters on both (model.lora on an HF base, critic.lora): the critic's checkpoints hold its adapters and head
+    # alone (critic.lora.save=auto), its trunk copied again from the LoRA policy's frozen base at the resume
+    base = os.path.join(out, "lora_base")
+    if dist.get_rank() == 0:
+        make_hf_checkpoint(load_hf_config("configs/models/tiny_qwen3_moe.json"), base)
+    dist.barrier()
+    lora = PPO + ("model.lora.rank=4", "critic.lora.rank=4", "critic.lora.alpha=8", f"model.init_from_hf={base}")
+    ck_lora = os.path.join(out, "ckpt_lora")
+    train(cfg(out, "full_lora", "train_iters=3", *lora))
+    train(cfg(out, "first_lora", "train_iters=2", f"checkpoint.save_dir={ck_lora}", *lora))
+    train(cfg(out, "second_lora", "train_iters=3", f"checkpoint.save_dir={ck_lora}", "checkpoint.resume=true", *lora))
     exports = {}
     for name, layout in (("ep2", ()), ("tp2", ("parallel.expert=1", "parallel.tensor=2"))):
         t = Trainer(cfg(out, f"load_{name}", "train_iters=4", f"checkpoint.load_dir={ck}", *layout, *PPO))
@@ -138,8 +149,8 @@ def resume_ppo(out):
     if dist.get_rank() == 0:
         a, b = exports["ep2"], exports["tp2"]
         same = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a) and "score.weight" in a
-    return {run: history(out, run) for run in ("full", "first", "second", "full_bf16", "second_bf16")} | {
-        "resharded_equal": same}
+    runs = ("full", "first", "second", "full_bf16", "second_bf16", "full_lora", "second_lora")
+    return {run: history(out, run) for run in runs} | {"resharded_equal": same, "ckpt_lora": ck_lora, "lora_base": base}
 
 
 def nan(out):
