@@ -25,12 +25,11 @@ setup(
         # dependencies, pure wheels
         "orjson>=3.9",
         "pybase64>=1.3",
-        "pytest>=8",
     ],
     extras_require={
         # pyarrow: the Parquet prompt-file tests run; pytest-xdist: `make test` runs two workers (tests/conftest.py);
         # peft: tests/test_lora.py loads `rlpo-mega export --peft-out`'s adapter with it
-        "test": ["pytest-timeout>=2.3", "pyarrow>=15", "pytest-xdist>=3.8", "peft>=0.21.2"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pyarrow>=15", "pytest-xdist>=3.8", "peft>=0.21.2"],
         "sglang": ["sglang==0.5.23"],
         "parquet": ["pyarrow>=15"],  # Parquet prompt files (JSONL needs nothing)
         # Optional GPU accelerations (never required). apex has no usable PyPI wheel: build it from

@@ -2,18 +2,19 @@
 
 `Trainer.__init__` builds (checks, data, process groups, models, engines, the rollout producer, a resume);
 `run` starts RL (the supervised warm-up, the KL reference and the critic from the policy, the first weight
-sync) then loops `train_step`, evaluating and saving. One step, phase by phase, each in the module named
-after it:
+sync) then loops `train_step`, evaluating and saving. One step, phase by phase, and where each lives:
 
-  collect.py        the rollout producer's scored groups (generate on the engine ranks, rewards, dynamic sampling;
-                    async_collect.py: generated while earlier steps train, trainer.max_staleness)
-  advantages        shaping + the advantage estimator on every sample's scalars (rlpo_mega.algorithms.advantages)
-  batches.py        plan and exchange: where each sample trains, the samples there, this rank's micro-batches
-  old_logprobs.py   the old (and reference) log-probs, before any update
-  critic.py         with a critic (advantage gae): old values, GAE, returns
-  update.py         trainer.epochs x mini-batches of policy (then critic) optimizer steps: the one update path
-  sync.py           the weights to the engine, digest-verified
-  report.py         the step's metrics
+  rollout/producers/  the rollout producer's scored groups (rollout.producer: sync.py generates them for this step;
+                      asynchronous.py while earlier steps train, trainer.max_staleness); what a round is, single
+                      answers or episodes, in tasks.py; dynamic sampling in rollout/dynamic_sampling.py
+  advantages          shaping + the advantage estimator on every sample's scalars (rlpo_mega.algorithms.advantages)
+  batches.py          plan and exchange: where each sample trains, the samples there, this rank's micro-batches
+  old_logprobs.py     the old (and reference) log-probs, before any update
+  critic.py           with a critic (advantage gae): old values, GAE, returns
+  update.py           trainer.epochs x mini-batches of policy (then critic) optimizer steps: the one update path
+  sync.py             the weights to the engine, digest-verified (merged, or LoRA's adapter alone)
+  report.py           the step's metrics
+(training/ unless named otherwise.)
 
 A non-finite loss or gradient skips the optimizer step (stop after trainer.max_bad_steps in a row). A stop
 (SIGTERM, SIGINT) in any phase ends with the last completed step saved and exit 75: during the rollout or an
