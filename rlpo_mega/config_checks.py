@@ -521,10 +521,10 @@ def _check_lora(cfg, hf):
         # the routers' score-correction bias is model state updated outside the optimizer: under LoRA it would move
         # a base that is frozen everywhere else -- lost by an adapter-only save (a resume routes with the old
         # bias), never carried by an adapter-only sync (the servers route with the HF base's)
-        key = "model.lora" if lo.rank else "critic.lora"
-        raise ConfigError(f"model.expert_bias_update_rate={rate} with {key}.rank={(lo if lo.rank else cfg.critic.lora).rank}"
-                          ": LoRA keeps the base frozen, routers included; set model.expert_bias_update_rate=0, or "
-                          f"{key}.rank=0 to train the whole model")
+        key, adapted = ("model.lora", lo) if lo.rank else ("critic.lora", cl)
+        raise ConfigError(f"model.expert_bias_update_rate={rate} with {key}.rank={adapted.rank}: LoRA keeps the base "
+                          f"frozen, routers included; set model.expert_bias_update_rate=0, or {key}.rank=0 to train "
+                          "the whole model")
     for key, lo in (("model.lora", cfg.model.lora), ("critic.lora", cfg.critic.lora)):
         if lo.rank:
             _check_adapters(key, lo, cfg, hf)

@@ -248,6 +248,8 @@ def load(path: str, chunks, optimizer, with_optimizer: bool = True, reference=No
                               "earlier step (checkpoint.load_dir)") from None
     state["reference_loaded"] = reference is not None and bool(meta.get("has_reference"))
     state["critic_loaded"] = critic is not None and bool(meta.get("has_critic"))
+    # an adapter-only critic's trunk is not in the checkpoint: the trainer rebuilds it (CriticConfig.trunk_rebuilt)
+    state["critic_trunk_saved"] = state["critic_loaded"] and not meta.get("critic_adapters_only")
     state["rank_state"] = {}
     if state["world_size"] == dist.get_world_size():
         set_rng_state(state["rng"][dist.get_rank()])

@@ -293,7 +293,7 @@ class Trainer:
         p.lr_schedule.num_steps = int(st.get("lr_steps", 0))  # checkpoints before the schedule: from 0
         p.lr_schedule.step(0)
         self.critic_loaded = st["critic_loaded"]
-        self.critic_trunk_saved = self.critic_loaded and not ckpt_state.read_meta(path).get("critic_adapters_only")
+        self.critic_trunk_saved = st["critic_trunk_saved"]
         if self.critic is not None and st["critic_loaded"]:
             self.critic.lr_schedule.num_steps = int(st.get("critic_lr_steps", 0))
             self.critic.lr_schedule.step(0)
