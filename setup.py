@@ -39,5 +39,5 @@ setup(
         # Its torch binding must match the installed torch and CUDA.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12"],
     },
-    entry_points={"console_scripts": ["rlpo-mega=rlpo_mega.cli:main"]},
+    entry_points={"console_scripts": ["rlpo-mega=rlpo_mega.cli:entry"]},
 )

@@ -158,3 +158,30 @@ def test_no_import_circles():
         if v not in index:
             visit(v)
     assert circles == []
+
+
+def test_moe_is_imported_before_megatron_core_by_every_module_of_ours():
+    """moe/__init__.py settles megatron-core's import on a CPU (its fusions eager, not torch.compile'd): a module
+    of rlpo_mega/ that imports megatron-core at its top must come after `moe`, by its own package's __init__
+    (the package is imported before the module) or by an earlier import of its own."""
+    def first(path, names):
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in tree.body:
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for m in mods:
+                if m.split(".")[0] in names:
+                    return m.split(".")[0]
+        return None
+
+    bad = []
+    for base, _, files in os.walk(os.path.join(ROOT, "rlpo_mega")):
+        parts = os.path.relpath(base, ROOT).split(os.sep)  # rlpo_mega/training/x.py: rlpo_mega, rlpo_mega/training
+        packages = [os.path.join(ROOT, *parts[:k]) for k in range(1, len(parts) + 1)]
+        package_has_moe = any(first(os.path.join(p, "__init__.py"), {"moe"}) for p in packages)
+        for name in files:
+            path = os.path.join(base, name)
+            if name.endswith(".py") and not package_has_moe and first(path, {"moe", "megatron"}) == "megatron":
+                bad.append(os.path.relpath(path, ROOT))
+    assert bad == []

@@ -37,6 +37,7 @@ _GRACE_S = 10.0  # SIGTERM -> SIGKILL for the ranks still running after one fail
 def _preimport():
     import threading
 
+    import moe  # noqa: F401  (first, as in a rank: megatron-core's fusions eager on a CPU, moe/__init__.py)
     import megatron.core  # noqa: F401
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
@@ -54,6 +55,9 @@ def _preimport():
     assert platform._APPLIED is None, "warm launcher applied platform patches before forking"
     assert not torch.distributed.is_initialized()
     assert not torch.cuda.is_initialized()
+    from megatron.core.fusions import fused_bias_swiglu
+    assert torch.cuda.is_available() or not hasattr(fused_bias_swiglu.swiglu, "_torchdynamo_orig_callable"), \
+        "megatron-core imported before moe: its fusions were torch.compile'd on a CPU"
 
 
 def _rank_env(env: dict, rank: int, nproc: int, port: int) -> dict:

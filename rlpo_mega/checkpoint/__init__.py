@@ -10,3 +10,4 @@ writes.py    those checksums taken as a save writes its files (megatron's writer
 run.py       a run's timeline under checkpoint.save_dir: step directories, `latest`, keep-last-K, RNG states,
              the trainer state, SIGTERM
 """
+import moe  # noqa: F401  (first: it settles how megatron-core is imported on this platform, moe/__init__.py)

@@ -13,6 +13,7 @@ fake world group must not share a process with a real one.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import sys
@@ -174,4 +175,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    gc.freeze()  # the teardown skips what torch and megatron-core built at import (rlpo_mega/cli.py `entry`)
+    sys.exit(code)
