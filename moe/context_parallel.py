@@ -27,6 +27,14 @@ def padded_length(length: int, cp: int, tp: int = 1) -> int:
     return -(-length // unit) * unit
 
 
+def position_in_sequence(j, c, cp: int, rank):
+    """The layout, written once: where the j-th of CP rank `rank`'s 2c local rows of a sequence sits in that
+    sequence (c: its chunk length, its padded length / 2cp): rows [0, c) are chunk `rank`, rows [c, 2c) chunk
+    2cp-1-rank. Python ints or broadcastable tensors alike (the attention and the index builders call it on the
+    device, the packing plan on the host)."""
+    return rank * c + j + (j >= c) * (2 * (cp - 1 - rank) * c)
+
+
 def shard_index(cu_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
     """The positions (in the packed, padded row) that CP rank `rank` holds, in its local order: per sequence,
     chunk `rank` then chunk 2cp-1-rank. cu_padded: int [n + 1] on the host (built with the batch), every
@@ -45,8 +53,7 @@ def _positions(cu: torch.Tensor, cp: int, local: int, ranks: torch.Tensor) -> to
     seq = torch.searchsorted(cu[1:] // cp, t, right=True)  # each local row's sequence
     j = t - cu[seq] // cp  # its place in the sequence's local share
     c = ((cu[seq + 1] - cu[seq]) // (2 * cp))[None, :]  # its sequence's chunk length
-    r = ranks[:, None]
-    return cu[seq][None, :] + torch.where(j[None, :] < c, r, 2 * cp - 1 - r) * c + j[None, :] % c
+    return cu[seq][None, :] + position_in_sequence(j[None, :], c, cp, ranks[:, None])
 
 
 def all_gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -115,8 +122,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_pa
     qj = torch.arange(2 * half, device=dev)
     q_valid = qj[None, :] < 2 * c[:, None]
     q_rows = torch.where(q_valid, lcu[:-1, None] + qj[None, :], 0)  # [n, 2 half]
-    q_pos = torch.where(qj[None, :] < c[:, None], rank * c[:, None] + qj[None, :],
-                        (2 * cp - 1 - rank) * c[:, None] + qj[None, :] - c[:, None])
+    q_pos = position_in_sequence(qj[None, :], c[:, None], cp, rank)
     kp = torch.arange(longest, device=dev)
     k_rows = torch.where(kp[None, :] < lengths[:, None], cu[:-1, None] + kp[None, :], 0)  # [n, longest]
     visible = (kp[None, None, :] <= q_pos[:, :, None]) & (kp[None, None, :] < lengths[:, None, None])

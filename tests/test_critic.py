@@ -90,7 +90,7 @@ def test_ppo_demo_learns(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_ppo_cpu.yaml", "seed=3", f"logging.dir={run}",
-         "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null", "train_iters=50",
+         "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null", "train_iters=50", "logging.plot=false",
          "trainer.eval_every=50",
          "--nproc-per-node", "2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},

@@ -177,6 +177,8 @@ def test_moe_is_imported_before_megatron_core_by_every_module_of_ours():
 
     bad = []
     for base, _, files in os.walk(os.path.join(ROOT, "rlpo_mega")):
+        if not os.path.isfile(os.path.join(base, "__init__.py")):  # __pycache__ (compileall) and data folders
+            continue
         parts = os.path.relpath(base, ROOT).split(os.sep)  # rlpo_mega/training/x.py: rlpo_mega, rlpo_mega/training
         packages = [os.path.join(ROOT, *parts[:k]) for k in range(1, len(parts) + 1)]
         package_has_moe = any(first(os.path.join(p, "__init__.py"), {"moe"}) for p in packages)

@@ -593,7 +593,7 @@ def _demo_tools(tmp_path, *extra):
     proc = subprocess.run(
         [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_tools_cpu.yaml", "seed=3",
          f"logging.dir={run}", "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null",
-         "trainer.eval_every=0", *extra, "--nproc-per-node", "2"],
+         "trainer.eval_every=0", "logging.plot=false", *extra, "--nproc-per-node", "2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -129,7 +129,7 @@ def _shrunk(recipe, work, assets, servers):
 
 def _train(recipe, shrunk, *extra, timeout=900):
     cmd = [sys.executable, "-m", "rlpo_mega.cli", "train", recipe, "--nproc-per-node", str(shrunk.nproc),
-           *shrunk.argv(), *extra]
+           *shrunk.argv(), "logging.plot=false", *extra]  # curves.png: test_trainer's demo run and test_logging
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": ROOT}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     with open(os.path.join(os.path.dirname(shrunk.overrides["logging.dir"]), "train.log"), "a") as f:

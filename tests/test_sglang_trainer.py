@@ -97,12 +97,14 @@ def test_trainer_syncs_the_lora_adapter_alone_and_the_base_to_a_restarted_server
     """rollout.lora_sync=adapter (model.lora on the attention, TP2+SP learners, a launched server with SGLang's own
     LoRA: --enable-lora and its flags from model.lora): the run's first sync sends the base whole (digest-verified)
     and then the adapter, later syncs the adapter alone -- a few KB where the weights are MBs -- through SGLang's
-    /load_lora_adapter_from_tensors, each tensor's sha256 checked inside the server; the server killed after step 1
-    is restarted from the checkpoint by the rebuild, whose re-sync sends it the base again. Every step's learner
-    log-probs of the server's samples are the server's (fp32: the mismatch bound of every SGLang run here), with
-    adapters that moved: the server generated with the learner's adapter, not without it. Then 2 steps over
-    sync_transport=disk: the base reloaded from the HF checkpoint the first sync writes, each adapter a PEFT
-    directory the server loads by path (/load_lora_adapter), the log-probs the server's again."""
+    /load_lora_adapter_from_tensors, each tensor's sha256 checked inside the server. The server SIGKILLed as step
+    1's adapter-only sync posts it the adapter costs that sync only: the guard's rebuild restarts the server from
+    the checkpoint and its re-sync sends it the base again, then the adapter. Every step's learner log-probs of the
+    server's samples are the server's (fp32: the mismatch bound of every SGLang run here), with adapters that moved:
+    the server generated with the learner's adapter, not without it. Then sync_transport=disk: the base reloaded
+    from the HF checkpoint the first sync writes, each adapter a PEFT directory the server loads by path
+    (/load_lora_adapter), the log-probs the server's again; a SIGTERM as step 1's adapter-only sync loads it stops
+    the run with step 1 saved."""
     r = _scenario(sglang_python, tmp_path, "train_scenarios.py", "sglang_lora_adapter", str(tmp_path / "run"))
     assert r["rc"] == 0 and [h["step"] for h in r["history"]] == [1, 2, 3], r
     driver = r["ranks"][0]
@@ -110,25 +112,30 @@ def test_trainer_syncs_the_lora_adapter_alone_and_the_base_to_a_restarted_server
     print("syncs:", [{k: s[k] for k in ("base_sent", "adapter_tensors", "adapter_bytes", "bytes") if k in s}
                      for s in syncs], "moved:", [rank["moved"] for rank in r["ranks"]],
           "mismatch:", [(h["mismatch/ratio_dev_max"], h["mismatch/k3_kl"]) for h in r["history"]],
-          "kl/ref:", [h["kl/ref"] for h in r["history"]])
-    # start, after step 1 (the server then dies: rebuilt), the rebuild's re-sync, after step 2, after step 3
-    assert [s["base_sent"] for s in syncs] == [True, False, True, False, False], syncs
+          "kl/ref:", [h["kl/ref"] for h in r["history"]], "restarts:", [h["engine/restarts"] for h in r["history"]])
+    assert driver["faults"] == {"killed": 1, "sigterm": 1}, driver
+    # start; step 1's sync failed (the server killed under it); the rebuild's re-sync; after step 2; after step 3
+    assert [s["base_sent"] for s in syncs] == [True, True, False, False], syncs
     assert all(s["adapter_tensors"] == 16 for s in syncs), syncs  # 2 layers x q, k, v, o x (A, B)
     full = syncs[0]["bytes"]
     assert all(0 < s["adapter_bytes"] < full / 10 for s in syncs), (full, syncs)
     assert r["ranks"][1]["syncs"] == [], r["ranks"][1]  # one driver
     assert all(rank["moved"] > 1e-3 for rank in r["ranks"]), r["ranks"]
-    assert [h["engine/restarts"] for h in r["history"]] == [0, 1, 1], r["history"]
+    # the restart is step 1's (its sync failed and was redone); none after it
+    assert [h["engine/restarts"] for h in r["history"]] == [1, 1, 1], r["history"]
     for h in r["history"]:
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8, h
     # the adapters move the policy away from the base (the KL reference, adapters off) far beyond the mismatch: a
     # server serving the base alone would be that far from the learner
     assert all(h["kl/ref"] > 100 * max(g["mismatch/k3_kl"] for g in r["history"]) for h in r["history"][1:]), \
         r["history"]
-    # sync_transport=disk: the base written and reloaded once, each adapter a PEFT directory loaded by path
+    # sync_transport=disk: the base written and reloaded once, each adapter a PEFT directory loaded by path; the
+    # SIGTERM in step 1's adapter sync: the run stopped, step 1 saved
     disk = driver["disk_syncs"]
-    assert [s["base_sent"] for s in disk] == [True, False, False] and all("path" in s for s in disk[:1]), disk
+    assert [s["base_sent"] for s in disk] == [True, False] and all("path" in s for s in disk[:1]), disk
     assert r["disk_dir"] == [".rlpo_mega_output", "adapter_config.json", "adapter_model.safetensors"], r["disk_dir"]
+    assert r["disk_stopped"] and r["disk_saved"] == ["step_00000001"], r
+    assert [h["step"] for h in r["disk_history"]] == [1], r["disk_history"]
     for h in r["disk_history"]:
         assert h["mismatch/ratio_dev_max"] < 1e-4 and h["mismatch/k3_kl"] < 1e-8 and h["kl/ref"] > 0, h
 

@@ -524,7 +524,7 @@ def test_demo_with_dynamic_sampling_learns(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "rlpo_mega.cli", "train", "configs/demo_cpu.yaml", "train_iters=20", "seed=3",
          f"logging.dir={run}", "logging.mode=disabled", "logging.progress_bar=false", "checkpoint.save_dir=null",
-         "algorithm.dynamic_sampling.enabled=true", "--nproc-per-node", "2"],
+         "algorithm.dynamic_sampling.enabled=true", "logging.plot=false", "--nproc-per-node", "2"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

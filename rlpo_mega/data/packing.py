@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Optional, Sequence
 
+from moe.context_parallel import padded_length, position_in_sequence
+
 LAYOUTS = ("packed", "padded")
 
 
@@ -100,12 +102,11 @@ class StepPlan:
         return out
 
     def _context_parallel_shards(self, spans, align, sp_size, cp):
-        unit = 2 * cp * align
         out = {}
         for mini in self.micro:
             for rank in mini:
                 for mb in rank:
-                    chunk = [-(-spans[i] // unit) * unit // (2 * cp) for i in mb]
+                    chunk = [padded_length(spans[i], cp, align) // (2 * cp) for i in mb]
                     n = 2 * sum(chunk) // sp_size  # each SP rank's part of a CP rank's local row
                     out.update({i: [] for i in mb})
                     for r in range(cp):
@@ -114,8 +115,10 @@ class StepPlan:
                             for i, c in zip(mb, chunk):
                                 a, b = max(k * n - off, 0), min((k + 1) * n - off, 2 * c)  # in its 2c local rows
                                 ranges = []
-                                for lo, hi, at in ((a, min(b, c), r * c), (max(a, c), b, (2 * cp - 2 - r) * c)):
-                                    lo, hi = min(at + lo, spans[i]), min(at + hi, spans[i])
+                                for lo, hi in ((a, min(b, c)), (max(a, c), b)):  # each within one chunk
+                                    if lo < hi:
+                                        at = position_in_sequence(lo, c, cp, r)
+                                        lo, hi = min(at, spans[i]), min(at + hi - lo, spans[i])
                                     if lo < hi:
                                         ranges.append((lo, hi))
                                 out[i].append(tuple(ranges))

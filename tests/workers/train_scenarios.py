@@ -668,38 +668,61 @@ def sglang_lora_adapter(out):
     """rollout.lora_sync=adapter on a launched SGLang server: LoRA rank 4 on the attention (what SGLang's CPU build
     serves: its MoE LoRA kernels are triton's), TP2 + SP learners (q/k/v's B and the output projection's A gathered
     from their TP shards), one driver, the in_process sync (the adapter from tensors, sha256-checked inside the
-    server). 3 steps; the server is killed after step 1 and restarted from the checkpoint by the rebuild, whose
-    re-sync sends the base again before the adapter. Every rank reports its syncs and the largest |B| of its adapters
-    at the end; the KL reference is the base (the adapters off), so kl/ref says how far the adapters moved the policy."""
+    server). 3 steps; the server is SIGKILLed as step 1's adapter-only sync posts it the adapter: the sync fails, the
+    guard's rebuild restarts the server from the checkpoint, and its re-sync sends the base again before the
+    adapter. Then the disk transport, with a SIGTERM to the driver as step 1's adapter-only sync loads the adapter:
+    the run stops and step 1 is saved. Every rank reports its syncs and the largest |B| of its adapters at the end;
+    the KL reference is the base (the adapters off), so kl/ref says how far the adapters moved the policy."""
+    import signal
+
     from moe.lora import adapters
 
-    syncs = []
-    original_sync = Trainer.sync
+    syncs, now, faults = [], {"step": 0}, {}
+    original_sync, original_post = Trainer.sync, SGLangEngine._post_ok
+    original_disk = SGLangEngine.load_adapter_from_disk
 
     def sync(self):
+        now["step"] = self.step
         got = original_sync(self)
         if self.engines.slot.engine is not None:
             syncs.append(got)
         return got
 
+    def post(self, server, path, *args, **kw):
+        if path == "/load_lora_adapter_from_tensors" and now["step"] == 1 and "killed" not in faults:
+            faults["killed"] = now["step"]  # the server dies as the adapter alone is sent to it
+            server.launched.kill()
+            server.launched.proc.wait(30)
+        return original_post(self, server, path, *args, **kw)
+
+    def load_from_disk(self, path):
+        if now["step"] == 1 and "sigterm" not in faults:
+            faults["sigterm"] = now["step"]  # SIGTERM as the adapter alone is loaded by the server
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original_disk(self, path)
+
     lora = ("rollout.lora_sync=adapter", "parallel.expert=1", "parallel.tensor=2", "model.lora.rank=4",
             "model.lora.alpha=8", "model.lora.targets=[attention]", "optim.lr=0.01", "algorithm.kl.coef=0.01")
-    Trainer.sync = sync
+    disk_ckpt = os.path.join(out, "ad_disk_ckpt")
+    Trainer.sync, SGLangEngine._post_ok, SGLangEngine.load_adapter_from_disk = sync, post, load_from_disk
     try:
         trainer = _run_with(_sglang_cfg(out, "ad", "train_iters=3", "trainer.engine_restarts=1",
-                                        "rollout.sync_transport=in_process", *lora),
-                            _kill_driver0_server_after_first)
+                                        "rollout.sync_transport=in_process", *lora), lambda trainer: None)
         moved = max(float(m.lora.b.abs().max()) for chunk in trainer.policy.chunks for _, m in adapters(chunk))
         on_disk = len(syncs)
         # the disk transport: the base as an HF checkpoint, then each adapter as a PEFT directory the server loads
-        _run_with(_sglang_cfg(out, "ad_disk", "train_iters=2", "rollout.sync_transport=disk",
-                              f"rollout.sync_dir={os.path.join(out, 'sync')}", *lora), lambda trainer: None)
+        disk = _run_with(_sglang_cfg(out, "ad_disk", "train_iters=2", "rollout.sync_transport=disk",
+                                     f"rollout.sync_dir={os.path.join(out, 'sync')}", f"checkpoint.save_dir={disk_ckpt}",
+                                     "checkpoint.save_every=0", *lora), lambda trainer: None)
     finally:
-        Trainer.sync = original_sync
+        Trainer.sync, SGLangEngine._post_ok, SGLangEngine.load_adapter_from_disk = (original_sync, original_post,
+                                                                                    original_disk)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, {"syncs": syncs[:on_disk], "disk_syncs": syncs[on_disk:], "moved": moved})
+    dist.all_gather_object(every, {"syncs": syncs[:on_disk], "disk_syncs": syncs[on_disk:], "moved": moved,
+                                   "faults": faults})
     return {"rc": 0, "history": history(out, "ad"), "disk_history": history(out, "ad_disk"), "ranks": every,
-            "disk_dir": sorted(os.listdir(os.path.join(out, "sync-lora_adapter")))}
+            "disk_dir": sorted(os.listdir(os.path.join(out, "sync-lora_adapter"))), "disk_stopped": disk.stopped,
+            "disk_saved": sorted(n for n in os.listdir(disk_ckpt) if n.startswith("step_"))}
 
 
 if __name__ == "__main__":
